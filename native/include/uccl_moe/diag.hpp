@@ -1,0 +1,52 @@
+// Timeout diagnostics. Every bounded wait that expires (GPU or CPU) fills one DiagRecord, which the host
+// turns into a CommTimeoutError message naming rank, peer, channel, phase and the counters it waited on.
+// The GPU writes it into host-mapped memory (so it survives a trapped context); `valid` is written last
+// with a system-scope release (pairs with the acquire in read_diag()).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace uccl_moe {
+
+/// Where a wait happened. Append only: the numbers are part of the record's format.
+enum class DiagPhase : int32_t {
+  kNone = 0,
+  kBarrier = 1,             ///< intranode barrier between local ranks
+  kNotifyCounts = 2,        ///< waiting for peers' token counts (notify)
+  kHostRecvCounts = 3,      ///< host waiting for the GPU to publish receive counts
+  kDispatchSendRoom = 4,    ///< sender waiting for room in a peer's ring (head)
+  kDispatchRecvTokens = 5,  ///< receiver waiting for tokens (tail)
+  kCombineSendRoom = 6,
+  kCombineRecvTokens = 7,
+  kFifoFull = 8,            ///< GPU producer waiting for a free FIFO slot
+  kFifoCompletion = 9,      ///< waiting for a FIFO command to be completed by the proxy
+  kProxyCompletion = 10,    ///< proxy waiting for a transport completion
+  kProxyOrdering = 11,      ///< proxy holding a counter update for missing earlier writes
+  kRdmaRecvTokens = 12,     ///< internode receiver waiting for tokens from a node
+  kForwarder = 13,          ///< internode forwarder waiting for NVLink room / RDMA data
+};
+
+const char* diag_phase_name(DiagPhase phase);
+
+/// 64 bytes, host-mapped; written by one thread of the first waiter that expires.
+struct DiagRecord {
+  int32_t valid;    ///< 0 = empty; 1 = filled (written last)
+  int32_t rank;     ///< rank that gave up waiting
+  int32_t peer;     ///< rank (or node) it waited for; -1 = all
+  int32_t channel;  ///< channel / FIFO index; -1 = n/a
+  int32_t phase;    ///< DiagPhase
+  int32_t role;     ///< 0 = host, 1 = sender, 2 = receiver, 3 = forwarder, 4 = coordinator, 5 = proxy
+  int64_t expected; ///< value it waited for (e.g. tail >= expected)
+  int64_t seen;     ///< last value it saw
+  uint64_t command; ///< op-specific: FIFO slot index, encoded TransferCmd, call sequence number
+  double waited_s;  ///< how long it waited
+  int64_t reserved;
+};
+static_assert(sizeof(DiagRecord) == 64, "DiagRecord is a fixed 64-byte wire format");
+
+/// "rank 3 timed out after 100.0 s in dispatch/recv-tokens (receiver) waiting for peer 1 on channel 5:
+///  expected 812, saw 640 (command 0x...)". Suggests the knob to raise.
+std::string format_diag(const DiagRecord& rec);
+
+}  // namespace uccl_moe

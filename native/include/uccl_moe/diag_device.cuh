@@ -1,0 +1,59 @@
+// Device half of the timeout diagnostics (host half: diag.hpp). Kernels wait with BoundedWait and, on expiry,
+// call report_timeout(), which fills the host-mapped DiagRecord once (first writer wins) and raises the abort
+// flag that every other waiter of the launch polls, so the whole launch drains instead of hanging.
+#pragma once
+
+#include "uccl_moe/diag.hpp"
+#include "uccl_moe/platform.cuh"
+
+namespace uccl_moe {
+
+/// Trivially copyable; kernels take it by value.
+struct DiagDeviceHandle {
+  DiagRecord* record;   ///< host-mapped
+  int32_t* abort_flag;  ///< host-mapped; nonzero once any waiter gave up
+  uint64_t timeout_ns;  ///< from UCCL_MOE_TIMEOUT_S
+  int32_t rank;
+};
+
+#if defined(UCCL_DEVICE_COMPILE) || defined(__CUDACC__) || defined(__HIPCC__)
+
+/// Writes the record unless another waiter already did; pairs with the acquire of `valid` on the host.
+UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, int role, int peer, int channel,
+                                       int64_t expected, int64_t seen, uint64_t command, double waited_s) {
+  if (gpu::atomic_add_sys(h.abort_flag, 1) == 0) {
+    DiagRecord* r = h.record;
+    r->rank = h.rank;
+    r->peer = peer;
+    r->channel = channel;
+    r->phase = static_cast<int32_t>(phase);
+    r->role = role;
+    r->expected = expected;
+    r->seen = seen;
+    r->command = command;
+    r->waited_s = waited_s;
+    gpu::store_release_sys(&r->valid, 1);
+  }
+}
+
+/// Usage: BoundedWait w(diag); while (!ready()) { if (w.expired()) { report...; return; } }
+struct BoundedWait {
+  uint64_t start_ns;
+  uint64_t timeout_ns;
+  const int32_t* abort_flag;
+  uint32_t polls = 0;
+  UCCL_DEVICE_INLINE explicit BoundedWait(const DiagDeviceHandle& h)
+      : start_ns(gpu::global_timer_ns()), timeout_ns(h.timeout_ns), abort_flag(h.abort_flag) {}
+  /// True once the limit passed or another waiter aborted. Reads the timer every 64 polls to keep it cheap.
+  UCCL_DEVICE_INLINE bool expired() {
+    if ((++polls & 63u) != 0) return false;
+    if (gpu::load_volatile(abort_flag) != 0) return true;
+    return gpu::global_timer_ns() - start_ns > timeout_ns;
+  }
+  UCCL_DEVICE_INLINE double waited_s() const { return (gpu::global_timer_ns() - start_ns) * 1e-9; }
+  UCCL_DEVICE_INLINE bool aborted_by_other() const { return gpu::load_volatile(abort_flag) != 0; }
+};
+
+#endif
+
+}  // namespace uccl_moe

@@ -1,0 +1,12 @@
+// Each native component exposes one register_* function; module.cc calls them in order.
+// Bindings take raw pointers (as integers) and stream handles, never torch types: the module must not link
+// libtorch, so one build serves every torch version.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace uccl_moe::bindings {
+
+void register_core(nanobind::module_& m);
+
+}  // namespace uccl_moe::bindings

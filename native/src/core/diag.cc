@@ -1,0 +1,45 @@
+#include "uccl_moe/diag.hpp"
+
+#include "uccl_moe/error.hpp"
+
+namespace uccl_moe {
+
+const char* diag_phase_name(DiagPhase phase) {
+  switch (phase) {
+    case DiagPhase::kNone: return "none";
+    case DiagPhase::kBarrier: return "barrier";
+    case DiagPhase::kNotifyCounts: return "notify/counts";
+    case DiagPhase::kHostRecvCounts: return "host/recv-counts";
+    case DiagPhase::kDispatchSendRoom: return "dispatch/send-room";
+    case DiagPhase::kDispatchRecvTokens: return "dispatch/recv-tokens";
+    case DiagPhase::kCombineSendRoom: return "combine/send-room";
+    case DiagPhase::kCombineRecvTokens: return "combine/recv-tokens";
+    case DiagPhase::kFifoFull: return "fifo/full";
+    case DiagPhase::kFifoCompletion: return "fifo/completion";
+    case DiagPhase::kProxyCompletion: return "proxy/completion";
+    case DiagPhase::kProxyOrdering: return "proxy/ordering";
+    case DiagPhase::kRdmaRecvTokens: return "rdma/recv-tokens";
+    case DiagPhase::kForwarder: return "forwarder";
+  }
+  return "unknown";
+}
+
+namespace {
+const char* role_name(int32_t role) {
+  static const char* kRoles[] = {"host", "sender", "receiver", "forwarder", "coordinator", "proxy"};
+  return role >= 0 && role < 6 ? kRoles[role] : "unknown";
+}
+}  // namespace
+
+std::string format_diag(const DiagRecord& r) {
+  std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
+  std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
+  return detail::format(
+      "rank %d timed out after %.1f s in %s (%s) waiting for %s%s: expected %lld, saw %lld (command 0x%llx). "
+      "The peer is probably stuck, dead or skipped this call; raise UCCL_MOE_TIMEOUT_S only if the job is merely slow.",
+      r.rank, r.waited_s, diag_phase_name(static_cast<DiagPhase>(r.phase)), role_name(r.role), peer.c_str(),
+      chan.c_str(), static_cast<long long>(r.expected), static_cast<long long>(r.seen),
+      static_cast<unsigned long long>(r.command));
+}
+
+}  // namespace uccl_moe

@@ -1,0 +1,144 @@
+"""The contract between :class:`uccl_moe.Buffer` and its backends.
+
+Notation: T = tokens of this rank, H = hidden, K = top-k, E = experts, R = ranks, E_loc = E / R,
+T_recv = rows this rank receives.
+
+Division of labour:
+- ``Buffer`` validates every argument (types, shapes, ranges, buffer sizes, handle ownership) *before* a backend
+  runs, and implements the DeepEP stream/event semantics: when a backend method runs, the current stream is
+  the comm stream and it already waits on ``previous_event`` (or the compute stream). Backends enqueue work on
+  the current stream and allocate outputs there. They never validate user input again and never switch streams.
+- A backend computes exactly DeepEP-V1 semantics (see ``reference.py``, the oracle) and returns plain tensors.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..errors import InvalidUsageError
+from ..topology import Topology
+
+
+@dataclasses.dataclass
+class BufferContext:
+    """What a backend knows about the Buffer it serves."""
+
+    group: Any  # torch.distributed.ProcessGroup
+    topology: Topology
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+    device: torch.device
+    comm_stream: Any  # torch.cuda.Stream or None on CPU
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self.topology.num_ranks
+
+
+@dataclasses.dataclass
+class DispatchRequest:
+    """A validated non-cached dispatch.
+
+    x: [T, H] bfloat16 (or float8_e4m3fn with x_scales).
+    x_scales: None, or [T, H/128] float32 / int32 (any strides), or [T] (one scale per token).
+    topk_idx: [T, K] int64, -1 = unused slot; None when dispatching without top-k.
+    topk_weights: [T, K] float32, or None (given together with topk_idx).
+    num_tokens_per_rank: [R] int32; num_tokens_per_rdma_rank: [num_nodes] int32 or None;
+    is_token_in_rank: [T, R] bool; num_tokens_per_expert: [E] int32.
+    """
+
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_rdma_rank: torch.Tensor | None
+    is_token_in_rank: torch.Tensor
+    num_tokens_per_expert: torch.Tensor
+    expert_alignment: int
+    num_worst_tokens: int
+    config: Any  # uccl_moe.Config
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.num_tokens_per_expert.numel())
+
+
+class Backend(abc.ABC):
+    """One implementation of HT dispatch/combine."""
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: BufferContext) -> None:
+        self.ctx = ctx
+
+    @abc.abstractmethod
+    def get_dispatch_layout(
+        self, topk_idx: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Returns (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None when one node,
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
+
+    @abc.abstractmethod
+    def dispatch(
+        self, req: DispatchRequest
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int], tuple]:
+        """Returns (recv_x [T_recv, H], recv_x_scales or None, recv_topk_idx [T_recv, K] int64 local ids or -1,
+        recv_topk_weights [T_recv, K] float32 (0 where idx is -1), num_recv_tokens_per_expert_list, handle)."""
+
+    @abc.abstractmethod
+    def cached_dispatch(
+        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: tuple, config: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dispatch along a previous dispatch's layout; returns (recv_x, recv_x_scales or None)."""
+
+    @abc.abstractmethod
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: tuple,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor | None, torch.Tensor | None],
+        config: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum each token's rows back onto its source rank, in float32, in rank order 0..R-1 (deterministic),
+        plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
+
+    def num_recv_tokens(self, handle: tuple) -> int:
+        """Rows this rank received in the dispatch that produced `handle`."""
+        return int(handle[0][-1, self.ctx.rank].item())
+
+    def destroy(self) -> None:
+        """Free native resources. Idempotent."""
+
+
+_REGISTRY: dict[str, Callable[[BufferContext], Backend]] = {}
+
+
+def register_backend(name: str, factory: Callable[[BufferContext], Backend]) -> None:
+    """Make `factory` available as Buffer backend `name` (re-registering replaces)."""
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    _import_builtin()
+    return sorted(_REGISTRY)
+
+
+def create_backend(name: str, ctx: BufferContext) -> Backend:
+    _import_builtin()
+    if name not in _REGISTRY:
+        raise InvalidUsageError(f"unknown uccl-moe backend {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](ctx)
+
+
+def _import_builtin() -> None:
+    from . import native, reference  # noqa: F401  (they register themselves)
