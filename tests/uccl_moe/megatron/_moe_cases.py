@@ -8,6 +8,7 @@ inputs and output grads; and reports, per compared tensor, the largest absolute 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import traceback
 from typing import Any, Optional
 
@@ -87,8 +88,10 @@ def make_layer(config: Any, device: torch.device) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return MoELayer(config, spec.submodules.mlp.submodules, layer_number=1).to(device)
+    mlp = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    # <= 0.18: a ModuleSpec; 0.19: functools.partial(MoELayer, submodules=...).
+    submodules = mlp.keywords["submodules"] if isinstance(mlp, functools.partial) else mlp.submodules
+    return MoELayer(config, submodules, layer_number=1).to(device)
 
 
 def _grads(layer: Any) -> dict[str, torch.Tensor]:
