@@ -102,4 +102,4 @@ def add_arguments(parser: Any) -> None:
         if group is None:
             group = parser.add_argument_group(title="uccl-moe dispatcher (--moe-token-dispatcher-type uccl)")
         choices = BACKENDS if spec.name == "moe_uccl_backend" else None
-        group.add_argument(spec.flag, dest=spec.name, type=spec.type, default=spec.default, choices=choices, help=spec.help)
+        group.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, choices=choices, help=spec.help)

@@ -84,11 +84,14 @@ def _field_kwargs(field: dataclasses.Field) -> Optional[dict[str, Any]]:
         return None
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is typing.Union and type(None) in args:  # Optional[X]
+    if field.name == "moe_layer_freq":  # Union[int, List[int]]: an int or Megatron's list expression
+        return {"type": _parse_layer_freq}
+    if origin is typing.Union:  # Optional[X], or Union[X, List[X]] (the scalar form is taken from the CLI)
         rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
+        scalars = [a for a in rest if a in (int, float, str, bool) or typing.get_origin(a) is typing.Literal]
+        if not scalars:
             return None
-        tp = rest[0]
+        tp = scalars[0]
         origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Literal:
         return {"choices": list(args), "type": type(args[0])}
@@ -133,10 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
             model.add_argument(flag, dest="cfg__" + dest, type=int, default=None)
         else:
             model.add_argument(flag, dest="alias__" + dest, action="store_const", const=value, default=None)
-    # --moe-layer-freq takes an int or Megatron's list expression, e.g. "([0]*3+[1]*29)".
     for action in p._actions:
-        if action.dest == "cfg__moe_layer_freq":
-            action.type = _parse_layer_freq
         if action.dest == "cfg__moe_token_dispatcher_type" and action.choices is not None:
             if "uccl" not in action.choices:
                 action.choices = list(action.choices) + ["uccl"]

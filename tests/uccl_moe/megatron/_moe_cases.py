@@ -29,6 +29,7 @@ class Case:
     seq: int = 8
     batch: int = 2
     aux_loss: bool = True
+    backend: str = "reference"  # uccl Buffer backend (moe_uccl_backend)
 
     @property
     def id(self) -> str:
@@ -81,7 +82,10 @@ def make_config(case: Case, dispatcher: str, **overrides: Any) -> Any:
         gradient_accumulation_fusion=False,
     )
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if dispatcher == "uccl":
+        config.moe_uccl_backend = case.backend
+    return config
 
 
 def make_layer(config: Any, device: torch.device) -> Any:
