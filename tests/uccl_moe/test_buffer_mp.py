@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.mp import run_ranks
 from reference.ep_oracle import expected_combine, expected_dispatch, expected_layout
 
@@ -37,7 +36,9 @@ def _routing(kind: str, rank: int, world: int, gen: torch.Generator) -> torch.Te
     T = int(torch.randint(0, 40, (1,), generator=gen)) if kind != "one_token" else 1
     if kind == "random" and rank == 0:
         T = 0 if world > 1 else 5  # a rank that sends nothing
-    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros((0, K), dtype=torch.int64)
+    idx = torch.zeros((0, K), dtype=torch.int64)
+    if T:
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     if T:
         drop = torch.rand(idx.shape, generator=gen) < 0.2
         idx[drop] = -1

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import uccl_moe
-from uccl_moe import InvalidUsageError, _C, env
+from uccl_moe import _C, InvalidUsageError, env
 
 
 def _so_path() -> Path:
@@ -83,7 +83,8 @@ def test_env_main_prints_every_knob(capsys, monkeypatch):
     out = capsys.readouterr().out
     for name in env.KNOBS:
         assert f"UCCL_MOE_{name}" in out
-    assert any(line.startswith("UCCL_MOE_PROXY_THREADS") and " 2 " in line and "env" in line for line in out.splitlines())
+    rows = [line for line in out.splitlines() if line.startswith("UCCL_MOE_PROXY_THREADS")]
+    assert rows and " 2 " in rows[0] and "env" in rows[0]
 
 
 def test_env_main_reports_bad_values(capsys, monkeypatch):

@@ -108,7 +108,8 @@ class ReferenceBackend(Backend):
     def _move_x(self, x: torch.Tensor, x_scales: torch.Tensor | None, send_idx: torch.Tensor, send_counts: list[int],
                 recv_counts: list[int], extra: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
         """Ship x rows (+scales, + extra per-row tensors already in send order) in one all-to-all."""
-        parts = [x.index_select(0, send_idx)] if x.element_size() > 1 else [x.view(torch.uint8).index_select(0, send_idx)]
+        rows = x if x.element_size() > 1 else x.view(torch.uint8)  # FP8 has no index_select on every device
+        parts = [rows.index_select(0, send_idx)]
         widths = [x.shape[1] * x.element_size()]
         if x_scales is not None:
             s = x_scales.index_select(0, send_idx)
