@@ -307,7 +307,8 @@ class Buffer:
         fn = getattr(self._live(), "get_local_buffer_tensor", None)
         if fn is None:
             raise NotImplementedError(f"the {self.backend_name} backend has no registered communication buffer")
-        return fn(dtype, size, offset, use_rdma_buffer)
+        out: torch.Tensor = fn(dtype, size, offset, use_rdma_buffer)
+        return out
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")
@@ -500,7 +501,7 @@ class Buffer:
     def dispatch(
         self,
         x: TensorOrFp8,
-        handle: tuple | None = None,
+        handle: tuple[Any, ...] | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
         num_tokens_per_rdma_rank: torch.Tensor | None = None,
         is_token_in_rank: torch.Tensor | None = None,
@@ -624,7 +625,7 @@ class Buffer:
     def combine(
         self,
         x: torch.Tensor,
-        handle: tuple,
+        handle: tuple[Any, ...],
         topk_weights: torch.Tensor | None = None,
         bias: Union[torch.Tensor, tuple[Optional[torch.Tensor], ...], None] = None,
         config: Any = None,

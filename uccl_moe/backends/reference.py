@@ -138,7 +138,7 @@ class ReferenceBackend(Backend):
 
     def _move_x(self, x: torch.Tensor, x_scales: torch.Tensor | None, send_idx: torch.Tensor, send_counts: list[int],
                 recv_counts: list[int], extra: list[torch.Tensor],
-                phase: str) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+                phase: str) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """Ship x rows (+scales, + extra per-row tensors already in send order) in one all-to-all."""
         rows = x if x.element_size() > 1 else x.view(torch.uint8)  # FP8 has no index_select on every device
         parts = [rows.index_select(0, send_idx)]
@@ -184,6 +184,7 @@ class ReferenceBackend(Backend):
         send_idx, send_counts = self._send_order(req.is_token_in_rank)
         extra = [send_idx.to(torch.int32)]
         if req.topk_idx is not None:
+            assert req.topk_weights is not None  # Buffer checks they come together
             extra += [req.topk_idx.index_select(0, send_idx), req.topk_weights.index_select(0, send_idx)]
         recv_x, recv_scales, rest = self._move_x(req.x, req.x_scales, send_idx, send_counts, recv_counts, extra,
                                                  "dispatch/rows")
@@ -220,6 +221,7 @@ class ReferenceBackend(Backend):
                     f"raise it to the worst case (tokens per rank x ranks = {T * R} covers every routing)"
                 )
             pad = req.num_worst_tokens - n_recv
+            assert recv_idx is not None and recv_w is not None  # Buffer requires top-k with num_worst_tokens
             recv_x = torch.cat([recv_x, recv_x.new_zeros((pad, recv_x.shape[1]))])
             if recv_scales is not None:
                 recv_scales = torch.cat([recv_scales, recv_scales.new_zeros((pad, *recv_scales.shape[1:]))])
