@@ -14,6 +14,8 @@ machine that has none. Megatron-Core assumes CUDA in a few spots; :func:`apply` 
    uses the CPU generator in the CUDA generator's place (``torch.cuda.get_rng_state``/``set_rng_state``/
    ``manual_seed`` act on it), so ``model_parallel_cuda_manual_seed``, the tracker's named states and dropout forks
    work. On a CPU host there is one generator, so seeding "the CUDA generator" seeds the CPU one.
+4. ``torch.cuda.current_stream()`` returns a stream stand-in whose waits are no-ops (megatron-core 0.19's DDP grad
+   sync waits on CUDA-graph events through it): on CPU all work is synchronous, so there is nothing to wait for.
 
 Everything is idempotent.
 """
@@ -44,6 +46,7 @@ def apply() -> None:
     _patch_current_device()
     _patch_te_general_gemm()
     _patch_rng_tracker()
+    _patch_current_stream()
     _applied = True
     log.info("megatron-core CPU shims applied (no CUDA on this host)")
 
@@ -86,3 +89,28 @@ def _patch_rng_tracker() -> None:
     torch.cuda.set_rng_state = set_state  # type: ignore[assignment]
     # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which must stay the (lazy, harmless) original.
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # type: ignore[assignment]
+
+
+class HostStream:
+    """What ``torch.cuda.current_stream()`` returns on a CPU host: work is synchronous, so every wait is a no-op."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_HOST_STREAM = HostStream()
+
+
+def _patch_current_stream() -> None:
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
