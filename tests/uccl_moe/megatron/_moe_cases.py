@@ -78,7 +78,8 @@ def make_config(case: Case, dispatcher: str, **overrides: Any) -> Any:
         params_dtype=torch.float32,
         moe_expert_capacity_factor=case.capacity_factor,
         moe_shared_expert_intermediate_size=case.hidden if case.shared_expert else None,
-        moe_shared_expert_overlap=case.shared_expert_overlap,
+        # Only uccl (and alltoall) may overlap the shared expert; the allgather reference computes it inline.
+        moe_shared_expert_overlap=case.shared_expert_overlap and dispatcher == "uccl",
         gradient_accumulation_fusion=False,
     )
     kw.update(overrides)
