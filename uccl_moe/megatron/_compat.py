@@ -60,11 +60,17 @@ def permute(
     from megatron.core.transformer.moe.moe_utils import permute as mc_permute
 
     res = mc_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused)
-    return res[0], res[1], res[2]
+    permuted_probs = res[1]
+    assert permuted_probs is not None  # probs were given
+    return res[0], permuted_probs, res[2]
 
 
 def unpermute(
-    tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size, routing_map: torch.Tensor, fused: bool
+    tokens: torch.Tensor,
+    sorted_indices: torch.Tensor,
+    restore_shape: torch.Size,
+    routing_map: torch.Tensor,
+    fused: bool,
 ) -> torch.Tensor:
     """Megatron's ``moe_utils.unpermute`` without probs: sums the rows of each token (the experts applied probs)."""
     from megatron.core.transformer.moe.moe_utils import unpermute as mc_unpermute
@@ -73,7 +79,7 @@ def unpermute(
 
 
 def shared_expert_wait_current_stream(shared_experts: Any) -> None:
-    """``SharedExpertMLP.wait_current_stream()`` where it exists (0.18+); older versions wait inside pre_forward_comm."""
+    """``SharedExpertMLP.wait_current_stream()`` where it exists (0.18+); older ones wait in pre_forward_comm."""
     fn = getattr(shared_experts, "wait_current_stream", None)
     if fn is not None:
         fn()

@@ -113,4 +113,4 @@ _HOST_STREAM = HostStream()
 
 
 def _patch_current_stream() -> None:
-    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment,return-value]

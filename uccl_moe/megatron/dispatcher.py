@@ -9,7 +9,8 @@ N = rows this rank receives.
 Semantics (the same as Megatron's flex dispatcher with the DeepEP backend):
 - The comm group is the expert TP x EP group. Every token goes to *each* TP rank of the EP rank that owns one of its
   experts; in that group, rank ``ep * TP + tp`` owns "comm experts" ``[(ep * TP + tp) * L, ... + L)``, which are copies
-  of model experts ``[ep * L, ep * L + L)``. So the top-k of the comm group is ``K = TP * top-k`` over ``R * L`` experts.
+  of model experts ``[ep * L, ep * L + L)``. So the top-k of the comm group is ``K = TP * top-k`` over ``R * L``
+  experts.
 - ``routing_map`` (not ``probs``) decides the selection; a token that capacity dropping removed from an expert has no
   slot there, and rows with fewer than K selections are padded with -1.
 - Experts multiply their outputs by the probs (Megatron's contract), so combine is a plain sum over the ranks a token
@@ -28,14 +29,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from ..errors import InvalidUsageError
-from . import _compat, knobs as _knobs
+from . import _compat
+from . import knobs as _knobs
 
 log = logging.getLogger("uccl_moe.megatron")
 
@@ -54,8 +56,11 @@ def hidden_bytes_of(x: torch.Tensor) -> int:
     return int(x.size(-1)) * max(x.element_size(), 2)
 
 
-def buffer_sizes(group_size: int, hidden_bytes: int, nvl_bytes: Optional[int], rdma_bytes: Optional[int]) -> tuple[int, int]:
-    """(num_nvl_bytes, num_rdma_bytes): the given values, or the largest size hint of the dispatch and combine configs."""
+def buffer_sizes(
+    group_size: int, hidden_bytes: int, nvl_bytes: Optional[int], rdma_bytes: Optional[int]
+) -> tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
+    configs."""
     from uccl_moe import Buffer
 
     configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
@@ -79,7 +84,7 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
             "creating uccl Buffer: group size %d, hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             dist.get_world_size(group), hidden_bytes, nvl, rdma, knobs.backend,
         )
-        buf = Buffer(group, nvl, rdma, backend=knobs.backend)
+        buf = Buffer(group, nvl, rdma, backend=knobs.backend)  # type: ignore[arg-type]  # validated by knobs
         _BUFFERS.append((group, hidden_bytes, knobs.backend, buf))
         return buf
 
@@ -277,7 +282,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def __init__(
         self,
         num_local_experts: int,
-        local_expert_indices: List[int],
+        local_expert_indices: list[int],
         config: Any,
         pg_collection: Optional[Any] = None,
     ) -> None:
@@ -302,10 +307,11 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.comm_size = dist.get_world_size(self.comm_group)
         ep_rank = dist.get_rank(self.ep_group)
         tp_rank = dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
-        if self.comm_size != self.tp_size * self.ep_size or dist.get_rank(self.comm_group) != ep_rank * self.tp_size + tp_rank:
+        comm_rank = dist.get_rank(self.comm_group)
+        if self.comm_size != self.tp_size * self.ep_size or comm_rank != ep_rank * self.tp_size + tp_rank:
             raise InvalidUsageError(
                 f"the expert TPxEP group does not have the layout uccl needs (rank = ep_rank * TP + tp_rank): "
-                f"group size {self.comm_size}, rank {dist.get_rank(self.comm_group)}, ep_rank {ep_rank}, "
+                f"group size {self.comm_size}, rank {comm_rank}, ep_rank {ep_rank}, "
                 f"tp_rank {tp_rank}, TP {self.tp_size}, EP {self.ep_size}"
             )
         self.num_comm_experts = self.comm_size * self.num_local_experts
@@ -319,6 +325,9 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self._buffer: Any = None
         self._state = _DispatchState()
         self._topk_idx: Optional[torch.Tensor] = None
+        self._routing_map: Optional[torch.Tensor] = None
+        self._reversed_mapping: Optional[torch.Tensor] = None
+        self._buffer_hidden_bytes = 0
         self.cudagraph_attrs = ["_topk_idx"]
 
     # -- helpers --------------------------------------------------------------------------------------------------
@@ -394,7 +403,9 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         """
         self._wait()
         state = self._state
-        recv_idx = state.recv_topk_idx
+        recv_idx, tokens_per_expert = state.recv_topk_idx, state.tokens_per_expert
+        if recv_idx is None or tokens_per_expert is None:
+            raise InvalidUsageError("dispatch_postprocess called before token_dispatch on UCCLTokenDispatcher")
         num_recv = hidden_states.shape[0]
         local = self.num_local_experts
         valid = recv_idx >= 0
@@ -408,7 +419,6 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         probs_map = torch.zeros(num_recv, local + 1, dtype=probs.dtype, device=probs.device).scatter(
             1, slot, probs
         )[:, :local]
-        tokens_per_expert = state.tokens_per_expert
         self._hidden_shape_before_permute = hidden_states.shape
         permuted, permuted_probs, self._reversed_mapping = _compat.permute(
             hidden_states,
@@ -423,6 +433,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Expert outputs [sum(tokens_per_expert), H] -> [N, H]: one row per received token, local experts summed."""
+        if self._reversed_mapping is None or self._routing_map is None:
+            raise InvalidUsageError("combine_preprocess called before dispatch_postprocess on UCCLTokenDispatcher")
         out = _compat.unpermute(
             hidden_states,
             self._reversed_mapping,

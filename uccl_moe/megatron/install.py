@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ..errors import InvalidUsageError
-from . import _compat, knobs as _knobs
+from . import _compat
+from . import knobs as _knobs
 from .dispatcher import DISPATCHER_TYPE
 
 log = logging.getLogger("uccl_moe.megatron")
@@ -143,7 +144,7 @@ def _patch_moe_layer() -> None:
     @functools.wraps(orig)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = sig.bind(self, *args, **kwargs)
-        config = bound.arguments.get("config")
+        config: Any = bound.arguments.get("config")
         if getattr(config, "moe_token_dispatcher_type", None) != DISPATCHER_TYPE:
             return orig(self, *args, **kwargs)
         from .dispatcher import UCCLTokenDispatcher

@@ -10,7 +10,8 @@ Each knob is looked up, first hit wins, in:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from ..errors import InvalidUsageError
 from . import _compat
@@ -86,7 +87,9 @@ def resolve(config: Any) -> UCCLKnobs:
         raise InvalidUsageError(f"moe_uccl_num_sms={num_sms!r} is invalid: give a positive even integer (e.g. 20, 24)")
     for name, v in (("moe_uccl_nvl_bytes", nvl), ("moe_uccl_rdma_bytes", rdma)):
         if v is not None and (not isinstance(v, int) or v < 0):
-            raise InvalidUsageError(f"{name}={v!r} is invalid: give a byte count >= 0, or leave it unset for the size hint")
+            raise InvalidUsageError(
+                f"{name}={v!r} is invalid: give a byte count >= 0, or leave it unset for the size hint"
+            )
     if backend not in BACKENDS:
         raise InvalidUsageError(f"moe_uccl_backend={backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
     return UCCLKnobs(num_sms=num_sms, nvl_bytes=nvl, rdma_bytes=rdma, backend=str(backend))

@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 USAGE = "usage: python -m uccl_moe.megatron.pretrain <megatron training script.py> [script args...]"
 

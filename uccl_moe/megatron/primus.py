@@ -19,7 +19,8 @@ pretrain --config exp.yaml`` with ``moe_token_dispatcher_type: uccl`` in the exp
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from ..errors import InvalidUsageError
 from .dispatcher import DISPATCHER_TYPE
@@ -107,9 +108,11 @@ def register(register_patch: Optional[Callable[..., Any]] = None) -> bool:
         return True
     if register_patch is None:
         try:
-            from primus.core.patches import register_patch  # type: ignore[import-not-found,no-redef]
+            from primus.core.patches import register_patch as primus_register_patch  # type: ignore[import-not-found]
         except ImportError:
             return False
+        register_patch = primus_register_patch
+    assert register_patch is not None
 
     def wants_uccl(ctx: Any) -> bool:
         return uses_uccl(_primus_args(ctx))

@@ -30,15 +30,16 @@ import os
 import sys
 import time
 import typing
+from collections.abc import Iterator, Sequence
 from functools import partial
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import InvalidUsageError
-from .install import install as _install_uccl
 from . import knobs as _knobs
+from .install import install as _install_uccl
 
 # Megatron-LM flag spellings that are not a TransformerConfig field name: flag -> (dest, value or None = parsed).
 _ALIASES: dict[str, tuple[str, Any]] = {
@@ -121,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(TransformerConfig):
         if field.name in seen or not field.init:
             continue
-        kw = _field_kwargs(field)
-        if kw is None:
+        field_kw = _field_kwargs(field)
+        if field_kw is None:
             continue
+        kw = field_kw
         flag = "--" + field.name.replace("_", "-")
         dest = "cfg__" + field.name
         if kw.get("bool"):
@@ -149,7 +151,9 @@ def _parse_layer_freq(text: str) -> Any:
     if t.isdigit():
         return int(t)
     if not all(ch in "0123456789[]()*+, " for ch in t):
-        raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r}: give an int or a list expression like ([0]*3+[1]*5)")
+        raise argparse.ArgumentTypeError(
+            f"--moe-layer-freq {text!r}: give an int or a list expression like ([0]*3+[1]*5)"
+        )
     value = eval(t, {"__builtins__": {}}, {})  # noqa: S307 - only digits, brackets, * + , survive the filter above
     if not isinstance(value, list):
         raise argparse.ArgumentTypeError(f"--moe-layer-freq {text!r} is not a list")
@@ -195,7 +199,9 @@ def setup(argv: Sequence[str]) -> TrainSetup:
     args = build_parser().parse_args(list(argv))
     device_kind = "cuda" if torch.cuda.is_available() else "cpu"
     _init_distributed(device_kind)
-    cfg: dict[str, Any] = {k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None}
+    cfg: dict[str, Any] = {
+        k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None
+    }
     for k, v in vars(args).items():
         if k.startswith("alias__") and v is not None:
             cfg[k[len("alias__"):]] = v
@@ -461,7 +467,10 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         row = {"iteration": it, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "seconds": dt, "update_ok": bool(update_ok)}
         log_rows.append(row)
-        if is_last and parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+        first_of_stage = (
+            parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        if is_last and first_of_stage:
             if it % ts.args.log_interval == 0:
                 print(f"[train_gpt] iteration {it}/{ts.args.train_iters} | lm loss {loss:.5f} | "
                       f"grad norm {row['grad_norm']:.4f} | {dt * 1000:.1f} ms", flush=True)

@@ -116,8 +116,9 @@ def forward_backward(layer: Any, x: torch.Tensor, grad_out: torch.Tensor) -> dic
 
 def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
     """Returns {'diffs': {name: max_abs_diff}, 'missing': [...], 'dispatcher': class name, 'tokens': int}."""
-    import uccl_moe.megatron  # noqa: F401  (installs)
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    import uccl_moe.megatron  # noqa: F401  (installs)
 
     init_parallel(case)
     torch.manual_seed(1234)
@@ -163,8 +164,9 @@ def run_cases(rank: int, world: int, cases: list[Case], device_kind: str = "cpu"
 def dropless_roundtrip(rank: int, world: int, ep: int, topk: int, device_kind: str = "cpu") -> dict[str, float]:
     """Megatron's dropless contract through the dispatcher alone: dispatch -> x * probs (probs = 1/topk) ->
     combine == x, and the backward with grad = x returns x."""
-    import uccl_moe.megatron  # noqa: F401
     from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: F401
+
+    import uccl_moe.megatron  # noqa: F401
 
     case = Case(ep=ep, topk=topk, aux_loss=False)
     init_parallel(case)

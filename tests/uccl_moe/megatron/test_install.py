@@ -132,9 +132,9 @@ def test_cpu_shims_refuse_cuda_hosts(monkeypatch):
 
 
 def _unknown_type_rank(rank, world):
-    import uccl_moe.megatron  # noqa: F401
     from megatron.core import parallel_state
 
+    import uccl_moe.megatron  # noqa: F401
     from tests.uccl_moe.megatron._moe_cases import Case, make_config, make_layer
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)

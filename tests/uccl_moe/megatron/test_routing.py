@@ -69,5 +69,6 @@ def test_hidden_bytes_and_size_hint_defaults():
     nvl, rdma = buffer_sizes(2, 128, None, None)
     from uccl_moe import Buffer
 
-    want = max(c.get_nvl_buffer_size_hint(128, 2) for c in (Buffer.get_dispatch_config(2), Buffer.get_combine_config(2)))
+    configs = (Buffer.get_dispatch_config(2), Buffer.get_combine_config(2))
+    want = max(c.get_nvl_buffer_size_hint(128, 2) for c in configs)
     assert nvl == want > 0 and rdma == 0
