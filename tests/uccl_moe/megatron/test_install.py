@@ -146,11 +146,23 @@ def _unknown_type_rank(rank, world):
     else:
         msg = None
     layer = make_layer(make_config(case, "uccl"), torch.device("cpu"))
-    return msg, type(layer.token_dispatcher).__name__, layer.config.moe_token_dispatcher_type
+    # One Buffer per (group, hidden bytes), shared by layers; the SM knob reaches Buffer.set_num_sms.
+    from uccl_moe import Buffer
+    from uccl_moe.megatron import dispatcher as disp
+
+    cfg2 = make_config(case, "uccl")
+    cfg2.moe_uccl_num_sms = 24
+    layer2 = make_layer(cfg2, torch.device("cpu"))
+    x = torch.randn(4, 2, case.hidden)
+    layer(x)[0].sum().backward()
+    layer2(x)[0].sum().backward()
+    shared = layer.token_dispatcher._buffer is layer2.token_dispatcher._buffer and len(disp._BUFFERS) == 1
+    return msg, type(layer.token_dispatcher).__name__, layer.config.moe_token_dispatcher_type, shared, Buffer.num_sms
 
 
 @pytest.mark.mp
-def test_unknown_dispatcher_type_still_errors():
-    for msg, cls, typ in run_ranks(_unknown_type_rank, 2):
+def test_unknown_dispatcher_type_still_errors_and_layers_share_one_buffer():
+    for msg, cls, typ, shared_buffer, num_sms in run_ranks(_unknown_type_rank, 2):
         assert msg is not None and "Unsupported token dispatcher type: bogus" in msg
         assert cls == "UCCLTokenDispatcher" and typ == "uccl"
+        assert shared_buffer and num_sms == 24
