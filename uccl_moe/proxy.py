@@ -31,7 +31,7 @@ COUNTERS_PER_SRC = 256
 
 
 def _native() -> Any:
-    from . import _C  # type: ignore[attr-defined]
+    from . import _C
 
     return _C
 

@@ -29,8 +29,9 @@ def _run_ranks(scenario: str, world: int = 2, extra_env: dict[str, str] | None =
     procs = []
     for r in range(world):
         env = dict(os.environ, PYTHONPATH=str(ROOT), **(extra_env or {}), **((env_for_rank or {}).get(r, {})))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(master.port), job],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        cmd = [sys.executable, str(WORKER), scenario, str(r), str(world), str(master.port), job]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     outs = []
     for r, p in enumerate(procs):
         try:
@@ -78,8 +79,8 @@ def test_bad_arguments_raise_clear_errors():
         uproxy.Proxy(0, 1, store, transport="pigeon")
     with pytest.raises(errors.InvalidTypeError):
         uproxy.Proxy(0, 1, object())
-    p = uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, fifos_per_thread=1, job="bad" + uuid.uuid4().hex[:8],
-                     cpus="")
+    p = uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, fifos_per_thread=1,
+                     job="bad" + uuid.uuid4().hex[:8], cpus="")
     with pytest.raises(errors.InvalidUsageError, match="fifo=3"):
         p.push_quiet(3)
     with pytest.raises(errors.InvalidUsageError, match="bytes="):

@@ -189,7 +189,7 @@ TEST(IbverbsSeam, EndToEndOverFakeFabric) {
   a.wr_id = 6;
   a.op = WrOp::kAtomicAdd;
   a.peer = 1;
-  a.counter_index = kCountersPerSrc + 3;  // (src 0? no: index as given) slot 3 of source 1's block
+  a.counter_index = kCountersPerSrc + 3;  // raw index into the peer counters (the proxy computes src * 256 + slot)
   a.add = 9;
   ep[0]->post(a);
   WorkRequest bad = w;
