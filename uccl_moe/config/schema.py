@@ -5,13 +5,15 @@ file (``model/*.yaml``, ``platform/*.yaml``, ...) and every command-line overrid
 a misspelt key or a value of the wrong type fails at compose time, and the error names the full key
 (``parallel.expert_model_paralel_size``). Choices are ``Enum`` fields because OmegaConf 2.3 rejects ``Literal``.
 
-Naming rule: a field that is a Megatron argument has exactly the argument's ``dest`` name
+Naming rule: a field that is a Megatron argument has exactly the argument's name
 (``--expert-model-parallel-size`` -> ``expert_model_parallel_size``), so the renderer needs no mapping table:
 ``--`` + name with ``_`` -> ``-``. Field metadata tells the renderer the exceptions:
 
 * ``arg=False``: not a Megatron argument (names, notes, sizes used by validation, launcher settings);
 * ``false_flag="--no-x"``: a boolean whose Megatron default is True; rendered as that flag when False;
-* ``env="UCCL_MOE_X"``: rendered into the environment (a knob of ``uccl_moe/env_knobs.def``), not argv.
+* ``env="UCCL_MOE_X"``: rendered into the environment (a knob of ``uccl_moe/env_knobs.def``), not argv;
+* ``dest="x"`` (and ``invert=True``): Megatron stores the argument under another name (``--norm-epsilon`` ->
+  ``args.layernorm_epsilon``; ``--disable-bias-linear`` -> ``args.add_bias_linear = False``).
 
 ``None`` means "leave Megatron's default" and is never rendered.
 """
@@ -203,10 +205,11 @@ class ModelConfig:
 
     # block
     normalization: Normalization = arg(Normalization.RMSNorm)
-    norm_epsilon: Optional[float] = arg(None)
+    norm_epsilon: Optional[float] = arg(None, "stored as args.layernorm_epsilon", dest="layernorm_epsilon")
     swiglu: bool = arg(True)
     untie_embeddings_and_output_weights: bool = arg(True)
-    disable_bias_linear: bool = arg(True)
+    disable_bias_linear: bool = arg(True, "stored inverted as args.add_bias_linear", dest="add_bias_linear",
+                                    invert=True)
     attention_dropout: float = arg(0.0)
     hidden_dropout: float = arg(0.0)
     init_method_std: float = arg(0.02)

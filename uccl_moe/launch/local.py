@@ -14,7 +14,8 @@ from .megatron_args import launch_env, training_command
 
 
 def torchrun_command(cfg: Any, python: str | None = None, environ: Mapping[str, str] | None = None) -> list[str]:
-    """``python -m torch.distributed.run ... -m uccl_moe.megatron.pretrain <entry> <args>`` for this host.
+    """``python -m torch.distributed.run ... <training command>`` for this host (see
+    :func:`uccl_moe.launch.megatron_args.training_command`).
 
     One node: ``--standalone`` (torchrun picks a free port). Several nodes: this host is node ``$NODE_RANK`` of
     ``nodes`` and ``MASTER_ADDR`` / ``MASTER_PORT`` come from the environment (use ``uccl-moe slurm`` on Slurm).
@@ -37,7 +38,8 @@ def torchrun_command(cfg: Any, python: str | None = None, environ: Mapping[str, 
 
 def child_env(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables a local run sets on top of the caller's environment: the platform/dispatcher env, and
-    PYTHONPATH with this checkout first so the ranks import the same uccl_moe."""
+    PYTHONPATH with this checkout first so the ranks import the same uccl_moe (a no-op for an installed package
+    whose parent folder is site-packages)."""
     environ = os.environ if environ is None else environ
     env = launch_env(cfg)
     root = str(Path(__file__).resolve().parents[2])

@@ -48,6 +48,24 @@ def megatron_args(cfg: Any) -> list[tuple[str, Any]]:
     return out
 
 
+def megatron_dests(cfg: Any) -> dict[str, Any]:
+    """What Megatron's parser must produce for `cfg`: ``{args attribute: value}`` (``dest``/``invert`` metadata
+    applied). Used by the tests that parse the rendered argv with Megatron's own parser."""
+    out: dict[str, Any] = {}
+    for group in ARG_GROUPS:
+        for f in dataclasses.fields(schema.GROUPS[group]):
+            if not f.metadata.get("arg"):
+                continue
+            v = cfg[group][f.name]
+            if v is None:
+                continue
+            v = v.value if isinstance(v, enum.Enum) else v
+            if f.metadata.get("invert"):
+                v = not v
+            out[f.metadata.get("dest", f.name)] = v
+    return out
+
+
 def megatron_argv(cfg: Any) -> list[str]:
     """Megatron command-line arguments for `cfg` (no program name)."""
     argv: list[str] = []
@@ -98,9 +116,15 @@ def entry_argv(cfg: Any) -> list[str]:
 
 
 def training_command(cfg: Any) -> list[str]:
-    """What each rank runs after the python interpreter: our installing wrapper, the entry, the arguments.
+    """What each rank runs after the python interpreter.
 
-    ``-m uccl_moe.megatron.pretrain <entry> <megatron args>``: the wrapper calls ``uccl_moe.megatron.install()``
-    (adds ``--moe-token-dispatcher-type uccl`` and the ``--moe-uccl-*`` arguments) and then runs the entry.
+    * ``train.entry = "-m <module>"`` (default ``-m uccl_moe.megatron.train_gpt``, our wheel-only GPT-MoE entry, which
+      calls ``uccl_moe.megatron.install()`` itself): ``-m <module> <megatron args>``.
+    * ``train.entry = <script path>`` (e.g. Megatron-LM's ``pretrain_gpt.py``): through the installing wrapper,
+      ``-m uccl_moe.megatron.pretrain <script> <megatron args>``, which calls ``install()`` (adds
+      ``--moe-token-dispatcher-type uccl`` and the ``--moe-uccl-*`` arguments) and then runs the script.
     """
-    return ["-m", "uccl_moe.megatron.pretrain", *entry_argv(cfg), *megatron_argv(cfg)]
+    entry = entry_argv(cfg)
+    if entry[0] == "-m":
+        return [*entry, *megatron_argv(cfg)]
+    return ["-m", "uccl_moe.megatron.pretrain", *entry, *megatron_argv(cfg)]

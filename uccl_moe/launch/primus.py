@@ -13,12 +13,14 @@ the uccl-moe Primus patches and then hands over to Primus's CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
 import yaml
 
-from .megatron_args import launch_env, megatron_args
+from ..config import schema
+from .megatron_args import launch_env, megatron_args, megatron_dests
 from .provenance import comment_block, provenance_lines
 
 REQUIRED_KEYS: tuple[str, ...] = ("work_group", "user_name", "exp_name", "workspace", "modules")
@@ -54,6 +56,13 @@ def primus_overrides(cfg: Any) -> dict[str, Any]:
         if name == "moe_layer_freq" and re.fullmatch(r"[0-9]+", str(v)):
             v = int(v)  # Primus bypasses argparse types: an int stays an int
         out[name] = v
+    # Primus fills Megatron's namespace by dest; where the dest differs from the argument name give both
+    # (unknown keys are merged, never rejected): norm_epsilon + layernorm_epsilon, disable_bias_linear + add_bias_linear.
+    dests = megatron_dests(cfg)
+    for f in dataclasses.fields(schema.ModelConfig):
+        dest = f.metadata.get("dest")
+        if dest and f.name in out:
+            out[dest] = dests[dest]
     out.update(_extra_args_to_overrides(list(cfg.platform.extra_args)))
     out.update(_extra_args_to_overrides(list(cfg.train.extra_args)))
     return out

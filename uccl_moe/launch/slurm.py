@@ -61,7 +61,7 @@ def render_sbatch(cfg: Any, summary: str = "") -> str:
         out += ["", f"# platform {cfg.platform.name} environment (+ dispatcher {cfg.dispatcher.name} knobs)"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     tc = training_command(cfg)
-    head = tc[: len(tc) - len(megatron_argv(cfg))]  # -m uccl_moe.megatron.pretrain <entry>
+    head = tc[: len(tc) - len(megatron_argv(cfg))]  # the entry part: -m module | -m uccl_moe.megatron.pretrain script
     out += ["", "MEGATRON_ARGS=("]
     argv = megatron_argv(cfg)
     i = 0
