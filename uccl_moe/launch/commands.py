@@ -151,7 +151,7 @@ def write_primus(cfg: Any, report: ValidationReport, out_dir: Path, rel_dir: str
     lines = [
         f"export {entry_lookup(cfg)}",
         " ".join(primus_command(cfg, exp_rel)) + "   # one node",
-        f"sbatch {rel_dir}/primus.sbatch   # {cfg.nodes} node(s), from the directory holding {rel_dir.split('/')[0]}/",
+        f"sbatch {rel_dir}/primus.sbatch   # {cfg.nodes} node(s); paths are relative to the submit directory",
     ]
     exp = out_dir / "primus_exp.yaml"
     exp.write_text(render_primus_yaml(cfg, lines, summary_text(report)))

@@ -50,7 +50,8 @@ def render_all(out: Path | None = None) -> list[Path]:
         (d / "job.sbatch").write_text(render_sbatch(cfg, summary_text(report)))
         write_primus(cfg, report, d, f"recipes/{name}")
         written += [d / f for f in FILES]
-        index.append(f"| `{name}/` | {cfg.meta.description} | `{regenerate_command('slurm', cfg)}` |")
+        index.append(f"| `{name}/` | {cfg.meta.description}; dispatcher {cfg.dispatcher.name} | "
+                     f"`{regenerate_command('slurm', cfg)}` |")
     readme = out / "README.md"
     readme.write_text("\n".join(index) + "\n")
     written.append(readme)
