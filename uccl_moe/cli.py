@@ -97,7 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``uccl-moe`` console script. Usage errors print one message and exit with 2."""
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    # Hydra overrides may come before or after the options (`train --dry-run recipe=x` and `train recipe=x --dry-run`):
+    # leftover non-option tokens are appended to the subcommand's `overrides`.
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    bad = [t for t in extra if t.startswith("-")]
+    if bad or (extra and not isinstance(getattr(args, "overrides", None), list)):
+        parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return int(args._run(args) or 0)
     except UcclMoeError as e:

@@ -80,3 +80,12 @@ def test_train_checks_gpus_then_launches_with_the_env(monkeypatch, tmp_path, cap
     (cmd, env), = calls
     assert "--nproc-per-node=4" in cmd and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert (tmp_path / "config.yaml").is_file() and "torch.distributed.run" in (tmp_path / "command.sh").read_text()
+
+
+def test_overrides_may_follow_options(capsys):
+    assert cli.main(["train", "--dry-run", "recipe=tiny_cpu_moe", "--quiet", "train.train_iters=7"]) == 0
+    assert "--train-iters 7" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["train", "recipe=tiny_cpu_moe", "--no-such-option"])
+    with pytest.raises(SystemExit):
+        cli.main(["render-recipes", "recipe=tiny_cpu_moe"])  # takes no overrides
