@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .errors import InvalidUsageError, UcclMoeError
 
@@ -68,13 +68,9 @@ def load_subcommands() -> None:
     """Import ``SUBCOMMAND_MODULES`` and the ``uccl_moe.subcommands`` entry points."""
     for mod in SUBCOMMAND_MODULES:
         importlib.import_module(mod)
-    try:
-        from importlib.metadata import entry_points
+    from importlib.metadata import entry_points
 
-        eps = entry_points(group=ENTRY_POINT_GROUP)
-    except Exception:  # no metadata (not installed): only the built-in modules
-        eps = []
-    for ep in eps:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):  # Python >= 3.10 API; none when nothing declares the group
         ep.load()
 
 

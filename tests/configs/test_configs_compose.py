@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from uccl_moe.config import ConfigError, available, compose, config_dir, expand_sweeps, to_object, to_yaml
-from uccl_moe.config import schema
+from uccl_moe.config import ConfigError, available, compose, config_dir, expand_sweeps, schema, to_object, to_yaml
 
 RECIPES = available("recipe")
 PLATFORMS = available("platform")

@@ -8,8 +8,9 @@ group choices, so everything rendered from it can say where it came from.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -142,11 +143,13 @@ def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:
 def _resolve_platform_defaults(cfg: DictConfig) -> None:
     """Platform-dependent defaults that a group file cannot express: on CPU the uccl backend 'auto' (or unset)
     becomes 'reference', the torch.distributed backend that runs on gloo."""
-    if cfg.platform.accelerator == schema.Accelerator.cpu and cfg.dispatcher.moe_token_dispatcher_type == (
-        schema.DispatcherType.uccl
+    d = cfg.dispatcher
+    if (
+        cfg.platform.accelerator == schema.Accelerator.cpu
+        and d.moe_token_dispatcher_type == schema.DispatcherType.uccl
+        and d.moe_uccl_backend in (None, schema.UcclBackend.auto)
     ):
-        if cfg.dispatcher.moe_uccl_backend in (None, schema.UcclBackend.auto):
-            cfg.dispatcher.moe_uccl_backend = schema.UcclBackend.reference
+        d.moe_uccl_backend = schema.UcclBackend.reference
 
 
 def _missing_keys(cfg: Any, prefix: str = "") -> list[str]:

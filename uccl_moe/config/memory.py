@@ -38,9 +38,11 @@ def parse_moe_layer_freq(expr: str | int, num_layers: int) -> list[int]:
         raise InvalidUsageError(
             f"model.moe_layer_freq={text!r} is neither an int nor a list expression like ([0]*3+[1]*58)"
         )
+    if any(int(n) > 100_000 for n in re.findall(r"[0-9]+", text)):
+        raise InvalidUsageError(f"model.moe_layer_freq={text!r}: numbers above 100000 are not layer counts")
     try:
-        value = eval(text, {"__builtins__": {}}, {})  # noqa: S307 - charset checked above
-    except Exception as e:
+        value = eval(text, {"__builtins__": {}}, {})  # charset and magnitudes checked above
+    except (SyntaxError, TypeError, ValueError) as e:
         raise InvalidUsageError(f"model.moe_layer_freq={text!r} does not evaluate: {e}") from None
     if not isinstance(value, (list, tuple)) or any(v not in (0, 1) for v in value):
         raise InvalidUsageError(f"model.moe_layer_freq={text!r} must give a list of 0/1 per layer")

@@ -1,3 +1,5 @@
+# ruff: noqa: UP006, UP035, UP045, RUF009
+# (OmegaConf 2.3 structured configs: typing.Optional/Dict/List annotations and field() helpers in defaults)
 """Typed schemas of the Hydra config tree (``configs/``), registered in Hydra's ConfigStore.
 
 The root schema :class:`Config` is the first entry of ``configs/config.yaml``'s defaults list, so every group

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import InvalidUsageError
 from . import schema
@@ -120,9 +121,9 @@ def _check_sizes(cfg: Any, s: dict[str, Any]) -> list[str]:
 def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
     mp = s["tp"] * s["pp"] * s["cp"]
     if s["world"] % mp:
-        return [f"world size {s['world']} (nodes={cfg.nodes} x platform.gpus_per_node={cfg.platform.gpus_per_node})"
+        return [(f"world size {s['world']} (nodes={cfg.nodes} x platform.gpus_per_node={cfg.platform.gpus_per_node})"
                 f" is not a multiple of TP x PP x CP = {s['tp']} x {s['pp']} x {s['cp']} = {mp}; change nodes or "
-                f"the layout"]
+                f"the layout")]
     return []
 
 
@@ -130,8 +131,8 @@ def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
 def _check_world_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
     emp = s["etp"] * s["ep"] * s["pp"]
     if s["world"] % emp:
-        return [f"world size {s['world']} is not a multiple of ETP x EP x PP = {s['etp']} x {s['ep']} x {s['pp']} = "
-                f"{emp}; change parallel.expert_model_parallel_size or nodes"]
+        return [(f"world size {s['world']} is not a multiple of ETP x EP x PP = {s['etp']} x {s['ep']} x {s['pp']} = "
+                f"{emp}; change parallel.expert_model_parallel_size or nodes")]
     return []
 
 
@@ -146,8 +147,8 @@ def _check_ep_needs_experts(cfg: Any, s: dict[str, Any]) -> list[str]:
 def _check_experts_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
     e = cfg.model.num_experts
     if e and e % s["ep"]:
-        return [f"model.num_experts={e} is not divisible by parallel.expert_model_parallel_size={s['ep']}; "
-                f"use an EP that divides {e}"]
+        return [(f"model.num_experts={e} is not divisible by parallel.expert_model_parallel_size={s['ep']}; "
+                f"use an EP that divides {e}")]
     return []
 
 
@@ -241,8 +242,8 @@ def _check_vpp(cfg: Any, s: dict[str, Any]) -> list[str]:
         return ["set either parallel.pipeline_model_parallel_layout or num_layers_per_virtual_pipeline_stage"]
     per_rank = cfg.model.num_layers / s["pp"]
     if per_rank != int(per_rank) or int(per_rank) % v:
-        return [f"layers per PP rank ({cfg.model.num_layers}/{s['pp']}) is not a multiple of "
-                f"num_layers_per_virtual_pipeline_stage={v}"]
+        return [(f"layers per PP rank ({cfg.model.num_layers}/{s['pp']}) is not a multiple of "
+                f"num_layers_per_virtual_pipeline_stage={v}")]
     return []
 
 
@@ -255,14 +256,14 @@ def _check_pp_layers(cfg: Any, s: dict[str, Any]) -> list[str]:
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if first is None and last is None:
         if L % pp:
-            return [f"model.num_layers={L} is not divisible by parallel.pipeline_model_parallel_size={pp}; use a PP "
-                    f"that divides it, decoder_first/last_pipeline_num_layers, or pipeline_model_parallel_layout"]
+            return [(f"model.num_layers={L} is not divisible by parallel.pipeline_model_parallel_size={pp}; use a PP "
+                    f"that divides it, decoder_first/last_pipeline_num_layers, or pipeline_model_parallel_layout")]
         return []
     rest_stages = pp - (first is not None) - (last is not None)
     rest = L - (first or 0) - (last or 0)
     if rest < 0 or (rest_stages <= 0 and rest != 0) or (rest_stages > 0 and rest % rest_stages):
-        return [f"after decoder_first/last_pipeline_num_layers ({first}/{last}) the remaining {rest} layers do not "
-                f"split evenly over {rest_stages} middle stage(s)"]
+        return [(f"after decoder_first/last_pipeline_num_layers ({first}/{last}) the remaining {rest} layers do not "
+                f"split evenly over {rest_stages} middle stage(s)")]
     return []
 
 
@@ -299,8 +300,8 @@ def _check_gbs(cfg: Any, s: dict[str, Any]) -> list[str]:
     dp = s["world"] // mp
     p = cfg.parallel
     if p.global_batch_size % (p.micro_batch_size * dp):
-        return [f"parallel.global_batch_size={p.global_batch_size} is not a multiple of micro_batch_size x DP = "
-                f"{p.micro_batch_size} x {dp} = {p.micro_batch_size * dp}"]
+        return [(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of micro_batch_size x DP = "
+                f"{p.micro_batch_size} x {dp} = {p.micro_batch_size * dp}")]
     return []
 
 
@@ -323,9 +324,9 @@ def _check_recompute(cfg: Any, s: dict[str, Any]) -> list[str]:
 @_rule("dispatcher_router_dtype", "uccl and flex dispatchers take fp32 top-k weights: model.moe_router_dtype=fp32")
 def _check_router_dtype(cfg: Any, s: dict[str, Any]) -> list[str]:
     t = cfg.dispatcher.moe_token_dispatcher_type
-    if t in (schema.DispatcherType.uccl, schema.DispatcherType.flex) and cfg.model.num_experts:
-        if cfg.model.moe_router_dtype != schema.RouterDtype.fp32:
-            return [f"dispatcher {t.name} needs model.moe_router_dtype=fp32 (got {cfg.model.moe_router_dtype})"]
+    needs_fp32 = t in (schema.DispatcherType.uccl, schema.DispatcherType.flex) and cfg.model.num_experts
+    if needs_fp32 and cfg.model.moe_router_dtype != schema.RouterDtype.fp32:
+        return [f"dispatcher {t.name} needs model.moe_router_dtype=fp32 (got {cfg.model.moe_router_dtype})"]
     return []
 
 

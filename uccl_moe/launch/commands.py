@@ -80,7 +80,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 @subcommand("train", "train on this host: torchrun with the rendered Megatron arguments", _train_args)
 def train(args: argparse.Namespace) -> int:
     _no_sweeps(args.overrides, "train")
-    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet or args.dry_run)
+    cfg, _report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet or args.dry_run)
     cmd = torchrun_command(cfg)
     env = child_env(cfg)
     if args.dry_run:
@@ -96,7 +96,7 @@ def train(args: argparse.Namespace) -> int:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     (run_dir / "command.sh").write_text("#!/bin/bash\n" + format_command(cmd, env) + "\n")
     print(f"run directory: {run_dir}", file=sys.stderr)
-    proc = subprocess.run(cmd, env={**os.environ, **env})
+    proc = subprocess.run(cmd, env={**os.environ, **env}, check=False)
     return proc.returncode
 
 

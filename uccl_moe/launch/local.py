@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ..config import schema
 from ..errors import InvalidUsageError

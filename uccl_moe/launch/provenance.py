@@ -18,8 +18,8 @@ def provenance_lines(subcommand: str, cfg: Any, summary: str = "") -> list[str]:
     """Comment lines (without the comment marker) for the top of a rendered file."""
     choices = " ".join(f"{k}={v}" for k, v in cfg.meta.choices.items())
     lines = [
-        f"Rendered by uccl-moe from recipe '{cfg.meta.recipe}' (dispatcher {cfg.dispatcher.name}): "
-        f"{cfg.meta.description}",
+        (f"Rendered by uccl-moe from recipe '{cfg.meta.recipe}' (dispatcher {cfg.dispatcher.name}): "
+        f"{cfg.meta.description}"),
         f"overrides: {shlex.join([str(o) for o in cfg.meta.overrides]) or '(none)'}",
         f"config groups: {choices}",
         f"regenerate: {regenerate_command(subcommand, cfg)}",

@@ -144,7 +144,7 @@ def _run_child(items: list[dict], install: bool) -> dict | None:
     env["PYTHONPATH"] = os.pathsep.join([p for p in (extra, str(ROOT), env.get("PYTHONPATH", "")) if p])
     req = {"install": install, "items": [{k: it[k] for k in ("name", "argv", "dests")} for it in items]}
     proc = subprocess.run([sys.executable, str(CHILD)], input=json.dumps(req), capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env=env, timeout=600, check=False)
     if proc.returncode == 3:
         return None
     assert proc.returncode == 0, f"parser child failed:\n{proc.stderr[-4000:]}"

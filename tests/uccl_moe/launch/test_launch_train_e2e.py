@@ -37,7 +37,7 @@ def test_uccl_moe_train_tiny_cpu_moe_runs_real_steps(tmp_path: Path):
     cmd = [sys.executable, "-m", "uccl_moe.cli", "train", "recipe=tiny_cpu_moe", "platform=cpu", "--quiet",
            "--run-dir", str(tmp_path / "run"), f"train.extra_args=['--loss-log','{loss_log}']"]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
     wall = time.monotonic() - t0
     assert proc.returncode == 0, f"uccl-moe train failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n" \
                                  f"{proc.stderr[-6000:]}"
