@@ -133,7 +133,7 @@ def expand_sweeps(overrides: Sequence[str]) -> list[list[str]]:
             values = [f"{key}={v}" for v in o.sweep_string_iterator()]
             combos = [c + [v] for c in combos for v in values]
         else:
-            combos = [c + [o.input_line] for c in combos]
+            combos = [c + [str(o.input_line)] for c in combos]
     return combos
 
 

@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--check"]:
         problems = check()
-        for p in problems:
-            print(p, file=sys.stderr)
+        for problem in problems:
+            print(problem, file=sys.stderr)
         return 1 if problems else 0
-    for p in render_all():
-        print(f"wrote {p}")
+    for path in render_all():
+        print(f"wrote {path}")
     return 0
 
 
