@@ -56,8 +56,8 @@ def primus_overrides(cfg: Any) -> dict[str, Any]:
         if name == "moe_layer_freq" and re.fullmatch(r"[0-9]+", str(v)):
             v = int(v)  # Primus bypasses argparse types: an int stays an int
         out[name] = v
-    # Primus fills Megatron's namespace by dest; where the dest differs from the argument name give both
-    # (unknown keys are merged, never rejected): norm_epsilon + layernorm_epsilon, disable_bias_linear + add_bias_linear.
+    # Primus fills Megatron's namespace by dest; where the dest differs from the argument name give both (unknown
+    # keys are merged, never rejected): norm_epsilon + layernorm_epsilon, disable_bias_linear + add_bias_linear.
     dests = megatron_dests(cfg)
     for f in dataclasses.fields(schema.ModelConfig):
         dest = f.metadata.get("dest")

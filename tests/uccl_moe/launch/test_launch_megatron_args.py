@@ -184,8 +184,8 @@ TRAINING_LOOP_ARGS = {
     "max_position_embeddings", "tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by",
     "untie_embeddings_and_output_weights", "position_embedding_type", "num_experts", "swiglu",
     "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-    "distributed_backend", "transformer_impl", "min_lr", "group_query_attention", "moe_uccl_num_sms", "moe_uccl_nvl_bytes",
-    "moe_uccl_rdma_bytes", "moe_uccl_backend",
+    "distributed_backend", "transformer_impl", "min_lr", "group_query_attention",
+    "moe_uccl_num_sms", "moe_uccl_nvl_bytes", "moe_uccl_rdma_bytes", "moe_uccl_backend",
 }
 
 
