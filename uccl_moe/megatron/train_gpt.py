@@ -46,6 +46,7 @@ _ALIASES: dict[str, tuple[str, Any]] = {
     "--num-experts": ("num_moe_experts", None),
     "--swiglu": ("swiglu", True),
     "--disable-bias-linear": ("add_bias_linear", False),
+    "--norm-epsilon": ("layernorm_epsilon", float),
     "--no-bias-linear": ("add_bias_linear", False),
     "--squared-relu": ("squared_relu", True),
 }
@@ -60,6 +61,11 @@ _TRAIN_FLAGS: dict[str, dict[str, Any]] = {
     "--train-iters": dict(type=int, default=10),
     "--lr": dict(type=float, default=1e-3),
     "--min-lr": dict(type=float, default=0.0),
+    "--lr-decay-style": dict(choices=["constant", "linear", "cosine"], default="constant"),
+    "--lr-warmup-iters": dict(type=int, default=0),
+    "--rotary-base": dict(type=int, default=10000),
+    "--distributed-timeout-minutes": dict(type=int, default=10),
+    "--log-throughput": dict(action="store_true", help="add tokens/s to each log line"),
     "--weight-decay": dict(type=float, default=0.01),
     "--clip-grad": dict(type=float, default=1.0),
     "--adam-beta1": dict(type=float, default=0.9),
@@ -74,8 +80,11 @@ _TRAIN_FLAGS: dict[str, dict[str, Any]] = {
     "--use-distributed-optimizer": dict(action="store_true"),
     "--loss-log": dict(type=str, default=None, help="append one JSON line per step here (last rank)"),
 }
-_IGNORED = ("--mock-data", "--tokenizer-type", "--no-load-optim", "--no-load-rng", "--distributed-backend")
-_IGNORED_WITH_VALUE = ("--tokenizer-type", "--distributed-backend")
+# Accepted for compatibility with Megatron-LM command lines and ignored: the data is synthetic, the backend follows
+# the device (NCCL on GPUs, gloo on CPU), and there is no evaluation loop.
+_IGNORED = ("--mock-data", "--tokenizer-type", "--no-load-optim", "--no-load-rng", "--distributed-backend",
+            "--eval-iters", "--eval-interval")
+_IGNORED_WITH_VALUE = ("--tokenizer-type", "--distributed-backend", "--eval-iters", "--eval-interval")
 
 
 def _field_kwargs(field: dataclasses.Field) -> Optional[dict[str, Any]]:
@@ -134,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             model.add_argument(flag, dest=dest, default=None, **kw)
     for flag, (dest, value) in _ALIASES.items():
-        if value is None:
-            model.add_argument(flag, dest="cfg__" + dest, type=int, default=None)
+        if value is None or value is float:
+            model.add_argument(flag, dest="cfg__" + dest, type=int if value is None else float, default=None)
         else:
             model.add_argument(flag, dest="alias__" + dest, action="store_const", const=value, default=None)
     for action in p._actions:
@@ -169,7 +178,7 @@ class TrainSetup:
     num_microbatches: int
 
 
-def _init_distributed(device_kind: str) -> None:
+def _init_distributed(device_kind: str, timeout_minutes: int = 10) -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:  # plain `python -m`: one rank
@@ -178,7 +187,10 @@ def _init_distributed(device_kind: str) -> None:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     if device_kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    import datetime
+
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo",
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def _te_available() -> bool:
@@ -198,7 +210,7 @@ def setup(argv: Sequence[str]) -> TrainSetup:
 
     args = build_parser().parse_args(list(argv))
     device_kind = "cuda" if torch.cuda.is_available() else "cpu"
-    _init_distributed(device_kind)
+    _init_distributed(device_kind, args.distributed_timeout_minutes)
     cfg: dict[str, Any] = {
         k[len("cfg__"):]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None
     }
@@ -276,6 +288,7 @@ def build_model(ts: TrainSetup) -> Any:
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
     ).to(ts.device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.bf16 or config.fp16,
@@ -314,6 +327,10 @@ class CpuAdam:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.clip_grad = clip_grad
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.opt.param_groups
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss
@@ -377,6 +394,25 @@ def synthetic_batches(ts: TrainSetup) -> Iterator[dict[str, torch.Tensor]]:
             "loss_mask": torch.ones(a.micro_batch_size, a.seq_length, device=ts.device),
             "attention_mask": mask,
         }
+
+
+def lr_at(args: argparse.Namespace, iteration: int) -> float:
+    """Learning rate of `iteration` (1-based): linear warmup over --lr-warmup-iters, then --lr-decay-style from --lr
+    to --min-lr over the remaining iterations (Megatron's shapes)."""
+    warmup = args.lr_warmup_iters
+    if warmup > 0 and iteration <= warmup:
+        return args.lr * iteration / warmup
+    if args.lr_decay_style == "constant":
+        return float(args.lr)
+    span = max(1, args.train_iters - warmup)
+    frac = min(1.0, max(0.0, (iteration - warmup) / span))
+    coeff = 1.0 - frac if args.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * frac) + 1.0)
+    return float(args.min_lr + coeff * (args.lr - args.min_lr))
+
+
+def _set_lr(optimizer: Any, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -452,6 +488,8 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        lr = lr_at(ts.args, it)
+        _set_lr(optimizer, lr)
         losses = forward_backward(
             forward_step_func=_forward_step, data_iterator=data, model=[model],
             num_microbatches=ts.num_microbatches, seq_length=ts.args.seq_length,
@@ -464,7 +502,9 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
             dist.all_reduce(loss_t, group=parallel_state.get_data_parallel_group())
             loss = float(loss_t) / ts.dp_size
         dt = time.perf_counter() - t0
-        row = {"iteration": it, "loss": loss, "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        tokens = ts.args.micro_batch_size * ts.num_microbatches * ts.dp_size * ts.args.seq_length
+        row = {"iteration": it, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "seconds": dt, "update_ok": bool(update_ok)}
         log_rows.append(row)
         first_of_stage = (
@@ -472,8 +512,9 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         )
         if is_last and first_of_stage:
             if it % ts.args.log_interval == 0:
-                print(f"[train_gpt] iteration {it}/{ts.args.train_iters} | lm loss {loss:.5f} | "
-                      f"grad norm {row['grad_norm']:.4f} | {dt * 1000:.1f} ms", flush=True)
+                extra = f" | {row['tokens_per_s']:.0f} tokens/s" if ts.args.log_throughput else ""
+                print(f"[train_gpt] iteration {it}/{ts.args.train_iters} | lm loss {loss:.5f} | lr {lr:.3g} | "
+                      f"grad norm {row['grad_norm']:.4f} | {dt * 1000:.1f} ms{extra}", flush=True)
             if ts.args.loss_log and parallel_state.get_expert_model_parallel_rank() == 0:
                 with open(ts.args.loss_log, "a") as f:
                     f.write(json.dumps(row) + "\n")
