@@ -157,3 +157,9 @@ def test_device_timeout_writes_diagnostic_record():
     assert rec["valid"] == 1 and rec["rank"] == 5 and rec["phase"] == "barrier"
     assert rec["expected"] == 1 and rec["seen"] == 0 and 0.2 <= rec["waited_s"] < 5
     assert "rank 5 timed out" in rec["message"]
+
+
+def test_package_import_does_not_need_torch():
+    code = "import sys, uccl_moe, uccl_moe.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    root = str(Path(uccl_moe.__file__).parent.parent)
+    subprocess.run([__import__("sys").executable, "-c", code], check=True, cwd=root)
