@@ -34,4 +34,5 @@ NB_MODULE(_C, m) {
     }
   });
   uccl_moe::bindings::register_core(m);
+  uccl_moe::bindings::register_runtime(m);
 }
