@@ -76,6 +76,10 @@ class Backend(abc.ABC):
     """One implementation of HT dispatch/combine."""
 
     name: ClassVar[str]
+    #: dtypes of x this backend dispatches (FP8 always comes with scales) and combines.
+    supported_dispatch_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+    supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx

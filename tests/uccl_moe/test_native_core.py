@@ -1,0 +1,158 @@
+"""The native host core through its bindings: build facts, env parsing parity, logging masks, diagnostics."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import uccl_moe
+from uccl_moe import InvalidUsageError, _C, env
+
+
+def _so_path() -> Path:
+    return Path(_C.__file__)
+
+
+def _needed(path: Path) -> list[str]:
+    out = subprocess.run(["readelf", "-d", str(path)], check=True, capture_output=True, text=True).stdout
+    return [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) not installed")
+def test_module_does_not_link_torch_or_cudart_dynamically():
+    needed = _needed(_so_path())
+    assert needed, "readelf found no NEEDED entries; is this an ELF shared object?"
+    bad = [n for n in needed if n.startswith(("libtorch", "libc10", "libcudart", "libamdhip64"))]
+    assert not bad, f"uccl_moe._C must not depend on {bad} (one build must serve every torch version): {needed}"
+
+
+def test_gpu_backend_matches_build():
+    assert _C.gpu_backend() in ("cuda", "hip", "none")
+    assert _C.device_count() >= 0
+    if _C.device_count() == 0:
+        assert _C.can_access_peer(0, 1) is False and _C.device_arch(0) == -1
+
+
+@pytest.mark.parametrize(
+    "knob,text,ok",
+    [
+        ("PROXY_THREADS", "4", True), ("PROXY_THREADS", " 8 ", True), ("PROXY_THREADS", "12abc", False),
+        ("PROXY_THREADS", "0", False), ("PROXY_THREADS", "65", False), ("PROXY_THREADS", "0x10", True),
+        ("PROXY_THREADS", "", False), ("TIMEOUT_S", "2.5", True), ("TIMEOUT_S", "1e3", True),
+        ("TIMEOUT_S", "fast", False), ("TIMEOUT_S", "0", False), ("TIMEOUT_S", "inf", False),
+        ("BACKEND", "reference", True), ("BACKEND", "Reference", False), ("TRANSPORT", "efa", True),
+        ("TRANSPORT", "tcp", False),
+    ],
+)
+def test_env_parsers_agree_between_python_and_cpp(knob, text, ok):
+    k = env.KNOBS[knob]
+    py_ok = cpp_ok = True
+    py_val = cpp_val = None
+    try:
+        py_val = k.parse(text)
+    except InvalidUsageError as e:
+        py_ok = False
+        assert f"UCCL_MOE_{knob}=" in str(e)
+    try:
+        if k.type == "INT":
+            cpp_val = _C.env_parse_int(knob, text, k.min_or_choices, k.max)
+        elif k.type == "FLOAT":
+            cpp_val = _C.env_parse_float(knob, text, k.min_or_choices, k.max)
+        else:
+            cpp_val = _C.env_parse_choice(knob, text, k.min_or_choices)
+    except InvalidUsageError as e:
+        cpp_ok = False
+        assert f"UCCL_MOE_{knob}=" in str(e) and ".cc:" in str(e)  # file:line from the native macro
+    assert py_ok == cpp_ok == ok
+    if ok:
+        assert py_val == cpp_val
+
+
+def test_knob_table_is_shared():
+    names_cpp = [row[0] for row in _C.env_knobs()]
+    assert names_cpp == list(env.KNOBS)
+    assert {"TIMEOUT_S", "BACKEND", "PROXY_THREADS", "MAX_INFLIGHT_BYTES"} <= set(names_cpp)
+
+
+def test_env_main_prints_every_knob(capsys, monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_PROXY_THREADS", "2")
+    assert env.main([]) == 0
+    out = capsys.readouterr().out
+    for name in env.KNOBS:
+        assert f"UCCL_MOE_{name}" in out
+    assert any(line.startswith("UCCL_MOE_PROXY_THREADS") and " 2 " in line and "env" in line for line in out.splitlines())
+
+
+def test_env_main_reports_bad_values(capsys, monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "soon")
+    assert env.main([]) == 1
+    assert 'UCCL_MOE_TIMEOUT_S="soon" is invalid' in capsys.readouterr().out
+
+
+def test_unknown_knob_warns(monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_PROXY_THREAD", "4")  # typo
+    monkeypatch.setattr(env, "_warned_unknown", False)
+    with pytest.warns(UserWarning, match="UCCL_MOE_PROXY_THREAD"):
+        env.get("BACKEND")
+
+
+def test_native_timeout_knob_is_validated(monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "12abc")
+    _C.env_reset_cache()
+    try:
+        with pytest.raises(InvalidUsageError, match="UCCL_MOE_TIMEOUT_S"):
+            _C.env_timeout_s()
+        monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "7.5")
+        _C.env_reset_cache()
+        assert _C.env_timeout_s() == 7.5
+    finally:
+        monkeypatch.delenv("UCCL_MOE_TIMEOUT_S")
+        _C.env_reset_cache()
+
+
+def test_log_subsys_masks():
+    all_mask = _C.log_subsys_mask("ALL")
+    assert all_mask == 0xFF
+    assert _C.log_subsys_mask("PROXY,NET") == (1 << 3) | (1 << 4)
+    assert _C.log_subsys_mask("^FIFO") == 0xFF & ~(1 << 2)
+
+
+def test_log_level_gates(monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_LOG_LEVEL", "INFO")
+    monkeypatch.setenv("UCCL_MOE_LOG_SUBSYS", "^FIFO")
+    _C.env_reset_cache()
+    try:
+        assert _C.log_enabled(3, "PROXY") and not _C.log_enabled(4, "PROXY")
+        assert not _C.log_enabled(3, "FIFO")
+    finally:
+        monkeypatch.delenv("UCCL_MOE_LOG_LEVEL")
+        monkeypatch.delenv("UCCL_MOE_LOG_SUBSYS")
+        _C.env_reset_cache()
+
+
+def test_diag_message_names_rank_peer_channel_phase():
+    d = _C.format_diag(rank=3, peer=1, channel=5, phase=5, role=2, expected=812, seen=640, command=0x2A, waited_s=100.0)
+    msg = d["message"]
+    for part in ("rank 3", "peer 1", "channel 5", "dispatch/recv-tokens", "receiver", "expected 812", "saw 640",
+                 "0x2a", "UCCL_MOE_TIMEOUT_S"):
+        assert part in msg, (part, msg)
+    assert d["phase"] == "dispatch/recv-tokens"
+
+
+def test_error_tree():
+    assert issubclass(uccl_moe.InvalidUsageError, ValueError)
+    assert issubclass(uccl_moe.InvalidTypeError, TypeError)
+    assert issubclass(uccl_moe.CommTimeoutError, TimeoutError)
+    err = uccl_moe.CommTimeoutError("x", {"rank": 1})
+    assert err.record == {"rank": 1}
+
+
+@pytest.mark.gpu
+def test_device_timeout_writes_diagnostic_record():
+    rec = _C.selftest_device_timeout(0.2, rank=5)
+    assert rec["valid"] == 1 and rec["rank"] == 5 and rec["phase"] == "barrier"
+    assert rec["expected"] == 1 and rec["seen"] == 0 and 0.2 <= rec["waited_s"] < 5
+    assert "rank 5 timed out" in rec["message"]

@@ -1,0 +1,239 @@
+"""The reference backend: DeepEP-V1 HT semantics on ``torch.distributed`` (gloo on CPU, NCCL on GPUs).
+
+It is the correctness oracle for the native kernels and the CPU fallback; it is never the fast path on GPUs.
+One collective moves each payload: every (token, destination rank) row is packed into a byte matrix
+``[rows, row_bytes]`` (x row, scales, top-k ids, top-k weights, source index) and exchanged with a single
+``all_to_all_single``, so any dtype travels on any process-group backend.
+
+Row order (identical to the native kernels): rows from source rank i form block i of ``recv_x`` (blocks in rank
+order); inside a block, tokens are in ascending source-token order (= channel order, channels being contiguous
+token ranges).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidUsageError
+from .base import Backend, BufferContext, DispatchRequest, register_backend
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """[N, ...] tensor -> [N, row_bytes] uint8 view (copying only if not contiguous)."""
+    t = t.contiguous()
+    row_bytes = t.element_size() * (int(torch.tensor(t.shape[1:]).prod()) if t.dim() > 1 else 1)
+    return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
+def _from_bytes(b: torch.Tensor, dtype: torch.dtype, cols: int | None) -> torch.Tensor:
+    """Inverse of _bytes: [N, cols * size] uint8 -> [N, cols] dtype (or [N] when cols is None)."""
+    # A fresh copy: column slices (and single rows, which count as contiguous) may be misaligned for `dtype`.
+    b = torch.empty(b.shape, dtype=torch.uint8, device=b.device).copy_(b)
+    out = b.view(dtype)
+    return out.reshape(b.shape[0]) if cols is None else out.reshape(b.shape[0], cols)
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def __init__(self, ctx: BufferContext) -> None:
+        super().__init__(ctx)
+        self.group = ctx.group
+        self.R = ctx.num_ranks
+        self.me = ctx.rank
+
+    # ---------------------------------------------------------------- collectives
+    def _all_gather_vec(self, v: torch.Tensor) -> torch.Tensor:
+        """[n] -> [R, n], row i = rank i's v."""
+        parts = [torch.empty_like(v) for _ in range(self.R)]
+        dist.all_gather(parts, v.contiguous(), group=self.group)
+        return torch.stack(parts)
+
+    def _all_to_all_rows(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows [sum(send_counts), W] -> rows [sum(recv_counts), W]; block j of send goes to rank j."""
+        recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=send.dtype, device=send.device)
+        if self.R == 1:
+            recv.copy_(send)
+            return recv
+        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
+        return recv
+
+    # ---------------------------------------------------------------- layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]
+        T = topk_idx.shape[0]
+        per_rank = num_experts // self.R
+        valid = topk_idx >= 0
+        experts = topk_idx[valid]
+        num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
+        is_token_in_rank = torch.zeros((T, self.R), dtype=torch.bool, device=topk_idx.device)
+        rows = torch.arange(T, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)[valid]
+        is_token_in_rank[rows, experts // per_rank] = True
+        num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        topo = self.ctx.topology
+        num_tokens_per_rdma_rank = None
+        if topo.num_nodes > 1:
+            in_node = is_token_in_rank.view(T, topo.num_nodes, topo.ranks_per_node).any(-1)
+            num_tokens_per_rdma_rank = in_node.sum(0, dtype=torch.int32)
+        return num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
+
+    # ---------------------------------------------------------------- helpers shared by dispatch paths
+    def _send_order(self, is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Token index of every outgoing row, ordered by (destination rank, token), and rows per destination."""
+        pairs = torch.nonzero(is_token_in_rank.t(), as_tuple=False)  # [(dst, token)] sorted lexicographically
+        counts = is_token_in_rank.sum(0).tolist()
+        return pairs[:, 1], [int(c) for c in counts]
+
+    def _recv_counts(self, rank_prefix_matrix: torch.Tensor) -> list[int]:
+        col = rank_prefix_matrix[:, self.me].to(torch.int64)
+        return torch.diff(col, prepend=col.new_zeros(1)).tolist()
+
+    def _pack(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([_bytes(p) for p in parts], dim=1) if len(parts) > 1 else _bytes(parts[0])
+
+    @staticmethod
+    def _unpack(buf: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+        out, col = [], 0
+        for w in widths:
+            out.append(buf[:, col:col + w])
+            col += w
+        return out
+
+    def _move_x(self, x: torch.Tensor, x_scales: torch.Tensor | None, send_idx: torch.Tensor, send_counts: list[int],
+                recv_counts: list[int], extra: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+        """Ship x rows (+scales, + extra per-row tensors already in send order) in one all-to-all."""
+        parts = [x.index_select(0, send_idx)] if x.element_size() > 1 else [x.view(torch.uint8).index_select(0, send_idx)]
+        widths = [x.shape[1] * x.element_size()]
+        if x_scales is not None:
+            s = x_scales.index_select(0, send_idx)
+            parts.append(s)
+            widths.append((s.shape[1] if s.dim() == 2 else 1) * s.element_size())
+        for e in extra:
+            parts.append(e)
+            widths.append((e.shape[1] if e.dim() == 2 else 1) * e.element_size())
+        recv = self._all_to_all_rows(self._pack(parts), send_counts, recv_counts)
+        fields = self._unpack(recv, widths)
+        recv_x = _from_bytes(fields[0], x.dtype, x.shape[1])
+        recv_scales = None
+        rest = fields[1:]
+        if x_scales is not None:
+            recv_scales = _from_bytes(fields[1], x_scales.dtype, x_scales.shape[1] if x_scales.dim() == 2 else None)
+            rest = fields[2:]
+        return recv_x, recv_scales, rest
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
+        R, me = self.R, self.me
+        dev = req.x.device
+        T = req.x.shape[0]
+        E = req.num_experts
+        E_loc = E // R
+        if not torch.equal(req.is_token_in_rank.sum(0, dtype=torch.int32), req.num_tokens_per_rank):
+            raise InvalidUsageError(
+                "num_tokens_per_rank does not match is_token_in_rank (column sums); pass the tensors "
+                "get_dispatch_layout returned for these tokens"
+            )
+        # Counts: full [R, R] matrix (row i = what rank i sends to each rank) and per-local-expert counts.
+        matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64))
+        rank_prefix_matrix = torch.cumsum(matrix, 0).to(torch.int32)
+        recv_counts = matrix[:, me].tolist()
+        expert_counts = self._all_to_all_rows(req.num_tokens_per_expert.to(torch.int64).view(R, E_loc),
+                                              [1] * R, [1] * R)
+        per_expert = expert_counts.sum(0).tolist()
+        counts_list = [_align(int(c), req.expert_alignment) for c in per_expert]
+
+        send_idx, send_counts = self._send_order(req.is_token_in_rank)
+        extra = [send_idx.to(torch.int32)]
+        if req.topk_idx is not None:
+            extra += [req.topk_idx.index_select(0, send_idx), req.topk_weights.index_select(0, send_idx)]
+        recv_x, recv_scales, rest = self._move_x(req.x, req.x_scales, send_idx, send_counts, recv_counts, extra)
+        recv_src_idx = _from_bytes(rest[0], torch.int32, None)
+        n_recv = recv_x.shape[0]
+        recv_idx = recv_w = None
+        if req.topk_idx is not None:
+            K = req.topk_idx.shape[1]
+            g_idx = _from_bytes(rest[1], torch.int64, K)
+            w = _from_bytes(rest[2], torch.float32, K)
+            local = (g_idx >= me * E_loc) & (g_idx < (me + 1) * E_loc)
+            recv_idx = torch.where(local, g_idx - me * E_loc, torch.full_like(g_idx, -1))
+            recv_w = torch.where(local, w, torch.zeros_like(w))
+
+        # Channel matrices (DeepEP handle layout): channel c covers tokens [c*ceil(T/C), (c+1)*ceil(T/C)).
+        C = req.config.num_channels
+        per_channel = -(-T // C) if T > 0 else 1
+        channel_of = torch.arange(T, device=dev) // per_channel
+        per_dst_channel = torch.zeros((R, C), dtype=torch.int64, device=dev)
+        if T > 0:
+            dst, tok = torch.nonzero(req.is_token_in_rank.t(), as_tuple=True)
+            per_dst_channel.index_put_((dst, channel_of[tok]), torch.ones_like(dst), accumulate=True)
+        channel_prefix_matrix = torch.cumsum(per_dst_channel, 1).to(torch.int32)
+        from_src = self._all_to_all_rows(channel_prefix_matrix.to(torch.int64), [1] * R, [1] * R)  # [R(src), C]
+        recv_channel_prefix_matrix = torch.cat([from_src.new_zeros((R, 1)), from_src[:, :-1]], 1).to(torch.int32)
+        send_head = torch.where(req.is_token_in_rank, torch.cumsum(req.is_token_in_rank.to(torch.int32), 0) - 1,
+                                torch.full((T, R), -1, dtype=torch.int32, device=dev)).to(torch.int32)
+
+        if req.num_worst_tokens > 0:
+            if req.num_worst_tokens < n_recv:
+                raise InvalidUsageError(
+                    f"num_worst_tokens={req.num_worst_tokens} is smaller than the {n_recv} rows rank {me} receives; "
+                    f"raise it to the worst case (tokens per rank x ranks = {T * R} covers every routing)"
+                )
+            pad = req.num_worst_tokens - n_recv
+            recv_x = torch.cat([recv_x, recv_x.new_zeros((pad, recv_x.shape[1]))])
+            if recv_scales is not None:
+                recv_scales = torch.cat([recv_scales, recv_scales.new_zeros((pad, *recv_scales.shape[1:]))])
+            recv_idx = torch.cat([recv_idx, recv_idx.new_full((pad, recv_idx.shape[1]), -1)])
+            recv_w = torch.cat([recv_w, recv_w.new_zeros((pad, recv_w.shape[1]))])
+            recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_full((pad,), -1)])
+            counts_list = []
+        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
+                  req.is_token_in_rank, send_head)
+        return recv_x, recv_scales, recv_idx, recv_w, counts_list, handle
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
+        send_idx, send_counts = self._send_order(handle.is_token_in_rank)
+        recv_counts = self._recv_counts(handle.rank_prefix_matrix)
+        recv_x, recv_scales, _ = self._move_x(x, x_scales, send_idx, send_counts, recv_counts, [])
+        return recv_x, recv_scales
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any, config: Any):  # type: ignore[no-untyped-def]
+        recv_counts = self._recv_counts(handle.rank_prefix_matrix)  # rows I got from each source = rows I return
+        n_real = sum(recv_counts)
+        send_idx, send_counts = self._send_order(handle.is_token_in_rank)  # rows I get back from each rank
+        parts = [x[:n_real]]
+        widths = [x.shape[1] * x.element_size()]
+        if topk_weights is not None:
+            parts.append(topk_weights[:n_real])
+            widths.append(topk_weights.shape[1] * 4)
+        back = self._all_to_all_rows(self._pack(parts), recv_counts, send_counts)
+        fields = self._unpack(back, widths)
+        rows = _from_bytes(fields[0], x.dtype, x.shape[1]).float()
+        T = handle.is_token_in_rank.shape[0]
+        acc = torch.zeros((T, x.shape[1]), dtype=torch.float32, device=x.device)
+        acc_w = None
+        if topk_weights is not None:
+            w_rows = _from_bytes(fields[1], torch.float32, topk_weights.shape[1])
+            acc_w = torch.zeros((T, topk_weights.shape[1]), dtype=torch.float32, device=x.device)
+        # Fixed order: rank 0 first, then 1, ... (each token appears at most once per rank: no races).
+        start = 0
+        for count in send_counts:
+            if count:
+                idx = send_idx[start:start + count]
+                acc.index_add_(0, idx, rows[start:start + count])
+                if acc_w is not None:
+                    acc_w.index_add_(0, idx, w_rows[start:start + count])
+            start += count
+        for b in bias:
+            if b is not None:
+                acc += b.float()
+        return acc.to(x.dtype), acc_w
+
+
+register_backend("reference", ReferenceBackend)

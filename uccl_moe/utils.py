@@ -1,0 +1,93 @@
+"""Events and overlap helpers, DeepEP-V1 compatible (``deep_ep.utils.EventHandle`` / ``EventOverlap``).
+
+On CUDA an :class:`EventHandle` is a recorded ``torch.cuda.Event``. On CPU (gloo, reference backend) every
+operation is synchronous, so a handle is already complete and waiting on it is a no-op: code written for GPUs
+(Megatron's ``EventOverlap(EventHandle())`` pattern) runs unchanged on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+
+class EventHandle:
+    """A point on a stream.
+
+    ``EventHandle()`` records on the current CUDA stream; ``EventHandle(stream)`` records on ``stream``.
+    Without CUDA it stands for "now" and is always complete.
+    """
+
+    def __init__(self, stream: Any = None) -> None:
+        self.event: torch.cuda.Event | None = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for this event (no host blocking)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def stream_wait(self, stream: Any) -> None:
+        """Make `stream` wait for this event."""
+        if self.event is not None and stream is not None:
+            stream.wait_event(self.event)
+
+    def synchronize(self) -> None:
+        """Block the host until the event completed."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def query(self) -> bool:
+        return True if self.event is None else bool(self.event.query())
+
+
+class EventOverlap:
+    """An optional event plus tensors kept alive until it is waited on.
+
+    ``with ev: work()`` runs ``work`` on the current stream and then waits on the event, so the
+    communication it stands for overlaps ``work``. ``extra_tensors`` keeps tensors alive without
+    ``record_stream`` (safe under CUDA-graph capture).
+    """
+
+    def __init__(self, event: EventHandle | None = None, extra_tensors: Iterable[torch.Tensor] | None = None) -> None:
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None
+
+    def current_stream_wait(self) -> None:
+        """Make the current stream wait for the event. Raises if there is none (``async_finish=False`` op)."""
+        if self.event is None:
+            raise ValueError(
+                "EventOverlap has no event: the operation ran with async_finish=False and is already complete "
+                "on the current stream"
+            )
+        self.event.current_stream_wait()
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+def check_nvlink_connections(group: Any) -> None:
+    """DeepEP-compatible check; raises if ranks of `group` on this host cannot reach each other by P2P.
+
+    Only GPUs of the same host are checked (PCIe-only machines support at most 2 ranks, as in DeepEP).
+    """
+    if not torch.cuda.is_available():
+        return
+    import torch.distributed as dist
+
+    from . import _C
+
+    devices: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(devices, (torch.cuda.current_device(), __import__("socket").gethostname()), group=group)
+    me = torch.cuda.current_device()
+    host = devices[dist.get_rank(group)][1]
+    for dev, h in devices:
+        if h == host and not _C.can_access_peer(me, dev):
+            raise RuntimeError(f"GPU {me} cannot access GPU {dev} by P2P (no NVLink/xGMI or PCIe P2P)")
