@@ -174,14 +174,18 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const char* slot_ptr =
         (lane < N && p >= 0) ? my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes : nullptr;
     const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
-    for (int col = col_begin + lane; col < col_end; col += gpu::kWarpSize) {
+    // The loop trip count is warp-uniform (shuffles below need every lane); `active` masks the tail.
+    for (int col_base = col_begin; col_base < col_end; col_base += gpu::kWarpSize) {
+      const int col = col_base + lane;
+      const bool active = col < col_end;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int4 v[kNumRanks];
 #pragma unroll
       for (int d = 0; d < kNumRanks; ++d) {
         const char* src = reinterpret_cast<const char*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
-        if ((have >> d) & 1) v[d] = gpu::load_ring_128(reinterpret_cast<const int4*>(src) + col);
+        if (((have >> d) & 1) && active) v[d] = gpu::load_ring_128(reinterpret_cast<const int4*>(src) + col);
       }
+      if (!active) continue;
 #pragma unroll
       for (int d = 0; d < kNumRanks; ++d)
         if ((have >> d) & 1) add_bf16x8(acc, v[d]);

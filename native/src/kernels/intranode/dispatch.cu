@@ -139,14 +139,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int C = g.num_channels, W = g.lanes_per_channel;
   const bool sender = static_cast<int>(blockIdx.x) < C;
   const int c = sender ? blockIdx.x : blockIdx.x - C;
-  if (!sender && k.a.recv_topk_idx != nullptr) {
-    // num_worst_tokens: rows past the received ones carry no expert (-1) and weight 0.
+  if (!sender && k.a.recv_src_idx != nullptr) {
+    // num_worst_tokens: rows past the received ones carry no expert (-1), weight 0 and source -1.
     const int received = k.a.rank_prefix[(ctx.num_ranks - 1) * ctx.num_ranks + ctx.rank];
-    const int64_t first = static_cast<int64_t>(received) * k.a.num_topk;
-    const int64_t last = static_cast<int64_t>(k.a.num_recv_rows) * k.a.num_topk;
-    for (int64_t i = first + c * blockDim.x + threadIdx.x; i < last; i += static_cast<int64_t>(C) * blockDim.x) {
-      k.a.recv_topk_idx[i] = -1;
-      if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[i] = 0.0f;
+    const int K = k.a.recv_topk_idx != nullptr ? k.a.num_topk : 0;
+    const int64_t stride = static_cast<int64_t>(C) * blockDim.x;
+    for (int64_t row = received + c * blockDim.x + threadIdx.x; row < k.a.num_recv_rows; row += stride) {
+      k.a.recv_src_idx[row] = -1;
+      for (int j = 0; j < K; ++j) {
+        k.a.recv_topk_idx[row * K + j] = -1;
+        if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[row * K + j] = 0.0f;
+      }
     }
   }
   const int warp = gpu::warp_id();
