@@ -148,6 +148,9 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
             ("fp8-7168", 2048, 7168, 64, 8, True, "col", "random"),
             ("bf16-16384-tokens", 16384, 2048, 16, 8, False, "none", "random"),
         ]
+    small = os.environ.get("UMOE_TEST_SMALL", "0") == "1"  # one case, for compute-sanitizer
+    if small:
+        cases = cases[:1]
     for seed, (name, T, H, per_rank, K, fp8, smode, routing) in enumerate(cases):
         E = per_rank * R
         case = _Case(rank, R, T, H, E, K, fp8, smode, routing, seed)
@@ -215,6 +218,12 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         cnt = lay_r.is_token_in_rank.sum(1, keepdim=True).float()
         check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
 
+    if small:
+        dist.barrier(group=gloo)
+        nat.destroy()
+        ref.destroy()
+        assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+        return
     # CUDA graph: dispatch (num_worst_tokens, no host sync) + combine captured once, replayed.
     case = _Case(rank, R, 512, 2048, 16 * R, 8, False, "none", "random", 99)
     idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()

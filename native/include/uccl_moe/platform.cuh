@@ -203,11 +203,18 @@ UCCL_DEVICE_INLINE int lowest_bit(LaneMask m) { return __ffsll(static_cast<long 
 UCCL_DEVICE_INLINE LaneMask lanemask_lt() { return (LaneMask{1} << lane_id()) - 1; }
 
 // ---- bulk data movement ------------------------------------------------------------------------------
+#if defined(UCCL_MOE_HIP)
+typedef int NativeInt4 __attribute__((ext_vector_type(4)));  // what clang's nontemporal builtins accept
+UCCL_DEVICE_INLINE int4 nontemporal_load_128(const int4* p) {
+  const NativeInt4 v = __builtin_nontemporal_load(reinterpret_cast<const NativeInt4*>(p));
+  return make_int4(v[0], v[1], v[2], v[3]);
+}
+#endif
 /// 16-byte load of data that no thread of this launch writes (read-only input): skips L1 so nothing
 /// stale can be served later, and keeps the line out of L1 (streamed once).
 UCCL_DEVICE_INLINE int4 load_stream_128(const int4* p) {
 #if defined(UCCL_MOE_HIP)
-  return __builtin_nontemporal_load(p);
+  return nontemporal_load_128(p);
 #else
   int4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
@@ -220,7 +227,7 @@ UCCL_DEVICE_INLINE int4 load_stream_128(const int4* p) {
 /// that covers it, so it must not come from L1 (".nc" would be wrong here: the slot is rewritten).
 UCCL_DEVICE_INLINE int4 load_ring_128(const int4* p) {
 #if defined(UCCL_MOE_HIP)
-  return __builtin_nontemporal_load(p);
+  return nontemporal_load_128(p);
 #else
   int4 v;
   asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
@@ -232,7 +239,8 @@ UCCL_DEVICE_INLINE int4 load_ring_128(const int4* p) {
 /// 16-byte streaming store (local or peer memory); not kept in L1.
 UCCL_DEVICE_INLINE void store_stream_128(int4* p, const int4& v) {
 #if defined(UCCL_MOE_HIP)
-  __builtin_nontemporal_store(v, p);
+  const NativeInt4 w = {v.x, v.y, v.z, v.w};
+  __builtin_nontemporal_store(w, reinterpret_cast<NativeInt4*>(p));
 #else
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)

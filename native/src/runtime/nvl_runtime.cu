@@ -84,12 +84,16 @@ void NvlRuntime::connect(const std::vector<std::string>& handles) {
 void NvlRuntime::destroy() {
   if (destroyed_) return;
   destroyed_ = true;
-  gpu::set_device(device_);
-  gpu::device_synchronize();  // kernels of this buffer must be done before peers unmap it
+  // Best effort: keep freeing after a failure (a trapped context fails every call), but say so.
+  auto warn = [](gpu::Error e, const char* what) {
+    if (e != gpu::kSuccess) UCCL_LOG(WARN, MEM, "NvlRuntime::destroy: %s failed: %s", what, gpu::error_string(e));
+  };
+  warn(gpu::set_device(device_), "set_device");
+  warn(gpu::device_synchronize(), "device_synchronize");  // our kernels finish before peers unmap us
   for (int r = 0; r < num_ranks_; ++r)
-    if (r != rank_ && peers_[r] != nullptr) gpu::ipc_close_mem_handle(peers_[r]);
-  if (local_ != nullptr) gpu::device_free(local_);
-  if (host_ != nullptr) gpu::host_free(host_);
+    if (r != rank_ && peers_[r] != nullptr) warn(gpu::ipc_close_mem_handle(peers_[r]), "ipc_close_mem_handle");
+  if (local_ != nullptr) warn(gpu::device_free(local_), "device_free");
+  if (host_ != nullptr) warn(gpu::host_free(host_), "host_free");
   local_ = nullptr;
   host_ = host_dev_ = nullptr;
   for (auto& p : peers_) p = nullptr;

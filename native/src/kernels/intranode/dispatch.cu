@@ -11,7 +11,7 @@ namespace uccl_moe::intranode {
 namespace {
 
 constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when pushing a row (8 KB per warp)
-constexpr int kRecvUnroll = 4;  // local copy-out needs less to cover HBM latency
+constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
 struct DispatchKernelArgs {
   DispatchArgs a;
