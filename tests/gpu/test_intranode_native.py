@@ -270,7 +270,9 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
             mem0 = torch.cuda.memory_allocated()
     torch.cuda.synchronize()
     check(f"{iters} back-to-back calls: hash stable", int(bad) == 0)
-    check(f"{iters} back-to-back calls: no memory growth", iters <= 10 or torch.cuda.memory_allocated() <= mem0)
+    # A per-call leak of any output would grow by >= iters x (rows x 4 B) >> 2 MB; allow allocator rounding.
+    grown = torch.cuda.memory_allocated() - mem0 if mem0 is not None else 0
+    check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
 
     dist.barrier(group=gloo)
     nat.destroy()

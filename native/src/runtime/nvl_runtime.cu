@@ -9,6 +9,7 @@
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
+#include "../kernels/intranode/nvl_layout.hpp"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::runtime {
@@ -111,7 +112,7 @@ intranode::NvlContext NvlRuntime::context() const {
   c.recv_counter = reinterpret_cast<int32_t*>(host_dev_ + kHostOffRecvCounter);
   c.expert_counters = reinterpret_cast<int32_t*>(host_dev_ + kHostOffExpertCounters);
   c.diag_record = reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag);
-  c.abort_flag = reinterpret_cast<int32_t*>(host_dev_ + kHostOffAbort);
+  c.abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag);
   c.timeout_ns = static_cast<uint64_t>(env::TIMEOUT_S() * 1e9);
   return c;
 }

@@ -30,7 +30,7 @@ struct NvlContext {
   int32_t* recv_counter;     ///< device view of the host-mapped total-receive counter (-1 = not yet)
   int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
-  int32_t* abort_flag;       ///< device view of the host-mapped abort flag
+  int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
   uint64_t timeout_ns;       ///< bound of every device spin (UCCL_MOE_TIMEOUT_S)
 };
 

@@ -12,6 +12,7 @@
 // Meta region (first kNvlMetaBytes of the buffer), all int32:
 //   barrier_signal[kMaxLocalRanks]                 +1 by rank p for each barrier it enters (written by p)
 //   barrier_epoch                                  barriers this rank entered (local only)
+//   abort_flag                                     nonzero once a wait of this rank expired (local only)
 //   rank_counts[src][dst]      N x N               tokens src sends to dst (src writes its row into everyone)
 //   expert_counts[src][e]      N x kMaxExpertsPerRank  tokens src sends to my local expert e
 //   lane_prefix[src][lane]     N x kMaxLanes       inclusive prefix over lanes of tokens src sends me
@@ -33,6 +34,11 @@ constexpr int kMaxLanes = 4096;         // C <= 128 channels x W <= 32 lanes
 
 constexpr size_t kOffBarrierSignal = 0;
 constexpr size_t kOffBarrierEpoch = kOffBarrierSignal + sizeof(int32_t) * kMaxLocalRanks;
+// Abort flag polled by every bounded wait. It lives in GPU memory, not in the host-mapped block: hundreds of
+// spinning warps reading host memory over PCIe every few polls made each ring hand-off cost ~100s of us
+// (measured on 4xH200: EP4 dispatch 0.9 ms, EP2/EP3 1.5-8 ms). The host learns of an abort from the
+// host-mapped DiagRecord instead. Never cleared: a Buffer whose wait expired stays unusable.
+constexpr size_t kOffAbortFlag = kOffBarrierEpoch + 16;
 constexpr size_t kOffRankCounts = 128;
 constexpr size_t kOffExpertCounts = kOffRankCounts + sizeof(int32_t) * kMaxLocalRanks * kMaxLocalRanks;
 constexpr size_t kOffLanePrefix =
@@ -41,7 +47,7 @@ constexpr size_t kOffTail = kOffLanePrefix + sizeof(int32_t) * kMaxLocalRanks * 
 constexpr size_t kOffHead = kOffTail + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 constexpr size_t kMetaEnd = kOffHead + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 static_assert(kMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
-static_assert(kOffBarrierEpoch + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
+static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
 /// Where the fields of one ring slot sit (bytes from the slot start). Dispatch slots carry the token row plus
 /// its metadata; combine slots carry the row plus the top-k weights.
