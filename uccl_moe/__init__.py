@@ -1,9 +1,15 @@
 """uccl-moe: portable expert-parallel dispatch/combine for MoE training (DeepEP-V1 compatible).
 
 ``from uccl_moe import Buffer`` is a drop-in for ``deep_ep.Buffer``; see README.md.
+
+The heavy exports (``Buffer`` and friends need torch and the native module) load on first use, so the launcher
+(``uccl-moe slurm ...`` on a login node) runs without torch.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from . import env as _env
 from .errors import (
@@ -20,14 +26,41 @@ __version__ = "0.1.0"
 
 _env.configure_logging()
 
-from .buffer import Buffer, Config, DispatchHandle, DispatchResult, topk_idx_t  # noqa: E402
-from .utils import EventHandle, EventOverlap  # noqa: E402
+_LAZY = {
+    "Buffer": "buffer", "Config": "buffer", "DispatchHandle": "buffer", "DispatchResult": "buffer",
+    "CombineResult": "buffer", "LayoutResult": "buffer", "topk_idx_t": "buffer",
+    "EventHandle": "utils", "EventOverlap": "utils",
+}
+
+if TYPE_CHECKING:
+    from .buffer import (
+        Buffer,
+        CombineResult,
+        Config,
+        DispatchHandle,
+        DispatchResult,
+        LayoutResult,
+        topk_idx_t,
+    )
+    from .utils import EventHandle, EventOverlap
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'uccl_moe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Buffer",
     "Config",
     "DispatchHandle",
     "DispatchResult",
+    "CombineResult",
+    "LayoutResult",
     "EventHandle",
     "EventOverlap",
     "topk_idx_t",

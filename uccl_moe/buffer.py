@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, ClassVar, Literal, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -239,7 +240,7 @@ class Buffer:
         self.device = device
         self.backend_name: str = choice
         self._comm_stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
-        self._handles: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+        self._handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device, self._comm_stream)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
@@ -306,7 +307,8 @@ class Buffer:
         fn = getattr(self._live(), "get_local_buffer_tensor", None)
         if fn is None:
             raise NotImplementedError(f"the {self.backend_name} backend has no registered communication buffer")
-        return fn(dtype, size, offset, use_rdma_buffer)
+        out: torch.Tensor = fn(dtype, size, offset, use_rdma_buffer)
+        return out
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")
@@ -428,7 +430,9 @@ class Buffer:
     def _split_x(self, x: Any, name: str = "x") -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(x, tuple):
             if len(x) != 2:
-                raise InvalidTypeError(f"{name} as a tuple must be (x_fp8 [T, H], x_scales [T, H/128]), got {len(x)} items")
+                raise InvalidTypeError(
+                    f"{name} as a tuple must be (x_fp8 [T, H], x_scales [T, H/128]), got {len(x)} items"
+                )
             data = _check_tensor(f"{name}[0]", x[0], dtypes=_FP8_DTYPES, ndim=2, device=self.device)
             scales = _check_tensor(f"{name}[1] (scales)", x[1], dtypes=(torch.float32, torch.int32), ndim=(1, 2),
                                    device=self.device, contiguous=False)
@@ -497,7 +501,7 @@ class Buffer:
     def dispatch(
         self,
         x: TensorOrFp8,
-        handle: tuple | None = None,
+        handle: tuple[Any, ...] | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
         num_tokens_per_rdma_rank: torch.Tensor | None = None,
         is_token_in_rank: torch.Tensor | None = None,
@@ -621,7 +625,7 @@ class Buffer:
     def combine(
         self,
         x: torch.Tensor,
-        handle: tuple,
+        handle: tuple[Any, ...],
         topk_weights: torch.Tensor | None = None,
         bias: Union[torch.Tensor, tuple[Optional[torch.Tensor], ...], None] = None,
         config: Any = None,

@@ -7,7 +7,8 @@ operation is synchronous, so a handle is already complete and waiting on it is a
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class EventOverlap:
             )
         self.event.current_stream_wait()
 
-    def __enter__(self) -> "EventOverlap":
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:

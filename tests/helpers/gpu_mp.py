@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -38,7 +39,8 @@ def run_gpu_ranks(fn: Callable[..., Any], world: int, *args: Any, env: dict[str,
     errq = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "init")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, env or {}, errq)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, env or {}, errq))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

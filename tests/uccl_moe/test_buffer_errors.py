@@ -207,7 +207,8 @@ def test_num_worst_tokens_needs_topk(buf):
 
 def test_expert_alignment(buf):
     idx, ntr, nte, itr = _layout(buf)
-    _raises(InvalidUsageError, "expert_alignment=0 must be >= 1", buf.dispatch, torch.zeros((6, H), dtype=torch.bfloat16),
+    _raises(InvalidUsageError, "expert_alignment=0 must be >= 1", buf.dispatch,
+            torch.zeros((6, H), dtype=torch.bfloat16),
             num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, expert_alignment=0)
 
 
@@ -219,7 +220,8 @@ def test_previous_event_type(buf):
 
 def test_config_type(buf):
     idx, ntr, nte, itr = _layout(buf)
-    _raises(InvalidTypeError, "config must be a uccl_moe.Config", buf.dispatch, torch.zeros((6, H), dtype=torch.bfloat16),
+    _raises(InvalidTypeError, "config must be a uccl_moe.Config", buf.dispatch,
+            torch.zeros((6, H), dtype=torch.bfloat16),
             num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, config={"num_sms": 4})
 
 

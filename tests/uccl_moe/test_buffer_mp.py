@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.mp import run_ranks
 from reference.ep_oracle import expected_combine, expected_dispatch, expected_layout
 
@@ -37,7 +36,9 @@ def _routing(kind: str, rank: int, world: int, gen: torch.Generator) -> torch.Te
     T = int(torch.randint(0, 40, (1,), generator=gen)) if kind != "one_token" else 1
     if kind == "random" and rank == 0:
         T = 0 if world > 1 else 5  # a rank that sends nothing
-    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros((0, K), dtype=torch.int64)
+    idx = torch.zeros((0, K), dtype=torch.int64)
+    if T:
+        idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     if T:
         drop = torch.rand(idx.shape, generator=gen) < 0.2
         idx[drop] = -1
@@ -219,3 +220,33 @@ def _two_buffers(rank: int, world: int) -> None:
 @pytest.mark.mp
 def test_handle_ownership_and_group_size_mismatch() -> None:
     run_ranks(_two_buffers, 2, env={"UCCL_MOE_BACKEND": "reference"})
+
+
+def _skip_a_call(rank: int, world: int) -> None:
+    import time
+
+    from uccl_moe import Buffer, CommTimeoutError
+
+    g = dist.group.WORLD
+    buf = Buffer(g, Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(128 * 2, world))
+    idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int64)
+    ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 2 * world)
+    x = torch.ones((2, 128), dtype=torch.bfloat16)
+    if rank == 1:
+        time.sleep(4.0)  # skips the dispatch rank 0 makes; exits after rank 0 gave up
+        return
+    start = time.monotonic()
+    try:
+        buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+                     topk_weights=torch.ones(2, 2))
+    except CommTimeoutError as e:
+        assert "rank 0 timed out" in str(e) and "reference/dispatch/rank-counts" in str(e), str(e)
+        assert e.record is not None and e.record["rank"] == 0
+        assert time.monotonic() - start < 3.5
+    else:
+        raise AssertionError("a dispatch that a peer skipped must raise CommTimeoutError")
+
+
+@pytest.mark.mp
+def test_peer_skipping_a_call_raises_timeout_not_hang() -> None:
+    run_ranks(_skip_a_call, 2, env={"UCCL_MOE_BACKEND": "reference", "UCCL_MOE_TIMEOUT_S": "1.5"}, timeout_s=60)

@@ -37,8 +37,9 @@ def test_install_does_not_replace_a_real_deep_ep(monkeypatch):
 
 def test_on_disk_shim(tmp_path):
     root = str(__import__("pathlib").Path(uccl_moe.__file__).parent.parent)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "uccl_moe.deep_ep_compat", *a, "--target", str(tmp_path)],
-                                    check=True, capture_output=True, text=True, cwd=root)
+    def run(*a: str) -> None:
+        subprocess.run([sys.executable, "-m", "uccl_moe.deep_ep_compat", *a, "--target", str(tmp_path)],
+                       check=True, capture_output=True, text=True, cwd=root)
     run("install")
     code = ("import deep_ep, uccl_moe; from deep_ep.utils import EventHandle, EventOverlap; "
             "assert deep_ep.Buffer is uccl_moe.Buffer; print('ok')")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import uccl_moe
-from uccl_moe import InvalidUsageError, _C, env
+from uccl_moe import _C, InvalidUsageError, env
 
 
 def _so_path() -> Path:
@@ -83,7 +83,8 @@ def test_env_main_prints_every_knob(capsys, monkeypatch):
     out = capsys.readouterr().out
     for name in env.KNOBS:
         assert f"UCCL_MOE_{name}" in out
-    assert any(line.startswith("UCCL_MOE_PROXY_THREADS") and " 2 " in line and "env" in line for line in out.splitlines())
+    rows = [line for line in out.splitlines() if line.startswith("UCCL_MOE_PROXY_THREADS")]
+    assert rows and " 2 " in rows[0] and "env" in rows[0]
 
 
 def test_env_main_reports_bad_values(capsys, monkeypatch):
@@ -156,3 +157,9 @@ def test_device_timeout_writes_diagnostic_record():
     assert rec["valid"] == 1 and rec["rank"] == 5 and rec["phase"] == "barrier"
     assert rec["expected"] == 1 and rec["seen"] == 0 and 0.2 <= rec["waited_s"] < 5
     assert "rank 5 timed out" in rec["message"]
+
+
+def test_package_import_does_not_need_torch():
+    code = "import sys, uccl_moe, uccl_moe.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
+    root = str(Path(uccl_moe.__file__).parent.parent)
+    subprocess.run([__import__("sys").executable, "-c", code], check=True, cwd=root)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -94,13 +95,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def dispatch(
         self, req: DispatchRequest
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int], tuple]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int], tuple[Any, ...]]:
         """Returns (recv_x [T_recv, H], recv_x_scales or None, recv_topk_idx [T_recv, K] int64 local ids or -1,
         recv_topk_weights [T_recv, K] float32 (0 where idx is -1), num_recv_tokens_per_expert_list, handle)."""
 
     @abc.abstractmethod
     def cached_dispatch(
-        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: tuple, config: Any
+        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: tuple[Any, ...], config: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dispatch along a previous dispatch's layout; returns (recv_x, recv_x_scales or None)."""
 
@@ -108,7 +109,7 @@ class Backend(abc.ABC):
     def combine(
         self,
         x: torch.Tensor,
-        handle: tuple,
+        handle: tuple[Any, ...],
         topk_weights: torch.Tensor | None,
         bias: tuple[torch.Tensor | None, torch.Tensor | None],
         config: Any,
@@ -116,7 +117,7 @@ class Backend(abc.ABC):
         """Sum each token's rows back onto its source rank, in float32, in rank order 0..R-1 (deterministic),
         plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
 
-    def num_recv_tokens(self, handle: tuple) -> int:
+    def num_recv_tokens(self, handle: tuple[Any, ...]) -> int:
         """Rows this rank received in the dispatch that produced `handle`."""
         return int(handle[0][-1, self.ctx.rank].item())
 

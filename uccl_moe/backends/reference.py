@@ -12,12 +12,14 @@ token ranges).
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import InvalidUsageError
+from .. import env
+from ..errors import CommTimeoutError, InvalidUsageError
 from .base import Backend, BufferContext, DispatchRequest, register_backend
 
 
@@ -50,19 +52,48 @@ class ReferenceBackend(Backend):
         self.me = ctx.rank
 
     # ---------------------------------------------------------------- collectives
-    def _all_gather_vec(self, v: torch.Tensor) -> torch.Tensor:
+    def _wait(self, work: Any, phase: str, device: torch.device) -> None:
+        """Bounded wait for a collective on CPU (gloo); on CUDA the wait only orders streams.
+
+        A peer that skipped the call would otherwise block for the process group's own timeout (30 min on
+        gloo); here the caller gets CommTimeoutError after UCCL_MOE_TIMEOUT_S naming the rank and phase.
+        """
+        if device.type == "cuda":
+            work.wait()
+            return
+        timeout_s = float(env.get("TIMEOUT_S"))
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            record = {"rank": self.me, "peer": -1, "channel": -1, "phase": f"reference/{phase}", "waited_s": timeout_s}
+            raise CommTimeoutError(
+                f"rank {self.me} timed out after {timeout_s:.1f} s in reference/{phase} waiting for all peers of the "
+                f"{self.R}-rank group: a peer is stuck, dead or skipped this call. Raise UCCL_MOE_TIMEOUT_S only if "
+                f"the job is merely slow. ({e})",
+                record,
+            ) from None
+
+    def _all_gather_vec(self, v: torch.Tensor, phase: str) -> torch.Tensor:
         """[n] -> [R, n], row i = rank i's v."""
         parts = [torch.empty_like(v) for _ in range(self.R)]
-        dist.all_gather(parts, v.contiguous(), group=self.group)
+        if self.R == 1:
+            parts[0].copy_(v)
+        else:
+            self._wait(dist.all_gather(parts, v.contiguous(), group=self.group, async_op=True), phase, v.device)
         return torch.stack(parts)
 
-    def _all_to_all_rows(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def _all_to_all_rows(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                         phase: str) -> torch.Tensor:
         """Rows [sum(send_counts), W] -> rows [sum(recv_counts), W]; block j of send goes to rank j."""
         recv = torch.empty((sum(recv_counts), send.shape[1]), dtype=send.dtype, device=send.device)
         if self.R == 1:
             recv.copy_(send)
             return recv
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
+        work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group,
+                                      async_op=True)
+        self._wait(work, phase, send.device)
         return recv
 
     # ---------------------------------------------------------------- layout
@@ -106,9 +137,11 @@ class ReferenceBackend(Backend):
         return out
 
     def _move_x(self, x: torch.Tensor, x_scales: torch.Tensor | None, send_idx: torch.Tensor, send_counts: list[int],
-                recv_counts: list[int], extra: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+                recv_counts: list[int], extra: list[torch.Tensor],
+                phase: str) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """Ship x rows (+scales, + extra per-row tensors already in send order) in one all-to-all."""
-        parts = [x.index_select(0, send_idx)] if x.element_size() > 1 else [x.view(torch.uint8).index_select(0, send_idx)]
+        rows = x if x.element_size() > 1 else x.view(torch.uint8)  # FP8 has no index_select on every device
+        parts = [rows.index_select(0, send_idx)]
         widths = [x.shape[1] * x.element_size()]
         if x_scales is not None:
             s = x_scales.index_select(0, send_idx)
@@ -117,7 +150,7 @@ class ReferenceBackend(Backend):
         for e in extra:
             parts.append(e)
             widths.append((e.shape[1] if e.dim() == 2 else 1) * e.element_size())
-        recv = self._all_to_all_rows(self._pack(parts), send_counts, recv_counts)
+        recv = self._all_to_all_rows(self._pack(parts), send_counts, recv_counts, phase)
         fields = self._unpack(recv, widths)
         recv_x = _from_bytes(fields[0], x.dtype, x.shape[1])
         recv_scales = None
@@ -140,19 +173,21 @@ class ReferenceBackend(Backend):
                 "get_dispatch_layout returned for these tokens"
             )
         # Counts: full [R, R] matrix (row i = what rank i sends to each rank) and per-local-expert counts.
-        matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64))
+        matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64), "dispatch/rank-counts")
         rank_prefix_matrix = torch.cumsum(matrix, 0).to(torch.int32)
         recv_counts = matrix[:, me].tolist()
         expert_counts = self._all_to_all_rows(req.num_tokens_per_expert.to(torch.int64).view(R, E_loc),
-                                              [1] * R, [1] * R)
+                                              [1] * R, [1] * R, "dispatch/expert-counts")
         per_expert = expert_counts.sum(0).tolist()
         counts_list = [_align(int(c), req.expert_alignment) for c in per_expert]
 
         send_idx, send_counts = self._send_order(req.is_token_in_rank)
         extra = [send_idx.to(torch.int32)]
         if req.topk_idx is not None:
+            assert req.topk_weights is not None  # Buffer checks they come together
             extra += [req.topk_idx.index_select(0, send_idx), req.topk_weights.index_select(0, send_idx)]
-        recv_x, recv_scales, rest = self._move_x(req.x, req.x_scales, send_idx, send_counts, recv_counts, extra)
+        recv_x, recv_scales, rest = self._move_x(req.x, req.x_scales, send_idx, send_counts, recv_counts, extra,
+                                                 "dispatch/rows")
         recv_src_idx = _from_bytes(rest[0], torch.int32, None)
         n_recv = recv_x.shape[0]
         recv_idx = recv_w = None
@@ -173,7 +208,8 @@ class ReferenceBackend(Backend):
             dst, tok = torch.nonzero(req.is_token_in_rank.t(), as_tuple=True)
             per_dst_channel.index_put_((dst, channel_of[tok]), torch.ones_like(dst), accumulate=True)
         channel_prefix_matrix = torch.cumsum(per_dst_channel, 1).to(torch.int32)
-        from_src = self._all_to_all_rows(channel_prefix_matrix.to(torch.int64), [1] * R, [1] * R)  # [R(src), C]
+        from_src = self._all_to_all_rows(channel_prefix_matrix.to(torch.int64), [1] * R, [1] * R,
+                                         "dispatch/channel-matrix")  # [R(src), C]
         recv_channel_prefix_matrix = torch.cat([from_src.new_zeros((R, 1)), from_src[:, :-1]], 1).to(torch.int32)
         send_head = torch.where(req.is_token_in_rank, torch.cumsum(req.is_token_in_rank.to(torch.int32), 0) - 1,
                                 torch.full((T, R), -1, dtype=torch.int32, device=dev)).to(torch.int32)
@@ -185,6 +221,7 @@ class ReferenceBackend(Backend):
                     f"raise it to the worst case (tokens per rank x ranks = {T * R} covers every routing)"
                 )
             pad = req.num_worst_tokens - n_recv
+            assert recv_idx is not None and recv_w is not None  # Buffer requires top-k with num_worst_tokens
             recv_x = torch.cat([recv_x, recv_x.new_zeros((pad, recv_x.shape[1]))])
             if recv_scales is not None:
                 recv_scales = torch.cat([recv_scales, recv_scales.new_zeros((pad, *recv_scales.shape[1:]))])
@@ -199,7 +236,8 @@ class ReferenceBackend(Backend):
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
         send_idx, send_counts = self._send_order(handle.is_token_in_rank)
         recv_counts = self._recv_counts(handle.rank_prefix_matrix)
-        recv_x, recv_scales, _ = self._move_x(x, x_scales, send_idx, send_counts, recv_counts, [])
+        recv_x, recv_scales, _ = self._move_x(x, x_scales, send_idx, send_counts, recv_counts, [],
+                                              "cached-dispatch/rows")
         return recv_x, recv_scales
 
     # ---------------------------------------------------------------- combine
@@ -212,7 +250,7 @@ class ReferenceBackend(Backend):
         if topk_weights is not None:
             parts.append(topk_weights[:n_real])
             widths.append(topk_weights.shape[1] * 4)
-        back = self._all_to_all_rows(self._pack(parts), recv_counts, send_counts)
+        back = self._all_to_all_rows(self._pack(parts), recv_counts, send_counts, "combine/rows")
         fields = self._unpack(back, widths)
         rows = _from_bytes(fields[0], x.dtype, x.shape[1]).float()
         T = handle.is_token_in_rank.shape[0]

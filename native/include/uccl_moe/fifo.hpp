@@ -1,0 +1,69 @@
+// GPU->CPU FIFO channel (host half; device half: fifo_device.cuh).
+//
+// A ring of `capacity` TransferCmd slots (power of two). Indices are 64-bit and never wrap in practice.
+//   head  producer index: the next slot to reserve. Producers reserve with fetch_add, so several may push at once.
+//   tail  consumer index: the number of retired commands. Only the proxy thread that owns the FIFO writes it.
+// Protocol:
+//   push      idx = head++; wait while idx - tail >= capacity (back-pressure; the producer reads its cached copy of tail
+//             first and re-reads the shared one only when the ring looks full); write word1, then word0 with release.
+//   poll(i)   (consumer, tail <= i < tail + capacity) acquire-loads word0 of slot i; non-zero and word1's valid bit set
+//             means the command is published. The proxy reads ahead of tail: commands in [tail, cursor) are in flight.
+//   pop       (consumer) zeroes the oldest slot, then release-stores tail + 1. A command is retired when it *completed*
+//             (its write landed, its QUIET drained, its BARRIER met), so check_completion(idx) = tail > idx means
+//             "idx and everything before it is done".
+// Memory: plain host memory here (CPU producers and tests). With the internode kernels the ring and tail move to
+// pinned, GPU-mapped host memory and head/tail_cache to device memory; device_handle() then returns mapped pointers.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "uccl_moe/fifo_device.cuh"
+#include "uccl_moe/transfer_cmd.hpp"
+
+namespace uccl_moe {
+
+class Fifo {
+ public:
+  /// `capacity`: power of two >= 2. `channel`: global FIFO index used in diagnostics.
+  explicit Fifo(uint32_t capacity, int channel = 0);
+  ~Fifo();
+  Fifo(const Fifo&) = delete;
+  Fifo& operator=(const Fifo&) = delete;
+
+  // ---- producer side (any thread; thread-safe) ----
+  /// Publishes `cmd` and returns its index. Blocks while the ring is full, bounded by `timeout_s` (<= 0: the
+  /// UCCL_MOE_TIMEOUT_S knob); throws Timeout (phase fifo/full) on expiry. If `abort_flag` becomes non-zero while
+  /// waiting, calls `on_abort` (which should throw the proxy's error) and then throws Transport.
+  uint64_t push(const TransferCmd& cmd, double timeout_s = 0, const std::atomic<int32_t>* abort_flag = nullptr,
+                void (*on_abort)(const void*) = nullptr, const void* on_abort_arg = nullptr);
+  /// Non-blocking push: returns false (and reserves nothing) if the ring is full. Single-producer use only.
+  bool try_push(const TransferCmd& cmd, uint64_t* idx);
+  /// True once command `idx` and every earlier command were retired.
+  bool check_completion(uint64_t idx) const;
+
+  // ---- consumer side (the owning proxy thread only) ----
+  /// Reads command `idx` if it is published. Requires tail() <= idx < tail() + capacity().
+  bool poll(uint64_t idx, TransferCmd* out) const;
+  /// Retires the oldest command (slot tail()). Requires it to have been published.
+  void pop();
+
+  uint64_t head() const { return head_.load(std::memory_order_acquire); }
+  uint64_t tail() const { return tail_.load(std::memory_order_acquire); }
+  uint32_t capacity() const { return capacity_; }
+  int channel() const { return channel_; }
+  /// Handle for a device producer (host pointers until the FIFO lives in pinned memory; see the header comment).
+  FifoDeviceHandle device_handle();
+
+ private:
+  uint32_t capacity_;
+  uint32_t mask_;
+  int channel_;
+  TransferCmd* ring_;
+  alignas(64) std::atomic<uint64_t> head_{0};
+  alignas(64) std::atomic<uint64_t> tail_{0};
+  alignas(64) std::atomic<uint64_t> tail_cache_{0};  ///< producers' cached copy of tail_ (a hint, never ahead of tail_)
+};
+
+}  // namespace uccl_moe

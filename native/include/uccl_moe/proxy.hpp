@@ -1,0 +1,103 @@
+// The CPU proxy: one per GPU, N threads (UCCL_MOE_PROXY_THREADS). Thread t owns FIFOs {g : g % N == t} and one
+// transport endpoint that talks only to thread t of every peer. Each thread loops:
+//   1. poll completions: retire sends; feed received immediates to the ordering engine, which applies counter adds
+//      (software atomics) in the order the kernels need; count barrier arrivals;
+//   2. retire FIFO commands that completed, in order (release-store of the FIFO tail);
+//   3. read new commands from its FIFOs and post them while flow control admits them;
+//   4. check timeouts: a posted command or a held counter update older than UCCL_MOE_TIMEOUT_S is an error.
+// Threads never throw: the first error is kept (code + message), the abort flag is raised, every thread stops, and the
+// next call on the Proxy (check(), counters(), stop(), Fifo waits through wait()) rethrows it. Threads are named
+// uccl-proxy-<t> and optionally pinned (UCCL_MOE_PROXY_CPUS).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "uccl_moe/bootstrap.hpp"
+#include "uccl_moe/fifo.hpp"
+#include "uccl_moe/transport.hpp"
+
+namespace uccl_moe {
+
+/// Options; zero / empty / negative values mean "take the environment knob".
+struct ProxyOptions {
+  int rank = 0;
+  int num_ranks = 1;
+  int ranks_per_node = 0;         ///< for same-rail barriers; 0 = num_ranks (one node)
+  int num_threads = 0;            ///< UCCL_MOE_PROXY_THREADS
+  int fifos_per_thread = 0;       ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
+  int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
+  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
+  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
+  double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
+  std::string transport;          ///< UCCL_MOE_TRANSPORT
+  std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)
+  std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
+  uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
+  void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
+};
+
+/// Monotone counters, summed over threads (per-thread values from thread_counters()).
+struct ProxyCounters {
+  uint64_t commands = 0;        ///< FIFO commands retired
+  uint64_t writes = 0;          ///< WRITE commands posted
+  uint64_t atomics = 0;         ///< ATOMIC commands posted
+  uint64_t bytes = 0;           ///< payload bytes posted
+  uint64_t recv_imms = 0;       ///< immediates received
+  uint64_t reorders = 0;        ///< HT writes that arrived ahead of an earlier one of their channel
+  uint64_t held_updates = 0;    ///< counter updates the ordering engine had to hold
+  uint64_t applied_updates = 0; ///< counter updates applied (software atomics)
+  uint64_t stalls = 0;          ///< times flow control held a command at the sender
+  uint64_t barriers = 0;        ///< BARRIER commands completed
+  uint64_t peak_inflight_bytes = 0;   ///< high-water mark of a thread's in-flight bytes (max over threads)
+  uint64_t peak_inflight_window = 0;  ///< high-water mark of a FIFO's window span (max over FIFOs)
+};
+
+class Proxy {
+ public:
+  Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store);
+  ~Proxy();  ///< stops (never throws)
+  Proxy(const Proxy&) = delete;
+  Proxy& operator=(const Proxy&) = delete;
+
+  /// Connects every thread's endpoint through the store (blocking, bounded) and starts the threads.
+  void start();
+  /// Stops the threads; rethrows the first thread error if there was one.
+  void stop();
+  bool running() const;
+  /// Rethrows the first thread error (Transport / Timeout / Internal) if any.
+  void check() const;
+
+  int num_threads() const;
+  int num_fifos() const;
+  /// FIFO `idx` (0 <= idx < num_fifos()); it belongs to thread idx % num_threads().
+  Fifo& fifo(int idx);
+  /// Push from a host producer: like Fifo::push, but a proxy failure while waiting for room rethrows that failure.
+  uint64_t push(int fifo_idx, const TransferCmdFields& cmd);
+  /// Waits until command `idx` of FIFO `fifo_idx` completed; rethrows thread errors. Bounded by twice the timeout, so
+  /// a lost command is reported by the proxy thread's own diagnostic (which names it) first.
+  void wait(int fifo_idx, uint64_t idx);
+
+  void* data() const;
+  uint64_t data_bytes() const;
+  /// int64 counters[num_ranks * kCountersPerSrc]; updates from rank s to slot c land at s * kCountersPerSrc + c.
+  int64_t* counters() const;
+  uint64_t num_counters() const;
+  /// Non-zero once a thread failed (kernels poll it through a mapped pointer later).
+  const std::atomic<int32_t>& abort_flag() const;
+
+  ProxyCounters counters_total() const;
+  std::vector<ProxyCounters> thread_counters() const;
+  std::string transport_name() const;
+  const ProxyOptions& options() const;  ///< with knobs resolved
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace uccl_moe

@@ -1,0 +1,64 @@
+// Pure pieces of the ibverbs (RC) transport, exposed for unit tests: the bootstrap exchange format, the QP state
+// transitions, the MR table and WR/SGE building. ibverbs.cc wires them to VerbsOps.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <string>
+#include <vector>
+
+#include "uccl_moe/transport.hpp"
+#include "verbs_ops.hpp"
+
+namespace uccl_moe::detail {
+
+/// What one proxy thread of one rank publishes (key "<job>/ibverbs/r<rank>/t<thread>"). Blob: magic "IBV1"
+/// (0x49425631), version 1, then lid u32, gid 16 bytes, mtu u32, port u32, data addr/bytes u64 + rkey u32,
+/// counters addr/bytes u64 + rkey u32, num_ranks u32, then qpn u32 and psn u32 per rank (our QP for that peer).
+struct IbPeerInfo {
+  uint32_t lid = 0;
+  uint8_t gid[16] = {0};
+  uint32_t mtu = IBV_MTU_1024;
+  uint32_t port = 1;
+  uint64_t data_addr = 0, data_bytes = 0;
+  uint32_t data_rkey = 0;
+  uint64_t ctr_addr = 0, ctr_bytes = 0;
+  uint32_t ctr_rkey = 0;
+  std::vector<uint32_t> qpn, psn;  ///< [num_ranks]
+};
+std::string encode_peer_info(const IbPeerInfo& info);
+IbPeerInfo decode_peer_info(const std::string& blob);
+
+struct QpTransition {
+  ibv_qp_attr attr;
+  int mask;
+};
+/// RESET -> INIT: port, pkey 0, access flags for remote write and atomics.
+QpTransition rc_init(uint8_t port);
+/// INIT -> RTR towards `remote`'s QP for `my_rank`. `use_gid`: RoCE / routed IB (GRH with the peer's GID).
+QpTransition rc_rtr(const IbPeerInfo& remote, int my_rank, uint8_t port, int gid_index, bool use_gid, uint8_t sl,
+                    uint8_t traffic_class, ibv_mtu local_mtu);
+/// RTR -> RTS with our send PSN.
+QpTransition rc_rts(uint32_t my_psn);
+
+struct LocalMr {
+  uint64_t addr = 0, bytes = 0;
+  uint32_t lkey = 0;
+};
+struct RemoteMr {
+  uint64_t addr = 0, bytes = 0;
+  uint32_t rkey = 0;
+};
+
+/// Builds one send WR (and its SGE) from a proxy WorkRequest. Returns "" or why it cannot be posted (offsets outside
+/// the registered regions). The immediate goes to the wire in network order.
+std::string build_send_wr(const WorkRequest& in, const LocalMr& data, const LocalMr& scratch, const RemoteMr& rdata,
+                          const RemoteMr& rctr, ibv_send_wr* wr, ibv_sge* sge);
+
+/// The transport over a given VerbsOps (tests pass a fake).
+std::unique_ptr<Transport> create_ibverbs_transport_with(const TransportContext& ctx, std::shared_ptr<VerbsOps> ops);
+
+/// GID index from UCCL_MOE_IB_GID_INDEX ("auto" or an integer): auto = the first IPv4-mapped GID (RoCE v2), else 0.
+int resolve_gid_index(VerbsOps& ops, ibv_context* ctx, uint8_t port, int gid_table_len, const std::string& knob);
+
+}  // namespace uccl_moe::detail

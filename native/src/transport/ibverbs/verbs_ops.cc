@@ -1,0 +1,59 @@
+#include "verbs_ops.hpp"
+
+#include <cerrno>
+#include <cstring>
+
+namespace uccl_moe::detail {
+
+namespace {
+class RealVerbsOps : public VerbsOps {
+ public:
+  std::vector<std::string> device_names() override {
+    std::vector<std::string> names;
+    int n = 0;
+    ibv_device** list = ibv_get_device_list(&n);
+    if (!list) return names;
+    for (int i = 0; i < n; ++i) names.emplace_back(ibv_get_device_name(list[i]));
+    ibv_free_device_list(list);
+    return names;
+  }
+  ibv_context* open_device(const std::string& name) override {
+    int n = 0;
+    ibv_device** list = ibv_get_device_list(&n);
+    if (!list) return nullptr;
+    ibv_context* ctx = nullptr;
+    for (int i = 0; i < n; ++i)
+      if (name == ibv_get_device_name(list[i])) ctx = ibv_open_device(list[i]);
+    ibv_free_device_list(list);
+    return ctx;
+  }
+  int close_device(ibv_context* c) override { return ibv_close_device(c); }
+  int query_device(ibv_context* c, ibv_device_attr* a) override { return ibv_query_device(c, a); }
+  int query_port(ibv_context* c, uint8_t p, ibv_port_attr* a) override { return ibv_query_port(c, p, a); }
+  int query_gid(ibv_context* c, uint8_t p, int i, ibv_gid* g) override { return ibv_query_gid(c, p, i, g); }
+  ibv_pd* alloc_pd(ibv_context* c) override { return ibv_alloc_pd(c); }
+  int dealloc_pd(ibv_pd* pd) override { return ibv_dealloc_pd(pd); }
+  ibv_mr* reg_mr(ibv_pd* pd, void* a, size_t l, int acc) override { return ibv_reg_mr(pd, a, l, acc); }
+  int dereg_mr(ibv_mr* mr) override { return ibv_dereg_mr(mr); }
+  ibv_cq* create_cq(ibv_context* c, int cqe) override { return ibv_create_cq(c, cqe, nullptr, nullptr, 0); }
+  int destroy_cq(ibv_cq* cq) override { return ibv_destroy_cq(cq); }
+  ibv_qp* create_qp(ibv_pd* pd, ibv_qp_init_attr* a) override { return ibv_create_qp(pd, a); }
+  int destroy_qp(ibv_qp* qp) override { return ibv_destroy_qp(qp); }
+  int modify_qp(ibv_qp* qp, ibv_qp_attr* a, int m) override { return ibv_modify_qp(qp, a, m); }
+  int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) override { return ibv_post_send(qp, wr, bad); }
+  int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) override { return ibv_post_recv(qp, wr, bad); }
+  int poll_cq(ibv_cq* cq, int n, ibv_wc* wc) override { return ibv_poll_cq(cq, n, wc); }
+};
+}  // namespace
+
+std::shared_ptr<VerbsOps> real_verbs_ops() {
+  static std::shared_ptr<VerbsOps> ops = std::make_shared<RealVerbsOps>();
+  return ops;
+}
+
+std::string verbs_error(const char* call, int ret_or_errno) {
+  const int e = ret_or_errno > 0 ? ret_or_errno : errno;
+  return std::string(call) + ": " + std::strerror(e) + " (errno " + std::to_string(e) + ")";
+}
+
+}  // namespace uccl_moe::detail

@@ -1,0 +1,501 @@
+"""Validation of a composed config: does the parallel layout divide the model and fit the nodes?
+
+Every check is a named rule; :func:`validate` runs all of them and raises one :class:`LayoutError` that lists each
+rule that failed with the numbers involved and a fix. Rules (``RULES`` documents each one):
+
+* sizes: parallel sizes, nodes and ranks per node are >= 1;
+* model_parallel_divides_world: nodes x ranks-per-node is a multiple of TP x PP x CP;
+* expert_parallel_divides_world: ... and of ETP x EP x PP (Megatron's MoE parallel folding);
+* experts_divisible_by_ep, ep_needs_experts, router_topk, router_groups, moe_layer_freq;
+* heads_divisible_by_tp, sequence_parallel_with_tp_and_ep, sequence_length, context_parallel_sequence;
+* layers_divisible_by_pp, virtual_pipeline, pipeline_layout;
+* global_batch_divisible;
+* recompute;
+* dispatcher_router_dtype, shared_expert_overlap_dispatcher, flex_dispatcher;
+* cpu_platform;
+* env_knobs (every UCCL_MOE_* value is a known knob and parses).
+
+Memory for weights + grads + optimizer state is estimated (:mod:`uccl_moe.config.memory`); going over the
+platform's GPU memory is a warning, not an error (activation recompute, offload or a bigger layout may be
+intended), printed by the launchers.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidUsageError
+from . import schema
+from .memory import MemoryEstimate, estimate_memory, parse_moe_layer_freq
+
+log = logging.getLogger("uccl_moe.config")
+
+
+@dataclass
+class RuleFailure:
+    rule: str
+    message: str
+
+
+class MemoryWarning(UserWarning):
+    """The estimated weights + grads + optimizer state exceed the platform's GPU memory."""
+
+
+class LayoutError(InvalidUsageError):
+    """One or more validation rules failed; ``failures`` lists them (``.rule``, ``.message``)."""
+
+    def __init__(self, failures: list[RuleFailure], recipe: str) -> None:
+        self.failures = failures
+        lines = [f"config for recipe '{recipe}' is invalid ({len(failures)} rule(s) failed):"]
+        lines += [f"  rule '{f.rule}': {f.message}" for f in failures]
+        super().__init__("\n".join(lines))
+
+    @property
+    def rules(self) -> list[str]:
+        return [f.rule for f in self.failures]
+
+
+@dataclass
+class ValidationReport:
+    """What a valid config works out to."""
+
+    world_size: int
+    data_parallel_size: int
+    expert_data_parallel_size: int
+    pipeline: list[list[int]]  # layer indices per PP rank
+    memory: MemoryEstimate
+    warnings: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"world {self.world_size} ranks: DP {self.data_parallel_size}, expert DP "
+            f"{self.expert_data_parallel_size}; layers per PP rank "
+            f"{[len(x) for x in self.pipeline]}\n{self.memory.summary()}"
+        )
+
+
+RULES: dict[str, str] = {}
+_CHECKS: list[Callable[[Any, dict[str, Any]], list[str]]] = []
+
+
+def _rule(name: str, doc: str) -> Callable[[Callable[..., list[str]]], Callable[..., list[str]]]:
+    def deco(fn: Callable[..., list[str]]) -> Callable[..., list[str]]:
+        RULES[name] = doc
+        fn.rule_name = name  # type: ignore[attr-defined]
+        _CHECKS.append(fn)
+        return fn
+
+    return deco
+
+
+def _sizes(cfg: Any) -> dict[str, Any]:
+    p = cfg.parallel
+    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                      p.expert_model_parallel_size)
+    etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else tp
+    world = cfg.nodes * cfg.platform.gpus_per_node
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "world": world}
+
+
+# ----------------------------------------------------------------------------------------------------- the rules
+
+
+@_rule("sizes", "parallel sizes, nodes and ranks per node are >= 1")
+def _check_sizes(cfg: Any, s: dict[str, Any]) -> list[str]:
+    bad = [f"parallel.{k}={v}" for k, v in cfg.parallel.items()
+           if k.endswith("_size") and v is not None and isinstance(v, int) and v < 1]
+    bad += [f"{k}={v}" for k, v in (("nodes", cfg.nodes), ("platform.gpus_per_node", cfg.platform.gpus_per_node))
+            if v < 1]
+    for k in ("micro_batch_size", "global_batch_size"):
+        if cfg.parallel[k] < 1:
+            bad.append(f"parallel.{k}={cfg.parallel[k]}")
+    return [f"{', '.join(bad)} must be >= 1"] if bad else []
+
+
+@_rule("model_parallel_divides_world", "nodes x gpus_per_node is a multiple of TP x PP x CP")
+def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
+    mp = s["tp"] * s["pp"] * s["cp"]
+    if s["world"] % mp:
+        return [(f"world size {s['world']} (nodes={cfg.nodes} x platform.gpus_per_node={cfg.platform.gpus_per_node})"
+                f" is not a multiple of TP x PP x CP = {s['tp']} x {s['pp']} x {s['cp']} = {mp}; change nodes or "
+                f"the layout")]
+    return []
+
+
+@_rule("expert_parallel_divides_world", "nodes x gpus_per_node is a multiple of ETP x EP x PP")
+def _check_world_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
+    emp = s["etp"] * s["ep"] * s["pp"]
+    if s["world"] % emp:
+        return [(f"world size {s['world']} is not a multiple of ETP x EP x PP = {s['etp']} x {s['ep']} x {s['pp']} = "
+                f"{emp}; change parallel.expert_model_parallel_size or nodes")]
+    return []
+
+
+@_rule("ep_needs_experts", "EP > 1 only for MoE models")
+def _check_ep_needs_experts(cfg: Any, s: dict[str, Any]) -> list[str]:
+    if s["ep"] > 1 and not cfg.model.num_experts:
+        return [f"parallel.expert_model_parallel_size={s['ep']} but model {cfg.model.name} has no experts"]
+    return []
+
+
+@_rule("experts_divisible_by_ep", "num_experts is a multiple of EP")
+def _check_experts_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
+    e = cfg.model.num_experts
+    if e and e % s["ep"]:
+        return [(f"model.num_experts={e} is not divisible by parallel.expert_model_parallel_size={s['ep']}; "
+                f"use an EP that divides {e}")]
+    return []
+
+
+@_rule("router_topk", "1 <= moe_router_topk <= num_experts")
+def _check_topk(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    if m.num_experts and not 1 <= m.moe_router_topk <= m.num_experts:
+        return [f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]"]
+    return []
+
+
+@_rule("router_groups", "group-limited routing: groups divide the experts and leave >= top-k candidates")
+def _check_groups(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    g, gk = m.moe_router_num_groups, m.moe_router_group_topk
+    if not m.num_experts or (g is None and gk is None):
+        return []
+    if g is None or gk is None:
+        return ["model.moe_router_num_groups and model.moe_router_group_topk must be set together"]
+    out = []
+    if m.num_experts % g:
+        out.append(f"model.num_experts={m.num_experts} is not divisible by model.moe_router_num_groups={g}")
+    elif not 1 <= gk <= g:
+        out.append(f"model.moe_router_group_topk={gk} must be in [1, moe_router_num_groups={g}]")
+    elif gk * (m.num_experts // g) < m.moe_router_topk:
+        out.append(f"group_topk {gk} x {m.num_experts // g} experts per group < moe_router_topk {m.moe_router_topk}")
+    return out
+
+
+@_rule("moe_layer_freq", "moe_layer_freq gives one 0/1 per layer")
+def _check_freq(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    if not m.num_experts:
+        return []
+    try:
+        freq = parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
+    except InvalidUsageError as e:
+        return [str(e)]
+    if len(freq) != m.num_layers:
+        return [f"model.moe_layer_freq gives {len(freq)} entries but model.num_layers={m.num_layers}"]
+    if not any(freq):
+        return ["model.moe_layer_freq makes no layer MoE but model.num_experts is set"]
+    return []
+
+
+@_rule("heads_divisible_by_tp", "attention heads (and query groups) are multiples of TP")
+def _check_heads(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    out = []
+    if m.num_attention_heads % s["tp"]:
+        out.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                   f"parallel.tensor_model_parallel_size={s['tp']}")
+    if m.group_query_attention and m.num_query_groups and m.num_query_groups % s["tp"]:
+        out.append(f"model.num_query_groups={m.num_query_groups} is not divisible by TP={s['tp']}")
+    return out
+
+
+@_rule("sequence_parallel_with_tp_and_ep", "MoE with TP > 1 and EP > 1 needs sequence_parallel (Megatron asserts it)")
+def _check_sp(cfg: Any, s: dict[str, Any]) -> list[str]:
+    if cfg.model.num_experts and s["tp"] > 1 and s["ep"] > 1 and not cfg.parallel.sequence_parallel:
+        return [f"TP={s['tp']} and EP={s['ep']} need parallel.sequence_parallel=true"]
+    return []
+
+
+@_rule("sequence_length", "seq_length <= max_position_embeddings")
+def _check_seq(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    if m.seq_length > m.max_position_embeddings:
+        return [f"model.seq_length={m.seq_length} > model.max_position_embeddings={m.max_position_embeddings}"]
+    return []
+
+
+@_rule("context_parallel_sequence", "with CP > 1 the sequence splits into 2 x CP chunks")
+def _check_cp(cfg: Any, s: dict[str, Any]) -> list[str]:
+    if s["cp"] > 1 and cfg.model.seq_length % (2 * s["cp"]):
+        return [f"model.seq_length={cfg.model.seq_length} is not divisible by 2 x CP = {2 * s['cp']}"]
+    return []
+
+
+@_rule("virtual_pipeline", "VPP needs PP > 1 and divides each rank's layers")
+def _check_vpp(cfg: Any, s: dict[str, Any]) -> list[str]:
+    p = cfg.parallel
+    v = p.num_layers_per_virtual_pipeline_stage
+    if v is None:
+        return []
+    if v < 1:
+        return [f"parallel.num_layers_per_virtual_pipeline_stage={v} must be >= 1"]
+    if s["pp"] == 1:
+        return ["parallel.num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1"]
+    if p.pipeline_model_parallel_layout:
+        return ["set either parallel.pipeline_model_parallel_layout or num_layers_per_virtual_pipeline_stage"]
+    per_rank = cfg.model.num_layers / s["pp"]
+    if per_rank != int(per_rank) or int(per_rank) % v:
+        return [(f"layers per PP rank ({cfg.model.num_layers}/{s['pp']}) is not a multiple of "
+                f"num_layers_per_virtual_pipeline_stage={v}")]
+    return []
+
+
+@_rule("layers_divisible_by_pp", "the decoder layers split evenly over the pipeline stages")
+def _check_pp_layers(cfg: Any, s: dict[str, Any]) -> list[str]:
+    p = cfg.parallel
+    if p.pipeline_model_parallel_layout:
+        return []
+    L, pp = cfg.model.num_layers, s["pp"]
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is None and last is None:
+        if L % pp:
+            return [(f"model.num_layers={L} is not divisible by parallel.pipeline_model_parallel_size={pp}; use a PP "
+                    f"that divides it, decoder_first/last_pipeline_num_layers, or pipeline_model_parallel_layout")]
+        return []
+    rest_stages = pp - (first is not None) - (last is not None)
+    rest = L - (first or 0) - (last or 0)
+    if rest < 0 or (rest_stages <= 0 and rest != 0) or (rest_stages > 0 and rest % rest_stages):
+        return [(f"after decoder_first/last_pipeline_num_layers ({first}/{last}) the remaining {rest} layers do not "
+                f"split evenly over {rest_stages} middle stage(s)")]
+    return []
+
+
+@_rule("pipeline_layout", "an explicit pipeline layout has PP x VPP stages, num_layers 't' and mtp_num_layers 'm'")
+def _check_layout(cfg: Any, s: dict[str, Any]) -> list[str]:
+    layout = cfg.parallel.pipeline_model_parallel_layout
+    if not layout:
+        return []
+    try:
+        stages = parse_pipeline_layout(layout)
+    except InvalidUsageError as e:
+        return [str(e)]
+    out = []
+    if len(stages) % s["pp"]:
+        out.append(f"layout has {len(stages)} stages, not a multiple of PP={s['pp']}")
+    n_t = sum(st.count("t") for st in stages)
+    if n_t != cfg.model.num_layers:
+        out.append(f"layout has {n_t} decoder layers ('t') but model.num_layers={cfg.model.num_layers}")
+    n_m = sum(st.count("m") for st in stages)
+    if n_m != (cfg.model.mtp_num_layers or 0):
+        out.append(f"layout has {n_m} MTP layers ('m') but model.mtp_num_layers={cfg.model.mtp_num_layers}")
+    if not stages[0].startswith("E"):
+        out.append("layout must start with the embedding 'E'")
+    if not stages[-1].endswith("L"):
+        out.append("layout must end with the loss 'L'")
+    return out
+
+
+@_rule("global_batch_divisible", "global_batch_size is a multiple of micro_batch_size x DP")
+def _check_gbs(cfg: Any, s: dict[str, Any]) -> list[str]:
+    mp = s["tp"] * s["pp"] * s["cp"]
+    if s["world"] % mp:
+        return []  # reported by model_parallel_divides_world
+    dp = s["world"] // mp
+    p = cfg.parallel
+    if p.global_batch_size % (p.micro_batch_size * dp):
+        return [(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of micro_batch_size x DP = "
+                f"{p.micro_batch_size} x {dp} = {p.micro_batch_size * dp}")]
+    return []
+
+
+@_rule("recompute", "full recompute names a method and a layer count; a method needs full granularity")
+def _check_recompute(cfg: Any, s: dict[str, Any]) -> list[str]:
+    p = cfg.parallel
+    g, meth, n = p.recompute_granularity, p.recompute_method, p.recompute_num_layers
+    full = g == schema.RecomputeGranularity.full
+    if meth is not None and not full:
+        return [f"parallel.recompute_method={meth.name} needs recompute_granularity=full"]
+    if full and (meth is None or n is None):
+        return ["parallel.recompute_granularity=full needs recompute_method and recompute_num_layers"]
+    if full and meth == schema.RecomputeMethod.block and n is not None:
+        per_rank = cfg.model.num_layers // s["pp"]
+        if n > max(per_rank, 1):
+            return [f"parallel.recompute_num_layers={n} > layers per pipeline rank {per_rank}"]
+    return []
+
+
+@_rule("dispatcher_router_dtype", "uccl and flex dispatchers take fp32 top-k weights: model.moe_router_dtype=fp32")
+def _check_router_dtype(cfg: Any, s: dict[str, Any]) -> list[str]:
+    t = cfg.dispatcher.moe_token_dispatcher_type
+    needs_fp32 = t in (schema.DispatcherType.uccl, schema.DispatcherType.flex) and cfg.model.num_experts
+    if needs_fp32 and cfg.model.moe_router_dtype != schema.RouterDtype.fp32:
+        return [f"dispatcher {t.name} needs model.moe_router_dtype=fp32 (got {cfg.model.moe_router_dtype})"]
+    return []
+
+
+@_rule("shared_expert_overlap_dispatcher", "moe_shared_expert_overlap works with alltoall, flex and uccl only")
+def _check_overlap(cfg: Any, s: dict[str, Any]) -> list[str]:
+    d = cfg.dispatcher
+    if d.moe_shared_expert_overlap:
+        if d.moe_token_dispatcher_type == schema.DispatcherType.allgather:
+            return ["dispatcher.moe_shared_expert_overlap=true does not work with the allgather dispatcher"]
+        if not cfg.model.moe_shared_expert_intermediate_size:
+            return ["dispatcher.moe_shared_expert_overlap=true but the model has no shared expert"]
+    return []
+
+
+@_rule("flex_dispatcher", "flex needs TP x EP > 1, a backend, and CUDA")
+def _check_flex(cfg: Any, s: dict[str, Any]) -> list[str]:
+    d = cfg.dispatcher
+    if d.moe_token_dispatcher_type != schema.DispatcherType.flex:
+        return []
+    out = []
+    if s["tp"] * s["ep"] <= 1:
+        out.append("the flex dispatcher needs TP x EP > 1")
+    if d.moe_flex_dispatcher_backend is None and not d.moe_enable_deepep:
+        out.append("set dispatcher.moe_flex_dispatcher_backend (deepep or hybridep)")
+    return out
+
+
+@_rule("cpu_platform", "CPU runs use local layers, no fused CUDA features, and uccl's reference backend")
+def _check_cpu(cfg: Any, s: dict[str, Any]) -> list[str]:
+    pl, m, d = cfg.platform, cfg.model, cfg.dispatcher
+    if pl.accelerator != schema.Accelerator.cpu:
+        return []
+    out = []
+    if pl.distributed_backend != schema.DistributedBackend.gloo:
+        out.append("platform.distributed_backend must be gloo on CPU")
+    if pl.transformer_impl != schema.TransformerImpl.local:
+        out.append("platform.transformer_impl must be local on CPU (TransformerEngine needs CUDA)")
+    if pl.gradient_accumulation_fusion:
+        out.append("platform.gradient_accumulation_fusion must be false on CPU")
+    for k in ("moe_grouped_gemm", "moe_permute_fusion"):
+        if m[k]:
+            out.append(f"model.{k}=true needs TransformerEngine/CUDA; set model.{k}=false on CPU")
+    if d.moe_token_dispatcher_type == schema.DispatcherType.flex:
+        out.append("the flex dispatcher (DeepEP) needs CUDA GPUs; use dispatcher=uccl, alltoall or allgather")
+    if d.moe_token_dispatcher_type == schema.DispatcherType.uccl and d.moe_uccl_backend == schema.UcclBackend.native:
+        out.append("dispatcher.moe_uccl_backend=native needs GPUs; use reference (or auto) on CPU")
+    return out
+
+
+@_rule("env_knobs", "every UCCL_MOE_* value is a knob of uccl_moe/env_knobs.def and parses")
+def _check_env(cfg: Any, s: dict[str, Any]) -> list[str]:
+    from ..env import KNOBS
+
+    out = []
+    for where, env in (("platform.env", cfg.platform.env), ("platform.uccl_env", cfg.platform.uccl_env),
+                       ("dispatcher", knob_env(cfg.dispatcher))):
+        for k, v in env.items():
+            if not k.startswith("UCCL_MOE_"):
+                continue
+            name = k[len("UCCL_MOE_"):]
+            if name not in KNOBS:
+                out.append(f"{where}: {k} is not a uccl-moe knob (see `python -m uccl_moe.env`)")
+                continue
+            try:
+                KNOBS[name].parse(str(v))
+            except InvalidUsageError as e:
+                out.append(f"{where}: {e}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def knob_env(dispatcher: Any) -> dict[str, str]:
+    """The env vars set by the dispatcher's knob fields (those with metadata ``env``), None ones left out."""
+    import dataclasses
+
+    out = {}
+    for f in dataclasses.fields(schema.DispatcherConfig):
+        env = f.metadata.get("env")
+        if env and dispatcher[f.name] is not None:
+            out[env] = str(dispatcher[f.name])
+    return out
+
+
+def parse_pipeline_layout(layout: str) -> list[str]:
+    """Expand Megatron's pipeline layout DSL into one token string per (virtual) stage.
+
+    Stages are separated by ``|``; ``E`` embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss; ``(X)*n`` and
+    ``x*n`` repeat; commas and spaces are cosmetic. ``"Et|(tt|)*2,mL"`` -> ``["Et", "tt", "tt", "mL"]``.
+    """
+    text = re.sub(r"[,\s]", "", layout)
+    for _ in range(100):
+        new = re.sub(r"\(([^()]*)\)\*(\d+)", lambda mo: mo.group(1) * int(mo.group(2)), text)
+        if new == text:
+            break
+        text = new
+    text = re.sub(r"([EtmL])\*(\d+)", lambda mo: mo.group(1) * int(mo.group(2)), text)
+    if not re.fullmatch(r"[EtmL|]*", text):
+        raise InvalidUsageError(f"parallel.pipeline_model_parallel_layout={layout!r}: only E t m L | ( ) * digits "
+                                f"and commas are allowed")
+    return text.split("|")
+
+
+def pipeline_assignment(cfg: Any) -> list[list[int]]:
+    """Decoder layer indices held by each PP rank (virtual stages v go to rank v % PP)."""
+    p, L = cfg.parallel, cfg.model.num_layers
+    pp = p.pipeline_model_parallel_size
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    if p.pipeline_model_parallel_layout:
+        i = 0
+        for v, st in enumerate(parse_pipeline_layout(p.pipeline_model_parallel_layout)):
+            for _ in range(st.count("t")):
+                ranks[v % pp].append(i)
+                i += 1
+        return ranks
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        sizes = [0] * pp
+        rest_stages = pp - (first is not None) - (last is not None)
+        rest = L - (first or 0) - (last or 0)
+        for r in range(pp):
+            if r == 0 and first is not None:
+                sizes[r] = first
+            elif r == pp - 1 and last is not None:
+                sizes[r] = last
+            else:
+                sizes[r] = rest // max(rest_stages, 1)
+        i = 0
+        for r, n in enumerate(sizes):
+            ranks[r] = list(range(i, i + n))
+            i += n
+        return ranks
+    vpp = p.num_layers_per_virtual_pipeline_stage or max(L // pp, 1)
+    for i in range(L):
+        ranks[(i // vpp) % pp].append(i)
+    return ranks
+
+
+def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
+    """Run every rule on composed config `cfg`; raise :class:`LayoutError` naming each failed rule.
+
+    Returns the derived sizes and the memory estimate. When the estimate exceeds ``platform.gpu_memory_gb`` a
+    warning is added to the report (and issued through ``warnings`` when `warn`).
+    """
+    s = _sizes(cfg)
+    failures: list[RuleFailure] = []
+    for check in _CHECKS:
+        try:
+            msgs = check(cfg, s)
+        except ZeroDivisionError:
+            msgs = []  # a size < 1 reported by 'sizes'
+        failures += [RuleFailure(check.rule_name, msg) for msg in msgs]  # type: ignore[attr-defined]
+    if failures:
+        raise LayoutError(failures, str(cfg.meta.recipe))
+    assignment = pipeline_assignment(cfg)
+    memory = estimate_memory(cfg, assignment, s["world"])
+    report = ValidationReport(
+        world_size=s["world"],
+        data_parallel_size=s["world"] // (s["tp"] * s["pp"] * s["cp"]),
+        expert_data_parallel_size=s["world"] // (s["etp"] * s["ep"] * s["pp"]),
+        pipeline=assignment,
+        memory=memory,
+    )
+    if not memory.fits:
+        msg = (f"memory: recipe '{cfg.meta.recipe}' needs ~{memory.total_gb:.1f} GB per GPU for weights, grads and "
+               f"optimizer state alone, more than platform {cfg.platform.name}'s {memory.gpu_memory_gb:g} GB; use "
+               f"more nodes / a larger EP or PP, parallel.use_distributed_optimizer=true, or a smaller model")
+        report.warnings.append(msg)
+        if warn:
+            warnings.warn(msg, MemoryWarning, stacklevel=2)
+    return report

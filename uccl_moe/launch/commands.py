@@ -1,0 +1,203 @@
+"""The launch subcommands of ``uccl-moe``: train (this host), slurm (sbatch), primus (experiment YAML),
+render-recipes (the committed ``recipes/`` folder)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..cli import subcommand
+from ..config import compose, expand_sweeps, to_yaml, validate
+from ..config.compose import config_dir
+from ..config.validate import MemoryWarning, ValidationReport
+from ..errors import InvalidUsageError
+from .local import check_devices, child_env, format_command, torchrun_command
+from .megatron_args import launch_env
+from .primus import entry_lookup, primus_command, render_primus_yaml
+from .slurm import render_primus_sbatch, render_sbatch
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=dsv3_h200_efa_4n nodes=8")
+    p.add_argument("--config-dir", type=Path, default=None, help="config tree (default: the checkout's configs/)")
+    p.add_argument("--run-dir", type=Path, default=None, help="where to write (default: runs/<recipe>/<time>)")
+    p.add_argument("--quiet", action="store_true", help="do not print the resolved config")
+
+
+def compose_and_validate(overrides: list[str], directory: Path | None, quiet: bool = True) -> tuple[Any, Any]:
+    """Compose, validate, and print the summary (and the resolved config unless `quiet`)."""
+    cfg = compose(overrides, directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemoryWarning)
+        report = validate(cfg, warn=False)
+    if not quiet:
+        print(f"# resolved config (recipe {cfg.meta.recipe})\n{to_yaml(cfg)}", file=sys.stderr)
+    print(report.summary(), file=sys.stderr)
+    for w in report.warnings:
+        print(f"WARNING: {w}", file=sys.stderr)
+    return cfg, report
+
+
+def summary_text(report: ValidationReport) -> str:
+    return "\n".join([report.summary(), *(f"WARNING: {w}" for w in report.warnings)])
+
+
+def _default_run_dir(cfg: Any, base: Path | None, tag: str = "") -> Path:
+    if base is not None:
+        return base / tag if tag else base
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / str(cfg.meta.recipe) / (stamp + (f"-{tag}" if tag else ""))
+
+
+def _rel(path: Path) -> str:
+    """`path` relative to the current directory when inside it (so rendered scripts work from the submit dir)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _no_sweeps(overrides: list[str], what: str) -> None:
+    if len(expand_sweeps(overrides)) > 1:
+        raise InvalidUsageError(f"`uccl-moe {what}` runs one config; sweep syntax (a,b) works with `uccl-moe slurm`")
+
+
+# ------------------------------------------------------------------------------------------------------- train
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
+
+
+@subcommand("train", "train on this host: torchrun with the rendered Megatron arguments", _train_args)
+def train(args: argparse.Namespace) -> int:
+    _no_sweeps(args.overrides, "train")
+    cfg, _report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet or args.dry_run)
+    cmd = torchrun_command(cfg)
+    env = child_env(cfg)
+    if args.dry_run:
+        print("# environment")
+        for k, v in env.items():
+            print(f"{k}={v}")
+        print("# command")
+        print(format_command(cmd, {}))
+        return 0
+    check_devices(cfg)
+    run_dir = _default_run_dir(cfg, args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    (run_dir / "command.sh").write_text("#!/bin/bash\n" + format_command(cmd, env) + "\n")
+    print(f"run directory: {run_dir}", file=sys.stderr)
+    proc = subprocess.run(cmd, env={**os.environ, **env}, check=False)
+    return proc.returncode
+
+
+# ------------------------------------------------------------------------------------------------------- slurm
+
+
+def _slurm_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--submit", action="store_true", help="submit the rendered script(s) with sbatch")
+
+
+def _submit(script: Path) -> None:
+    if shutil.which("sbatch") is None:
+        raise InvalidUsageError("--submit needs `sbatch` on PATH (run on a Slurm login node) or submit the script "
+                                f"by hand: sbatch {script}")
+    out = subprocess.run(["sbatch", str(script)], check=True, capture_output=True, text=True)
+    print(out.stdout.strip())
+
+
+@subcommand("slurm", "render an sbatch script (one srun task per node, torchrun per node); --submit sends it",
+            _slurm_args)
+def slurm(args: argparse.Namespace) -> int:
+    combos = expand_sweeps(args.overrides)
+    scripts = []
+    for i, overrides in enumerate(combos):
+        cfg, report = compose_and_validate(overrides, args.config_dir, quiet=args.quiet or len(combos) > 1)
+        tag = f"{i:03d}" if len(combos) > 1 else ""
+        run_dir = _default_run_dir(cfg, args.run_dir, tag)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        script = run_dir / "job.sbatch"
+        script.write_text(render_sbatch(cfg, summary_text(report)))
+        print(f"wrote {script}  ({' '.join(overrides)})")
+        scripts.append(script)
+    if args.submit:
+        for s in scripts:
+            _submit(s)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ primus
+
+
+def _primus_args(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--submit", action="store_true", help="submit the rendered primus.sbatch with sbatch")
+
+
+def write_primus(cfg: Any, report: ValidationReport, out_dir: Path, rel_dir: str) -> tuple[Path, Path, list[str]]:
+    """Write ``primus_exp.yaml`` and ``primus.sbatch`` into `out_dir`; `rel_dir` is how scripts refer to it."""
+    exp_rel = f"{rel_dir}/primus_exp.yaml"
+    lines = [
+        f"export {entry_lookup(cfg)}",
+        " ".join(primus_command(cfg, exp_rel)) + "   # one node",
+        f"sbatch {rel_dir}/primus.sbatch   # {cfg.nodes} node(s); paths are relative to the submit directory",
+    ]
+    exp = out_dir / "primus_exp.yaml"
+    exp.write_text(render_primus_yaml(cfg, lines, summary_text(report)))
+    sb = out_dir / "primus.sbatch"
+    sb.write_text(render_primus_sbatch(cfg, exp_rel, summary_text(report)))
+    return exp, sb, lines
+
+
+@subcommand("primus", "render a Primus experiment YAML + the primus-cli command that uses uccl-moe's entry",
+            _primus_args)
+def primus(args: argparse.Namespace) -> int:
+    _no_sweeps(args.overrides, "primus")
+    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet)
+    run_dir = _default_run_dir(cfg, args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    exp, sb, lines = write_primus(cfg, report, run_dir, _rel(run_dir))
+    print(f"wrote {exp}\nwrote {sb}\n# run it with:")
+    for line in lines:
+        print(line)
+    if args.submit:
+        _submit(sb)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- render-recipes
+
+
+def _render_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: recipes/ of the checkout)")
+    p.add_argument("--check", action="store_true", help="render to a temp dir and fail if recipes/ differs")
+
+
+@subcommand("render-recipes", "regenerate the committed recipes/ folder (sbatch + Primus YAML per headline recipe)",
+            _render_args)
+def render_recipes(args: argparse.Namespace) -> int:
+    from .render_all import check, render_all
+
+    if args.check:
+        diffs = check(args.out)
+        for d in diffs:
+            print(d, file=sys.stderr)
+        return 1 if diffs else 0
+    for path in render_all(args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+__all__ = ["compose_and_validate", "config_dir", "launch_env", "write_primus"]

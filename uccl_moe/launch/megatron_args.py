@@ -1,0 +1,130 @@
+"""Render a composed config into Megatron's argv and the launch environment.
+
+Every schema field marked as a Megatron argument is rendered as ``--name-with-hyphens value`` (see
+:mod:`uccl_moe.config.schema` for the rule and its exceptions); ``None`` values are left to Megatron's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import shlex
+from typing import Any
+
+from ..config import schema
+from ..config.validate import knob_env
+
+ARG_GROUPS: tuple[str, ...] = ("model", "parallel", "dispatcher", "train", "platform")
+"""Groups whose fields render as Megatron arguments, in argv order."""
+
+
+def flag(name: str) -> str:
+    """``moe_router_topk`` -> ``--moe-router-topk``."""
+    return "--" + name.replace("_", "-")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+def megatron_args(cfg: Any) -> list[tuple[str, Any]]:
+    """The ``(dest, value)`` pairs that render as arguments (None left out), in argv order. Enum values are
+    plain strings; booleans stay booleans."""
+    out: list[tuple[str, Any]] = []
+    for group in ARG_GROUPS:
+        cls = schema.GROUPS[group]
+        node = cfg[group]
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("arg"):
+                continue
+            v = node[f.name]
+            if v is None:
+                continue
+            out.append((f.name, v.value if isinstance(v, enum.Enum) else v))
+    return out
+
+
+def megatron_dests(cfg: Any) -> dict[str, Any]:
+    """What Megatron's parser must produce for `cfg`: ``{args attribute: value}`` (``dest``/``invert`` metadata
+    applied). Used by the tests that parse the rendered argv with Megatron's own parser."""
+    out: dict[str, Any] = {}
+    for group in ARG_GROUPS:
+        for f in dataclasses.fields(schema.GROUPS[group]):
+            if not f.metadata.get("arg"):
+                continue
+            v = cfg[group][f.name]
+            if v is None:
+                continue
+            v = v.value if isinstance(v, enum.Enum) else v
+            if f.metadata.get("invert"):
+                v = not v
+            out[f.metadata.get("dest", f.name)] = v
+    return out
+
+
+def megatron_argv(cfg: Any) -> list[str]:
+    """Megatron command-line arguments for `cfg` (no program name)."""
+    argv: list[str] = []
+    for group in ARG_GROUPS:
+        cls = schema.GROUPS[group]
+        node = cfg[group]
+        for f in dataclasses.fields(cls):
+            if not f.metadata.get("arg"):
+                continue
+            v = node[f.name]
+            if v is None:
+                continue
+            false_flag = f.metadata.get("false_flag")
+            if isinstance(v, bool):
+                if false_flag:
+                    if not v:
+                        argv.append(false_flag)
+                elif v:
+                    argv.append(flag(f.name))
+                continue
+            argv += [flag(f.name), _value(v)]
+    argv += [str(a) for a in cfg.platform.extra_args]
+    argv += [str(a) for a in cfg.train.extra_args]
+    return argv
+
+
+def launch_env(cfg: Any) -> dict[str, str]:
+    """Environment a run exports: platform.env, plus platform.uccl_env and the dispatcher's knob fields when the
+    dispatcher is uccl (explicit dispatcher fields win). Sorted by name."""
+    env = {str(k): str(v) for k, v in cfg.platform.env.items()}
+    if cfg.dispatcher.moe_token_dispatcher_type == schema.DispatcherType.uccl:
+        env.update({str(k): str(v) for k, v in cfg.platform.uccl_env.items()})
+        env.update(knob_env(cfg.dispatcher))
+    return dict(sorted(env.items()))
+
+
+def entry_argv(cfg: Any) -> list[str]:
+    """``train.entry`` as argv tokens: ``-m uccl_moe.megatron.train_gpt`` or ``path/to/pretrain_gpt.py``."""
+    tokens = shlex.split(str(cfg.train.entry))
+    if not tokens or (tokens[0] == "-m" and len(tokens) != 2) or (tokens[0] != "-m" and len(tokens) != 1):
+        from ..errors import InvalidUsageError
+
+        raise InvalidUsageError(
+            f"train.entry={cfg.train.entry!r} must be '-m <module>' or one script path, e.g. "
+            f"'-m uccl_moe.megatron.train_gpt' or '/path/to/Megatron-LM/pretrain_gpt.py'"
+        )
+    return tokens
+
+
+def training_command(cfg: Any) -> list[str]:
+    """What each rank runs after the python interpreter.
+
+    * ``train.entry = "-m <module>"`` (default ``-m uccl_moe.megatron.train_gpt``, our wheel-only GPT-MoE entry, which
+      calls ``uccl_moe.megatron.install()`` itself): ``-m <module> <megatron args>``.
+    * ``train.entry = <script path>`` (e.g. Megatron-LM's ``pretrain_gpt.py``): through the installing wrapper,
+      ``-m uccl_moe.megatron.pretrain <script> <megatron args>``, which calls ``install()`` (adds
+      ``--moe-token-dispatcher-type uccl`` and the ``--moe-uccl-*`` arguments) and then runs the script.
+    """
+    entry = entry_argv(cfg)
+    if entry[0] == "-m":
+        return [*entry, *megatron_argv(cfg)]
+    return ["-m", "uccl_moe.megatron.pretrain", *entry, *megatron_argv(cfg)]
