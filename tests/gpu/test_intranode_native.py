@@ -18,7 +18,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers.gpu_shared_mp import run_shared_gpu_ranks
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,8 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -42,7 +43,8 @@ def run_shared_gpu_ranks(fn: Callable[..., Any], world: int, *args: Any, env: di
     errq = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as d:
         init_file = os.path.join(d, "init")
-        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, env or {}, errq)) for r in range(world)]
+        procs = [ctx.Process(target=_entry, args=(r, world, init_file, fn, args, env or {}, errq))
+                 for r in range(world)]
         for p in procs:
             p.start()
         # Join, but stop at the first failing rank: its peers would otherwise block in a collective.

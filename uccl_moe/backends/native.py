@@ -116,7 +116,8 @@ class NativeBackend(Backend):
     def _launch_dispatch(self, num_sms: int, config: Any, x: torch.Tensor, x_scales: torch.Tensor | None,
                          topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
                          is_token_in_rank: torch.Tensor, rank_prefix: torch.Tensor, recv_lane_start: torch.Tensor,
-                         num_experts: int, rows: int, with_meta: bool, send_head: torch.Tensor | None):
+                         num_experts: int, rows: int, with_meta: bool,
+                         send_head: torch.Tensor | None) -> tuple[Any, ...]:
         T = x.shape[0]
         dev = x.device
         K = topk_idx.shape[1] if topk_idx is not None else 0

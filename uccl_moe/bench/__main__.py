@@ -23,7 +23,6 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
 
 from ._run import _plot, _table, _worker
 

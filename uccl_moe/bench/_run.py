@@ -7,13 +7,14 @@ import itertools
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 FLUSH_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------------ per rank
-def _time_op(fn, flush, iters: int, warmup: int) -> float:
+def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> float:
     """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream)."""
     import torch
 
@@ -28,10 +29,11 @@ def _time_op(fn, flush, iters: int, warmup: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
-def _point(buf, rank: int, R: int, gloo, T: int, H: int, E: int, K: int, dtype: str, cfg, args) -> dict[str, Any]:
+def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, cfg: Any,
+           args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -102,7 +104,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _peer_copy_ceiling(buf, rank: int, R: int, gloo, nbytes: int, args) -> float:
+def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args: argparse.Namespace) -> float:
     """One-way copy-engine GB/s from rank 0 into rank 1's NVL buffer (others idle)."""
     import torch
     import torch.distributed as dist

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from uccl_moe.bench._run import _summarise, _table
 from uccl_moe.bench.__main__ import build_parser, main
+from uccl_moe.bench._run import _summarise, _table
 
 
 def _rank(us: float, n_recv: int, n_remote: int) -> dict:
