@@ -1,0 +1,477 @@
+"""``UCCLTokenDispatcher``: Megatron-Core's MoE token dispatcher over :class:`uccl_moe.Buffer`.
+
+Selected with ``--moe-token-dispatcher-type uccl`` once :func:`uccl_moe.megatron.install` ran.
+
+Notation: T = tokens of this rank (S/TP * B), H = hidden, E = routed experts of the model, L = experts per EP rank,
+TP = expert tensor-parallel size, EP = expert-parallel size, R = TP * EP (the comm group), K = TP * top-k,
+N = rows this rank receives.
+
+Semantics (the same as Megatron's flex dispatcher with the DeepEP backend):
+- The comm group is the expert TP x EP group. Every token goes to *each* TP rank of the EP rank that owns one of its
+  experts; in that group, rank ``ep * TP + tp`` owns "comm experts" ``[(ep * TP + tp) * L, ... + L)``, which are copies
+  of model experts ``[ep * L, ep * L + L)``. So the top-k of the comm group is ``K = TP * top-k`` over ``R * L``
+  experts.
+- ``routing_map`` (not ``probs``) decides the selection; a token that capacity dropping removed from an expert has no
+  slot there, and rows with fewer than K selections are padded with -1.
+- Experts multiply their outputs by the probs (Megatron's contract), so combine is a plain sum over the ranks a token
+  went to (under expert TP the TP ranks' partial sums add up to the full result).
+- Autograd: dispatch's backward is a combine that also returns the gradient of the top-k weights; combine's backward
+  is a cached-layout dispatch.
+
+Streams (GPU): every Buffer call runs on the Buffer's comm stream with ``previous_event`` = the current stream,
+``async_finish=True`` and ``allocate_on_comm_stream=True``. The compute stream waits for the dispatch only in
+``dispatch_postprocess`` and for the combine only in ``combine_postprocess``, so with ``--moe-shared-expert-overlap``
+the shared expert runs on its own stream while tokens are in flight (the hook order of Megatron's flex dispatcher).
+On CPU (gloo) the same code runs; events are already complete there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+from ..errors import InvalidUsageError
+from . import _compat
+from . import knobs as _knobs
+
+log = logging.getLogger("uccl_moe.megatron")
+
+DISPATCHER_TYPE = "uccl"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One Buffer per (comm group, hidden bytes), shared by every layer and every step.
+# ----------------------------------------------------------------------------------------------------------------
+_BUFFERS: list[tuple[Any, int, str, Any]] = []  # (group, hidden_bytes, backend, Buffer)
+_BUFFERS_LOCK = threading.Lock()
+
+
+def hidden_bytes_of(x: torch.Tensor) -> int:
+    """Bytes of one row as the size hints count them: ``H * max(element_size, 2)`` (DeepEP's rule)."""
+    return int(x.size(-1)) * max(x.element_size(), 2)
+
+
+def buffer_sizes(
+    group_size: int, hidden_bytes: int, nvl_bytes: Optional[int], rdma_bytes: Optional[int]
+) -> tuple[int, int]:
+    """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
+    configs."""
+    from uccl_moe import Buffer
+
+    configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
+    if nvl_bytes is None:
+        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+    if rdma_bytes is None:
+        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+    return nvl_bytes, rdma_bytes
+
+
+def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
+    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`), created on first use."""
+    from uccl_moe import Buffer
+
+    with _BUFFERS_LOCK:
+        for g, hb, backend, buf in _BUFFERS:
+            if g is group and hb == hidden_bytes and backend == knobs.backend:
+                return buf
+        nvl, rdma = buffer_sizes(dist.get_world_size(group), hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes)
+        log.info(
+            "creating uccl Buffer: group size %d, hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
+            dist.get_world_size(group), hidden_bytes, nvl, rdma, knobs.backend,
+        )
+        buf = Buffer(group, nvl, rdma, backend=knobs.backend)  # type: ignore[arg-type]  # validated by knobs
+        _BUFFERS.append((group, hidden_bytes, knobs.backend, buf))
+        return buf
+
+
+def clear_buffers() -> None:
+    """Forget the cached Buffers (they are destroyed when garbage collected). For tests and re-initialisation."""
+    with _BUFFERS_LOCK:
+        for *_, buf in _BUFFERS:
+            destroy = getattr(buf, "destroy", None)
+            if destroy is not None and getattr(buf, "explicitly_destroy", False):
+                destroy()
+        _BUFFERS.clear()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd functions over the Buffer.
+# ----------------------------------------------------------------------------------------------------------------
+def _capture(async_finish: bool) -> Any:
+    """``previous_event`` for a Buffer call: an event on the current stream when async, else None."""
+    if not async_finish:
+        return None
+    from uccl_moe.utils import EventHandle, EventOverlap
+
+    return EventOverlap(EventHandle())
+
+
+class _DispatchState:
+    """What one forward's dispatch leaves for the later steps (not tensors autograd must see)."""
+
+    __slots__ = ("handle", "recv_topk_idx", "tokens_per_expert", "event")
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.recv_topk_idx: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+        self.event: Any = None
+
+
+class UCCLDispatch(torch.autograd.Function):
+    """x [T, H], topk_weights [T, K] float32 -> recv_x [N, H], recv_topk_weights [N, K] float32.
+
+    ``topk_idx`` [T, K] int64 (-1 = no expert) is a non-differentiable input; the received local expert ids, the
+    per-expert counts (CPU int64 [L]), the handle and the completion event go to ``state``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_idx: torch.Tensor,
+        buffer: Any,
+        num_experts: int,
+        state: _DispatchState,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        previous_event = _capture(async_finish)
+        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = (
+            buffer.get_dispatch_layout(
+                topk_idx,
+                num_experts,
+                previous_event=previous_event,
+                async_finish=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream and async_finish,
+            )
+        )
+        recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(
+            x,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            previous_event=event if async_finish else None,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream and async_finish,
+        )
+        state.handle = handle
+        state.recv_topk_idx = recv_topk_idx
+        # The counts are a host list (the Buffer waited for them), so this is a CPU tensor: no device sync later.
+        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        state.event = event if async_finish else None
+        ctx.buffer = buffer
+        ctx.handle = handle
+        ctx.async_finish = async_finish
+        ctx.allocate_on_comm_stream = allocate_on_comm_stream
+        return recv_x, recv_topk_weights
+
+    @staticmethod
+    def backward(ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]) -> tuple:
+        previous_event = _capture(ctx.async_finish)
+        if grad_recv_topk_weights is not None:
+            grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
+        grad_x, grad_topk_weights, event = ctx.buffer.combine(
+            grad_recv_x.contiguous(),
+            ctx.handle,
+            topk_weights=grad_recv_topk_weights,
+            previous_event=previous_event,
+            async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate_on_comm_stream and ctx.async_finish,
+        )
+        if ctx.async_finish:
+            event.current_stream_wait()
+        ctx.handle = None
+        return grad_x, grad_topk_weights, None, None, None, None, None, None
+
+
+class UCCLCombine(torch.autograd.Function):
+    """x [N, H] (one row per received token, already summed over local experts) -> [T, H]: the sum over ranks."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, buffer: Any, handle: Any, state: _DispatchState, async_finish: bool, allocate: bool
+    ) -> torch.Tensor:
+        previous_event = _capture(async_finish)
+        combined, _, event = buffer.combine(
+            x,
+            handle,
+            previous_event=previous_event,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate and async_finish,
+        )
+        state.event = event if async_finish else None
+        ctx.buffer = buffer
+        ctx.handle = handle
+        ctx.async_finish = async_finish
+        ctx.allocate = allocate
+        return combined
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        previous_event = _capture(ctx.async_finish)
+        grad_x, _, _, _, _, event = ctx.buffer.dispatch(
+            grad.contiguous(),
+            handle=ctx.handle,
+            previous_event=previous_event,
+            async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate and ctx.async_finish,
+        )
+        if ctx.async_finish:
+            event.current_stream_wait()
+        ctx.handle = None
+        return grad_x, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dispatcher.
+# ----------------------------------------------------------------------------------------------------------------
+def routing_to_topk(
+    routing_map: torch.Tensor, probs: torch.Tensor, tp_size: int, ep_size: int, num_local_experts: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn Megatron's dense routing into the comm group's top-k.
+
+    Args:
+        routing_map: [T, E] bool, True where the router (after capacity dropping) selected the expert.
+        probs: [T, E] router probabilities (zero off the selection), any float dtype; may require grad.
+        tp_size, ep_size, num_local_experts: the expert TP and EP sizes and L (E = EP * L).
+        topk: the router's top-k.
+    Returns:
+        topk_idx: [T, TP * topk] int64, comm-group expert ids in ascending order, -1 for empty slots (dropped tokens).
+        topk_weights: [T, TP * topk] float32, the probs of those slots (0 where the id is -1); differentiable.
+    """
+    num_tokens = routing_map.shape[0]
+    k = tp_size * topk
+
+    def expand(t: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, EP * TP * L]: copy each EP rank's block per TP rank
+        return (
+            t.reshape(num_tokens, ep_size, 1, num_local_experts)
+            .expand(-1, -1, tp_size, -1)
+            .reshape(num_tokens, ep_size * tp_size * num_local_experts)
+        )
+
+    selected = expand(routing_map).to(torch.int8)
+    # Stable descending sort puts the selected experts first, in ascending id order; at most k per row.
+    flags, order = torch.sort(selected, dim=1, descending=True, stable=True)
+    flags, order = flags[:, :k].bool(), order[:, :k]
+    topk_idx = torch.where(flags, order, torch.full_like(order, -1))
+    weights = torch.gather(expand(probs), 1, order).float()
+    topk_weights = torch.where(flags, weights, torch.zeros_like(weights))
+    return topk_idx.contiguous(), topk_weights.contiguous()
+
+
+class UCCLTokenDispatcher(MoETokenDispatcher):
+    """Megatron MoE token dispatcher over :class:`uccl_moe.Buffer` (``--moe-token-dispatcher-type uccl``).
+
+    Args:
+        num_local_experts: L, experts on this EP rank.
+        local_expert_indices: their global ids, ``ep_rank * L + i``.
+        config: the layer's TransformerConfig (``moe_uccl_*`` knobs are read from it or from Megatron's args).
+        pg_collection: Megatron's process groups (``ep``, ``expt_tp``, ``tp_ep``); the default groups when None.
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        local_expert_indices: list[int],
+        config: Any,
+        pg_collection: Optional[Any] = None,
+    ) -> None:
+        if pg_collection is None:
+            pg_collection = _compat.default_pg_collection()
+        super().__init__(config=config, **_compat.base_dispatcher_kwargs(pg_collection))
+        self.num_local_experts = int(num_local_experts)
+        self.local_expert_indices = list(local_expert_indices)
+        if self.num_local_experts <= 0 or len(self.local_expert_indices) != self.num_local_experts:
+            raise InvalidUsageError(
+                f"UCCLTokenDispatcher got num_local_experts={num_local_experts} and {len(self.local_expert_indices)} "
+                f"local_expert_indices: they must agree and be > 0"
+            )
+        self.router_topk = int(config.moe_router_topk)
+        self.num_moe_experts = int(config.num_moe_experts)
+        if self.num_moe_experts != self.ep_size * self.num_local_experts:
+            raise InvalidUsageError(
+                f"num_moe_experts={self.num_moe_experts} is not expert_model_parallel_size={self.ep_size} x "
+                f"num_local_experts={self.num_local_experts}"
+            )
+        self.comm_group = self.tp_ep_group
+        self.comm_size = dist.get_world_size(self.comm_group)
+        ep_rank = dist.get_rank(self.ep_group)
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
+        comm_rank = dist.get_rank(self.comm_group)
+        if self.comm_size != self.tp_size * self.ep_size or comm_rank != ep_rank * self.tp_size + tp_rank:
+            raise InvalidUsageError(
+                f"the expert TPxEP group does not have the layout uccl needs (rank = ep_rank * TP + tp_rank): "
+                f"group size {self.comm_size}, rank {comm_rank}, ep_rank {ep_rank}, "
+                f"tp_rank {tp_rank}, TP {self.tp_size}, EP {self.ep_size}"
+            )
+        self.num_comm_experts = self.comm_size * self.num_local_experts
+        self.knobs = _knobs.resolve(config)
+        if self.knobs.num_sms is not None:
+            from uccl_moe import Buffer
+
+            Buffer.set_num_sms(self.knobs.num_sms)
+        self.async_finish = True
+        self.allocate_on_comm_stream = True
+        self._buffer: Any = None
+        self._state = _DispatchState()
+        self._topk_idx: Optional[torch.Tensor] = None
+        self._routing_map: Optional[torch.Tensor] = None
+        self._reversed_mapping: Optional[torch.Tensor] = None
+        self._buffer_hidden_bytes = 0
+        self.cudagraph_attrs = ["_topk_idx"]
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+    def _get_buffer(self, x: torch.Tensor) -> Any:
+        hb = hidden_bytes_of(x)
+        if self._buffer is None or self._buffer_hidden_bytes != hb:
+            self._buffer = get_buffer(self.comm_group, hb, self.knobs)
+            self._buffer_hidden_bytes = hb
+        return self._buffer
+
+    def _wait(self) -> None:
+        """Make the current (compute) stream wait for the last Buffer call of this layer."""
+        if self._state.event is not None:
+            self._state.event.current_stream_wait()
+            self._state.event = None
+
+    def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
+        """No zero-copy expert buffers: experts get fresh permuted tensors (Megatron 0.19 asks every forward)."""
+        return None, None
+
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        """Run the shared expert on its own stream while tokens are in flight (``--moe-shared-expert-overlap``)."""
+        super().set_shared_experts(shared_experts)
+
+    # -- the six-method contract ---------------------------------------------------------------------------------
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[*, H] tokens, [T, E] routing_map/probs -> ([T, H] tokens, [T, K] float32 top-k weights). No comm."""
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self._topk_idx, topk_weights = routing_to_topk(
+            routing_map, probs, self.tp_size, self.ep_size, self.num_local_experts, self.router_topk
+        )
+        self._probs_dtype = probs.dtype
+        return hidden_states, topk_weights
+
+    def token_dispatch(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send each token to the ranks of its experts. Returns ([N, H] tokens, [N, K] float32 weights), still in
+        flight on GPU (the compute stream waits in dispatch_postprocess)."""
+        if self._topk_idx is None:
+            raise InvalidUsageError("token_dispatch called before dispatch_preprocess on UCCLTokenDispatcher")
+        shared = self.shared_experts
+        if shared is not None:
+            _compat.shared_expert_wait_current_stream(shared)
+        buffer = self._get_buffer(hidden_states)
+        self._state = _DispatchState()
+        recv_x, recv_weights = UCCLDispatch.apply(
+            hidden_states.contiguous(),
+            probs,
+            self._topk_idx,
+            buffer,
+            self.num_comm_experts,
+            self._state,
+            self.async_finish,
+            self.allocate_on_comm_stream,
+        )
+        self._topk_idx = None
+        if shared is not None:
+            _compat.shared_expert_pre_forward_comm(shared, hidden_states.view(self.hidden_shape))
+            shared.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_weights
+
+    def dispatch_postprocess(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Group received rows by local expert.
+
+        Returns (tokens [sum(tokens_per_expert), H], tokens_per_expert CPU int64 [L], probs [sum] float32 (float64 if
+        moe_router_dtype is fp64)). A token routed to two local experts appears twice.
+        """
+        self._wait()
+        state = self._state
+        recv_idx, tokens_per_expert = state.recv_topk_idx, state.tokens_per_expert
+        if recv_idx is None or tokens_per_expert is None:
+            raise InvalidUsageError("dispatch_postprocess called before token_dispatch on UCCLTokenDispatcher")
+        num_recv = hidden_states.shape[0]
+        local = self.num_local_experts
+        valid = recv_idx >= 0
+        # Column `local` is a sink for empty slots (-1); it is dropped after the scatter.
+        slot = torch.where(valid, recv_idx, torch.full_like(recv_idx, local))
+        self._routing_map = (
+            torch.zeros(num_recv, local + 1, dtype=torch.bool, device=hidden_states.device)
+            .scatter_(1, slot, valid)[:, :local]
+            .contiguous()
+        )
+        probs_map = torch.zeros(num_recv, local + 1, dtype=probs.dtype, device=probs.device).scatter(
+            1, slot, probs
+        )[:, :local]
+        self._hidden_shape_before_permute = hidden_states.shape
+        permuted, permuted_probs, self._reversed_mapping = _compat.permute(
+            hidden_states,
+            self._routing_map,
+            probs_map.contiguous(),
+            num_out_tokens=int(tokens_per_expert.sum()),
+            fused=bool(self.config.moe_permute_fusion),
+        )
+        if self.config.moe_router_dtype == "fp64":
+            permuted_probs = permuted_probs.to(torch.float64)
+        return permuted, tokens_per_expert, permuted_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Expert outputs [sum(tokens_per_expert), H] -> [N, H]: one row per received token, local experts summed."""
+        if self._reversed_mapping is None or self._routing_map is None:
+            raise InvalidUsageError("combine_preprocess called before dispatch_postprocess on UCCLTokenDispatcher")
+        out = _compat.unpermute(
+            hidden_states,
+            self._reversed_mapping,
+            restore_shape=self._hidden_shape_before_permute,
+            routing_map=self._routing_map,
+            fused=bool(self.config.moe_permute_fusion),
+        )
+        self._reversed_mapping = None
+        self._routing_map = None
+        return out
+
+    def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Send each row back to its token's rank and sum there: [N, H] -> [T, H] (in flight on GPU)."""
+        shared = self.shared_experts
+        if shared is not None:
+            _compat.shared_expert_wait_current_stream(shared)
+        state = self._state
+        out = UCCLCombine.apply(
+            hidden_states.contiguous(),
+            self._buffer,
+            state.handle,
+            state,
+            self.async_finish,
+            self.allocate_on_comm_stream,
+        )
+        state.handle = None
+        state.recv_topk_idx = None
+        return out
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> the original token shape, plus the shared expert's output when it was overlapped."""
+        shared = self.shared_experts
+        if shared is not None:
+            shared.linear_fc2_forward(hidden_states)
+            shared.post_forward_comm()
+        self._wait()
+        out = hidden_states.view(self.hidden_shape)
+        if shared is not None:
+            out = out + shared.get_output()
+        return out
