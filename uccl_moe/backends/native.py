@@ -1,42 +1,240 @@
-"""The native backend: our NVLink/xGMI kernels inside a node and the CPU-proxy path across nodes.
+"""The native backend: our NVLink/xGMI kernels inside a node (``native/src/kernels``, ``native/src/runtime``).
 
-The kernels are built into ``uccl_moe._C`` when CUDA or HIP is found at install time.
+Notation: T = tokens of this rank, H = hidden, K = top-k, E = experts, R = ranks (all in one node here),
+E_loc = E / R, T_recv = rows this rank receives, C = channels (``num_sms / 2``), W = lanes per channel
+(``_C.intranode_lanes_per_channel(R)``: warps per block / R), L = C * W lanes.
+
+Handle (DeepEP-V1 positions; fields 1 and 2 are per *lane* here, not per channel):
+    rank_prefix_matrix [R, R] int32: inclusive prefix over source ranks of the rows each rank receives.
+    lane_prefix_matrix [R, L] int32: sender side, inclusive prefix over lanes of the rows sent to each rank.
+    recv_lane_start [R, L] int32: receiver side, first row of each (source, lane) inside the source's block.
+    recv_src_idx [T_recv] int32: token index at the source (-1 in num_worst_tokens padding rows).
+    is_token_in_rank [T, R] bool.
+    send_head [T, R] int32: position of token t in its lane's stream to rank r, -1 where not sent.
+A cached dispatch or combine reuses the lane geometry recorded in the handle (its channel count is
+L / W), whatever ``config.num_sms`` says; the other config fields (chunk sizes) still apply.
+
+Streams: every method enqueues on the current stream (Buffer made it the comm stream) and allocates there.
+Only a non-cached dispatch without ``num_worst_tokens`` waits on the host (for the receive counts).
+A wait that expires (``UCCL_MOE_TIMEOUT_S``) aborts the whole launch and raises ``CommTimeoutError`` naming
+rank, peer and phase; the Buffer is unusable afterwards (every later call raises the same error).
 """
 
 from __future__ import annotations
 
-from .. import _C
-from .base import Backend, BufferContext, register_backend
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _C, env
+from ..errors import CommTimeoutError, InvalidUsageError
+from .base import Backend, BufferContext, DispatchRequest, register_backend
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
 
 
 class NativeBackend(Backend):
     name = "native"
+    supported_combine_dtypes = (torch.bfloat16,)
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
+        self._rt: Any = None
         missing = []
         if _C.gpu_backend() == "none":
             missing.append("this build has no GPU support (no nvcc/hipcc was found at install time)")
-        if not _C.has_intranode_kernels():
-            missing.append("the native intranode HT kernels (layout/notify/dispatch/combine) are not built yet")
+        elif not _C.has_intranode_kernels():
+            missing.append("the native intranode HT kernels are not compiled into this build")
         if ctx.topology.num_nodes > 1:
             missing.append("the internode path through the CPU proxy is not built yet")
-        raise NotImplementedError(
-            "uccl-moe native backend unavailable: " + "; ".join(missing) + ". Use backend='reference' "
-            "(or UCCL_MOE_BACKEND=reference) to run on torch.distributed all-to-all meanwhile"
-        )
+        if missing:
+            raise NotImplementedError(
+                "uccl-moe native backend unavailable: " + "; ".join(missing) + ". Use backend='reference' "
+                "(or UCCL_MOE_BACKEND=reference) to run on torch.distributed all-to-all meanwhile"
+            )
+        if ctx.device.type != "cuda":
+            raise InvalidUsageError("the native backend needs CUDA/HIP tensors and a NCCL/RCCL process group")
+        if ctx.num_nvl_bytes <= 0:
+            raise InvalidUsageError(
+                "the native backend needs an NVL buffer: create Buffer(group, num_nvl_bytes=...) with at least "
+                "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) bytes"
+            )
+        self.R = ctx.num_ranks
+        self.me = ctx.rank
+        self.W = _C.intranode_lanes_per_channel(self.R)
+        self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
+        handles: list[Any] = [None] * self.R
+        dist.all_gather_object(handles, self._rt.ipc_handle(), group=ctx.group)
+        self._rt.connect(handles)
+        # Every rank has opened every peer before anyone launches a kernel that writes into peers.
+        dist.barrier(group=ctx.group)
 
-    def get_dispatch_layout(self, topk_idx, num_experts):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _stream() -> int:
+        return int(torch.cuda.current_stream().cuda_stream)
 
-    def dispatch(self, req):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    def _check_alive(self) -> None:
+        if self._rt is None:
+            raise InvalidUsageError("this Buffer's native backend was destroyed; create a new Buffer")
+        if self._rt.aborted():
+            self._raise_timeout()
 
-    def cached_dispatch(self, x, x_scales, handle, config):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    def _raise_timeout(self) -> None:
+        rec = self._rt.diag()
+        raise CommTimeoutError(rec["message"], rec)
 
-    def combine(self, x, handle, topk_weights, bias, config):  # type: ignore[no-untyped-def]
-        raise NotImplementedError
+    def _sms_of(self, handle: Any) -> int:
+        """num_sms the handle's lanes were laid out with (2 * channels)."""
+        lanes = int(handle[1].shape[1])
+        if lanes % self.W:
+            raise InvalidUsageError(
+                f"handle has {lanes} lanes, not a multiple of {self.W} lanes per channel for {self.R} ranks; pass a "
+                f"handle produced by this Buffer's dispatch"
+            )
+        return 2 * (lanes // self.W)
+
+    # ---------------------------------------------------------------- layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]
+        self._check_alive()
+        topk_idx = topk_idx.contiguous()
+        T, K = topk_idx.shape
+        dev = topk_idx.device
+        per_rank = torch.empty(self.R, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty((T, self.R), dtype=torch.bool, device=dev)
+        _C.get_dispatch_layout(topk_idx=_ptr(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
+                               num_ranks=self.R, ranks_per_node=self.R, num_tokens_per_rank=_ptr(per_rank),
+                               num_tokens_per_node=0, num_tokens_per_expert=_ptr(per_expert),
+                               is_token_in_rank=_ptr(in_rank), stream=self._stream())
+        return per_rank, None, per_expert, in_rank
+
+    # ---------------------------------------------------------------- dispatch
+    def _launch_dispatch(self, num_sms: int, config: Any, x: torch.Tensor, x_scales: torch.Tensor | None,
+                         topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
+                         is_token_in_rank: torch.Tensor, rank_prefix: torch.Tensor, recv_lane_start: torch.Tensor,
+                         num_experts: int, rows: int, with_meta: bool,
+                         send_head: torch.Tensor | None) -> tuple[Any, ...]:
+        T = x.shape[0]
+        dev = x.device
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+        recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=dev)
+        recv_scales = None
+        num_scales, s_tok, s_hid = 0, 0, 0
+        if x_scales is not None:
+            if x_scales.dim() == 1:
+                num_scales, s_tok, s_hid = 1, x_scales.stride(0), 0
+                recv_scales = torch.empty((rows,), dtype=x_scales.dtype, device=dev)
+            else:
+                num_scales, s_tok, s_hid = x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
+                recv_scales = torch.empty((rows, num_scales), dtype=x_scales.dtype, device=dev)
+        recv_idx = recv_w = recv_src = None
+        if with_meta:
+            recv_src = torch.empty((rows,), dtype=torch.int32, device=dev)
+            if topk_idx is not None:
+                recv_idx = torch.empty((rows, K), dtype=torch.int64, device=dev)
+                recv_w = torch.empty((rows, K), dtype=torch.float32, device=dev)
+        _C.dispatch_intranode(
+            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
+            nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, x=_ptr(x), x_scales=_ptr(x_scales),
+            topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
+            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start), num_tokens=T,
+            row_bytes=x.shape[1] * x.element_size(), num_topk=K, num_scales=num_scales, num_experts=num_experts,
+            scale_token_stride=s_tok, scale_hidden_stride=s_hid, num_recv_rows=rows, recv_x=_ptr(recv_x),
+            recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w),
+            recv_src_idx=_ptr(recv_src), send_head=_ptr(send_head), stream=self._stream())
+        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+
+    def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
+        self._check_alive()
+        R = self.R
+        x = req.x.contiguous()
+        T = x.shape[0]
+        dev = x.device
+        E = req.num_experts
+        cfg = req.config
+        num_sms = int(cfg.num_sms)
+        geo = _C.intranode_geometry(num_sms, R, cfg.num_max_nvl_chunked_send_tokens,
+                                    cfg.num_max_nvl_chunked_recv_tokens)
+        L = geo[0] * geo[1]
+        topk_idx = req.topk_idx.contiguous() if req.topk_idx is not None else None
+        topk_weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
+        in_rank = req.is_token_in_rank.contiguous()
+        lane_prefix = torch.empty((R, L), dtype=torch.int32, device=dev)
+        rank_prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
+        recv_lane_start = torch.empty((R, L), dtype=torch.int32, device=dev)
+        worst = req.num_worst_tokens > 0
+        if not worst:
+            self._rt.reset_recv_counter()
+        _C.notify_dispatch(
+            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
+            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, is_token_in_rank=_ptr(in_rank),
+            num_tokens_per_rank=_ptr(req.num_tokens_per_rank.contiguous()),
+            num_tokens_per_expert=_ptr(req.num_tokens_per_expert.contiguous()), num_tokens=T, num_experts=E,
+            expert_alignment=req.expert_alignment, write_host_counters=not worst, lane_prefix=_ptr(lane_prefix),
+            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start), stream=self._stream())
+        if worst:
+            rows, counts = req.num_worst_tokens, []
+        else:
+            ok, rows, counts = self._rt.wait_recv_counts(E // R, float(env.get("TIMEOUT_S")))
+            if not ok:
+                self._raise_timeout()
+            counts = list(counts)
+        send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = self._launch_dispatch(
+            num_sms, cfg, x, req.x_scales, topk_idx, topk_weights, in_rank, rank_prefix, recv_lane_start, E, rows,
+            True, send_head)
+        handle = (rank_prefix, lane_prefix, recv_lane_start, recv_src, in_rank, send_head)
+        return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
+        self._check_alive()
+        x = x.contiguous()
+        num_sms = self._sms_of(handle)
+        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        _C.prepare_round(runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
+                         stream=self._stream())
+        rows = int(handle[3].shape[0])
+        recv_x, recv_scales, _, _, _ = self._launch_dispatch(
+            num_sms, config, x, x_scales, None, None, handle[4], handle[0], handle[2], self.R, rows, False, None)
+        return recv_x, recv_scales
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any, config: Any):  # type: ignore[no-untyped-def]
+        self._check_alive()
+        x = x.contiguous()
+        num_sms = self._sms_of(handle)
+        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        T = int(handle[4].shape[0])
+        H = x.shape[1]
+        K = topk_weights.shape[1] if topk_weights is not None else 0
+        tw = topk_weights.contiguous() if topk_weights is not None else None
+        b0 = bias[0].contiguous() if bias[0] is not None else None
+        b1 = bias[1].contiguous() if bias[1] is not None else None
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
+        _C.prepare_round(runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
+                         stream=self._stream())
+        _C.combine_intranode(
+            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
+            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),
+            recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=T, hidden=H, num_topk=K,
+            out=_ptr(out), out_topk_weights=_ptr(out_w), stream=self._stream())
+        return out, out_w
+
+    # ---------------------------------------------------------------- benchmark helpers and lifecycle
+    def peer_copy(self, peer: int, num_bytes: int) -> None:
+        """Copy-engine copy of `num_bytes` from this rank's NVL buffer into `peer`'s (the bandwidth ceiling)."""
+        self._check_alive()
+        _C.peer_copy(runtime=self._rt, peer=peer, bytes=num_bytes, stream=self._stream())
+
+    def destroy(self) -> None:
+        if self._rt is not None:
+            self._rt.destroy()
+            self._rt = None
 
 
 register_backend("native", NativeBackend)

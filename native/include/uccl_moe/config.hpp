@@ -1,12 +1,18 @@
 // Tuning configuration of HT dispatch/combine (DeepEP-V1 compatible field names) and the buffer-size math.
 //
 // NVL buffer layout (one per rank, peers write into it over NVLink / xGMI; `N` local ranks, `C = num_sms / 2`
-// channels, `T = num_max_nvl_chunked_recv_tokens` ring slots):
-//   [meta]   kNvlMetaBytes                         barrier signals, [N,N] count matrices, per-expert counts,
-//                                                  per-(channel, src) start/end/head/tail words
-//   [rings]  C * N * T * nvl_slot_bytes(hidden)    one ring per (channel, source rank); a slot holds one token:
-//                                                  x row (hidden_bytes, 16-B aligned) + slot tail (src idx,
-//                                                  kMaxTopk local expert ids, kMaxTopk weights, hidden/128 scales)
+// channels, `T = num_max_nvl_chunked_recv_tokens` ring slots per (channel, source rank)):
+//   [meta]   kNvlMetaBytes                         barrier signals/epoch, abort flag, [N,N] rank counts,
+//                                                  per-expert counts, per-(source, lane) prefix, and the
+//                                                  tail/head word of every lane ring (offsets and sizes:
+//                                                  native/src/kernels/intranode/nvl_layout.hpp)
+//   [rings]  C * N * T * nvl_slot_bytes(hidden)    one ring per (channel, source rank), split evenly between the
+//                                                  channel's W = warps/N sender warps ("lanes", T/W slots each);
+//                                                  a slot holds one token: x row (hidden_bytes, 16-B aligned) +
+//                                                  slot tail (src idx, kMaxTopk local expert ids, kMaxTopk
+//                                                  weights, hidden/128 scales). The kernels' actual slot
+//                                                  (SlotLayout) never exceeds nvl_slot_bytes when hidden_bytes =
+//                                                  hidden * max(element size, 2) (tests/uccl_moe/backends).
 // RDMA buffer layout (only with more than one node; `M` nodes, `Tr = num_max_rdma_chunked_recv_tokens`):
 //   [meta]   kRdmaMetaBytes
 //   [send]   C * M * Tr * nvl_slot_bytes(hidden)   staging of tokens bound for each node
@@ -22,7 +28,7 @@ constexpr int kMaxTopk = 32;                      // DeepEP-V1 kernels assert nu
 constexpr int kMaxLocalRanks = 8;                 // NVLink domain we address with one peer-pointer table
 constexpr int kMaxExpertsPerRank = 1024;          // per-expert counters in the meta region
 constexpr int kFp8ScaleBlock = 128;               // one float32 scale per 128 channels
-constexpr size_t kNvlMetaBytes = 1u << 20;        // >= 2*N*N + N*kMaxExpertsPerRank + 4*C*N ints for N<=8, C<=64
+constexpr size_t kNvlMetaBytes = 1u << 20;        // intranode meta is ~430 KB for N<=8 (static_assert in nvl_layout.hpp)
 constexpr size_t kRdmaMetaBytes = 1u << 20;
 constexpr size_t kBufferAlignBytes = 128;
 

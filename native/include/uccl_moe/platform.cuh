@@ -34,6 +34,23 @@ inline Error host_alloc_mapped(void** p, size_t bytes) { return hipHostMalloc(p,
 inline Error host_free(void* p) { return hipHostFree(p); }
 inline Error host_device_pointer(void** d, void* h) { return hipHostGetDevicePointer(d, h, 0); }
 inline Error get_device(int* d) { return hipGetDevice(d); }
+inline Error set_device(int d) { return hipSetDevice(d); }
+inline Error device_malloc(void** p, size_t bytes) { return hipMalloc(p, bytes); }
+inline Error device_free(void* p) { return hipFree(p); }
+inline Error memset_async(void* p, int v, size_t bytes, Stream s) { return hipMemsetAsync(p, v, bytes, s); }
+inline Error memset_sync(void* p, int v, size_t bytes) { return hipMemset(p, v, bytes); }
+inline Error memcpy_async(void* dst, const void* src, size_t bytes, Stream s) {
+  return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, s);
+}
+using IpcMemHandle = hipIpcMemHandle_t;
+inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
+inline Error ipc_open_mem_handle(void** p, IpcMemHandle h) {
+  return hipIpcOpenMemHandle(p, h, hipIpcMemLazyEnablePeerAccess);
+}
+inline Error ipc_close_mem_handle(void* p) { return hipIpcCloseMemHandle(p); }
+inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
+  return hipFuncSetAttribute(f, hipFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 inline Error clock_rate_khz(int* khz, int device) {
   return hipDeviceGetAttribute(khz, hipDeviceAttributeClockRate, device);
 }
@@ -54,6 +71,23 @@ inline Error host_alloc_mapped(void** p, size_t bytes) {
 inline Error host_free(void* p) { return cudaFreeHost(p); }
 inline Error host_device_pointer(void** d, void* h) { return cudaHostGetDevicePointer(d, h, 0); }
 inline Error get_device(int* d) { return cudaGetDevice(d); }
+inline Error set_device(int d) { return cudaSetDevice(d); }
+inline Error device_malloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+inline Error device_free(void* p) { return cudaFree(p); }
+inline Error memset_async(void* p, int v, size_t bytes, Stream s) { return cudaMemsetAsync(p, v, bytes, s); }
+inline Error memset_sync(void* p, int v, size_t bytes) { return cudaMemset(p, v, bytes); }
+inline Error memcpy_async(void* dst, const void* src, size_t bytes, Stream s) {
+  return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s);
+}
+using IpcMemHandle = cudaIpcMemHandle_t;
+inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }
+inline Error ipc_open_mem_handle(void** p, IpcMemHandle h) {
+  return cudaIpcOpenMemHandle(p, h, cudaIpcMemLazyEnablePeerAccess);
+}
+inline Error ipc_close_mem_handle(void* p) { return cudaIpcCloseMemHandle(p); }
+inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
+  return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
 constexpr int kWarpSize = 32;
 #endif
 
@@ -119,5 +153,113 @@ UCCL_DEVICE_INLINE int32_t atomic_add_sys(int32_t* p, int32_t v) {
 
 /// One 16-byte store (used for FIFO commands: a command must never be observed half-written).
 UCCL_DEVICE_INLINE void store_128(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
+
+// ---- warp collectives (width kWarpSize; masks are 64-bit so one signature serves both vendors) --------
+using LaneMask = unsigned long long;
+UCCL_DEVICE_INLINE void sync_warp() {
+#if defined(UCCL_MOE_HIP)
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+/// Bit i set when lane i's predicate holds.
+UCCL_DEVICE_INLINE LaneMask ballot(bool pred) {
+#if defined(UCCL_MOE_HIP)
+  return __ballot(pred);
+#else
+  return __ballot_sync(0xffffffffu, pred);
+#endif
+}
+template <typename T>
+UCCL_DEVICE_INLINE T shfl(T v, int src_lane) {
+#if defined(UCCL_MOE_HIP)
+  return __shfl(v, src_lane);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane);
+#endif
+}
+template <typename T>
+UCCL_DEVICE_INLINE T shfl_up(T v, int delta) {
+#if defined(UCCL_MOE_HIP)
+  return __shfl_up(v, delta);
+#else
+  return __shfl_up_sync(0xffffffffu, v, delta);
+#endif
+}
+template <typename T>
+UCCL_DEVICE_INLINE T shfl_xor(T v, int mask) {
+#if defined(UCCL_MOE_HIP)
+  return __shfl_xor(v, mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+UCCL_DEVICE_INLINE int popcount(LaneMask m) { return __popcll(m); }
+/// Index of the lowest set bit (m != 0).
+UCCL_DEVICE_INLINE int lowest_bit(LaneMask m) { return __ffsll(static_cast<long long>(m)) - 1; }
+/// Bits of the lanes below this one.
+UCCL_DEVICE_INLINE LaneMask lanemask_lt() { return (LaneMask{1} << lane_id()) - 1; }
+
+// ---- bulk data movement ------------------------------------------------------------------------------
+#if defined(UCCL_MOE_HIP)
+typedef int NativeInt4 __attribute__((ext_vector_type(4)));  // what clang's nontemporal builtins accept
+UCCL_DEVICE_INLINE int4 nontemporal_load_128(const int4* p) {
+  const NativeInt4 v = __builtin_nontemporal_load(reinterpret_cast<const NativeInt4*>(p));
+  return make_int4(v[0], v[1], v[2], v[3]);
+}
+#endif
+/// 16-byte load of data that no thread of this launch writes (read-only input): skips L1 so nothing
+/// stale can be served later, and keeps the line out of L1 (streamed once).
+UCCL_DEVICE_INLINE int4 load_stream_128(const int4* p) {
+#if defined(UCCL_MOE_HIP)
+  return nontemporal_load_128(p);
+#else
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+/// 16-byte load of ring data written by a peer during this launch; ordered after an acquire of the tail
+/// that covers it, so it must not come from L1 (".nc" would be wrong here: the slot is rewritten).
+UCCL_DEVICE_INLINE int4 load_ring_128(const int4* p) {
+#if defined(UCCL_MOE_HIP)
+  return nontemporal_load_128(p);
+#else
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+/// 16-byte streaming store (local or peer memory); not kept in L1.
+UCCL_DEVICE_INLINE void store_stream_128(int4* p, const int4& v) {
+#if defined(UCCL_MOE_HIP)
+  const NativeInt4 w = {v.x, v.y, v.z, v.w};
+  __builtin_nontemporal_store(w, reinterpret_cast<NativeInt4*>(p));
+#else
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+#endif
+}
+/// 4-byte load of ring metadata written by a peer (same rule as load_ring_128).
+UCCL_DEVICE_INLINE int32_t load_ring_32(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
+
+/// Relaxed system-scope atomic max (monotonic counters published by several warps: a late, smaller
+/// value can never move the counter back).
+UCCL_DEVICE_INLINE void atomic_max_sys(int32_t* p, int32_t v) {
+#if defined(UCCL_MOE_HIP)
+  __hip_atomic_fetch_max(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("red.release.sys.global.max.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+/// Block-scope fence (shared-memory progress words read by sibling warps).
+UCCL_DEVICE_INLINE void fence_block() { __threadfence_block(); }
 
 }  // namespace uccl_moe::gpu

@@ -9,5 +9,6 @@ namespace uccl_moe::bindings {
 
 void register_core(nanobind::module_& m);
 void register_proxy(nanobind::module_& m);
+void register_runtime(nanobind::module_& m);
 
 }  // namespace uccl_moe::bindings

@@ -46,7 +46,13 @@ void register_core(nb::module_& m) {
   m.def("device_arch", &device_arch, "device"_a);
   m.def("device_name", &device_name, "device"_a);
   m.def("can_access_peer", &can_access_peer, "device"_a, "peer"_a);
-  m.def("has_intranode_kernels", []() { return false; },
+  m.def("has_intranode_kernels", []() {
+#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+    return true;
+#else
+    return false;
+#endif
+  },
         "True once the native intranode kernels are compiled into this build");
 
   // ---- env ----

@@ -1,0 +1,196 @@
+// Bindings of the NVL runtime and the intranode kernels. Tensors cross as raw device pointers (Python ints,
+// 0 = absent) plus a stream handle (int); uccl_moe/backends/native.py owns the tensors and validates shapes.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "bindings.hpp"
+#include "uccl_moe/diag.hpp"
+#include "uccl_moe/error.hpp"
+
+#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+#include "../kernels/intranode/intranode.hpp"
+#include "../runtime/nvl_runtime.hpp"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace uccl_moe::bindings {
+
+#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+namespace {
+
+using intranode::Geometry;
+using runtime::NvlRuntime;
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
+
+nb::dict diag_dict(const DiagRecord& r) {
+  nb::dict d;
+  d["valid"] = r.valid;
+  d["rank"] = r.rank;
+  d["peer"] = r.peer;
+  d["channel"] = r.channel;
+  d["phase"] = std::string(diag_phase_name(static_cast<DiagPhase>(r.phase)));
+  d["role"] = r.role;
+  d["expected"] = r.expected;
+  d["seen"] = r.seen;
+  d["command"] = r.command;
+  d["waited_s"] = r.waited_s;
+  d["message"] = format_diag(r);
+  return d;
+}
+
+nb::tuple geometry_tuple(const Geometry& g) {
+  return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
+}
+
+}  // namespace
+
+void register_runtime(nb::module_& m) {
+  nb::class_<NvlRuntime>(m, "NvlRuntime",
+                         "Per-rank NVL buffer shared over CUDA/HIP IPC, host-mapped counters and diagnostics")
+      .def(nb::init<int, int, int64_t, int>(), "rank"_a, "num_ranks"_a, "num_nvl_bytes"_a, "device"_a)
+      .def("ipc_handle", [](const NvlRuntime& r) { return nb::bytes(r.ipc_handle().data(), r.ipc_handle().size()); })
+      .def("connect", [](NvlRuntime& r, const std::vector<nb::bytes>& handles) {
+        std::vector<std::string> hs;
+        for (const auto& h : handles) hs.emplace_back(h.c_str(), h.size());
+        r.connect(hs);
+      }, "handles"_a)
+      .def("destroy", [](NvlRuntime& r) {
+        nb::gil_scoped_release release;
+        r.destroy();
+      })
+      .def_prop_ro("connected", &NvlRuntime::connected)
+      .def_prop_ro("local_buffer", &NvlRuntime::local_buffer)
+      .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
+      .def("aborted", &NvlRuntime::aborted)
+      .def("diag", [](const NvlRuntime& r) { return diag_dict(r.diag()); })
+      .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
+      .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts, double timeout_s) {
+        int num_recv = -1;
+        std::vector<int> per_expert;
+        bool ok;
+        {
+          nb::gil_scoped_release release;
+          ok = r.wait_recv_counts(num_local_experts, timeout_s, &num_recv, &per_expert);
+        }
+        return nb::make_tuple(ok, num_recv, per_expert);
+      }, "num_local_experts"_a, "timeout_s"_a,
+      "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, per_expert_counts)");
+
+  m.def("intranode_lanes_per_channel", &intranode::lanes_per_channel, "num_ranks"_a);
+  m.def("intranode_geometry", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv) {
+    return geometry_tuple(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv));
+  }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a,
+  "(num_channels, lanes_per_channel, channel_slots, lane_slots, chunk_tokens)");
+  m.def("intranode_required_nvl_bytes", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int row_bytes,
+                                           int num_topk, int num_scales) {
+    return intranode::required_nvl_bytes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,
+                                         row_bytes, num_topk, num_scales);
+  }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "row_bytes"_a, "num_topk"_a,
+  "num_scales"_a);
+
+  m.def("get_dispatch_layout", [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                                  int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,
+                                  uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank, uintptr_t stream) {
+    intranode::LayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
+                            ranks_per_node, ptr<int32_t>(num_tokens_per_rank), ptr<int32_t>(num_tokens_per_node),
+                            ptr<int32_t>(num_tokens_per_expert), ptr<bool>(is_token_in_rank)};
+    intranode::launch_get_dispatch_layout(a, stream_of(stream));
+  }, "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "num_ranks"_a, "ranks_per_node"_a,
+  "num_tokens_per_rank"_a, "num_tokens_per_node"_a, "num_tokens_per_expert"_a, "is_token_in_rank"_a, "stream"_a);
+
+  m.def("notify_dispatch", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t is_token_in_rank,
+                              uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, int num_tokens,
+                              int num_experts, int expert_alignment, bool write_host_counters, uintptr_t lane_prefix,
+                              uintptr_t rank_prefix, uintptr_t recv_lane_start, uintptr_t stream) {
+    const auto ctx = rt.context();
+    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    intranode::NotifyArgs a{ptr<const bool>(is_token_in_rank), ptr<const int32_t>(num_tokens_per_rank),
+                            ptr<const int32_t>(num_tokens_per_expert), num_tokens, num_experts, expert_alignment,
+                            write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
+                            ptr<int32_t>(recv_lane_start)};
+    intranode::launch_notify_dispatch(ctx, g, a, stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "is_token_in_rank"_a,
+  "num_tokens_per_rank"_a, "num_tokens_per_expert"_a, "num_tokens"_a, "num_experts"_a, "expert_alignment"_a,
+  "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a);
+
+  m.def("prepare_round", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t stream) {
+    const auto ctx = rt.context();
+    intranode::launch_prepare_round(ctx, intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv),
+                                    stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "stream"_a);
+
+  m.def("dispatch_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
+                                 uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
+                                 uintptr_t is_token_in_rank, uintptr_t rank_prefix, uintptr_t recv_lane_start,
+                                 int num_tokens, int row_bytes, int num_topk, int num_scales, int num_experts,
+                                 int64_t scale_token_stride, int64_t scale_hidden_stride, int num_recv_rows,
+                                 uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
+                                 uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
+                                 uintptr_t stream) {
+    const auto ctx = rt.context();
+    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    intranode::DispatchArgs a{};
+    a.x = ptr<const void>(x);
+    a.x_scales = ptr<const void>(x_scales);
+    a.topk_idx = ptr<const int64_t>(topk_idx);
+    a.topk_weights = ptr<const float>(topk_weights);
+    a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
+    a.rank_prefix = ptr<const int32_t>(rank_prefix);
+    a.recv_lane_start = ptr<const int32_t>(recv_lane_start);
+    a.num_tokens = num_tokens;
+    a.row_bytes = row_bytes;
+    a.num_topk = num_topk;
+    a.num_scales = num_scales;
+    a.num_experts = num_experts;
+    a.scale_token_stride = scale_token_stride;
+    a.scale_hidden_stride = scale_hidden_stride;
+    a.num_recv_rows = num_recv_rows;
+    a.recv_x = ptr<void>(recv_x);
+    a.recv_scales = ptr<void>(recv_scales);
+    a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
+    a.recv_topk_weights = ptr<float>(recv_topk_weights);
+    a.recv_src_idx = ptr<int32_t>(recv_src_idx);
+    a.send_head = ptr<int32_t>(send_head);
+    intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "x_scales"_a, "topk_idx"_a,
+  "topk_weights"_a, "is_token_in_rank"_a, "rank_prefix"_a, "recv_lane_start"_a, "num_tokens"_a, "row_bytes"_a,
+  "num_topk"_a, "num_scales"_a, "num_experts"_a, "scale_token_stride"_a, "scale_hidden_stride"_a,
+  "num_recv_rows"_a, "recv_x"_a, "recv_scales"_a, "recv_topk_idx"_a, "recv_topk_weights"_a, "recv_src_idx"_a,
+  "send_head"_a, "stream"_a);
+
+  m.def("combine_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
+                                uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t rank_prefix,
+                                uintptr_t recv_lane_start, uintptr_t send_head, int num_tokens, int hidden,
+                                int num_topk, uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream) {
+    const auto ctx = rt.context();
+    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    intranode::CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const void>(bias0),
+                             ptr<const void>(bias1), ptr<const int32_t>(rank_prefix),
+                             ptr<const int32_t>(recv_lane_start), ptr<const int32_t>(send_head), num_tokens, hidden,
+                             num_topk, ptr<void>(out), ptr<float>(out_topk_weights)};
+    intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "topk_weights"_a, "bias0"_a,
+  "bias1"_a, "rank_prefix"_a, "recv_lane_start"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "out"_a,
+  "out_topk_weights"_a, "stream"_a);
+
+  m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
+    intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
+  }, "runtime"_a, "peer"_a, "bytes"_a, "stream"_a,
+  "Copy-engine copy of `bytes` from this rank's NVL ring region into peer's (benchmark ceiling)");
+}
+
+#else
+
+void register_runtime(nb::module_&) {}
+
+#endif
+
+}  // namespace uccl_moe::bindings

@@ -1,0 +1,268 @@
+// combine_intranode_kernel: sends every received row back to the rank it came from and sums the copies of
+// each token there in float32, in rank order 0..N-1 (bitwise deterministic), plus optional biases and the
+// top-k weights. Grid = 2 * C blocks like dispatch and the same lanes (from the dispatch handle):
+//   sender block c, warp (dst, w): rows of lane l = c*W + w received from dst, pushed in order into ring
+//     (lane, me) at dst (they are contiguous in x: recv_lane_start / rank_prefix_matrix say where);
+//   receiver block c: G = warps / W warps per lane, each owning a 1/G slice of the hidden columns, walk the
+//     lane's tokens in order; send_head[t][r] is the slot position of token t's copy in ring (lane, r).
+// Heads: each receiver warp records how far it consumed each ring in shared memory; the minimum over the G
+// warps of a lane is published to the sender with a system-scope atomic max (monotonic, so late or
+// duplicate publications are harmless). A warp publishes before it blocks and every kPublishEvery tokens,
+// so a sender can never wait on slots that were consumed but not handed back.
+#include "intranode_device.cuh"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::intranode {
+
+namespace {
+
+constexpr int kSendUnroll = 8;
+constexpr int kPublishEvery = 4;  // tokens between two head publications of a receiver warp
+constexpr int kMaxWarpsSmem = kWarpsPerBlock;
+
+struct CombineKernelArgs {
+  CombineArgs a;
+  SlotLayout slot;  // row = hidden bf16; weights at off_weights
+};
+
+UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
+                                     int dst, int w) {
+  const CombineArgs& a = k.a;
+  const SlotLayout& s = k.slot;
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
+  const int lane_idx = c * g.lanes_per_channel + w;
+  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w, s.bytes);
+  int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;
+  const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;
+  // Rows we received from dst in this lane: contiguous in x.
+  const int dst_begin = dst == 0 ? 0 : a.rank_prefix[(dst - 1) * N + me];
+  const int dst_end = a.rank_prefix[dst * N + me];
+  const int start = a.recv_lane_start[dst * L + lane_idx];
+  const int next = lane_idx + 1 < L ? a.recv_lane_start[dst * L + lane_idx + 1] : dst_end - dst_begin;
+  const int count = next - start;
+  const int64_t row0 = dst_begin + start;
+  const int num_16 = s.row_bytes / 16;
+  int published = 0, head_seen = 0;
+  for (int pos = 0; pos < count; ++pos) {
+    if (pos - head_seen >= g.lane_slots) {
+      if (published < pos) {
+        gpu::sync_warp();
+        if (lane == 0) gpu::store_release_sys(tail, pos);
+        published = pos;
+      }
+      head_seen = warp_wait_at_least(ctx, head, pos - g.lane_slots + 1, DiagPhase::kCombineSendRoom, kRoleSender, dst,
+                                     lane_idx);
+      if (head_seen < 0) return;
+    }
+    char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
+    const int64_t row = row0 + pos;
+    warp_copy_row<kSendUnroll, false>(
+        reinterpret_cast<int4*>(slot),
+        reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), num_16);
+    if (a.topk_weights != nullptr && lane < a.num_topk)
+      reinterpret_cast<float*>(slot + s.off_weights)[lane] = a.topk_weights[row * a.num_topk + lane];
+    if (pos + 1 - published >= g.chunk_tokens) {
+      gpu::sync_warp();
+      if (lane == 0) gpu::store_release_sys(tail, pos + 1);  // pairs with the receiver's acquire
+      published = pos + 1;
+    }
+  }
+  if (published < count) {
+    gpu::sync_warp();
+    if (lane == 0) gpu::store_release_sys(tail, count);
+  }
+}
+
+UCCL_DEVICE_INLINE float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+UCCL_DEVICE_INLINE float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+UCCL_DEVICE_INLINE void add_bf16x8(float* acc, const int4& v) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                         static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += bf16_lo(w[i]);
+    acc[2 * i + 1] += bf16_hi(w[i]);
+  }
+}
+/// float -> bf16 bits, round to nearest even (NaN stays NaN).
+UCCL_DEVICE_INLINE uint32_t to_bf16_bits(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+UCCL_DEVICE_INLINE int4 pack_bf16x8(const float* acc) {
+  int4 r;
+  r.x = static_cast<int>(to_bf16_bits(acc[0]) | (to_bf16_bits(acc[1]) << 16));
+  r.y = static_cast<int>(to_bf16_bits(acc[2]) | (to_bf16_bits(acc[3]) << 16));
+  r.z = static_cast<int>(to_bf16_bits(acc[4]) | (to_bf16_bits(acc[5]) << 16));
+  r.w = static_cast<int>(to_bf16_bits(acc[6]) | (to_bf16_bits(acc[7]) << 16));
+  return r;
+}
+
+struct CombineSmem {
+  int32_t consumed[kMaxWarpsSmem][kMaxLocalRanks];   // per warp: ring positions consumed, per source rank
+  int32_t published[kMaxWarpsSmem][kMaxLocalRanks];  // per lane (indexed by its first warp): head published
+};
+
+/// Lane d < N of the warp: min over the lane's G warps of what they consumed from rank d; publishes it to rank
+/// d's head word if it grew. Called by all lanes.
+UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, CombineSmem* sm, int first_warp, int group, int lane_idx) {
+  const int lane = gpu::lane_id();
+  gpu::fence_block();
+  if (lane < ctx.num_ranks) {
+    int32_t m = INT32_MAX;
+    for (int gw = 0; gw < group; ++gw)
+      m = min(m, static_cast<int32_t>(*reinterpret_cast<volatile int32_t*>(&sm->consumed[first_warp + gw][lane])));
+    const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
+    if (m > old) {
+      int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
+      gpu::atomic_max_sys(head, m);  // release: our ring reads happen before the sender reuses the slots
+    }
+  }
+}
+
+template <int kNumRanks>
+UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
+                                     int lane_local, int gw, int group, CombineSmem* sm) {
+  const CombineArgs& a = k.a;
+  const SlotLayout& s = k.slot;
+  const int N = ctx.num_ranks, L = g.num_lanes, lane = gpu::lane_id();
+  const int lane_idx = c * g.lanes_per_channel + lane_local;
+  const int first_warp = lane_local * group;
+  const int my_warp = first_warp + gw;
+  // Lane d < N tracks ring (lane, d): its base, the tail seen, and what this warp consumed.
+  const char* my_ring = lane < N ? lane_ring(ctx.buffers[ctx.rank], g, N, c, lane, lane_local, s.bytes) : nullptr;
+  const int32_t* my_tail = meta_ptr(ctx.buffers[ctx.rank], kOffTail) + lane_idx * N + (lane < N ? lane : 0);
+  int32_t tail_seen = 0;
+  const int num_16 = s.row_bytes / 16;
+  const int per_warp = (num_16 + group - 1) / group;
+  const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
+  int begin, end;
+  lane_token_range(a.num_tokens, L, lane_idx, &begin, &end);
+  const int4* bias0 = static_cast<const int4*>(a.bias0);
+  const int4* bias1 = static_cast<const int4*>(a.bias1);
+  int since_publish = 0;
+  for (int t = begin; t < end; ++t) {
+    const int32_t p = lane < N ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
+    // Wait until every rank holding a copy has published it.
+    bool need = p >= 0 && tail_seen <= p;
+    if (gpu::ballot(need) != 0) {
+      publish_heads(ctx, sm, first_warp, group, lane_idx);
+      since_publish = 0;
+      DiagDeviceHandle diag = diag_of(ctx);
+      BoundedWait wait(diag);
+      while (true) {
+        if (need) {
+          tail_seen = gpu::load_acquire_sys(my_tail);  // released by rank `lane`'s sender
+          need = tail_seen <= p;
+        }
+        const gpu::LaneMask waiting = gpu::ballot(need);
+        if (waiting == 0) break;
+        const int expired = gpu::shfl(wait.expired() ? 1 : 0, 0);
+        if (expired) {
+          const int who = gpu::lowest_bit(waiting);
+          const int32_t want = gpu::shfl(p, who) + 1, seen = gpu::shfl(tail_seen, who);
+          if (lane == 0)
+            report_timeout(diag, DiagPhase::kCombineRecvTokens, kRoleReceiver, who, lane_idx, want, seen, t,
+                           wait.waited_s());
+          return;
+        }
+      }
+    }
+    // Sum the copies in rank order 0..N-1 (fixed, so the result does not depend on arrival order).
+    const char* slot_ptr =
+        (lane < N && p >= 0) ? my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes : nullptr;
+    const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
+    // The loop trip count is warp-uniform (shuffles below need every lane); `active` masks the tail.
+    for (int col_base = col_begin; col_base < col_end; col_base += gpu::kWarpSize) {
+      const int col = col_base + lane;
+      const bool active = col < col_end;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int4 v[kNumRanks];
+#pragma unroll
+      for (int d = 0; d < kNumRanks; ++d) {
+        const char* src = reinterpret_cast<const char*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
+        if (((have >> d) & 1) && active) v[d] = gpu::load_ring_128(reinterpret_cast<const int4*>(src) + col);
+      }
+      if (!active) continue;
+#pragma unroll
+      for (int d = 0; d < kNumRanks; ++d)
+        if ((have >> d) & 1) add_bf16x8(acc, v[d]);
+      if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
+      if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
+      reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
+    }
+    if (gw == 0 && a.out_topk_weights != nullptr) {
+      float sum = 0.0f;
+      for (int d = 0; d < N; ++d) {
+        const char* src = reinterpret_cast<const char*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
+        if (((have >> d) & 1) && lane < a.num_topk)
+          sum += __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(src + s.off_weights) + lane));
+      }
+      if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+    }
+    gpu::sync_warp();
+    if (lane < N && p >= 0) sm->consumed[my_warp][lane] = p + 1;
+    if (++since_publish >= kPublishEvery) {
+      publish_heads(ctx, sm, first_warp, group, lane_idx);
+      since_publish = 0;
+    }
+  }
+  publish_heads(ctx, sm, first_warp, group, lane_idx);
+}
+
+template <int kNumRanks>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1)
+    combine_intranode_kernel(NvlContext ctx, Geometry g, CombineKernelArgs k) {
+  __shared__ CombineSmem sm;
+  const int C = g.num_channels, W = g.lanes_per_channel;
+  const bool sender = static_cast<int>(blockIdx.x) < C;
+  const int c = sender ? blockIdx.x : blockIdx.x - C;
+  const int warp = gpu::warp_id();
+  if (sender) {
+    const int peer = warp / W, w = warp % W;
+    if (peer < ctx.num_ranks) combine_send(ctx, g, k, c, peer, w);
+    return;
+  }
+  for (int i = threadIdx.x; i < kMaxWarpsSmem * kMaxLocalRanks; i += blockDim.x) {
+    (&sm.consumed[0][0])[i] = 0;
+    (&sm.published[0][0])[i] = 0;
+  }
+  __syncthreads();
+  const int group = kWarpsPerBlock / W;  // warps per lane
+  const int lane_local = warp / group, gw = warp % group;
+  if (lane_local >= W) return;
+  combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
+}
+
+}  // namespace
+
+void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream) {
+  UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
+              a.hidden);
+  UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0)};
+  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.hidden * 2, a.num_topk, 0);
+  UCCL_ASSERT(need <= ctx.num_nvl_bytes,
+              "combine needs %lld NVL bytes but the Buffer has %lld: create it with num_nvl_bytes >= "
+              "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
+              static_cast<long long>(need), static_cast<long long>(ctx.num_nvl_bytes));
+  const dim3 grid(2 * g.num_channels), block(kThreadsPerBlock);
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  // One instantiation per local rank count (the per-rank copies of a column live in registers).
+  switch (ctx.num_ranks) {
+    case 1: combine_intranode_kernel<1><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 2: combine_intranode_kernel<2><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 3: combine_intranode_kernel<3><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 4: combine_intranode_kernel<4><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 5: combine_intranode_kernel<5><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 6: combine_intranode_kernel<6><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 7: combine_intranode_kernel<7><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 8: combine_intranode_kernel<8><<<grid, block, 0, st>>>(ctx, g, k); break;
+    default: UCCL_THROW(kInvalidUsage, "combine supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", ctx.num_ranks);
+  }
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+}  // namespace uccl_moe::intranode

@@ -1,0 +1,182 @@
+// dispatch_intranode_kernel: moves token rows (BF16 or FP8 + scales) and their top-k metadata to the ranks
+// that hold their experts. Grid = 2 * C blocks: block c < C is channel c's sender, block C + c its receiver.
+// Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
+// (lane, me) at dst; receiver warp (src, w) copies ring (lane, src) out into recv_x in order. See
+// nvl_layout.hpp for the rings and the head/tail protocol.
+#include "intranode_device.cuh"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::intranode {
+
+namespace {
+
+constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when pushing a row (8 KB per warp)
+constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
+
+struct DispatchKernelArgs {
+  DispatchArgs a;
+  SlotLayout slot;
+};
+
+UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
+                                      int dst, int w) {
+  const DispatchArgs& a = k.a;
+  const SlotLayout& s = k.slot;
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
+  const int lane_idx = c * g.lanes_per_channel + w;
+  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w, s.bytes);
+  int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;         // at the receiver
+  const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;   // written by dst
+  const int experts_per_rank = a.num_experts / N;
+  const int num_16 = s.row_bytes / 16;
+  int begin, end;
+  lane_token_range(a.num_tokens, L, lane_idx, &begin, &end);
+  int pos = 0, published = 0, head_seen = 0;
+  for (int base = begin; base < end; base += gpu::kWarpSize) {
+    const int t = base + lane;
+    const bool selected = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
+    gpu::LaneMask mask = gpu::ballot(selected);
+    if (a.send_head != nullptr && t < end)
+      a.send_head[static_cast<int64_t>(t) * N + dst] = selected ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
+    while (mask != 0) {
+      const int tok = base + gpu::lowest_bit(mask);
+      mask &= mask - 1;
+      if (pos - head_seen >= g.lane_slots) {
+        // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
+        if (published < pos) {
+          gpu::sync_warp();
+          if (lane == 0) gpu::store_release_sys(tail, pos);
+          published = pos;
+        }
+        head_seen = warp_wait_at_least(ctx, head, pos - g.lane_slots + 1, DiagPhase::kDispatchSendRoom, kRoleSender,
+                                       dst, lane_idx);
+        if (head_seen < 0) return;
+      }
+      char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
+      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot),
+                                        reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
+                                                                      static_cast<int64_t>(tok) * s.row_bytes),
+                                        num_16);
+      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = tok;
+      if (a.topk_idx != nullptr && lane < a.num_topk) {
+        const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
+        const int64_t local_e = e - static_cast<int64_t>(dst) * experts_per_rank;
+        const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
+        reinterpret_cast<int32_t*>(slot + s.off_topk_idx)[lane] = mine ? static_cast<int32_t>(local_e) : -1;
+        if (a.topk_weights != nullptr)
+          reinterpret_cast<float*>(slot + s.off_weights)[lane] =
+              mine ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane] : 0.0f;
+      }
+      if (a.x_scales != nullptr) {
+        const int32_t* scales = static_cast<const int32_t*>(a.x_scales);
+        for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
+          reinterpret_cast<int32_t*>(slot + s.off_scales)[j] =
+              scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
+      }
+      ++pos;
+      if (pos - published >= g.chunk_tokens) {
+        gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
+        if (lane == 0) gpu::store_release_sys(tail, pos);  // pairs with the receiver's acquire of tail
+        published = pos;
+      }
+    }
+  }
+  if (published < pos) {
+    gpu::sync_warp();
+    if (lane == 0) gpu::store_release_sys(tail, pos);
+  }
+}
+
+UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
+                                      int src, int w) {
+  const DispatchArgs& a = k.a;
+  const SlotLayout& s = k.slot;
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
+  const int lane_idx = c * g.lanes_per_channel + w;
+  const char* ring = lane_ring(ctx.buffers[me], g, N, c, src, w, s.bytes);
+  const int32_t* tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + src;  // written by src
+  int32_t* head = meta_ptr(ctx.buffers[src], kOffHead) + lane_idx * N + me;        // at the sender
+  const int src_begin = src == 0 ? 0 : a.rank_prefix[(src - 1) * N + me];
+  const int src_end = a.rank_prefix[src * N + me];
+  const int start = a.recv_lane_start[src * L + lane_idx];
+  const int next = lane_idx + 1 < L ? a.recv_lane_start[src * L + lane_idx + 1] : src_end - src_begin;
+  const int count = next - start;
+  const int64_t row0 = src_begin + start;
+  const int num_16 = s.row_bytes / 16;
+  int done = 0;
+  while (done < count) {
+    const int32_t avail = warp_wait_at_least(ctx, tail, done + 1, DiagPhase::kDispatchRecvTokens, kRoleReceiver, src,
+                                             lane_idx);
+    if (avail < 0) return;
+    const int upto = min(avail, count);
+    for (int j = done; j < upto; ++j) {
+      const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
+      const int64_t row = row0 + j;
+      warp_copy_row<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
+                                       reinterpret_cast<const int4*>(slot), num_16);
+      if (a.recv_src_idx != nullptr && lane == 0)
+        a.recv_src_idx[row] = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_src_idx));
+      if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+        const int32_t e = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_topk_idx) + lane);
+        a.recv_topk_idx[row * a.num_topk + lane] = e;
+        if (a.recv_topk_weights != nullptr)
+          a.recv_topk_weights[row * a.num_topk + lane] =
+              __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_weights) + lane));
+      }
+      if (a.recv_scales != nullptr)
+        for (int j2 = lane; j2 < a.num_scales; j2 += gpu::kWarpSize)
+          static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j2] =
+              gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_scales) + j2);
+    }
+    done = upto;
+    gpu::sync_warp();  // all lanes' slot reads are done before lane 0 hands the slots back
+    if (lane == 0) gpu::store_release_sys(head, done);  // pairs with the sender's acquire of head
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock, 1)
+    dispatch_intranode_kernel(NvlContext ctx, Geometry g, DispatchKernelArgs k) {
+  const int C = g.num_channels, W = g.lanes_per_channel;
+  const bool sender = static_cast<int>(blockIdx.x) < C;
+  const int c = sender ? blockIdx.x : blockIdx.x - C;
+  if (!sender && k.a.recv_src_idx != nullptr) {
+    // num_worst_tokens: rows past the received ones carry no expert (-1), weight 0 and source -1.
+    const int received = k.a.rank_prefix[(ctx.num_ranks - 1) * ctx.num_ranks + ctx.rank];
+    const int K = k.a.recv_topk_idx != nullptr ? k.a.num_topk : 0;
+    const int64_t stride = static_cast<int64_t>(C) * blockDim.x;
+    for (int64_t row = received + c * blockDim.x + threadIdx.x; row < k.a.num_recv_rows; row += stride) {
+      k.a.recv_src_idx[row] = -1;
+      for (int j = 0; j < K; ++j) {
+        k.a.recv_topk_idx[row * K + j] = -1;
+        if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[row * K + j] = 0.0f;
+      }
+    }
+  }
+  const int warp = gpu::warp_id();
+  const int peer = warp / W, w = warp % W;
+  if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
+  if (sender)
+    dispatch_send(ctx, g, k, c, peer, w);
+  else
+    dispatch_recv(ctx, g, k, c, peer, w);
+}
+
+}  // namespace
+
+void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream) {
+  UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16 (hidden * "
+              "element size)", a.row_bytes);
+  UCCL_ASSERT(a.num_topk <= kMaxTopk, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  UCCL_ASSERT(a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds the warp width", a.num_topk);
+  DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales)};
+  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.row_bytes, a.num_topk, a.num_scales);
+  UCCL_ASSERT(need <= ctx.num_nvl_bytes,
+              "dispatch needs %lld NVL bytes (%d channels x %d ranks x %d slots of %d bytes + meta) but the Buffer has "
+              "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
+              "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
+              ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, k);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+}  // namespace uccl_moe::intranode

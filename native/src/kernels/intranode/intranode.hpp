@@ -1,0 +1,117 @@
+// Host API of the intranode (NVLink / xGMI) HT kernels: get_dispatch_layout, notify, dispatch, combine.
+// Torch-free: raw device pointers, sizes and a stream handle (`void*` = cudaStream_t / hipStream_t).
+// Included by the bindings (plain C++), so nothing here may need a GPU compiler.
+//
+// Handle fields produced by notify/dispatch (DeepEP-V1 positions; shapes are ours where noted):
+//   rank_prefix_matrix [R, R] int32  inclusive prefix over source ranks: [i][j] = tokens ranks 0..i send to j
+//   lane_prefix        [R, L] int32  sender side: inclusive prefix over lanes of tokens this rank sends to dst
+//   recv_lane_start    [R, L] int32  receiver side: first row of (src, lane) inside src's block of recv_x
+//   recv_src_idx       [T_recv] int32 row of each received token in the sender's x
+//   is_token_in_rank   [T, R] bool
+//   send_head          [T, R] int32  position of token t in its lane's stream to rank r, -1 if not sent
+// L = lanes = num_channels * lanes_per_channel (see nvl_layout.hpp); DeepEP's [R, C] channel matrices become
+// [R, L] because each sender warp is its own ordered stream.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "uccl_moe/diag.hpp"
+
+namespace uccl_moe::intranode {
+
+/// What every intranode kernel knows about the buffers (trivially copyable; passed by value).
+struct NvlContext {
+  void* buffers[8];          ///< NVL buffer of each local rank, mapped into this process; [rank] is ours
+  int32_t rank;              ///< local rank
+  int32_t num_ranks;         ///< local ranks (== ranks of the group: intranode only)
+  int64_t num_nvl_bytes;
+  int32_t* recv_counter;     ///< device view of the host-mapped total-receive counter (-1 = not yet)
+  int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
+  DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
+  int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
+  uint64_t timeout_ns;       ///< bound of every device spin (UCCL_MOE_TIMEOUT_S)
+};
+
+/// Lane geometry of one dispatch (and of the combine / cached dispatch that reuse its handle).
+struct Geometry {
+  int32_t num_channels;       ///< C = num_sms / 2
+  int32_t lanes_per_channel;  ///< W = warps per block / num_ranks
+  int32_t channel_slots;      ///< T = num_max_nvl_chunked_recv_tokens: slots per (channel, source) ring
+  int32_t lane_slots;         ///< Tl = T / W: slots of one lane's ring
+  int32_t chunk_tokens;       ///< tokens a sender writes between two tail publications
+  int32_t num_lanes;          ///< L = num_channels * lanes_per_channel
+};
+
+/// Lanes per channel for `num_ranks` local ranks on this build (warps per block / ranks).
+int lanes_per_channel(int num_ranks);
+/// Validated geometry (throws InvalidUsage naming the Config field to change).
+Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens);
+/// Bytes of NVL buffer a dispatch/combine with these rows needs (meta + rings); Buffer's hint is >= this
+/// whenever hidden_bytes was computed as hidden * max(element size, 2).
+int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales);
+
+struct LayoutArgs {
+  const int64_t* topk_idx;         ///< [T, K]; -1 = unused
+  int32_t num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
+  int32_t* num_tokens_per_rank;    ///< [R] out
+  int32_t* num_tokens_per_node;    ///< [R / ranks_per_node] out, or null
+  int32_t* num_tokens_per_expert;  ///< [E] out
+  bool* is_token_in_rank;          ///< [T, R] out
+};
+void launch_get_dispatch_layout(const LayoutArgs& a, void* stream);
+
+struct NotifyArgs {
+  const bool* is_token_in_rank;           ///< [T, R]
+  const int32_t* num_tokens_per_rank;     ///< [R]
+  const int32_t* num_tokens_per_expert;   ///< [E]
+  int32_t num_tokens, num_experts, expert_alignment;
+  bool write_host_counters;               ///< false with num_worst_tokens (no host wait; graph-safe)
+  int32_t* lane_prefix;                   ///< [R, L] out
+  int32_t* rank_prefix;                   ///< [R, R] out
+  int32_t* recv_lane_start;               ///< [R, L] out
+};
+/// Barrier, count exchange, barrier; fills the three matrices and (optionally) the host-mapped counters.
+void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream);
+/// Barrier, reset of ring heads/tails, barrier: precedes cached dispatch and combine.
+void launch_prepare_round(const NvlContext& ctx, const Geometry& g, void* stream);
+
+struct DispatchArgs {
+  const void* x;                 ///< [T, row_bytes]
+  const void* x_scales;          ///< 4-byte scales or null; element (t, s) at t*scale_token_stride + s*scale_hidden_stride
+  const int64_t* topk_idx;       ///< [T, K] or null
+  const float* topk_weights;     ///< [T, K] or null
+  const bool* is_token_in_rank;  ///< [T, R]
+  const int32_t* rank_prefix;    ///< [R, R]
+  const int32_t* recv_lane_start;///< [R, L]
+  int32_t num_tokens, row_bytes, num_topk, num_scales, num_experts;
+  int64_t scale_token_stride, scale_hidden_stride;
+  int32_t num_recv_rows;         ///< rows allocated in the outputs (>= received; num_worst_tokens)
+  void* recv_x;                  ///< [rows, row_bytes]
+  void* recv_scales;             ///< [rows, S] or null
+  int64_t* recv_topk_idx;        ///< [rows, K] or null (rows past the received ones get -1)
+  float* recv_topk_weights;      ///< [rows, K] or null (0 where the idx is -1)
+  int32_t* recv_src_idx;         ///< [rows] or null (cached)
+  int32_t* send_head;            ///< [T, R] or null (cached)
+};
+void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream);
+
+struct CombineArgs {
+  const void* x;                 ///< [rows, hidden] bf16 (rows >= received)
+  const float* topk_weights;     ///< [rows, K] or null
+  const void* bias0;             ///< [T, hidden] bf16 or null
+  const void* bias1;
+  const int32_t* rank_prefix;    ///< [R, R]
+  const int32_t* recv_lane_start;///< [R, L]
+  const int32_t* send_head;      ///< [T, R]
+  int32_t num_tokens, hidden, num_topk;
+  void* out;                     ///< [T, hidden] bf16
+  float* out_topk_weights;       ///< [T, K] or null
+};
+void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream);
+
+/// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
+void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);
+
+}  // namespace uccl_moe::intranode

@@ -1,0 +1,113 @@
+// Device helpers shared by the intranode kernels: the cross-rank barrier, warp-collective bounded waits on
+// ring counters, and the warp row copy. Include only from .cu files.
+#pragma once
+
+#include "intranode.hpp"
+#include "nvl_layout.hpp"
+#include "uccl_moe/diag_device.cuh"
+#include "uccl_moe/platform.cuh"
+
+namespace uccl_moe::intranode {
+
+constexpr int kWarpsPerBlock = kThreadsPerBlock / gpu::kWarpSize;
+constexpr int kRoleSender = 1, kRoleReceiver = 2, kRoleCoordinator = 4;  // DiagRecord::role
+
+UCCL_DEVICE_INLINE DiagDeviceHandle diag_of(const NvlContext& ctx) {
+  return DiagDeviceHandle{ctx.diag_record, ctx.abort_flag, ctx.timeout_ns, ctx.rank};
+}
+
+template <typename T = int32_t>
+UCCL_DEVICE_INLINE T* meta_ptr(void* buffer, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(buffer) + offset);
+}
+
+/// Barrier of all local ranks, called by every thread of one block. Thread p < N bumps our word in rank p's
+/// signal array (after a system fence that publishes every write this block made before the call) and waits
+/// until rank p bumped ours as often as we did. Pairs with the same call on every peer. Returns false
+/// (block-uniform) if a wait expired or the buffer was already aborted.
+UCCL_DEVICE_INLINE bool barrier_block(const NvlContext& ctx, int* s_failed) {
+  gpu::fence_sys();
+  __syncthreads();
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t target = gpu::load_volatile(meta_ptr(local, kOffBarrierEpoch)) + 1;
+  if (threadIdx.x == 0) *s_failed = 0;
+  __syncthreads();
+  const int p = static_cast<int>(threadIdx.x);
+  if (p < ctx.num_ranks) {
+    gpu::atomic_add_sys(meta_ptr(ctx.buffers[p], kOffBarrierSignal) + ctx.rank, 1);
+    const int32_t* signal = meta_ptr(local, kOffBarrierSignal) + p;
+    DiagDeviceHandle diag = diag_of(ctx);
+    BoundedWait wait(diag);
+    int32_t seen = gpu::load_acquire_sys(signal);  // released by peer p's atomic after its fence
+    while (seen < target) {
+      if (wait.expired()) {
+        report_timeout(diag, DiagPhase::kBarrier, kRoleCoordinator, p, -1, target, seen, 0, wait.waited_s());
+        *s_failed = 1;
+        break;
+      }
+      seen = gpu::load_acquire_sys(signal);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *meta_ptr(local, kOffBarrierEpoch) = target;
+  const bool ok = *s_failed == 0;
+  __syncthreads();
+  return ok;
+}
+
+/// Warp-collective wait until `*counter` (polled with acquire) satisfies value >= want. Returns the value
+/// seen, or -1 (uniform across the warp) once the wait expired or another waiter aborted; the first expiry
+/// writes the diagnostic record.
+UCCL_DEVICE_INLINE int32_t warp_wait_at_least(const NvlContext& ctx, const int32_t* counter, int32_t want,
+                                              DiagPhase phase, int role, int peer, int channel) {
+  int32_t v = gpu::shfl(gpu::load_acquire_sys(counter), 0);
+  if (v >= want) return v;
+  DiagDeviceHandle diag = diag_of(ctx);
+  BoundedWait wait(diag);
+  while (true) {
+    v = gpu::shfl(gpu::load_acquire_sys(counter), 0);
+    if (v >= want) return v;
+    const int expired = gpu::shfl(wait.expired() ? 1 : 0, 0);
+    if (expired) {
+      if (gpu::lane_id() == 0) report_timeout(diag, phase, role, peer, channel, want, v, 0, wait.waited_s());
+      return -1;
+    }
+  }
+}
+
+/// Copies `num_16` 16-byte words from src to dst with the whole warp, kUnroll words per lane in flight.
+/// `kSrcIsRing`: src was written by a peer in this launch (no non-coherent loads).
+template <int kUnroll, bool kSrcIsRing>
+UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
+  const int lane = gpu::lane_id();
+  for (int base = 0; base < num_16; base += kUnroll * gpu::kWarpSize) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * gpu::kWarpSize + lane;
+      if (i < num_16) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * gpu::kWarpSize + lane;
+      if (i < num_16) gpu::store_stream_128(dst + i, v[u]);
+    }
+  }
+}
+
+/// Token range [begin, end) of lane `lane_idx` out of `num_lanes` over `num_tokens` tokens.
+UCCL_DEVICE_INLINE void lane_token_range(int num_tokens, int num_lanes, int lane_idx, int* begin, int* end) {
+  const int per_lane = (num_tokens + num_lanes - 1) / num_lanes;
+  *begin = min(num_tokens, lane_idx * per_lane);
+  *end = min(num_tokens, *begin + per_lane);
+}
+
+/// Ring of (channel, src) lane `w` inside `buffer` (the receiver's NVL buffer).
+UCCL_DEVICE_INLINE char* lane_ring(void* buffer, const Geometry& g, int num_ranks, int channel, int src, int w,
+                                   int slot_bytes) {
+  const size_t slot0 = (static_cast<size_t>(channel) * num_ranks + src) * g.channel_slots +
+                       static_cast<size_t>(w) * g.lane_slots;
+  return static_cast<char*>(buffer) + kNvlMetaBytes + slot0 * slot_bytes;
+}
+
+}  // namespace uccl_moe::intranode

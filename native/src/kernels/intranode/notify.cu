@@ -1,0 +1,122 @@
+// notify_dispatch: exchange of token counts between local ranks before a non-cached dispatch, and
+// prepare_round: the ring reset before a cached dispatch or a combine. Both are one block (counts are tiny).
+#include "intranode_device.cuh"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::intranode {
+
+namespace {
+
+/// Zeroes this rank's tail[lane][src] and head[lane][dst] words for the lanes in use. Called between two
+/// barriers: after the first no peer still reads or writes them (previous kernels are done everywhere),
+/// before the second no peer starts writing them.
+UCCL_DEVICE_INLINE void reset_ring_counters(const NvlContext& ctx, int num_lanes) {
+  void* local = ctx.buffers[ctx.rank];
+  const int n = num_lanes * ctx.num_ranks;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    meta_ptr(local, kOffTail)[i] = 0;
+    meta_ptr(local, kOffHead)[i] = 0;
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock, 1)
+    notify_dispatch_kernel(NvlContext ctx, Geometry g, NotifyArgs a) {
+  __shared__ int s_failed;
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes;
+  const int warp = gpu::warp_id(), lane = gpu::lane_id(), num_warps = blockDim.x / gpu::kWarpSize;
+  if (!barrier_block(ctx, &s_failed)) return;
+
+  // 1) Tokens per (dst, lane): lane l owns tokens [l * ceil(T/L), ...) of this rank.
+  for (int pair = warp; pair < N * L; pair += num_warps) {
+    const int dst = pair / L, l = pair % L;
+    int begin, end;
+    lane_token_range(a.num_tokens, L, l, &begin, &end);
+    int count = 0;
+    for (int t = begin + lane; t < end; t += gpu::kWarpSize) count += a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
+    for (int m = gpu::kWarpSize / 2; m > 0; m >>= 1) count += gpu::shfl_xor(count, m);
+    if (lane == 0) a.lane_prefix[dst * L + l] = count;
+  }
+  __syncthreads();
+  // 2) Inclusive prefix over lanes, one warp per destination.
+  for (int dst = warp; dst < N; dst += num_warps) {
+    int running = 0;
+    for (int base = 0; base < L; base += gpu::kWarpSize) {
+      const int l = base + lane;
+      int v = l < L ? a.lane_prefix[dst * L + l] : 0;
+      for (int d = 1; d < gpu::kWarpSize; d <<= 1) {
+        const int up = gpu::shfl_up(v, d);
+        if (lane >= d) v += up;
+      }
+      if (l < L) a.lane_prefix[dst * L + l] = running + v;
+      running += gpu::shfl(v, gpu::kWarpSize - 1);
+    }
+  }
+  __syncthreads();
+  // 3) Publish our row of counts, our per-expert counts and our lane prefix into every rank's meta.
+  const int experts_per_rank = a.num_experts / N;
+  for (int dst = 0; dst < N; ++dst) {
+    void* peer = ctx.buffers[dst];
+    for (int i = threadIdx.x; i < N; i += blockDim.x)
+      meta_ptr(peer, kOffRankCounts)[me * kMaxLocalRanks + i] = a.num_tokens_per_rank[i];
+    for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x)
+      meta_ptr(peer, kOffExpertCounts)[me * kMaxExpertsPerRank + e] = a.num_tokens_per_expert[dst * experts_per_rank + e];
+    for (int l = threadIdx.x; l < L; l += blockDim.x)
+      meta_ptr(peer, kOffLanePrefix)[me * kMaxLanes + l] = a.lane_prefix[dst * L + l];
+  }
+  reset_ring_counters(ctx, L);
+  if (!barrier_block(ctx, &s_failed)) return;  // its fence publishes step 3 before peers read it
+
+  // 4) Read what every source wrote to us.
+  void* local = ctx.buffers[me];
+  const int32_t* counts = meta_ptr(local, kOffRankCounts);
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    int running = 0;
+    for (int i = 0; i < N; ++i) {
+      running += gpu::load_volatile(counts + i * kMaxLocalRanks + j);
+      a.rank_prefix[i * N + j] = running;
+    }
+  }
+  for (int i = threadIdx.x; i < N * L; i += blockDim.x) {
+    const int src = i / L, l = i % L;
+    a.recv_lane_start[i] = l == 0 ? 0 : gpu::load_volatile(meta_ptr(local, kOffLanePrefix) + src * kMaxLanes + l - 1);
+  }
+  if (a.write_host_counters) {
+    for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
+      int sum = 0;
+      for (int src = 0; src < N; ++src) sum += gpu::load_volatile(meta_ptr(local, kOffExpertCounts) + src * kMaxExpertsPerRank + e);
+      const int align = a.expert_alignment > 0 ? a.expert_alignment : 1;
+      ctx.expert_counters[e] = (sum + align - 1) / align * align;
+    }
+    gpu::fence_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int total = 0;
+      for (int src = 0; src < N; ++src) total += gpu::load_volatile(counts + src * kMaxLocalRanks + me);
+      gpu::store_release_sys(ctx.recv_counter, total);  // pairs with the host's poll in wait_recv_counts
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) prepare_round_kernel(NvlContext ctx, Geometry g) {
+  __shared__ int s_failed;
+  if (!barrier_block(ctx, &s_failed)) return;
+  reset_ring_counters(ctx, g.num_lanes);
+  barrier_block(ctx, &s_failed);
+}
+
+}  // namespace
+
+void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream) {
+  UCCL_ASSERT(a.num_experts % ctx.num_ranks == 0 && a.num_experts / ctx.num_ranks <= kMaxExpertsPerRank,
+              "num_experts=%d must be a multiple of the %d ranks with at most %d experts per rank", a.num_experts,
+              ctx.num_ranks, kMaxExpertsPerRank);
+  notify_dispatch_kernel<<<1, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, a);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+void launch_prepare_round(const NvlContext& ctx, const Geometry& g, void* stream) {
+  prepare_round_kernel<<<1, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+}  // namespace uccl_moe::intranode

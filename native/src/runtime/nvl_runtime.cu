@@ -1,0 +1,178 @@
+#include "nvl_runtime.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "uccl_moe/config.hpp"
+#include "uccl_moe/env.hpp"
+#include "uccl_moe/error.hpp"
+#include "uccl_moe/log.hpp"
+#include "../kernels/intranode/nvl_layout.hpp"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::runtime {
+
+namespace {
+// Host-mapped block layout (bytes). The record sits first so its 64 bytes share no line with counters.
+constexpr size_t kHostOffDiag = 0;
+constexpr size_t kHostOffAbort = 128;
+constexpr size_t kHostOffRecvCounter = 256;
+constexpr size_t kHostOffExpertCounters = 512;
+constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
+
+}  // namespace
+
+NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int device)
+    : rank_(rank), num_ranks_(num_ranks), device_(device), num_nvl_bytes_(num_nvl_bytes) {
+  UCCL_ASSERT(num_ranks >= 1 && num_ranks <= kMaxLocalRanks, "num_ranks=%d: the intranode runtime serves 1..%d local ranks",
+              num_ranks, kMaxLocalRanks);
+  UCCL_ASSERT(rank >= 0 && rank < num_ranks, "rank=%d outside [0, %d)", rank, num_ranks);
+  UCCL_ASSERT(num_nvl_bytes >= static_cast<int64_t>(kNvlMetaBytes) && num_nvl_bytes % kBufferAlignBytes == 0,
+              "num_nvl_bytes=%lld must be a multiple of %zu and at least %zu (use Config.get_nvl_buffer_size_hint)",
+              static_cast<long long>(num_nvl_bytes), kBufferAlignBytes, kNvlMetaBytes);
+  UCCL_CHECK_GPU(gpu::set_device(device));
+  UCCL_CHECK_GPU(gpu::device_malloc(&local_, static_cast<size_t>(num_nvl_bytes)));
+  // Only the meta region must start at zero (barrier words, counters); rings are written before being read.
+  UCCL_CHECK_GPU(gpu::memset_sync(local_, 0, kNvlMetaBytes));
+  void* host = nullptr;
+  UCCL_CHECK_GPU(gpu::host_alloc_mapped(&host, kHostBytes));
+  host_ = static_cast<char*>(host);
+  std::memset(host_, 0, kHostBytes);
+  void* dev = nullptr;
+  UCCL_CHECK_GPU(gpu::host_device_pointer(&dev, host_));
+  host_dev_ = static_cast<char*>(dev);
+  reset_recv_counter();
+  UCCL_CHECK_GPU(gpu::device_synchronize());
+  peers_[rank_] = local_;
+  UCCL_LOG(INFO, MEM, "NVL buffer of %lld bytes at %p on device %d (local rank %d of %d)",
+           static_cast<long long>(num_nvl_bytes), local_, device, rank, num_ranks);
+}
+
+NvlRuntime::~NvlRuntime() {
+  try {
+    destroy();
+  } catch (const std::exception& e) {
+    UCCL_LOG(WARN, MEM, "NvlRuntime destroy failed: %s", e.what());
+  }
+}
+
+std::string NvlRuntime::ipc_handle() const {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed");
+  gpu::IpcMemHandle h;
+  UCCL_CHECK_GPU(gpu::ipc_get_mem_handle(&h, local_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void NvlRuntime::connect(const std::vector<std::string>& handles) {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed");
+  UCCL_ASSERT(!connected_, "connect() called twice");
+  UCCL_ASSERT(static_cast<int>(handles.size()) == num_ranks_, "got %zu IPC handles for %d local ranks",
+              handles.size(), num_ranks_);
+  UCCL_CHECK_GPU(gpu::set_device(device_));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    UCCL_ASSERT(handles[r].size() == sizeof(gpu::IpcMemHandle), "IPC handle of rank %d has %zu bytes, expected %zu",
+                r, handles[r].size(), sizeof(gpu::IpcMemHandle));
+    gpu::IpcMemHandle h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    UCCL_CHECK_GPU(gpu::ipc_open_mem_handle(&peers_[r], h));
+  }
+  connected_ = true;
+}
+
+void NvlRuntime::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  // Best effort: keep freeing after a failure (a trapped context fails every call), but say so.
+  auto warn = [](gpu::Error e, const char* what) {
+    if (e != gpu::kSuccess) UCCL_LOG(WARN, MEM, "NvlRuntime::destroy: %s failed: %s", what, gpu::error_string(e));
+  };
+  warn(gpu::set_device(device_), "set_device");
+  warn(gpu::device_synchronize(), "device_synchronize");  // our kernels finish before peers unmap us
+  for (int r = 0; r < num_ranks_; ++r)
+    if (r != rank_ && peers_[r] != nullptr) warn(gpu::ipc_close_mem_handle(peers_[r]), "ipc_close_mem_handle");
+  if (local_ != nullptr) warn(gpu::device_free(local_), "device_free");
+  if (host_ != nullptr) warn(gpu::host_free(host_), "host_free");
+  local_ = nullptr;
+  host_ = host_dev_ = nullptr;
+  for (auto& p : peers_) p = nullptr;
+  connected_ = false;
+}
+
+intranode::NvlContext NvlRuntime::context() const {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
+  UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
+  intranode::NvlContext c{};
+  for (int r = 0; r < kMaxLocalRanks; ++r) c.buffers[r] = peers_[r];
+  c.rank = rank_;
+  c.num_ranks = num_ranks_;
+  c.num_nvl_bytes = num_nvl_bytes_;
+  c.recv_counter = reinterpret_cast<int32_t*>(host_dev_ + kHostOffRecvCounter);
+  c.expert_counters = reinterpret_cast<int32_t*>(host_dev_ + kHostOffExpertCounters);
+  c.diag_record = reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag);
+  c.abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag);
+  c.timeout_ns = static_cast<uint64_t>(env::TIMEOUT_S() * 1e9);
+  return c;
+}
+
+void NvlRuntime::reset_recv_counter() {
+  *reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter) = -1;
+}
+
+bool NvlRuntime::aborted() const {
+  if (host_ == nullptr) return false;
+  return *reinterpret_cast<volatile int32_t*>(host_ + kHostOffAbort) != 0 ||
+         reinterpret_cast<volatile DiagRecord*>(host_ + kHostOffDiag)->valid != 0;
+}
+
+DiagRecord NvlRuntime::diag() const {
+  DiagRecord r{};
+  if (host_ != nullptr) std::memcpy(&r, host_ + kHostOffDiag, sizeof(r));
+  return r;
+}
+
+bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv,
+                                  std::vector<int>* per_expert) {
+  UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
+              "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
+  volatile int32_t* counter = reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter);
+  const auto start = std::chrono::steady_clock::now();
+  // The GPU gives up after timeout_s; the host allows a margin on top so the GPU's record (which names the
+  // peer) wins over the host's own (which cannot).
+  const double host_limit_s = timeout_s * 1.5 + 5.0;
+  uint64_t polls = 0;
+  while (*counter < 0) {
+    if (aborted()) return false;
+    if ((++polls & 1023u) == 0) {
+      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (waited > host_limit_s) {
+        auto* rec = reinterpret_cast<volatile DiagRecord*>(host_ + kHostOffDiag);
+        if (rec->valid == 0) {
+          rec->rank = rank_;
+          rec->peer = -1;
+          rec->channel = -1;
+          rec->phase = static_cast<int32_t>(DiagPhase::kHostRecvCounts);
+          rec->role = 0;
+          rec->expected = 0;
+          rec->seen = *counter;
+          rec->command = 0;
+          rec->waited_s = waited;
+          rec->valid = 1;
+        }
+        *reinterpret_cast<volatile int32_t*>(host_ + kHostOffAbort) = 1;
+        return false;
+      }
+      if (polls > (1u << 20)) std::this_thread::yield();
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the GPU's release of the counter
+  *num_recv = *counter;
+  per_expert->resize(num_local_experts);
+  const volatile int32_t* ec = reinterpret_cast<volatile int32_t*>(host_ + kHostOffExpertCounters);
+  for (int e = 0; e < num_local_experts; ++e) (*per_expert)[e] = ec[e];
+  return true;
+}
+
+}  // namespace uccl_moe::runtime

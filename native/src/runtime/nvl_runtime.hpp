@@ -1,0 +1,59 @@
+// Per-rank NVL buffer runtime: one device allocation of num_nvl_bytes shared with the other local ranks by
+// CUDA/HIP IPC, host-mapped counters and the diagnostic record, and the peer pointer table the kernels get.
+// Lifecycle: construct (allocates, zeroes) -> ipc_handle() on every rank -> exchange the bytes over the
+// process group -> connect(all handles) -> kernels -> destroy() (idempotent; also run by the destructor).
+// Plain C++ header: the bindings include it without a GPU compiler.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../kernels/intranode/intranode.hpp"
+#include "uccl_moe/diag.hpp"
+
+namespace uccl_moe::runtime {
+
+class NvlRuntime {
+ public:
+  /// rank/num_ranks: local rank and local ranks (1..8); device: the GPU this rank drives.
+  NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int device);
+  ~NvlRuntime();
+  NvlRuntime(const NvlRuntime&) = delete;
+  NvlRuntime& operator=(const NvlRuntime&) = delete;
+
+  /// Opaque IPC handle bytes of this rank's buffer (to be all-gathered).
+  std::string ipc_handle() const;
+  /// Opens every peer's buffer from the gathered handles (index = local rank; ours is skipped).
+  void connect(const std::vector<std::string>& handles);
+  bool connected() const { return connected_; }
+  void destroy();
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
+  uintptr_t local_buffer() const { return reinterpret_cast<uintptr_t>(local_); }
+  /// Kernel view (throws if not connected or destroyed).
+  intranode::NvlContext context() const;
+
+  /// Host side of the receive counters: set to -1 before a notify that publishes them.
+  void reset_recv_counter();
+  /// Waits (bounded by timeout_s) until notify published the counts. Returns false on timeout/abort; the
+  /// diagnostic record then says why (a host-side record is written if the GPU wrote none).
+  bool wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv, std::vector<int>* per_expert);
+  /// True once any wait of this buffer gave up; the buffer is then unusable (recreate it).
+  bool aborted() const;
+  DiagRecord diag() const;
+
+ private:
+  int rank_, num_ranks_, device_;
+  int64_t num_nvl_bytes_;
+  void* local_ = nullptr;
+  void* peers_[8] = {};
+  bool connected_ = false;
+  bool destroyed_ = false;
+  char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
+  char* host_dev_ = nullptr;
+};
+
+}  // namespace uccl_moe::runtime

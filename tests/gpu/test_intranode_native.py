@@ -1,0 +1,319 @@
+"""Native intranode kernels (native/src/kernels/{layout,intranode}, native/src/runtime) against the reference backend.
+
+Every check draws fresh random inputs, runs the native Buffer on the GPU and the reference Buffer on a gloo group
+(CPU), and compares: layout tensors, received rows (bit-exact, BF16 and FP8 with float/int scales, row- and
+column-major), local expert ids, weights, per-expert counts, source indices, the rank prefix matrix; cached
+dispatch; num_worst_tokens; CUDA-graph capture of dispatch + combine; combine (BF16 tolerance vs reference,
+bitwise identical across runs, with biases and top-k weights); back-to-back calls with a hash check; and a
+timeout when one rank skips a call. Ranks may share one GPU (CUDA IPC between processes on one device).
+
+Env: UMOE_TEST_ITERS (back-to-back iterations, default 1000), UMOE_TEST_BIG (0 skips the 16384-token
+and 7168-hidden cases, default 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.gpu_shared_mp import run_shared_gpu_ranks
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def _routing(gen: torch.Generator, T: int, E: int, K: int, R: int, kind: str) -> torch.Tensor:
+    scores = torch.rand((T, E), generator=gen) + 0.1
+    per = E // R
+    if kind == "empty_last":  # nobody routes to the last rank's experts
+        scores[:, (R - 1) * per:] = -1.0
+    idx = torch.topk(scores, K, dim=1).indices
+    if kind == "neg":
+        idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+    if kind == "skew":  # 80% of tokens pick expert 0
+        pick = torch.rand(T, generator=gen) < 0.8
+        has0 = (idx == 0).any(1)
+        idx[pick & ~has0, 0] = 0
+    return idx.to(torch.int64)
+
+
+def _scales(gen: torch.Generator, T: int, H: int, mode: str) -> torch.Tensor | None:
+    if mode == "none":
+        return None
+    if mode == "int":
+        return torch.randint(-2**31, 2**31 - 1, (T, -(-H // 512)), generator=gen, dtype=torch.int64).to(torch.int32)
+    s = torch.rand((T, -(-H // 128)), generator=gen) + 0.01
+    return s.T.contiguous().T if mode == "col" else s
+
+
+def _x(gen: torch.Generator, T: int, H: int, fp8: bool) -> torch.Tensor:
+    x = torch.randn((T, H), generator=gen)
+    return (x * 100).clamp(-440, 440).to(FP8) if fp8 else x.bfloat16()
+
+
+def _eq(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.shape != b.shape:
+        return False
+    if a.dtype == FP8 or b.dtype == FP8:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _hash(t: torch.Tensor) -> torch.Tensor:
+    flat = t.contiguous().view(-1)
+    ints = flat.view(torch.int16) if flat.element_size() == 2 else flat.view(torch.uint8)
+    pos = torch.arange(ints.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+    return (ints.to(torch.int64) * pos).sum()
+
+
+class _Case:
+    """One set of inputs on this rank, dispatched by both Buffers."""
+
+    def __init__(self, rank: int, R: int, T: int, H: int, E: int, K: int, fp8: bool, scales: str, routing: str,
+                 seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed * 131 + rank)
+        self.T, self.H, self.E, self.K, self.R = T, H, E, K, R
+        self.x = _x(gen, T, H, fp8)
+        self.s = _scales(gen, T, H, scales) if fp8 else None
+        self.idx = _routing(gen, T, E, K, R, routing)
+        self.w = torch.rand((T, K), generator=gen)
+        self.gen = gen
+
+    def xin(self, dev: str):
+        x = self.x.to(dev)
+        if self.s is None:
+            return x
+        s = self.s.to(dev)
+        if self.s.stride(0) == 1 and self.s.dim() == 2 and self.s.shape[1] > 1:  # keep column-major on the GPU
+            s = self.s.T.contiguous().to(dev).T
+        return (x, s)
+
+
+def _dispatch(buf, case: _Case, dev: str, **kw):
+    idx, w = case.idx.to(dev), case.w.to(dev)
+    lay = buf.get_dispatch_layout(idx, case.E)
+    res = buf.dispatch(case.xin(dev), num_tokens_per_rank=lay.num_tokens_per_rank,
+                       is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert,
+                       topk_idx=idx, topk_weights=w, **kw)
+    return lay, res
+
+
+def _split(recv_x):
+    return recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+
+
+# ------------------------------------------------------------------------------------------------ the worker
+def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
+    from uccl_moe import Buffer, Config
+
+    R = world
+    torch.manual_seed(rank)
+    hint_cfg = Config(24, 8, 256, 6, 128)
+    nvl = hint_cfg.get_nvl_buffer_size_hint(7168 * 2 if big else 4096 * 2, R)
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
+    cfg = Config(24, 8, 256, 6, 128)
+    failures: list[str] = []
+    verbose = os.environ.get("UMOE_TEST_VERBOSE", "0") == "1"
+
+    def check(name: str, ok: bool) -> None:
+        if verbose:
+            print(f"rank {rank}/{R}: {'ok ' if ok else 'BAD'} {name}", flush=True)
+        if not ok:
+            failures.append(name)
+
+    # name, T, H, experts per rank, K, fp8, scales, routing  (E = experts per rank x R)
+    cases = [
+        ("bf16", 512, 2048, 16, 8, False, "none", "random"),
+        ("bf16-neg", 300 + 17 * rank, 4096, 8, 4, False, "none", "neg"),
+        ("bf16-skew", 700, 2048, 16, 8, False, "none", "skew"),
+        ("bf16-empty-last", 256, 2048, 16, 4, False, "none", "empty_last"),
+        ("bf16-odd-hidden", 333, 2056, 4, 3, False, "none", "random"),  # 4112 B = 257 x 16 B
+        ("bf16-1-token", 1, 2048, 4, 4, False, "none", "random"),
+        ("fp8-row", 600, 4096, 16, 8, True, "row", "random"),
+        ("fp8-col", 600, 2048, 16, 8, True, "col", "neg"),
+        ("fp8-int", 400, 2048, 16, 8, True, "int", "random"),
+    ]
+    if big:
+        cases += [
+            ("bf16-7168", 2048, 7168, 64, 8, False, "none", "random"),
+            ("fp8-7168", 2048, 7168, 64, 8, True, "col", "random"),
+            ("bf16-16384-tokens", 16384, 2048, 16, 8, False, "none", "random"),
+        ]
+    small = os.environ.get("UMOE_TEST_SMALL", "0") == "1"  # one case, for compute-sanitizer
+    if small:
+        cases = cases[:1]
+    for seed, (name, T, H, per_rank, K, fp8, smode, routing) in enumerate(cases):
+        E = per_rank * R
+        case = _Case(rank, R, T, H, E, K, fp8, smode, routing, seed)
+        # layout
+        lay_n = nat.get_dispatch_layout(case.idx.cuda(), E)
+        lay_r = ref.get_dispatch_layout(case.idx, E)
+        check(f"{name}: layout", _eq(lay_n.num_tokens_per_rank, lay_r.num_tokens_per_rank)
+              and _eq(lay_n.num_tokens_per_expert, lay_r.num_tokens_per_expert)
+              and _eq(lay_n.is_token_in_rank, lay_r.is_token_in_rank) and lay_n.num_tokens_per_rdma_rank is None)
+        # dispatch
+        _, rn = _dispatch(nat, case, "cuda", config=cfg)
+        _, rr = _dispatch(ref, case, "cpu", config=cfg)
+        xn, sn = _split(rn.recv_x)
+        xr, sr = _split(rr.recv_x)
+        check(f"{name}: recv_x", _eq(xn, xr))
+        check(f"{name}: recv scales", _eq(sn, sr))
+        check(f"{name}: recv_topk_idx", _eq(rn.recv_topk_idx, rr.recv_topk_idx))
+        check(f"{name}: recv_topk_weights", _eq(rn.recv_topk_weights, rr.recv_topk_weights))
+        check(f"{name}: per-expert counts", rn.num_recv_tokens_per_expert_list == rr.num_recv_tokens_per_expert_list)
+        check(f"{name}: rank_prefix_matrix", _eq(rn.handle[0], rr.handle[0]))
+        check(f"{name}: recv_src_idx", _eq(rn.handle[3], rr.handle[3]))
+        if routing == "empty_last" and rank == R - 1:
+            check(f"{name}: last rank receives nothing", xn.shape[0] == 0)
+        # cached dispatch
+        cn = nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
+        cx, cs = _split(cn.recv_x)
+        check(f"{name}: cached recv_x", _eq(cx, xn) and _eq(cs, sn))
+        # num_worst_tokens
+        worst = T * R
+        _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst)
+        wx, ws = _split(wn.recv_x)
+        n = xn.shape[0]
+        check(f"{name}: worst shape/list", wx.shape[0] == worst and wn.num_recv_tokens_per_expert_list == [])
+        check(f"{name}: worst prefix", _eq(wx[:n], xn) and _eq(wn.recv_topk_idx[:n], rn.recv_topk_idx)
+              and _eq(wn.recv_topk_weights[:n], rn.recv_topk_weights) and (ws is None or _eq(ws[:n], sn)))
+        check(f"{name}: worst tail -1", bool((wn.recv_topk_idx[n:] == -1).all()) and
+              bool((wn.recv_topk_weights[n:] == 0).all()) and bool((wn.handle[3][n:] == -1).all()))
+        if fp8:
+            continue
+        # combine: random expert outputs (same rows on both sides), top-k weights and two biases
+        y = torch.randn((n, H), generator=case.gen).bfloat16()
+        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
+        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
+        on = nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()),
+                         config=cfg)
+        orf = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
+        close = torch.allclose(on.combined_x.cpu().float(), orf.combined_x.float(), rtol=1e-2, atol=1e-2)
+        check(f"{name}: combine vs reference", close)
+        check(f"{name}: combine weights", torch.allclose(on.combined_topk_weights.cpu(), orf.combined_topk_weights,
+                                                         rtol=1e-5, atol=1e-6))
+        check(f"{name}: combine without extras",
+              torch.allclose(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x.cpu().float(),
+                             ref.combine(y, rr.handle, config=cfg).combined_x.float(), rtol=1e-2, atol=1e-2))
+        first = on.combined_x.clone()
+        same = all(torch.equal(nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights,
+                                           bias=(b0.cuda(), b1.cuda()), config=cfg).combined_x, first)
+                   for _ in range(10))
+        check(f"{name}: combine bitwise identical x10", same)
+        # combine through the num_worst_tokens handle (padding rows are ignored)
+        yw = torch.cat([y.cuda(), torch.randn((worst - n, H), device="cuda").bfloat16()])
+        ow = nat.combine(yw, wn.handle, topk_weights=wn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()), config=cfg)
+        check(f"{name}: combine via worst handle", torch.equal(ow.combined_x, first))
+        # the original tokens come back: dispatch then combine of recv_x sums each token once per rank
+        back = nat.combine(xn, rn.handle, config=cfg).combined_x.float().cpu()
+        cnt = lay_r.is_token_in_rank.sum(1, keepdim=True).float()
+        check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
+
+    if small:
+        dist.barrier(group=gloo)
+        nat.destroy()
+        ref.destroy()
+        assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+        return
+    # CUDA graph: dispatch (num_worst_tokens, no host sync) + combine captured once, replayed.
+    case = _Case(rank, R, 512, 2048, 16 * R, 8, False, "none", "random", 99)
+    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
+    lay = nat.get_dispatch_layout(idx, 16 * R)
+    worst = 512 * R
+    eager = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w,
+                         num_worst_tokens=worst, config=cfg)
+    eager_c = nat.combine(eager.recv_x, eager.handle, topk_weights=eager.recv_topk_weights, config=cfg)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_res = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                             num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w,
+                             num_worst_tokens=worst, config=cfg)
+        g_comb = nat.combine(g_res.recv_x, g_res.handle, topk_weights=g_res.recv_topk_weights, config=cfg)
+    ok = True
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        n = int(eager.handle[0][-1, rank])
+        ok &= _eq(g_res.recv_x[:n], eager.recv_x[:n]) and _eq(g_comb.combined_x, eager_c.combined_x)
+        ok &= _eq(g_comb.combined_topk_weights, eager_c.combined_topk_weights)
+    check("cuda graph dispatch+combine", ok)
+    del graph
+
+    # Back-to-back: non-cached dispatch + combine `iters` times; hashes must not move, memory must not grow.
+    case = _Case(rank, R, 1024, 2048, 16 * R, 8, False, "none", "random", 7)
+    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
+    lay = nat.get_dispatch_layout(idx, 16 * R)
+    h0 = None
+    mem0 = None
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for it in range(iters):
+        r = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+        c = nat.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, config=cfg)
+        h = torch.stack([_hash(r.recv_x), _hash(c.combined_x), _hash(c.combined_topk_weights.view(torch.int16))])
+        if h0 is None:
+            h0 = h
+        bad += (h != h0).sum()
+        if it == 10:
+            torch.cuda.synchronize()
+            mem0 = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    check(f"{iters} back-to-back calls: hash stable", int(bad) == 0)
+    # A per-call leak of any output would grow by >= iters x (rows x 4 B) >> 2 MB; allow allocator rounding.
+    grown = torch.cuda.memory_allocated() - mem0 if mem0 is not None else 0
+    check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
+
+    dist.barrier(group=gloo)
+    nat.destroy()
+    ref.destroy()
+    assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_native_intranode_matches_reference(world: int) -> None:
+    iters = int(os.environ.get("UMOE_TEST_ITERS", "1000"))
+    big = os.environ.get("UMOE_TEST_BIG", "1") != "0"
+    run_shared_gpu_ranks(_worker, world, big, iters, timeout_s=900)
+
+
+# ------------------------------------------------------------------------------------------------ timeout
+def _skip_worker(rank: int, world: int, gloo) -> None:
+    from uccl_moe import Buffer, CommTimeoutError, Config
+
+    nvl = Config(24, 8, 256, 6, 128).get_nvl_buffer_size_hint(2048 * 2, world)
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 3)
+    skipper = world - 1
+    if rank != skipper:
+        try:
+            _dispatch(nat, case, "cuda")
+        except CommTimeoutError as e:
+            msg = str(e)
+            rec = e.record or {}
+            assert f"rank {rank}" in msg and "barrier" in msg and f"peer {skipper}" in msg, msg
+            assert rec.get("peer") == skipper and rec.get("phase") == "barrier" and rec.get("rank") == rank, rec
+        else:
+            raise AssertionError("dispatch returned although a peer skipped it")
+        # The buffer stays poisoned: the next call raises at once instead of hanging.
+        try:
+            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)
+        except CommTimeoutError:
+            pass
+        else:
+            raise AssertionError("a Buffer whose wait expired accepted another call")
+    dist.barrier(group=gloo)  # the skipper keeps its buffer mapped until the others gave up
+    nat.destroy()
+
+
+def test_native_timeout_when_a_rank_skips() -> None:
+    run_shared_gpu_ranks(_skip_worker, 3, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)

@@ -1,0 +1,43 @@
+"""Host-side checks of the native intranode layer (no GPU needed): lane geometry, size math, validation.
+
+Skipped when the build has no intranode kernels (no nvcc/hipcc at build time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from uccl_moe import _C, Config
+from uccl_moe.errors import InvalidUsageError
+
+pytestmark = pytest.mark.skipif(not _C.has_intranode_kernels(), reason="build without intranode kernels")
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_lanes_cover_the_ring_slots(ranks: int) -> None:
+    W = _C.intranode_lanes_per_channel(ranks)
+    assert W >= 1
+    C, W2, T, Tl, chunk = _C.intranode_geometry(24, ranks, 8, 256)
+    assert (C, W2, T) == (12, W, 256)
+    assert W * Tl <= T and Tl >= 2 and chunk == min(8, Tl)
+
+
+def test_chunk_is_clamped_to_the_lane_ring() -> None:
+    _, W, _, Tl, chunk = _C.intranode_geometry(24, 2, 1000, 64)
+    assert Tl == 64 // W and chunk == Tl
+
+
+@pytest.mark.parametrize("args, word", [((23, 4, 8, 256), "num_sms"), ((24, 4, 8, 8), "num_max_nvl_chunked_recv"),
+                                        ((24, 4, 0, 256), "num_max_nvl_chunked_send"), ((24, 9, 8, 256), "num_ranks")])
+def test_bad_geometry_names_the_field(args: tuple, word: str) -> None:
+    with pytest.raises(InvalidUsageError, match=word):
+        _C.intranode_geometry(*args)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("hidden, elem, topk", [(7168, 2, 8), (7168, 1, 8), (2056, 2, 32), (4096, 4, 8)])
+def test_runtime_need_fits_the_config_hint(ranks: int, hidden: int, elem: int, topk: int) -> None:
+    """Buffer sizes NVL memory with Config.get_nvl_buffer_size_hint(hidden * max(elem, 2)); the kernels must fit."""
+    cfg = Config(24, 8, 256, 6, 128)
+    scales = hidden // 128 if elem == 1 else 0
+    need = _C.intranode_required_nvl_bytes(24, ranks, 8, 256, hidden * elem, topk, scales)
+    assert need <= cfg.get_nvl_buffer_size_hint(hidden * max(elem, 2), ranks)

@@ -1,0 +1,105 @@
+"""``uccl-moe bench`` / ``python -m uccl_moe.bench``: HT dispatch/combine throughput inside one node.
+
+For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x chunk) it times, in one run:
+  - ``dispatch``: our cached-handle dispatch (BF16 or FP8 + float32 scales),
+  - ``combine``: our combine of BF16 rows,
+  - ``nccl_a2a``: NCCL ``all_to_all_single`` moving exactly the same, already packed rows (dispatch direction;
+    for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
+and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
+Method (DESIGN.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
+after warm-up, the slowest rank's time. Metrics: ``logical_GBps`` = all rows a rank receives (own rows
+included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks only. FP8 rows count
+hidden bytes + 4 bytes per scale; combine counts BF16.
+
+The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table, writes JSON
+(``--json``) and a PNG (``--png``, if matplotlib is importable), and shows a progress bar on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+from ._run import _plot, _table, _worker
+
+
+def _parse_ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-moe bench", description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=0, help="processes (one per GPU); 0 = all visible GPUs")
+    p.add_argument("--tokens", type=_parse_ints, default=[4096], help="tokens per rank, comma list")
+    p.add_argument("--hidden", type=_parse_ints, default=[7168], help="hidden sizes, comma list")
+    p.add_argument("--experts", type=_parse_ints, default=[256], help="expert counts, comma list")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--dtypes", default="fp8,bf16", help="dispatch dtypes: fp8,bf16")
+    p.add_argument("--sms", type=_parse_ints, default=[24], help="SM counts (even), comma list")
+    p.add_argument("--nvl-send", type=_parse_ints, default=[8], help="num_max_nvl_chunked_send_tokens, comma list")
+    p.add_argument("--nvl-recv", type=_parse_ints, default=[256], help="num_max_nvl_chunked_recv_tokens, comma list")
+    p.add_argument("--sweep", action="store_true",
+                   help="full sweep: tokens 128..16384, hidden 2048/4096/7168, experts 64/256")
+    p.add_argument("--iters", type=int, default=30, help="timed runs per op (median; >= 20)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
+    p.add_argument("--json", default="uccl_moe_bench.json", help="JSON output path ('' = none)")
+    p.add_argument("--png", default="uccl_moe_bench.png", help="PNG plot path ('' = none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.sweep:
+        args.tokens = [128, 512, 1024, 2048, 4096, 8192, 16384]
+        args.hidden = [2048, 4096, 7168]
+        args.experts = [64, 256]
+    if args.iters < 20:
+        print("--iters must be >= 20 (the median of at least 20 runs is the method)", file=sys.stderr)
+        return 2
+    import torch
+    import torch.multiprocessing as mp
+
+    if not torch.cuda.is_available():
+        print("uccl-moe bench needs CUDA GPUs", file=sys.stderr)
+        return 2
+    R = args.ranks or torch.cuda.device_count()
+    if R > torch.cuda.device_count():
+        print(f"note: {R} ranks share {torch.cuda.device_count()} GPU(s); timings are not meaningful",
+              file=sys.stderr)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        init_file, result_file = os.path.join(d, "init"), os.path.join(d, "result.json")
+        t0 = time.time()
+        procs = [ctx.Process(target=_worker, args=(r, R, init_file, args, result_file)) for r in range(R)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            print(f"bench failed (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+            return 1
+        with open(result_file) as f:
+            result = json.load(f)
+    rows = result["rows"]
+    dev = torch.cuda.get_device_name(0)
+    print(f"uccl-moe bench on {R} x {dev}; peer copy ceiling (one way, copy engine) "
+          f"{result['peer_copy_GBps']:.1f} GB/s; {time.time() - t0:.0f} s")
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev, "ranks": R, "argv": argv if argv is not None else sys.argv[1:], **result}, f,
+                      indent=1)
+        print(f"wrote {args.json}")
+    if args.png and rows and _plot(rows, args.png):
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

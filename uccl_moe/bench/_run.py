@@ -1,0 +1,215 @@
+"""Worker side of ``uccl-moe bench`` (a module of its own so spawned processes can import it)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+FLUSH_BYTES = 256 << 20
+
+
+# ------------------------------------------------------------------------------------------------ per rank
+def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> float:
+    """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(statistics.median(times))
+
+
+def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, cfg: Any,
+           args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    scores = torch.rand((T, E), generator=gen, device=dev) + 0.1
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int64)
+    w = torch.rand((T, K), generator=gen, device=dev)
+    xb = torch.randn((T, H), generator=gen, device=dev).bfloat16()
+    if dtype == "fp8":
+        s = torch.rand((T, H // 128), generator=gen, device=dev) + 0.01
+        x: Any = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), s.T.contiguous().T)
+        row_bytes = H + 4 * (H // 128)
+    else:
+        x = xb
+        row_bytes = 2 * H
+    lay = buf.get_dispatch_layout(idx, E)
+    res = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                       num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+    h = res.handle
+    rank_prefix = h[0].cpu()
+    col = rank_prefix[:, rank]
+    recv_from = torch.diff(col, prepend=col.new_zeros(1)).tolist()  # rows from each source
+    n_recv = int(col[-1])
+    n_remote = n_recv - recv_from[rank]
+    send_to = lay.num_tokens_per_rank.cpu().tolist()
+    n_sent_remote = sum(send_to) - send_to[rank]
+    recv_x = res.recv_x[0] if isinstance(res.recv_x, tuple) else res.recv_x
+    y = torch.randn((recv_x.shape[0], H), device=dev).bfloat16()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+
+    out: dict[str, Any] = {}
+    out["dispatch_us"] = _time_op(lambda: buf.dispatch(x, handle=h, config=cfg), flush, args.iters, args.warmup)
+    out["combine_us"] = _time_op(lambda: buf.combine(y, h, config=cfg), flush, args.iters, args.warmup)
+    if not args.no_nccl and 1 < R <= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+        send_rows = sum(send_to)
+        send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
+        recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
+        out["nccl_dispatch_us"] = _time_op(
+            lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup)
+        back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
+        back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
+        out["nccl_combine_us"] = _time_op(
+            lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup)
+    out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
+               row_bytes=row_bytes, combine_row_bytes=2 * H)
+    gathered: list[Any] = [None] * R
+    dist.all_gather_object(gathered, out, group=gloo)
+    return _summarise(gathered)
+
+
+def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Slowest rank's time for each op; GB/s from that rank's own byte counts."""
+    row: dict[str, Any] = {}
+    for op, recv_key, remote_key, bytes_key in (
+            ("dispatch", "n_recv", "n_remote", "row_bytes"),
+            ("combine", "n_sent", "n_sent_remote", "combine_row_bytes"),
+            ("nccl_dispatch", "n_recv", "n_remote", "row_bytes"),
+            ("nccl_combine", "n_sent", "n_sent_remote", "combine_row_bytes")):
+        key = f"{op}_us"
+        if key not in per_rank[0]:
+            continue
+        slowest = max(per_rank, key=lambda d: d[key])
+        t = slowest[key]
+        row[key] = round(t, 1)
+        row[f"{op}_logical_GBps"] = round(slowest[recv_key] * slowest[bytes_key] / (t * 1e3), 1)
+        row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
+    return row
+
+
+def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args: argparse.Namespace) -> float:
+    """One-way copy-engine GB/s from rank 0 into rank 1's NVL buffer (others idle)."""
+    import torch
+    import torch.distributed as dist
+
+    backend = buf._backend  # the benchmark reaches the native backend on purpose
+    gbps = 0.0
+    if R > 1 and hasattr(backend, "peer_copy"):
+        dev = torch.device("cuda", torch.cuda.current_device())
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+        if rank == 0:
+            us = _time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)
+            gbps = nbytes / (us * 1e3)
+    vals: list[Any] = [None] * R
+    dist.all_gather_object(vals, gbps, group=gloo)
+    return float(vals[0])
+
+
+def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
+    gloo = dist.new_group(list(range(R)), backend="gloo")
+    from uccl_moe import Buffer, Config
+
+    points = list(itertools.product(args.tokens, args.hidden, args.experts, args.dtypes.split(","), args.sms,
+                                    args.nvl_send, args.nvl_recv))
+    nvl = max(Config(s, min(ns, nr - 1), nr, 6, 128).get_nvl_buffer_size_hint(h * 2, R)
+              for _, h, _, _, s, ns, nr in points)
+    buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ceiling = _peer_copy_ceiling(buf, rank, R, gloo, min(1 << 30, nvl - (2 << 20)) // 2, args)
+    bar: Any = None
+    if rank == 0:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(points), desc="uccl-moe bench", file=sys.stderr)
+        except ImportError:
+            bar = None
+    rows = []
+    for i, (T, H, E, dt, sms, ns, nr) in enumerate(points):
+        cfg = Config(sms, min(ns, nr - 1), nr, 6, 128)
+        row = {"ranks": R, "tokens": T, "hidden": H, "experts": E, "topk": args.topk, "dtype": dt, "num_sms": sms,
+               "nvl_send": ns, "nvl_recv": nr}
+        row.update(_point(buf, rank, R, gloo, T, H, E, args.topk, dt, cfg, args))
+        row["peer_copy_GBps"] = round(ceiling, 1)
+        rows.append(row)
+        if bar is not None:
+            bar.update(1)
+        elif rank == 0:
+            print(f"[{i + 1}/{len(points)}] done", file=sys.stderr, flush=True)
+    if bar is not None:
+        bar.close()
+    dist.barrier(group=gloo)
+    buf.destroy()
+    if rank == 0:
+        with open(result_file, "w") as f:
+            json.dump({"rows": rows, "peer_copy_GBps": ceiling}, f)
+    dist.destroy_process_group()
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cols = [("ranks", "EP"), ("tokens", "tokens"), ("hidden", "hidden"), ("experts", "E"), ("dtype", "dtype"),
+            ("num_sms", "SMs"), ("nvl_send", "chunk"), ("dispatch_us", "disp_us"),
+            ("dispatch_nvlink_GBps", "disp_nvl"), ("dispatch_logical_GBps", "disp_log"),
+            ("nccl_dispatch_us", "nccl_us"), ("nccl_dispatch_nvlink_GBps", "nccl_nvl"),
+            ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
+            ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl")]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(cols, widths))]
+    for r in rows:
+        lines.append("  ".join(str(r.get(k, "")).rjust(w) for (k, _), w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    keys = sorted({(r["hidden"], r["experts"], r["dtype"], r["num_sms"], r["nvl_send"]) for r in rows})
+    for key in keys:
+        sel = sorted((r for r in rows if (r["hidden"], r["experts"], r["dtype"], r["num_sms"], r["nvl_send"]) == key),
+                     key=lambda r: r["tokens"])
+        lab = f"H={key[0]} E={key[1]} {key[2]} sms={key[3]} chunk={key[4]}"
+        ax.plot([r["tokens"] for r in sel], [r["dispatch_nvlink_GBps"] for r in sel], "o-", label=f"dispatch {lab}")
+        ax.plot([r["tokens"] for r in sel], [r["combine_nvlink_GBps"] for r in sel], "s--", label=f"combine {lab}")
+        if "nccl_dispatch_nvlink_GBps" in sel[0]:
+            ax.plot([r["tokens"] for r in sel], [r["nccl_dispatch_nvlink_GBps"] for r in sel], "x:",
+                    label=f"NCCL a2a {lab}")
+    if rows:
+        ax.axhline(rows[0]["peer_copy_GBps"], color="k", lw=0.8, label="peer copy (one way)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("nvlink_GBps (slowest rank)")
+    ax.set_title(f"uccl-moe intranode HT, EP{rows[0]['ranks'] if rows else '?'}")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
