@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     R = world
     torch.manual_seed(rank)
     hint_cfg = Config(24, 8, 256, 6, 128)
-    nvl = hint_cfg.get_nvl_buffer_size_hint(7168 * 2 if big else 4096 * 2, R)
+    nvl = hint_cfg.get_nvl_buffer_size_hint(10240 * 2 if big else 4096 * 2, R)  # widest case: fp8-80-scales
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
     cfg = Config(24, 8, 256, 6, 128)
@@ -146,6 +146,8 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
             ("bf16-7168", 2048, 7168, 64, 8, False, "none", "random"),
             ("fp8-7168", 2048, 7168, 64, 8, True, "col", "random"),
             ("bf16-16384-tokens", 16384, 2048, 16, 8, False, "none", "random"),
+            # 80 scales per token: the scale copy loops run more than twice per lane
+            ("fp8-80-scales", 256, 10240, 4, 8, True, "col", "random"),
         ]
     small = os.environ.get("UMOE_TEST_SMALL", "0") == "1"  # one case, for compute-sanitizer
     if small:

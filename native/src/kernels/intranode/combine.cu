@@ -56,11 +56,12 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
     }
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     const int64_t row = row0 + pos;
+    const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
+    const float wgt = has_weight ? a.topk_weights[row * a.num_topk + lane] : 0.0f;  // loaded before the row
     warp_copy_row<kSendUnroll, false>(
         reinterpret_cast<int4*>(slot),
         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), num_16);
-    if (a.topk_weights != nullptr && lane < a.num_topk)
-      reinterpret_cast<float*>(slot + s.off_weights)[lane] = a.topk_weights[row * a.num_topk + lane];
+    if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
     if (pos + 1 - published >= g.chunk_tokens) {
       gpu::sync_warp();
       if (lane == 0) gpu::store_release_sys(tail, pos + 1);  // pairs with the receiver's acquire
@@ -122,7 +123,7 @@ UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, CombineSmem* sm, in
   }
 }
 
-template <int kNumRanks>
+template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
                                      int lane_local, int gw, int group, CombineSmem* sm) {
   const CombineArgs& a = k.a;
@@ -143,8 +144,11 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   int since_publish = 0;
+  // send_head of the next token is loaded one token ahead (its latency hides behind this token's sum).
+  int32_t p_next = (lane < N && begin < end) ? a.send_head[static_cast<int64_t>(begin) * N + lane] : -1;
   for (int t = begin; t < end; ++t) {
-    const int32_t p = lane < N ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
+    const int32_t p = p_next;
+    if (lane < N && t + 1 < end) p_next = a.send_head[static_cast<int64_t>(t + 1) * N + lane];
     // Wait until every rank holding a copy has published it.
     bool need = p >= 0 && tail_seen <= p;
     if (gpu::ballot(need) != 0) {
@@ -174,24 +178,31 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const char* slot_ptr =
         (lane < N && p >= 0) ? my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes : nullptr;
     const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
-    // The loop trip count is warp-uniform (shuffles below need every lane); `active` masks the tail.
-    for (int col_base = col_begin; col_base < col_end; col_base += gpu::kWarpSize) {
-      const int col = col_base + lane;
-      const bool active = col < col_end;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int4 v[kNumRanks];
+    // kColUnroll column groups x kNumRanks copies: all loads are issued before the first add, so each lane
+    // keeps kColUnroll * kNumRanks 16-B loads in flight. The trip count is warp-uniform; `active` masks.
+    for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
+      int4 v[kColUnroll][kNumRanks];
 #pragma unroll
       for (int d = 0; d < kNumRanks; ++d) {
-        const char* src = reinterpret_cast<const char*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
-        if (((have >> d) & 1) && active) v[d] = gpu::load_ring_128(reinterpret_cast<const int4*>(src) + col);
-      }
-      if (!active) continue;
+        const int4* row = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
 #pragma unroll
-      for (int d = 0; d < kNumRanks; ++d)
-        if ((have >> d) & 1) add_bf16x8(acc, v[d]);
-      if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
-      if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
-      reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
+        for (int u = 0; u < kColUnroll; ++u) {
+          const int col = col_base + u * gpu::kWarpSize + lane;
+          if (((have >> d) & 1) && col < col_end) v[u][d] = gpu::load_ring_128(row + col);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        const int col = col_base + u * gpu::kWarpSize + lane;
+        if (col >= col_end) continue;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+          if ((have >> d) & 1) add_bf16x8(acc, v[u][d]);
+        if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
+        if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
+        reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
+      }
     }
     if (gw == 0 && a.out_topk_weights != nullptr) {
       float sum = 0.0f;
