@@ -18,12 +18,13 @@ cp /tmp/ab_new/* "$K"/
 UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 cp "$SO" /tmp/ab_new.so
 grep -E "spill" "$OUT/build.log" | sort | uniq -c | head; echo "builds $(( $(date +%s) - t0 )) s" | tee -a "$L"
+# $B and $TESTS are word-split on purpose.
 B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 --sms 24 --nvl-recv 1024 --iters 30}"
 i=0; mkdir -p /tmp/abj
 for v in ${AB_ORDER:-base new base new}; do
-  i=$((i + 1)); cp /tmp/ab_$v.so "$SO"
+  i=$((i + 1)); cp "/tmp/ab_$v.so" "$SO"
   echo "== $v (run $i)" | tee -a "$L"
-  timeout ${AB_TIMEOUT:-120} $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1
+  timeout "${AB_TIMEOUT:-120}" $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1
   grep -v "it/s\]" /tmp/ab_run.log | grep -A8 "disp_us" | tee -a "$L"
   if [ ! -s "/tmp/abj/ab${i}_$v.json" ]; then
     tail -15 /tmp/ab_run.log | tee -a "$L"
@@ -35,7 +36,7 @@ echo "bench $(( $(date +%s) - t0 )) s" | tee -a "$L"
 cp /tmp/ab_new.so "$SO"
 if [ -n "${TESTS:-}" ]; then
   TT=$(( ${DEADLINE_S:-400} - ($(date +%s) - t0) )); echo "tests get ${TT} s" | tee -a "$L"
-  UMOE_TEST_VERBOSE=1 timeout $TT python3 -m pytest -x -q -s -p no:cacheprovider ${TESTS} > "$OUT/pytest.log" 2>&1
+  UMOE_TEST_VERBOSE=1 timeout "$TT" python3 -m pytest -x -q -s -p no:cacheprovider ${TESTS} > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$?" | tee -a "$L"; grep -E "passed|failed|BAD|Error" "$OUT/pytest.log" | tail -8
 fi
 echo "total $(( $(date +%s) - t0 )) s" | tee -a "$L"
