@@ -102,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev, "ranks": R, "argv": argv if argv is not None else sys.argv[1:], **result}, f,
+            json.dump({"device": dev, "ranks": R, "argv": sys.argv[1:],
+                       "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
+                       **result}, f,
                       indent=1)
         print(f"wrote {args.json}")
     if args.png and rows and _plot(rows, args.png):
