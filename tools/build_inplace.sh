@@ -9,5 +9,8 @@ BUILD=${UCCL_MOE_BUILD_DIR:-build/inplace}
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython_EXECUTABLE="$(command -v python3)" "$@" >/dev/null
 cmake --build "$BUILD" -j"${UCCL_MOE_JOBS:-2}"
-cp -f "$BUILD"/native/src/bindings/_C*.so uccl_moe/
+# New inode (copy, then rename): processes that have the old module mapped keep running.
+for so in "$BUILD"/native/src/bindings/_C*.so; do
+  cp -f "$so" "uccl_moe/.$(basename "$so").tmp" && mv -f "uccl_moe/.$(basename "$so").tmp" "uccl_moe/$(basename "$so")"
+done
 echo "built $(ls uccl_moe/_C*.so)"

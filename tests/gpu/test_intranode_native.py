@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.gpu_shared_mp import run_shared_gpu_ranks
+from helpers.mp import run_shared_gpu_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.gpu_mp import run_gpu_ranks
+from helpers.mp import run_gpu_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -31,8 +31,8 @@ def _parse_ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="uccl-moe bench", description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench flags (shared by ``python -m uccl_moe.bench`` and ``uccl-moe bench``)."""
     p.add_argument("--ranks", type=int, default=0, help="processes (one per GPU); 0 = all visible GPUs")
     p.add_argument("--tokens", type=_parse_ints, default=[4096], help="tokens per rank, comma list")
     p.add_argument("--hidden", type=_parse_ints, default=[7168], help="hidden sizes, comma list")
@@ -49,11 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
     p.add_argument("--json", default="uccl_moe_bench.json", help="JSON output path ('' = none)")
     p.add_argument("--png", default="uccl_moe_bench.png", help="PNG plot path ('' = none)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-moe bench", description=__doc__.split("\n")[0])
+    add_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the sweep described by parsed bench arguments."""
     if args.sweep:
         args.tokens = [128, 512, 1024, 2048, 4096, 8192, 16384]
         args.hidden = [2048, 4096, 7168]
@@ -93,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev, "ranks": R, "argv": argv if argv is not None else sys.argv[1:], **result}, f,
+            json.dump({"device": dev, "ranks": R, "argv": sys.argv[1:],
+                       "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
+                       **result}, f,
                       indent=1)
         print(f"wrote {args.json}")
     if args.png and rows and _plot(rows, args.png):

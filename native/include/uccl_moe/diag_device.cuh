@@ -3,6 +3,7 @@
 // flag that every other waiter of the launch polls, so the whole launch drains instead of hanging.
 #pragma once
 
+#include "uccl_moe/compiler.hpp"
 #include "uccl_moe/diag.hpp"
 #include "uccl_moe/platform.cuh"
 
@@ -16,7 +17,7 @@ struct DiagDeviceHandle {
   int32_t rank;
 };
 
-#if defined(UCCL_DEVICE_COMPILE) || defined(__CUDACC__) || defined(__HIPCC__)
+#if defined(UCCL_GPU_COMPILER)
 
 /// Writes the record unless another waiter already did; pairs with the acquire of `valid` on the host.
 UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, int role, int peer, int channel,

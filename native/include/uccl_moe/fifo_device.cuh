@@ -8,9 +8,10 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "uccl_moe/compiler.hpp"
 #include "uccl_moe/transfer_cmd.hpp"
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
+#if defined(UCCL_GPU_COMPILER)
 #include "uccl_moe/diag_device.cuh"
 #include "uccl_moe/platform.cuh"
 #endif
@@ -25,7 +26,7 @@ struct FifoDeviceHandle {
   uint32_t capacity_mask;   ///< capacity - 1 (capacity is a power of two)
   int32_t channel;          ///< global FIFO index (diagnostics)
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
+#if defined(UCCL_GPU_COMPILER)
   /// Reserves a slot, waits (bounded) for room and publishes `cmd` with one 16-byte store. Returns the command's
   /// index for check_completion(), or ~0ull if the wait expired (a DiagRecord with phase fifo/full was written and
   /// the abort flag raised; the kernel must drain).

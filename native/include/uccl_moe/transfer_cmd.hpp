@@ -39,11 +39,9 @@
 #include <cstring>
 #include <string>
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define UCCL_MOE_HD __host__ __device__ inline
-#else
-#define UCCL_MOE_HD inline
-#endif
+#include "uccl_moe/compiler.hpp"
+
+#define UCCL_MOE_HD UCCL_HOST_DEVICE_FN
 
 namespace uccl_moe {
 

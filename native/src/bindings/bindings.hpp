@@ -5,7 +5,12 @@
 
 #include <nanobind/nanobind.h>
 
+#include "uccl_moe/diag.hpp"
+
 namespace uccl_moe::bindings {
+
+/// A DiagRecord as the dict Python sees (CommTimeoutError.record), with the formatted message.
+nanobind::dict diag_to_dict(const DiagRecord& r);
 
 void register_core(nanobind::module_& m);
 void register_proxy(nanobind::module_& m);

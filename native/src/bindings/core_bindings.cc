@@ -22,7 +22,6 @@ DiagRecord selftest_device_timeout(double timeout_s, int rank);  // device_wait.
 
 namespace uccl_moe::bindings {
 
-namespace {
 nb::dict diag_to_dict(const DiagRecord& r) {
   nb::dict d;
   d["valid"] = r.valid;
@@ -38,7 +37,6 @@ nb::dict diag_to_dict(const DiagRecord& r) {
   d["message"] = format_diag(r);
   return d;
 }
-}  // namespace
 
 void register_core(nb::module_& m) {
   m.def("gpu_backend", &gpu_backend, "'cuda', 'hip' or 'none': what this build targets");

@@ -30,22 +30,6 @@ T* ptr(uintptr_t p) {
 }
 void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
-nb::dict diag_dict(const DiagRecord& r) {
-  nb::dict d;
-  d["valid"] = r.valid;
-  d["rank"] = r.rank;
-  d["peer"] = r.peer;
-  d["channel"] = r.channel;
-  d["phase"] = std::string(diag_phase_name(static_cast<DiagPhase>(r.phase)));
-  d["role"] = r.role;
-  d["expected"] = r.expected;
-  d["seen"] = r.seen;
-  d["command"] = r.command;
-  d["waited_s"] = r.waited_s;
-  d["message"] = format_diag(r);
-  return d;
-}
-
 nb::tuple geometry_tuple(const Geometry& g) {
   return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
 }
@@ -70,7 +54,7 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("local_buffer", &NvlRuntime::local_buffer)
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
       .def("aborted", &NvlRuntime::aborted)
-      .def("diag", [](const NvlRuntime& r) { return diag_dict(r.diag()); })
+      .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts, double timeout_s) {
         int num_recv = -1;
