@@ -12,7 +12,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 el "built"
 timeout ${TEST_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider --timeout 240 -m gpu -rA \
-  tests/gpu tests/uccl_moe/test_native_core.py tests/uccl_moe/megatron/test_dispatcher_gpu.py > "$OUT/pytest_gpu.log" 2>&1
+  ${TESTS:-tests/gpu tests/uccl_moe/test_native_core.py tests/uccl_moe/megatron/test_dispatcher_gpu.py} \
+  > "$OUT/pytest_gpu.log" 2>&1
 echo "pytest rc=$?"; grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/pytest_gpu.log" | tail -30
 el "tests done"
 if [ "${TRAIN:-1}" = 1 ]; then
@@ -22,7 +23,7 @@ if [ "${TRAIN:-1}" = 1 ]; then
   el "train done"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 120 python3 -m uccl_moe.bench --ranks 4 --hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 \
+  timeout ${BENCH_TIMEOUT:-120} python3 -m uccl_moe.bench --ranks 4 --hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 \
     --sms 24 --nvl-send 8 --iters 30 --json "$OUT/ep4.json" --png "$OUT/ep4.png" > "$OUT/bench.log" 2>&1
   grep -v "it/s\]" "$OUT/bench.log" | tail -12 | cut -c1-220
   el "bench done"
