@@ -113,12 +113,12 @@ def _attention_params(m: Any) -> int:
         kv = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
         kv += m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim)
         out = heads * m.v_head_dim * h
-        return q + kv + out
+        return int(q + kv + out)
     kv_ch = m.kv_channels or h // heads
     groups = m.num_query_groups if (m.group_query_attention and m.num_query_groups) else heads
     qkv = h * (heads * kv_ch + 2 * groups * kv_ch)
     norms = 2 * kv_ch if m.qk_layernorm else 0
-    return qkv + norms + heads * kv_ch * h
+    return int(qkv + norms + heads * kv_ch * h)
 
 
 def _mlp_params(h: int, ffn: int, swiglu: bool) -> int:

@@ -110,5 +110,5 @@ def entry_lookup(cfg: Any) -> str:
 def render_primus_yaml(cfg: Any, command_lines: list[str], summary: str = "") -> str:
     """The experiment YAML text, headed by the provenance and the command that runs it."""
     header = provenance_lines("primus", cfg, summary) + ["run it with:"] + [f"  {c}" for c in command_lines]
-    body = yaml.safe_dump(primus_experiment(cfg), sort_keys=False, default_flow_style=False, width=120)
+    body: str = yaml.safe_dump(primus_experiment(cfg), sort_keys=False, default_flow_style=False, width=120)
     return comment_block(header) + body

@@ -176,7 +176,9 @@ class UCCLDispatch(torch.autograd.Function):
         return recv_x, recv_topk_weights
 
     @staticmethod
-    def backward(ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]) -> tuple:
+    def backward(
+        ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]
+    ) -> tuple[Any, ...]:
         previous_event = _capture(ctx.async_finish)
         if grad_recv_topk_weights is not None:
             grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
@@ -217,7 +219,7 @@ class UCCLCombine(torch.autograd.Function):
         return combined
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         previous_event = _capture(ctx.async_finish)
         grad_x, _, _, _, _, event = ctx.buffer.dispatch(
             grad.contiguous(),

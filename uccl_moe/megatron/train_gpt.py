@@ -87,7 +87,7 @@ _IGNORED = ("--mock-data", "--tokenizer-type", "--no-load-optim", "--no-load-rng
 _IGNORED_WITH_VALUE = ("--tokenizer-type", "--distributed-backend", "--eval-iters", "--eval-interval")
 
 
-def _field_kwargs(field: dataclasses.Field) -> Optional[dict[str, Any]]:
+def _field_kwargs(field: dataclasses.Field[Any]) -> Optional[dict[str, Any]]:
     """argparse kwargs for a TransformerConfig field, or None if the field is not CLI-representable."""
     tp = field.type
     if isinstance(tp, str):  # postponed annotations are not used by megatron-core, but be safe
@@ -428,7 +428,7 @@ def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) 
     return out, partial(_loss_func, batch["loss_mask"])
 
 
-def cpu_forward_backward(*, forward_step_func: Any, data_iterator: Any, model: list, num_microbatches: int,
+def cpu_forward_backward(*, forward_step_func: Any, data_iterator: Any, model: list[Any], num_microbatches: int,
                          seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list[dict[str, Any]]:
     """Megatron's no-pipelining schedule for CPU runs (megatron-core's own allocates its token counter on 'cuda').
 
