@@ -10,6 +10,7 @@
 #include <deque>
 
 #include "efa_detail.hpp"
+#include "transport/ibverbs/post_queue.hpp"
 #include "transport/ibverbs/verbs_ops.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
@@ -118,8 +119,7 @@ class EfaEndpoint : public Endpoint {
   std::vector<EfaPeerInfo> peers_;
   EfaPeerTable table_;
   int outstanding_ = 0;
-  std::deque<WorkRequest> backlog_;
-  std::deque<Completion> errors_;
+  PostQueue queue_;
 };
 
 class EfaTransport : public Transport {
@@ -261,12 +261,7 @@ bool EfaEndpoint::try_post(const WorkRequest& in) {
     if (int rc = ibv_wr_complete(qpx_)) err = verbs_error("ibv_wr_complete", rc);
   }
   if (!err.empty()) {
-    Completion c;
-    c.kind = CompletionKind::kError;
-    c.wr_id = in.wr_id;
-    c.peer = in.peer;
-    c.status = err;
-    errors_.push_back(std::move(c));
+    queue_.fail(in, std::move(err));
     return true;
   }
   ++outstanding_;
@@ -275,21 +270,18 @@ bool EfaEndpoint::try_post(const WorkRequest& in) {
 
 void EfaEndpoint::post(const WorkRequest& wr) {
   UCCL_CHECK_INTERNAL(can_reach(wr.peer), "efa: post to unconnected peer %d", wr.peer);
-  if (!backlog_.empty() || !try_post(wr)) backlog_.push_back(wr);
+  queue_.post(wr, [this](const WorkRequest& w) { return try_post(w); });
 }
 
 void EfaEndpoint::flush() {
-  while (!backlog_.empty() && try_post(backlog_.front())) backlog_.pop_front();
+  queue_.flush([this](const WorkRequest& w) { return try_post(w); });
 }
 
 int EfaEndpoint::poll(std::vector<Completion>& out, int max) {
   const size_t start = out.size();
-  while (!errors_.empty() && int(out.size() - start) < max) {
-    out.push_back(std::move(errors_.front()));
-    errors_.pop_front();
-  }
-  ibv_wc wc[32];
-  const int room = std::min(32, max - int(out.size() - start));
+  queue_.drain_errors(out, max);
+  ibv_wc wc[kPollBatch];
+  const int room = std::min(kPollBatch, max - int(out.size() - start));
   const int n = room > 0 ? t_->ops_->poll_cq(cq_, room, wc) : 0;
   if (n < 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_poll_cq", -n).c_str());
   for (int i = 0; i < n; ++i) {
@@ -297,8 +289,7 @@ int EfaEndpoint::poll(std::vector<Completion>& out, int max) {
     c.wr_id = wc[i].wr_id;
     if (wc[i].status != IBV_WC_SUCCESS) {
       c.kind = CompletionKind::kError;
-      c.status = format("completion error status=%s (%d) vendor_err=0x%x", ibv_wc_status_str(wc[i].status),
-                        int(wc[i].status), wc[i].vendor_err);
+      c.status = wc_error_status(wc[i]);
     } else if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
       c.kind = CompletionKind::kRecvImm;
       c.imm = ntohl(wc[i].imm_data);

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "ibverbs_detail.hpp"
+#include "post_queue.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
@@ -180,8 +181,7 @@ class IbverbsEndpoint : public Endpoint {
   std::vector<int> outstanding_;
   std::vector<RemoteMr> rdata_, rctr_;
   std::unordered_map<uint32_t, int> qpn_to_peer_;
-  std::deque<WorkRequest> backlog_;
-  std::deque<Completion> errors_;
+  PostQueue queue_;
 };
 
 class IbverbsTransport : public Transport {
@@ -350,12 +350,7 @@ bool IbverbsEndpoint::try_post(const WorkRequest& in) {
     if (int rc = t_->ops_->post_send(qps_[size_t(in.peer)], &wr, &bad)) err = verbs_error("ibv_post_send", rc);
   }
   if (!err.empty()) {
-    Completion c;
-    c.kind = CompletionKind::kError;
-    c.wr_id = in.wr_id;
-    c.peer = in.peer;
-    c.status = err;
-    errors_.push_back(std::move(c));
+    queue_.fail(in, std::move(err));
     return true;
   }
   ++outstanding_[size_t(in.peer)];
@@ -364,21 +359,18 @@ bool IbverbsEndpoint::try_post(const WorkRequest& in) {
 
 void IbverbsEndpoint::post(const WorkRequest& wr) {
   UCCL_CHECK_INTERNAL(can_reach(wr.peer), "ibverbs: post to unconnected peer %d", wr.peer);
-  if (!backlog_.empty() || !try_post(wr)) backlog_.push_back(wr);
+  queue_.post(wr, [this](const WorkRequest& w) { return try_post(w); });
 }
 
 void IbverbsEndpoint::flush() {
-  while (!backlog_.empty() && try_post(backlog_.front())) backlog_.pop_front();
+  queue_.flush([this](const WorkRequest& w) { return try_post(w); });
 }
 
 int IbverbsEndpoint::poll(std::vector<Completion>& out, int max) {
   const size_t start = out.size();
-  while (!errors_.empty() && int(out.size() - start) < max) {
-    out.push_back(std::move(errors_.front()));
-    errors_.pop_front();
-  }
-  ibv_wc wc[32];
-  const int room = std::min(32, max - int(out.size() - start));
+  queue_.drain_errors(out, max);
+  ibv_wc wc[kPollBatch];
+  const int room = std::min(kPollBatch, max - int(out.size() - start));
   const int n = room > 0 ? t_->ops_->poll_cq(cq_, room, wc) : 0;
   if (n < 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_poll_cq", -n).c_str());
   for (int i = 0; i < n; ++i) {
@@ -388,8 +380,7 @@ int IbverbsEndpoint::poll(std::vector<Completion>& out, int max) {
     c.wr_id = wc[i].wr_id;
     if (wc[i].status != IBV_WC_SUCCESS) {
       c.kind = CompletionKind::kError;
-      c.status = format("completion error status=%s (%d) vendor_err=0x%x qp=%u", ibv_wc_status_str(wc[i].status),
-                        int(wc[i].status), wc[i].vendor_err, wc[i].qp_num);
+      c.status = wc_error_status(wc[i]);
       if (wc[i].opcode & IBV_WC_RECV) c.wr_id = ~0ull;  // a receive failed: not one of our commands
     } else if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
       c.kind = CompletionKind::kRecvImm;
