@@ -16,12 +16,19 @@ machine that has none. Megatron-Core assumes CUDA in a few spots; :func:`apply` 
    work. On a CPU host there is one generator, so seeding "the CUDA generator" seeds the CPU one.
 4. ``torch.cuda.current_stream()`` returns a stream stand-in whose waits are no-ops (megatron-core 0.19's DDP grad
    sync waits on CUDA-graph events through it): on CPU all work is synchronous, so there is nothing to wait for.
+5. ``torch.cuda.Stream()`` returns the same stand-in and ``torch.cuda.stream(<stand-in>)`` is a no-op context:
+   Megatron's ``alltoall`` dispatcher creates a side stream for its device-to-host copies in ``__init__`` (the
+   constructor raised on CPU), so with this the CPU runs can compare uccl with alltoall. Its
+   ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` converts only CUDA tensors, which left the all-to-all split sizes
+   as CPU tensors that ``all_to_all_single`` rejects; on CPU a host tensor with ``as_numpy=True`` becomes the numpy
+   array the GPU path yields.
 
 Everything is idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -47,6 +54,7 @@ def apply() -> None:
     _patch_te_general_gemm()
     _patch_rng_tracker()
     _patch_current_stream()
+    _patch_stream_class()
     _applied = True
     log.info("megatron-core CPU shims applied (no CUDA on this host)")
 
@@ -108,9 +116,56 @@ class HostStream:
     def query(self) -> bool:
         return True
 
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else HostEvent()
+
+
+class HostEvent:
+    """What ``HostStream.record_event()`` returns: already complete (CPU work is synchronous)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream: Any = None) -> None:
+        del stream
+
 
 _HOST_STREAM = HostStream()
 
 
 def _patch_current_stream() -> None:
     torch.cuda.current_stream = lambda device=None: _HOST_STREAM  # type: ignore[assignment,return-value]
+
+
+def _patch_stream_class() -> None:
+    real_stream_ctx = torch.cuda.stream
+
+    def host_stream(*_args: Any, **_kwargs: Any) -> HostStream:
+        return _HOST_STREAM
+
+    def stream_ctx(stream: Any) -> Any:
+        if stream is None or isinstance(stream, HostStream):
+            return contextlib.nullcontext()
+        return real_stream_ctx(stream)
+
+    torch.cuda.Stream = host_stream  # type: ignore[assignment,misc]
+    torch.cuda.stream = stream_ctx
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    real_move = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if real_move is None or getattr(real_move, "_uccl_cpu_shim", False):
+        return
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return real_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    move_to_cpu._uccl_cpu_shim = True  # type: ignore[attr-defined]
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    if hasattr(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu

@@ -79,6 +79,9 @@ _TRAIN_FLAGS: dict[str, dict[str, Any]] = {
     "--untie-embeddings-and-output-weights": dict(action="store_true"),
     "--use-distributed-optimizer": dict(action="store_true"),
     "--loss-log": dict(type=str, default=None, help="append one JSON line per step here (last rank)"),
+    "--log-memory": dict(action="store_true", help="add this rank's peak memory (MiB) to each log line"),
+    "--log-moe-timing": dict(action="store_true",
+                             help="add forward dispatch/combine ms per MoE layer to each log line (step_stats)"),
 }
 # Accepted for compatibility with Megatron-LM command lines and ignored: the data is synthetic, the backend follows
 # the device (NCCL on GPUs, gloo on CPU), and there is no evaluation loop.
@@ -476,6 +479,11 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
     rank = dist.get_rank()
     log_rows: list[dict[str, float]] = []
     is_last = parallel_state.is_pipeline_last_stage()
+    moe_timer = None
+    if ts.args.log_moe_timing:
+        from .step_stats import MoeTimer
+
+        moe_timer = MoeTimer(model, ts.device)
     if rank == 0:
         from .dispatcher import UCCLTokenDispatcher
 
@@ -506,13 +514,25 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         row = {"iteration": it, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "seconds": dt, "update_ok": bool(update_ok)}
+        extra = f" | {row['tokens_per_s']:.0f} tokens/s" if ts.args.log_throughput else ""
+        if ts.args.log_memory:
+            from .step_stats import peak_memory_mib
+
+            row["peak_mem_mib"] = peak_memory_mib(ts.device)
+            extra += f" | peak mem {row['peak_mem_mib']:.1f} MiB"
+        if moe_timer is not None:
+            from .step_stats import format_ms_list
+
+            moe_ms = moe_timer.collect()
+            row.update(dispatch_ms=moe_ms["dispatch"], combine_ms=moe_ms["combine"])  # type: ignore[dict-item]
+            extra += (f" | dispatch ms/layer {format_ms_list(moe_ms['dispatch'])}"
+                      f" | combine ms/layer {format_ms_list(moe_ms['combine'])}")
         log_rows.append(row)
         first_of_stage = (
             parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
         )
         if is_last and first_of_stage:
             if it % ts.args.log_interval == 0:
-                extra = f" | {row['tokens_per_s']:.0f} tokens/s" if ts.args.log_throughput else ""
                 print(f"[train_gpt] iteration {it}/{ts.args.train_iters} | lm loss {loss:.5f} | lr {lr:.3g} | "
                       f"grad norm {row['grad_norm']:.4f} | {dt * 1000:.1f} ms{extra}", flush=True)
             if ts.args.loss_log and parallel_state.get_expert_model_parallel_rank() == 0:
