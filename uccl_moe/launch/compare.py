@@ -252,7 +252,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 def render_table(result: dict[str, Any]) -> str:
     """A Markdown table of the runs (one row each) plus the run-to-run noise line."""
-    head = ["run", "ok", "steps", "final loss", "max |Δloss| vs " + result["baseline"], "step ms (median)",
+    head = ["run", "ok", "steps", "final loss", "max abs(Δloss) vs " + result["baseline"], "step ms (median)",
             "tokens/s", "speedup", "peak mem MiB", "dispatch ms/layer", "combine ms/layer"]
     rows = []
     for r in result["runs"]:

@@ -125,7 +125,7 @@ def test_table_and_png(tmp_path: Path):
     res = _result()
     table = cmp.render_table(res)
     lines = table.splitlines()
-    assert lines[0].startswith("| run") and "max |Δloss| vs uccl" in lines[0]
+    assert lines[0].startswith("| run") and "max abs(Δloss) vs uccl" in lines[0]
     row = next(line for line in lines if line.startswith("| alltoall"))
     assert "5.000e-04" in row and "0.823" in row  # parity and speedup (14885/18085)
     assert "run-to-run noise (uccl vs uccl#2): max |Δloss| 1.000e-05 over 4 steps" in table
