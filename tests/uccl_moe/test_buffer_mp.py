@@ -250,3 +250,39 @@ def _skip_a_call(rank: int, world: int) -> None:
 @pytest.mark.mp
 def test_peer_skipping_a_call_raises_timeout_not_hang() -> None:
     run_ranks(_skip_a_call, 2, env={"UCCL_MOE_BACKEND": "reference", "UCCL_MOE_TIMEOUT_S": "1.5"}, timeout_s=60)
+
+
+def _emulated_two_nodes(rank: int, world: int) -> None:
+    from uccl_moe import Buffer, InvalidUsageError
+
+    g = dist.group.WORLD
+    H, E = 128, 2 * world
+    cfg = Buffer.get_dispatch_config(world)
+    nvl = cfg.get_nvl_buffer_size_hint(H * 2, world, 2)
+    rdma = cfg.get_rdma_buffer_size_hint(H * 2, world, 2)
+    assert rdma > 0
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(12)])
+    x = torch.randn((12, H), generator=gen).bfloat16()
+    small = Buffer(g, nvl, 0)
+    assert small.topology.num_nodes == 2 and small.topology.ranks_per_node == 2
+    ntr, ntrr, nte, itr, _ = small.get_dispatch_layout(idx, E)
+    # distinct tokens per node: a token counts once per node however many of its ranks there hold its experts
+    assert ntrr is not None and torch.equal(ntrr, itr.view(12, 2, 2).any(-1).sum(0, dtype=torch.int32))
+    try:
+        small.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=ntrr, is_token_in_rank=itr,
+                       num_tokens_per_expert=nte)
+    except InvalidUsageError as e:
+        assert f"needs {rdma} bytes of RDMA buffer" in str(e) and "num_rdma_bytes >=" in str(e)
+    else:
+        raise AssertionError("a 2-node dispatch without RDMA bytes must fail")
+    buf = Buffer(g, nvl, rdma)
+    res = buf.dispatch(x, num_tokens_per_rank=ntr, num_tokens_per_rdma_rank=ntrr, is_token_in_rank=itr,
+                       num_tokens_per_expert=nte, topk_idx=idx, topk_weights=torch.rand(idx.shape, generator=gen))
+    comb, _, _ = buf.combine(res.recv_x, res.handle)
+    assert torch.equal(comb.float(), (x.float() * itr.sum(1, keepdim=True)).bfloat16().float())
+
+
+@pytest.mark.mp
+def test_emulated_nodes_layout_and_rdma_size_check() -> None:
+    run_ranks(_emulated_two_nodes, 4, env={"UCCL_MOE_BACKEND": "reference", "UCCL_MOE_EMULATE_NODES": "2"})
