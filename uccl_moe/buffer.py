@@ -372,8 +372,11 @@ class Buffer:
         return t
 
     def _check_values(self) -> bool:
-        """Host-side value checks cost a device sync; skipped while capturing a CUDA graph."""
-        return not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+        """Host-side value checks cost a device sync on GPUs: skipped while capturing a CUDA graph, and when
+        UCCL_MOE_CHECK_INPUTS=0 (shape, dtype and device checks always run)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return bool(env.get("CHECK_INPUTS"))
 
     def _check_num_experts(self, num_experts: Any) -> int:
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:

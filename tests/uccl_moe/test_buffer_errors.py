@@ -327,3 +327,13 @@ def test_capture_and_comm_stream_on_cpu(buf):
     with ev:
         pass
     assert buf.get_comm_stream() is None
+
+
+def test_value_checks_can_be_switched_off(buf, monkeypatch):
+    monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "0")
+    assert buf._check_values() is False
+    # shapes and dtypes are still checked
+    _raises(InvalidTypeError, "topk_idx must have dtype int64", buf.get_dispatch_layout,
+            torch.zeros((2, 2), dtype=torch.int32), 4)
+    monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "maybe")
+    _raises(InvalidUsageError, 'UCCL_MOE_CHECK_INPUTS="maybe" is invalid', buf._check_values)
