@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import shlex
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import schema
@@ -24,69 +25,50 @@ def flag(name: str) -> str:
 
 
 def _value(v: Any) -> str:
-    if isinstance(v, enum.Enum):
-        return str(v.value)
     if isinstance(v, float):
         return repr(v)
     return str(v)
 
 
-def megatron_args(cfg: Any) -> list[tuple[str, Any]]:
-    """The ``(dest, value)`` pairs that render as arguments (None left out), in argv order. Enum values are
-    plain strings; booleans stay booleans."""
-    out: list[tuple[str, Any]] = []
+def arg_fields(cfg: Any) -> Iterator[tuple[dataclasses.Field[Any], Any]]:
+    """``(schema field, value)`` of every field that renders as a Megatron argument, in argv order; None values
+    left out, enum members turned into their plain values."""
     for group in ARG_GROUPS:
-        cls = schema.GROUPS[group]
         node = cfg[group]
-        for f in dataclasses.fields(cls):
+        for f in dataclasses.fields(schema.GROUPS[group]):
             if not f.metadata.get("arg"):
                 continue
             v = node[f.name]
             if v is None:
                 continue
-            out.append((f.name, v.value if isinstance(v, enum.Enum) else v))
-    return out
+            yield f, (v.value if isinstance(v, enum.Enum) else v)
+
+
+def megatron_args(cfg: Any) -> list[tuple[str, Any]]:
+    """The ``(dest, value)`` pairs that render as arguments (None left out), in argv order. Enum values are
+    plain strings; booleans stay booleans."""
+    return [(f.name, v) for f, v in arg_fields(cfg)]
 
 
 def megatron_dests(cfg: Any) -> dict[str, Any]:
     """What Megatron's parser must produce for `cfg`: ``{args attribute: value}`` (``dest``/``invert`` metadata
     applied). Used by the tests that parse the rendered argv with Megatron's own parser."""
-    out: dict[str, Any] = {}
-    for group in ARG_GROUPS:
-        for f in dataclasses.fields(schema.GROUPS[group]):
-            if not f.metadata.get("arg"):
-                continue
-            v = cfg[group][f.name]
-            if v is None:
-                continue
-            v = v.value if isinstance(v, enum.Enum) else v
-            if f.metadata.get("invert"):
-                v = not v
-            out[f.metadata.get("dest", f.name)] = v
-    return out
+    return {f.metadata.get("dest", f.name): (not v) if f.metadata.get("invert") else v for f, v in arg_fields(cfg)}
 
 
 def megatron_argv(cfg: Any) -> list[str]:
     """Megatron command-line arguments for `cfg` (no program name)."""
     argv: list[str] = []
-    for group in ARG_GROUPS:
-        cls = schema.GROUPS[group]
-        node = cfg[group]
-        for f in dataclasses.fields(cls):
-            if not f.metadata.get("arg"):
-                continue
-            v = node[f.name]
-            if v is None:
-                continue
+    for f, v in arg_fields(cfg):
+        if isinstance(v, bool):
             false_flag = f.metadata.get("false_flag")
-            if isinstance(v, bool):
-                if false_flag:
-                    if not v:
-                        argv.append(false_flag)
-                elif v:
-                    argv.append(flag(f.name))
-                continue
-            argv += [flag(f.name), _value(v)]
+            if false_flag:
+                if not v:
+                    argv.append(false_flag)
+            elif v:
+                argv.append(flag(f.name))
+            continue
+        argv += [flag(f.name), _value(v)]
     argv += [str(a) for a in cfg.platform.extra_args]
     argv += [str(a) for a in cfg.train.extra_args]
     return argv

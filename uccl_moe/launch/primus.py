@@ -13,14 +13,12 @@ the uccl-moe Primus patches and then hands over to Primus's CLI.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from typing import Any
 
 import yaml
 
-from ..config import schema
-from .megatron_args import launch_env, megatron_args, megatron_dests
+from .megatron_args import arg_fields, launch_env, megatron_args, megatron_dests
 from .provenance import comment_block, provenance_lines
 
 REQUIRED_KEYS: tuple[str, ...] = ("work_group", "user_name", "exp_name", "workspace", "modules")
@@ -59,9 +57,9 @@ def primus_overrides(cfg: Any) -> dict[str, Any]:
     # Primus fills Megatron's namespace by dest; where the dest differs from the argument name give both (unknown
     # keys are merged, never rejected): norm_epsilon + layernorm_epsilon, disable_bias_linear + add_bias_linear.
     dests = megatron_dests(cfg)
-    for f in dataclasses.fields(schema.ModelConfig):
+    for f, _ in arg_fields(cfg):
         dest = f.metadata.get("dest")
-        if dest and f.name in out:
+        if dest:
             out[dest] = dests[dest]
     out.update(_extra_args_to_overrides(list(cfg.platform.extra_args)))
     out.update(_extra_args_to_overrides(list(cfg.train.extra_args)))
