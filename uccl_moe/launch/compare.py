@@ -46,7 +46,7 @@ from ..config import expand_sweeps, to_yaml
 from ..errors import InvalidUsageError
 from .commands import compose_and_validate
 from .local import check_devices, child_env, format_command, torchrun_command
-from .megatron_args import training_command
+from .megatron_args import entry_command
 
 DEFAULT_ENTRY = ["-m", "uccl_moe.megatron.train_gpt"]
 STATS_FLAGS = ["--log-throughput", "--log-memory"]
@@ -465,7 +465,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], Any, str, str | None]:
         disp = name.split("#", 1)[0]
         cfg, _ = compose_and_validate([*overrides, f"dispatcher={disp}"], args.config_dir, quiet=True)
         cmd = torchrun_command(cfg)
-        default_entry = training_command(cfg)[:2] == DEFAULT_ENTRY
+        default_entry = entry_command(cfg) == DEFAULT_ENTRY
         if default_entry:
             cmd += STATS_FLAGS + ([] if args.no_moe_timing else [MOE_TIMING_FLAG])
         log_interval = int(cfg.train.log_interval or 1)

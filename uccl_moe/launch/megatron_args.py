@@ -97,16 +97,21 @@ def entry_argv(cfg: Any) -> list[str]:
     return tokens
 
 
-def training_command(cfg: Any) -> list[str]:
-    """What each rank runs after the python interpreter.
+def entry_command(cfg: Any) -> list[str]:
+    """What each rank runs after the python interpreter and before the Megatron arguments.
 
     * ``train.entry = "-m <module>"`` (default ``-m uccl_moe.megatron.train_gpt``, our wheel-only GPT-MoE entry, which
-      calls ``uccl_moe.megatron.install()`` itself): ``-m <module> <megatron args>``.
-    * ``train.entry = <script path>`` (e.g. Megatron-LM's ``pretrain_gpt.py``): through the installing wrapper,
-      ``-m uccl_moe.megatron.pretrain <script> <megatron args>``, which calls ``install()`` (adds
-      ``--moe-token-dispatcher-type uccl`` and the ``--moe-uccl-*`` arguments) and then runs the script.
+      calls ``uccl_moe.megatron.install()`` itself): ``-m <module>``.
+    * ``train.entry = <script path>`` (e.g. Megatron-LM's ``pretrain_gpt.py``): the installing wrapper,
+      ``-m uccl_moe.megatron.pretrain <script>``, which calls ``install()`` (adds ``--moe-token-dispatcher-type uccl``
+      and the ``--moe-uccl-*`` arguments) and then runs the script.
     """
     entry = entry_argv(cfg)
     if entry[0] == "-m":
-        return [*entry, *megatron_argv(cfg)]
-    return ["-m", "uccl_moe.megatron.pretrain", *entry, *megatron_argv(cfg)]
+        return entry
+    return ["-m", "uccl_moe.megatron.pretrain", *entry]
+
+
+def training_command(cfg: Any) -> list[str]:
+    """What each rank runs after the python interpreter: :func:`entry_command` + :func:`megatron_argv`."""
+    return [*entry_command(cfg), *megatron_argv(cfg)]

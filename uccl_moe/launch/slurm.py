@@ -13,7 +13,7 @@ import shlex
 from typing import Any
 
 from ..config import schema
-from .megatron_args import launch_env, megatron_argv, training_command
+from .megatron_args import entry_command, launch_env, megatron_argv
 from .provenance import comment_block, provenance_lines
 
 
@@ -60,8 +60,7 @@ def render_sbatch(cfg: Any, summary: str = "") -> str:
     if env:
         out += ["", f"# platform {cfg.platform.name} environment (+ dispatcher {cfg.dispatcher.name} knobs)"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    tc = training_command(cfg)
-    head = tc[: len(tc) - len(megatron_argv(cfg))]  # the entry part: -m module | -m uccl_moe.megatron.pretrain script
+    head = entry_command(cfg)  # -m module | -m uccl_moe.megatron.pretrain script
     out += ["", "MEGATRON_ARGS=("]
     argv = megatron_argv(cfg)
     i = 0
