@@ -22,7 +22,6 @@ Naming rule: a field that is a Megatron argument has exactly the argument's name
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -391,7 +390,8 @@ GROUPS: Dict[str, type] = {
     "dispatcher": DispatcherConfig,
     "train": TrainConfig,
 }
-"""The Megatron-argument groups, in render order."""
+"""The config groups that hold Megatron arguments, by name (the argv order is
+:data:`uccl_moe.launch.megatron_args.ARG_GROUPS`)."""
 
 
 def register() -> None:
@@ -401,10 +401,3 @@ def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
 
-
-def field_meta(cls: type, name: str) -> dict[str, Any]:
-    """The metadata of field `name` of schema `cls` (``{}`` if none)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return dict(f.metadata)
-    raise KeyError(f"{cls.__name__} has no field {name!r}")
