@@ -39,17 +39,17 @@ def compose_and_validate(overrides: list[str], directory: Path | None, quiet: bo
         report = validate(cfg, warn=False)
     if not quiet:
         print(f"# resolved config (recipe {cfg.meta.recipe})\n{to_yaml(cfg)}", file=sys.stderr)
-    print(report.summary(), file=sys.stderr)
-    for w in report.warnings:
-        print(f"WARNING: {w}", file=sys.stderr)
+    print(summary_text(report), file=sys.stderr)
     return cfg, report
 
 
 def summary_text(report: ValidationReport) -> str:
+    """The validation summary and its warnings, one ``WARNING:`` line each (printed, and recorded in rendered files)."""
     return "\n".join([report.summary(), *(f"WARNING: {w}" for w in report.warnings)])
 
 
-def _default_run_dir(cfg: Any, base: Path | None, tag: str = "") -> Path:
+def default_run_dir(cfg: Any, base: Path | None, tag: str = "") -> Path:
+    """`base`/`tag` when `base` is given, else ``runs/<recipe>/<time>[-tag]``."""
     if base is not None:
         return base / tag if tag else base
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> int:
         print(format_command(cmd, {}))
         return 0
     check_devices(cfg)
-    run_dir = _default_run_dir(cfg, args.run_dir)
+    run_dir = default_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     (run_dir / "command.sh").write_text("#!/bin/bash\n" + format_command(cmd, env) + "\n")
@@ -124,7 +124,7 @@ def slurm(args: argparse.Namespace) -> int:
     for i, overrides in enumerate(combos):
         cfg, report = compose_and_validate(overrides, args.config_dir, quiet=args.quiet or len(combos) > 1)
         tag = f"{i:03d}" if len(combos) > 1 else ""
-        run_dir = _default_run_dir(cfg, args.run_dir, tag)
+        run_dir = default_run_dir(cfg, args.run_dir, tag)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         script = run_dir / "job.sbatch"
@@ -165,7 +165,7 @@ def write_primus(cfg: Any, report: ValidationReport, out_dir: Path, rel_dir: str
 def primus(args: argparse.Namespace) -> int:
     _no_sweeps(args.overrides, "primus")
     cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet)
-    run_dir = _default_run_dir(cfg, args.run_dir)
+    run_dir = default_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     exp, sb, lines = write_primus(cfg, report, run_dir, _rel(run_dir))

@@ -44,7 +44,7 @@ from typing import Any, TextIO
 from ..cli import subcommand
 from ..config import expand_sweeps, to_yaml
 from ..errors import InvalidUsageError
-from .commands import compose_and_validate
+from .commands import compose_and_validate, default_run_dir
 from .local import check_devices, child_env, format_command, torchrun_command
 from .megatron_args import entry_command
 
@@ -483,11 +483,7 @@ def plan(args: argparse.Namespace) -> tuple[list[Run], Any, str, str | None]:
             "memory; table, JSON, PNG", _compare_args)
 def compare(args: argparse.Namespace) -> int:
     runs, cfg, baseline, repeat = plan(args)
-    if args.run_dir is not None:
-        out_dir = args.run_dir
-    else:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        out_dir = Path("runs") / str(cfg.meta.recipe) / f"{stamp}-compare"
+    out_dir = args.run_dir if args.run_dir is not None else default_run_dir(cfg, None, "compare")
     for r in runs:
         if r.default_entry:  # full-precision losses (the log line rounds to 5 decimals)
             r.command += ["--loss-log", str(out_dir / _run_subdir(r) / "steps.jsonl")]

@@ -81,15 +81,10 @@ def check(out: Path | None = None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--check"]:
-        problems = check()
-        for problem in problems:
-            print(problem, file=sys.stderr)
-        return 1 if problems else 0
-    for path in render_all():
-        print(f"wrote {path}")
-    return 0
+    """``python -m uccl_moe.launch.render_all [--check] [--out DIR]``: the ``uccl-moe render-recipes`` subcommand."""
+    from uccl_moe.cli import main as cli_main  # the importable module, so the subcommand registry is the shared one
+
+    return cli_main(["render-recipes", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
