@@ -49,6 +49,11 @@ def parse_moe_layer_freq(expr: str | int, num_layers: int) -> list[int]:
     return [int(v) for v in value]
 
 
+def moe_layer_flags(m: Any) -> list[int]:
+    """One 0/1 per decoder layer of model config `m`: 1 where the layer is MoE (all 0 for a dense model)."""
+    return parse_moe_layer_freq(m.moe_layer_freq, m.num_layers) if m.num_experts else [0] * m.num_layers
+
+
 def fmt_params(n: float) -> str:
     """1.23e9 -> '1.23B', 4.5e6 -> '4.50M', 812 -> '812'."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -128,7 +133,7 @@ def _mlp_params(h: int, ffn: int, swiglu: bool) -> int:
 def count_parameters(m: Any, tp: int = 1) -> ParamCount:
     """Count the parameters of model config `m` (a ``ModelConfig`` or its DictConfig)."""
     h = m.hidden_size
-    freq = parse_moe_layer_freq(m.moe_layer_freq, m.num_layers) if m.num_experts else [0] * m.num_layers
+    freq = moe_layer_flags(m)
     num_moe = sum(freq)
     vocab = padded_vocab(m.vocab_size or 0, m.make_vocab_size_divisible_by, tp)
     attention = _attention_params(m)
@@ -212,7 +217,7 @@ def estimate_memory(cfg: Any, assignment: list[list[int]], world_size: int) -> M
                       p.expert_model_parallel_size)
     etp = p.expert_tensor_parallel_size or tp
     counts = count_parameters(m, tp)
-    freq = parse_moe_layer_freq(m.moe_layer_freq, m.num_layers) if m.num_experts else [0] * m.num_layers
+    freq = moe_layer_flags(m)
     ranks: list[RankParams] = []
     for r, layers in enumerate(assignment):
         dense = 0.0

@@ -22,6 +22,7 @@ intended), printed by the launchers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import warnings
@@ -99,7 +100,9 @@ def _sizes(cfg: Any) -> dict[str, Any]:
                       p.expert_model_parallel_size)
     etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else tp
     world = cfg.nodes * cfg.platform.gpus_per_node
-    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "world": world}
+    # mp: ranks of one dense model replica (TP x PP x CP); emp: of one expert replica (ETP x EP x PP)
+    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "world": world, "mp": tp * pp * cp,
+            "emp": etp * ep * pp}
 
 
 # ----------------------------------------------------------------------------------------------------- the rules
@@ -119,7 +122,7 @@ def _check_sizes(cfg: Any, s: dict[str, Any]) -> list[str]:
 
 @_rule("model_parallel_divides_world", "nodes x gpus_per_node is a multiple of TP x PP x CP")
 def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
-    mp = s["tp"] * s["pp"] * s["cp"]
+    mp = s["mp"]
     if s["world"] % mp:
         return [(f"world size {s['world']} (nodes={cfg.nodes} x platform.gpus_per_node={cfg.platform.gpus_per_node})"
                 f" is not a multiple of TP x PP x CP = {s['tp']} x {s['pp']} x {s['cp']} = {mp}; change nodes or "
@@ -129,7 +132,7 @@ def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
 
 @_rule("expert_parallel_divides_world", "nodes x gpus_per_node is a multiple of ETP x EP x PP")
 def _check_world_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
-    emp = s["etp"] * s["ep"] * s["pp"]
+    emp = s["emp"]
     if s["world"] % emp:
         return [(f"world size {s['world']} is not a multiple of ETP x EP x PP = {s['etp']} x {s['ep']} x {s['pp']} = "
                 f"{emp}; change parallel.expert_model_parallel_size or nodes")]
@@ -259,8 +262,7 @@ def _check_pp_layers(cfg: Any, s: dict[str, Any]) -> list[str]:
             return [(f"model.num_layers={L} is not divisible by parallel.pipeline_model_parallel_size={pp}; use a PP "
                     f"that divides it, decoder_first/last_pipeline_num_layers, or pipeline_model_parallel_layout")]
         return []
-    rest_stages = pp - (first is not None) - (last is not None)
-    rest = L - (first or 0) - (last or 0)
+    rest, rest_stages = _middle_stages(L, pp, first, last)
     if rest < 0 or (rest_stages <= 0 and rest != 0) or (rest_stages > 0 and rest % rest_stages):
         return [(f"after decoder_first/last_pipeline_num_layers ({first}/{last}) the remaining {rest} layers do not "
                 f"split evenly over {rest_stages} middle stage(s)")]
@@ -294,10 +296,9 @@ def _check_layout(cfg: Any, s: dict[str, Any]) -> list[str]:
 
 @_rule("global_batch_divisible", "global_batch_size is a multiple of micro_batch_size x DP")
 def _check_gbs(cfg: Any, s: dict[str, Any]) -> list[str]:
-    mp = s["tp"] * s["pp"] * s["cp"]
-    if s["world"] % mp:
+    if s["world"] % s["mp"]:
         return []  # reported by model_parallel_divides_world
-    dp = s["world"] // mp
+    dp = s["world"] // s["mp"]
     p = cfg.parallel
     if p.global_batch_size % (p.micro_batch_size * dp):
         return [(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of micro_batch_size x DP = "
@@ -402,14 +403,17 @@ def _check_env(cfg: Any, s: dict[str, Any]) -> list[str]:
 
 def knob_env(dispatcher: Any) -> dict[str, str]:
     """The env vars set by the dispatcher's knob fields (those with metadata ``env``), None ones left out."""
-    import dataclasses
-
     out = {}
     for f in dataclasses.fields(schema.DispatcherConfig):
         env = f.metadata.get("env")
         if env and dispatcher[f.name] is not None:
             out[env] = str(dispatcher[f.name])
     return out
+
+
+def _middle_stages(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, int]:
+    """(layers, stages) left between the first and last pipeline stages sized by decoder_first/last_*."""
+    return num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
 
 
 def parse_pipeline_layout(layout: str) -> list[str]:
@@ -446,8 +450,7 @@ def pipeline_assignment(cfg: Any) -> list[list[int]]:
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if first is not None or last is not None:
         sizes = [0] * pp
-        rest_stages = pp - (first is not None) - (last is not None)
-        rest = L - (first or 0) - (last or 0)
+        rest, rest_stages = _middle_stages(L, pp, first, last)
         for r in range(pp):
             if r == 0 and first is not None:
                 sizes[r] = first
@@ -486,8 +489,8 @@ def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
     memory = estimate_memory(cfg, assignment, s["world"])
     report = ValidationReport(
         world_size=s["world"],
-        data_parallel_size=s["world"] // (s["tp"] * s["pp"] * s["cp"]),
-        expert_data_parallel_size=s["world"] // (s["etp"] * s["ep"] * s["pp"]),
+        data_parallel_size=s["world"] // s["mp"],
+        expert_data_parallel_size=s["world"] // s["emp"],
         pipeline=assignment,
         memory=memory,
     )
