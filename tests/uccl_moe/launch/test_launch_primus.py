@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from uccl_moe.launch.primus import REQUIRED_KEYS, primus_command, primus_experim
 
 
 @pytest.mark.parametrize("recipe", available("recipe"))
-def test_primus_yaml_loads_with_required_keys(recipe, tmp_path: Path):
+def test_primus_yaml_loads_with_required_keys(recipe, tmp_path: Path, lint_bash):
     assert main(["primus", f"recipe={recipe}", "--run-dir", str(tmp_path), "--quiet"]) == 0
     text = (tmp_path / "primus_exp.yaml").read_text()
     exp = yaml.safe_load(text)
@@ -40,11 +38,7 @@ def test_primus_yaml_loads_with_required_keys(recipe, tmp_path: Path):
     assert "# regenerate: uccl-moe primus recipe=" in text
     assert "primus-cli direct --script" in text
     sb = tmp_path / "primus.sbatch"
-    assert subprocess.run(["bash", "-n", str(sb)], check=False).returncode == 0
-    sc = shutil.which("shellcheck")
-    assert sc, "shellcheck is not installed: apt-get install -y shellcheck"
-    r = subprocess.run([sc, "-s", "bash", str(sb)], capture_output=True, text=True, check=False)
-    assert r.returncode == 0, r.stdout
+    lint_bash(sb)
     assert f"GPUS_PER_NODE={cfg.platform.gpus_per_node}" in sb.read_text()
 
 

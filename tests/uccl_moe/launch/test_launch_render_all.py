@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import yaml
@@ -16,18 +14,13 @@ def test_committed_recipes_match_the_configs():
     assert not problems, "recipes/ drifted from configs/; run `uccl-moe render-recipes`:\n" + "\n".join(problems)
 
 
-def test_every_headline_recipe_is_committed_and_lints():
+def test_every_headline_recipe_is_committed_and_lints(lint_bash):
     out = default_out()
-    sc = shutil.which("shellcheck")
-    assert sc, "shellcheck is not installed: apt-get install -y shellcheck"
     for name, overrides in HEADLINE:
         for f in FILES:
             assert (out / name / f).is_file(), f"recipes/{name}/{f} missing"
         for script in ("job.sbatch", "primus.sbatch"):
-            path = out / name / script
-            assert subprocess.run(["bash", "-n", str(path)], check=False).returncode == 0
-            r = subprocess.run([sc, "-s", "bash", str(path)], capture_output=True, text=True, check=False)
-            assert r.returncode == 0, r.stdout
+            lint_bash(out / name / script)
         exp = yaml.safe_load((out / name / "primus_exp.yaml").read_text())
         assert exp["modules"]["pre_trainer"]["framework"] == "megatron"
         cfg = yaml.safe_load((out / name / "config.yaml").read_text())

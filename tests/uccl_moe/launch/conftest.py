@@ -1,0 +1,26 @@
+"""Fixtures shared by the launch tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def _lint_bash(path: Path) -> None:
+    """Assert that the script at `path` parses as bash (``bash -n``) and passes ``shellcheck -s bash``."""
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    sc = shutil.which("shellcheck")
+    assert sc, "shellcheck is not installed: apt-get install -y shellcheck"
+    r = subprocess.run([sc, "-s", "bash", str(path)], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.fixture
+def lint_bash() -> Callable[[Path], None]:
+    """The rendered-script linter: ``lint_bash(path)`` (bash -n, then shellcheck)."""
+    return _lint_bash
