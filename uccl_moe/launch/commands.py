@@ -15,11 +15,9 @@ from typing import Any
 
 from ..cli import subcommand
 from ..config import compose, expand_sweeps, to_yaml, validate
-from ..config.compose import config_dir
 from ..config.validate import MemoryWarning, ValidationReport
 from ..errors import InvalidUsageError
 from .local import check_devices, child_env, format_command, torchrun_command
-from .megatron_args import launch_env
 from .primus import entry_lookup, primus_command, render_primus_yaml
 from .slurm import render_primus_sbatch, render_sbatch
 
@@ -200,4 +198,4 @@ def render_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["compose_and_validate", "config_dir", "launch_env", "write_primus"]
+__all__ = ["compose_and_validate", "default_run_dir", "summary_text", "write_primus"]
