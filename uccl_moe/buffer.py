@@ -337,18 +337,23 @@ class Buffer:
         else:
             self._comm_stream.wait_stream(torch.cuda.current_stream())
 
-    def _finish(self, async_finish: bool, tensors: Sequence[Any]) -> EventOverlap:
-        """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics)."""
+    def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
+        """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
+
+        Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
+        by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
+        the comm stream that may still be reading them when the caller frees them.
+        """
         if self._comm_stream is None:
             return EventOverlap(EventHandle() if async_finish else None)
         compute = torch.cuda.current_stream()
-        flat = [t for t in _flatten(tensors) if t.device.type == "cuda"]
-        # Outputs were allocated on the comm stream; the caller consumes them on the compute stream.
-        for t in flat:
-            t.record_stream(compute)
+        for t in _flatten(outputs):
+            if t.device.type == "cuda":
+                t.record_stream(compute)
         if async_finish:
-            for t in flat:
-                t.record_stream(self._comm_stream)
+            for t in _flatten(inputs):
+                if t.device.type == "cuda":
+                    t.record_stream(self._comm_stream)
             return EventOverlap(EventHandle(self._comm_stream))
         compute.wait_stream(self._comm_stream)
         return EventOverlap(None)
@@ -498,7 +503,7 @@ class Buffer:
         self._begin(previous_event)
         with self._comm_context():
             out = backend.get_dispatch_layout(topk_idx, num_experts)
-        event = self._finish(async_finish, [topk_idx, *out])
+        event = self._finish(async_finish, [topk_idx], out)
         return LayoutResult(*out, event)
 
     def dispatch(
@@ -568,7 +573,7 @@ class Buffer:
             with self._comm_context():
                 recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
             out_x: TensorOrFp8 = recv_x if recv_scales is None else (recv_x, recv_scales)
-            event = self._finish(async_finish, [data, scales, recv_x, recv_scales])
+            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales])
             return DispatchResult(out_x, None, None, None, None, event)
 
         missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -620,9 +625,10 @@ class Buffer:
         out_handle = DispatchHandle(*raw_handle)
         self._handles[id(out_handle[0])] = out_handle[0]
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
-        event = self._finish(async_finish, [data, scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                            is_token_in_rank, num_tokens_per_expert, recv_x, recv_scales, recv_idx,
-                                            recv_w, *out_handle])
+        event = self._finish(async_finish,
+                             [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert],
+                             [recv_x, recv_scales, recv_idx, recv_w, *out_handle])
         return DispatchResult(out_x, recv_idx, recv_w, counts, out_handle, event)
 
     def combine(
@@ -688,7 +694,7 @@ class Buffer:
         self._begin(previous_event)
         with self._comm_context():
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
-        event = self._finish(async_finish, [x, topk_weights, *biases, combined, combined_w])
+        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w])
         return CombineResult(combined, combined_w, event)
 
 
