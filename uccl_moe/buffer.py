@@ -19,6 +19,7 @@ On CPU (gloo) everything is synchronous and events are always complete.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -107,15 +108,11 @@ class LayoutResult(NamedTuple):
     event: EventOverlap
 
 
-# Tuned presets: (nvl_send, nvl_recv, rdma_send, rdma_recv) by rank count; the num_sms comes from Buffer.num_sms.
-_DISPATCH_PRESETS: dict[int, tuple[int, int, int, int]] = {
-    1: (8, 256, 6, 128), 2: (8, 256, 6, 128), 3: (8, 256, 6, 128), 4: (8, 256, 6, 128),
-    5: (8, 256, 6, 128), 6: (8, 256, 6, 128), 7: (8, 256, 6, 128), 8: (8, 256, 6, 128),
-}
-_COMBINE_PRESETS: dict[int, tuple[int, int, int, int]] = {
-    1: (8, 256, 6, 128), 2: (8, 256, 6, 128), 3: (8, 256, 6, 128), 4: (8, 256, 6, 128),
-    5: (8, 256, 6, 128), 6: (8, 256, 6, 128), 7: (8, 256, 6, 128), 8: (8, 256, 6, 128),
-}
+# Presets: (nvl_send, nvl_recv, rdma_send, rdma_recv); num_sms comes from Buffer.num_sms. Inside one NVLink domain
+# (<= 8 ranks) dispatch and combine share chunk 8 / ring 256: chunk 16 was slower for every EP2-4 case measured on
+# 4xH200 (docs/performance.md). Larger groups span nodes and take the internode presets.
+_INTRANODE_PRESET = (8, 256, 6, 128)
+_MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
 
@@ -280,18 +277,19 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Any:
         """Tuned dispatch :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _DISPATCH_PRESETS, _INTERNODE_DISPATCH_PRESET)
+        return Buffer._preset(num_ranks, _INTERNODE_DISPATCH_PRESET)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
         """Tuned combine :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _COMBINE_PRESETS, _INTERNODE_COMBINE_PRESET)
+        return Buffer._preset(num_ranks, _INTERNODE_COMBINE_PRESET)
 
     @staticmethod
-    def _preset(num_ranks: int, table: dict[int, tuple[int, int, int, int]], internode: tuple[int, ...]) -> Any:
+    def _preset(num_ranks: int, internode: tuple[int, int, int, int]) -> Any:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
-        nvl_send, nvl_recv, rdma_send, rdma_recv = table.get(num_ranks, internode)
+        preset = _INTRANODE_PRESET if num_ranks <= _MAX_INTRANODE_RANKS else internode
+        nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
 
     @staticmethod
@@ -359,7 +357,7 @@ class Buffer:
         return EventOverlap(None)
 
     def _comm_context(self) -> Any:
-        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else _NullContext()
+        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else contextlib.nullcontext()
 
     # ---------------------------------------------------------------- validation helpers
     def _check_topk_idx(self, topk_idx: Any, num_experts: int | None, name: str = "topk_idx") -> torch.Tensor:
@@ -696,14 +694,6 @@ class Buffer:
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
         event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w])
         return CombineResult(combined, combined_w, event)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _flatten(items: Sequence[Any]) -> list[torch.Tensor]:
