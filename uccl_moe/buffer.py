@@ -184,7 +184,6 @@ class Buffer:
         backend: BackendName | None = None,
     ) -> None:
         self._backend: Backend | None = None
-        self._destroyed = False
         if comm is not None:
             raise InvalidTypeError(
                 "Buffer(comm=...) (an mpi4py communicator) is not supported; pass a torch.distributed ProcessGroup "
@@ -238,7 +237,7 @@ class Buffer:
         self.backend_name: str = choice
         self._comm_stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self._handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device, self._comm_stream)
+        ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
 
@@ -248,7 +247,6 @@ class Buffer:
         if self._backend is not None:
             self._backend.destroy()
         self._backend = None
-        self._destroyed = True
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
