@@ -102,15 +102,6 @@ def clear_buffers() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd functions over the Buffer.
 # ----------------------------------------------------------------------------------------------------------------
-def _capture(async_finish: bool) -> Any:
-    """``previous_event`` for a Buffer call: an event on the current stream when async, else None."""
-    if not async_finish:
-        return None
-    from uccl_moe.utils import EventHandle, EventOverlap
-
-    return EventOverlap(EventHandle())
-
-
 class _DispatchState:
     """What one forward's dispatch leaves for the later steps (not tensors autograd must see)."""
 
@@ -142,7 +133,7 @@ class UCCLDispatch(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        previous_event = _capture(async_finish)
+        previous_event = buffer.capture() if async_finish else None
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = (
             buffer.get_dispatch_layout(
                 topk_idx,
@@ -179,7 +170,7 @@ class UCCLDispatch(torch.autograd.Function):
     def backward(
         ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]
     ) -> tuple[Any, ...]:
-        previous_event = _capture(ctx.async_finish)
+        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         if grad_recv_topk_weights is not None:
             grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
         grad_x, grad_topk_weights, event = ctx.buffer.combine(
@@ -203,7 +194,7 @@ class UCCLCombine(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, buffer: Any, handle: Any, state: _DispatchState, async_finish: bool, allocate: bool
     ) -> torch.Tensor:
-        previous_event = _capture(async_finish)
+        previous_event = buffer.capture() if async_finish else None
         combined, _, event = buffer.combine(
             x,
             handle,
@@ -220,7 +211,7 @@ class UCCLCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        previous_event = _capture(ctx.async_finish)
+        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         grad_x, _, _, _, _, event = ctx.buffer.dispatch(
             grad.contiguous(),
             handle=ctx.handle,
@@ -349,10 +340,6 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
         """No zero-copy expert buffers: experts get fresh permuted tensors (Megatron 0.19 asks every forward)."""
         return None, None
-
-    def set_shared_experts(self, shared_experts: Any) -> None:
-        """Run the shared expert on its own stream while tokens are in flight (``--moe-shared-expert-overlap``)."""
-        super().set_shared_experts(shared_experts)
 
     # -- the six-method contract ---------------------------------------------------------------------------------
     def dispatch_preprocess(
