@@ -172,13 +172,14 @@ def _patch_moe_layer() -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
-def widen_parser(parser: Any) -> Any:
-    """Add ``uccl`` to the ``--moe-token-dispatcher-type`` choices of `parser` and add the ``--moe-uccl-*`` knobs.
+def widen_parser(parser: Any, dest: str = "moe_token_dispatcher_type") -> Any:
+    """Add ``uccl`` to the choices of the `dest` option (``--moe-token-dispatcher-type``) of `parser` and add the
+    ``--moe-uccl-*`` knobs.
 
     Usable directly as Megatron's ``extra_args_provider``. Returns the parser.
     """
     for action in parser._actions:
-        if action.dest == "moe_token_dispatcher_type" and action.choices is not None:
+        if action.dest == dest and action.choices is not None:
             if DISPATCHER_TYPE not in action.choices:
                 action.choices = list(action.choices) + [DISPATCHER_TYPE]
     _knobs.add_arguments(parser)
