@@ -57,17 +57,22 @@ def hidden_bytes_of(x: torch.Tensor) -> int:
 
 
 def buffer_sizes(
-    group_size: int, hidden_bytes: int, nvl_bytes: Optional[int], rdma_bytes: Optional[int]
+    group_size: int,
+    hidden_bytes: int,
+    nvl_bytes: Optional[int],
+    rdma_bytes: Optional[int],
+    ranks_per_node: int = 0,
 ) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
-    configs."""
+    configs for a group of `group_size` ranks in nodes of `ranks_per_node` (0: min(group_size, 8), one node up to
+    8 ranks), the layout the Buffer checks its sizes against."""
     from uccl_moe import Buffer
 
     configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
     if nvl_bytes is None:
-        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
     if rdma_bytes is None:
-        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
     return nvl_bytes, rdma_bytes
 
 
@@ -79,10 +84,15 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
         for g, hb, backend, buf in _BUFFERS:
             if g is group and hb == hidden_bytes and backend == knobs.backend:
                 return buf
-        nvl, rdma = buffer_sizes(dist.get_world_size(group), hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes)
+        from uccl_moe.topology import detect
+
+        size = dist.get_world_size(group)
+        # The node layout the Buffer will detect and check the sizes against (a collective, like the Buffer's own).
+        topology = detect(group, dist.get_rank(group), size)
+        nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node)
         log.info(
-            "creating uccl Buffer: group size %d, hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
-            dist.get_world_size(group), hidden_bytes, nvl, rdma, knobs.backend,
+            "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
+            size, topology.ranks_per_node, hidden_bytes, nvl, rdma, knobs.backend,
         )
         buf = Buffer(group, nvl, rdma, backend=knobs.backend)  # type: ignore[arg-type]  # validated by knobs
         _BUFFERS.append((group, hidden_bytes, knobs.backend, buf))

@@ -79,3 +79,12 @@ def test_dropless_roundtrip_contract():
         assert res["rows"] > 0
         assert res["forward"] <= 1e-6, res
         assert res["backward"] <= 1e-6, res
+
+
+def test_dropless_roundtrip_emulated_two_nodes():
+    """The default Buffer sizes follow the group's node layout: on two (emulated) nodes of one rank each the
+    dispatcher sizes the RDMA buffer too, which the Buffer requires across nodes."""
+    for res in run_ranks(dropless_roundtrip, 2, 2, 2, env={"UCCL_MOE_EMULATE_NODES": "2"}):
+        assert res["rows"] > 0
+        assert res["forward"] <= 1e-6, res
+        assert res["backward"] <= 1e-6, res
