@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.uccl_moe.megatron._harness import run_ranks  # noqa: E402
+from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
+
 from tests.uccl_moe.megatron._moe_cases import Case, dropless_roundtrip, run_cases  # noqa: E402
 
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(600)]
