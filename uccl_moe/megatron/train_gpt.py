@@ -135,16 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     for field in dataclasses.fields(TransformerConfig):
         if field.name in seen or not field.init:
             continue
-        kw = _field_kwargs(field)
-        if kw is None:
+        field_kw = _field_kwargs(field)
+        if field_kw is None:
             continue
         flag = "--" + field.name.replace("_", "-")
         dest = "cfg__" + field.name
-        if kw.get("bool"):
+        if field_kw.get("bool"):
             model.add_argument(flag, dest=dest, action="store_const", const=True, default=None)
             model.add_argument("--no-" + field.name.replace("_", "-"), dest=dest, action="store_const", const=False)
         else:
-            model.add_argument(flag, dest=dest, default=None, **kw)
+            model.add_argument(flag, dest=dest, default=None, **field_kw)
     for flag, (dest, value) in _ALIASES.items():
         if value is None or value is float:
             model.add_argument(flag, dest="cfg__" + dest, type=int if value is None else float, default=None)
