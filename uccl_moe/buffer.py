@@ -19,6 +19,7 @@ On CPU (gloo) everything is synchronous and events are always complete.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -107,15 +108,11 @@ class LayoutResult(NamedTuple):
     event: EventOverlap
 
 
-# Tuned presets: (nvl_send, nvl_recv, rdma_send, rdma_recv) by rank count; the num_sms comes from Buffer.num_sms.
-_DISPATCH_PRESETS: dict[int, tuple[int, int, int, int]] = {
-    1: (8, 256, 6, 128), 2: (8, 256, 6, 128), 3: (8, 256, 6, 128), 4: (8, 256, 6, 128),
-    5: (8, 256, 6, 128), 6: (8, 256, 6, 128), 7: (8, 256, 6, 128), 8: (8, 256, 6, 128),
-}
-_COMBINE_PRESETS: dict[int, tuple[int, int, int, int]] = {
-    1: (8, 256, 6, 128), 2: (8, 256, 6, 128), 3: (8, 256, 6, 128), 4: (8, 256, 6, 128),
-    5: (8, 256, 6, 128), 6: (8, 256, 6, 128), 7: (8, 256, 6, 128), 8: (8, 256, 6, 128),
-}
+# Presets: (nvl_send, nvl_recv, rdma_send, rdma_recv); num_sms comes from Buffer.num_sms. Inside one NVLink domain
+# (<= 8 ranks) dispatch and combine share chunk 8 / ring 256: chunk 16 was slower for every EP2-4 case measured on
+# 4xH200 (docs/performance.md). Larger groups span nodes and take the internode presets.
+_INTRANODE_PRESET = (8, 256, 6, 128)
+_MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
 
@@ -187,7 +184,6 @@ class Buffer:
         backend: BackendName | None = None,
     ) -> None:
         self._backend: Backend | None = None
-        self._destroyed = False
         if comm is not None:
             raise InvalidTypeError(
                 "Buffer(comm=...) (an mpi4py communicator) is not supported; pass a torch.distributed ProcessGroup "
@@ -241,7 +237,7 @@ class Buffer:
         self.backend_name: str = choice
         self._comm_stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self._handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device, self._comm_stream)
+        ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
 
@@ -251,7 +247,6 @@ class Buffer:
         if self._backend is not None:
             self._backend.destroy()
         self._backend = None
-        self._destroyed = True
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
@@ -280,18 +275,19 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Any:
         """Tuned dispatch :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _DISPATCH_PRESETS, _INTERNODE_DISPATCH_PRESET)
+        return Buffer._preset(num_ranks, _INTERNODE_DISPATCH_PRESET)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
         """Tuned combine :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _COMBINE_PRESETS, _INTERNODE_COMBINE_PRESET)
+        return Buffer._preset(num_ranks, _INTERNODE_COMBINE_PRESET)
 
     @staticmethod
-    def _preset(num_ranks: int, table: dict[int, tuple[int, int, int, int]], internode: tuple[int, ...]) -> Any:
+    def _preset(num_ranks: int, internode: tuple[int, int, int, int]) -> Any:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
-        nvl_send, nvl_recv, rdma_send, rdma_recv = table.get(num_ranks, internode)
+        preset = _INTRANODE_PRESET if num_ranks <= _MAX_INTRANODE_RANKS else internode
+        nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
 
     @staticmethod
@@ -337,24 +333,29 @@ class Buffer:
         else:
             self._comm_stream.wait_stream(torch.cuda.current_stream())
 
-    def _finish(self, async_finish: bool, tensors: Sequence[Any]) -> EventOverlap:
-        """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics)."""
+    def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
+        """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
+
+        Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
+        by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
+        the comm stream that may still be reading them when the caller frees them.
+        """
         if self._comm_stream is None:
             return EventOverlap(EventHandle() if async_finish else None)
         compute = torch.cuda.current_stream()
-        flat = [t for t in _flatten(tensors) if t.device.type == "cuda"]
-        # Outputs were allocated on the comm stream; the caller consumes them on the compute stream.
-        for t in flat:
-            t.record_stream(compute)
+        for t in _flatten(outputs):
+            if t.device.type == "cuda":
+                t.record_stream(compute)
         if async_finish:
-            for t in flat:
-                t.record_stream(self._comm_stream)
+            for t in _flatten(inputs):
+                if t.device.type == "cuda":
+                    t.record_stream(self._comm_stream)
             return EventOverlap(EventHandle(self._comm_stream))
         compute.wait_stream(self._comm_stream)
         return EventOverlap(None)
 
     def _comm_context(self) -> Any:
-        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else _NullContext()
+        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else contextlib.nullcontext()
 
     # ---------------------------------------------------------------- validation helpers
     def _check_topk_idx(self, topk_idx: Any, num_experts: int | None, name: str = "topk_idx") -> torch.Tensor:
@@ -498,7 +499,7 @@ class Buffer:
         self._begin(previous_event)
         with self._comm_context():
             out = backend.get_dispatch_layout(topk_idx, num_experts)
-        event = self._finish(async_finish, [topk_idx, *out])
+        event = self._finish(async_finish, [topk_idx], out)
         return LayoutResult(*out, event)
 
     def dispatch(
@@ -568,7 +569,7 @@ class Buffer:
             with self._comm_context():
                 recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
             out_x: TensorOrFp8 = recv_x if recv_scales is None else (recv_x, recv_scales)
-            event = self._finish(async_finish, [data, scales, recv_x, recv_scales])
+            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales])
             return DispatchResult(out_x, None, None, None, None, event)
 
         missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -620,9 +621,10 @@ class Buffer:
         out_handle = DispatchHandle(*raw_handle)
         self._handles[id(out_handle[0])] = out_handle[0]
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
-        event = self._finish(async_finish, [data, scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                            is_token_in_rank, num_tokens_per_expert, recv_x, recv_scales, recv_idx,
-                                            recv_w, *out_handle])
+        event = self._finish(async_finish,
+                             [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert],
+                             [recv_x, recv_scales, recv_idx, recv_w, *out_handle])
         return DispatchResult(out_x, recv_idx, recv_w, counts, out_handle, event)
 
     def combine(
@@ -688,16 +690,8 @@ class Buffer:
         self._begin(previous_event)
         with self._comm_context():
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
-        event = self._finish(async_finish, [x, topk_weights, *biases, combined, combined_w])
+        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w])
         return CombineResult(combined, combined_w, event)
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _flatten(items: Sequence[Any]) -> list[torch.Tensor]:

@@ -130,8 +130,9 @@ class Proxy:
         _check_int("num_ranks", num_ranks, 1, 4096)
         _check_int("rank", rank, 0, num_ranks - 1)
         _check_int("data_bytes", data_bytes, 4, 1 << 40)
-        if transport is not None and transport not in ("auto", "loopback", "ibverbs", "efa"):
-            raise InvalidUsageError(f"transport={transport!r} must be one of auto, loopback, ibverbs, efa")
+        choices = _env.KNOBS["TRANSPORT"].min_or_choices.split("|")  # the knob table names the transports
+        if transport is not None and transport not in choices:
+            raise InvalidUsageError(f"transport={transport!r} must be one of {', '.join(choices)}")
         boot = store if isinstance(store, StoreBootstrap) else StoreBootstrap(store)
         self.rank, self.num_ranks = rank, num_ranks
         self._p = _native().Proxy(

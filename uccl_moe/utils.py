@@ -7,6 +7,7 @@ operation is synchronous, so a handle is already complete and waiting on it is a
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -86,7 +87,7 @@ def check_nvlink_connections(group: Any) -> None:
     from . import _C
 
     devices: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(devices, (torch.cuda.current_device(), __import__("socket").gethostname()), group=group)
+    dist.all_gather_object(devices, (torch.cuda.current_device(), socket.gethostname()), group=group)
     me = torch.cuda.current_device()
     host = devices[dist.get_rank(group)][1]
     for dev, h in devices:

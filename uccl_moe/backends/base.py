@@ -32,8 +32,7 @@ class BufferContext:
     topology: Topology
     num_nvl_bytes: int
     num_rdma_bytes: int
-    device: torch.device
-    comm_stream: Any  # torch.cuda.Stream or None on CPU
+    device: torch.device  # backends enqueue on the current stream, which Buffer makes its comm stream
 
     @property
     def rank(self) -> int:
@@ -116,10 +115,6 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows back onto its source rank, in float32, in rank order 0..R-1 (deterministic),
         plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
-
-    def num_recv_tokens(self, handle: tuple[Any, ...]) -> int:
-        """Rows this rank received in the dispatch that produced `handle`."""
-        return int(handle[0][-1, self.ctx.rank].item())
 
     def destroy(self) -> None:
         """Free native resources. Idempotent."""

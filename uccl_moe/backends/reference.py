@@ -202,11 +202,9 @@ class ReferenceBackend(Backend):
         # Channel matrices (DeepEP handle layout): channel c covers tokens [c*ceil(T/C), (c+1)*ceil(T/C)).
         C = req.config.num_channels
         per_channel = -(-T // C) if T > 0 else 1
-        channel_of = torch.arange(T, device=dev) // per_channel
-        per_dst_channel = torch.zeros((R, C), dtype=torch.int64, device=dev)
-        if T > 0:
-            dst, tok = torch.nonzero(req.is_token_in_rank.t(), as_tuple=True)
-            per_dst_channel.index_put_((dst, channel_of[tok]), torch.ones_like(dst), accumulate=True)
+        padded = torch.zeros((C * per_channel, R), dtype=torch.int64, device=dev)
+        padded[:T] = req.is_token_in_rank
+        per_dst_channel = padded.view(C, per_channel, R).sum(1).t()  # [R, C] tokens per (destination, channel)
         channel_prefix_matrix = torch.cumsum(per_dst_channel, 1).to(torch.int32)
         from_src = self._all_to_all_rows(channel_prefix_matrix.to(torch.int64), [1] * R, [1] * R,
                                          "dispatch/channel-matrix")  # [R(src), C]

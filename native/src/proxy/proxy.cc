@@ -106,6 +106,7 @@ struct Proxy::Impl {
   bool own_counters = false;
   uint64_t num_counters = 0;
   std::vector<int> cpus;
+  std::vector<int> barrier_peers[2];  ///< [all|rail] ranks a BARRIER of that flavour exchanges epochs with
 
   struct Thread {
     int idx = 0;
@@ -162,10 +163,7 @@ struct Proxy::Impl {
   void start_barrier(Thread& t, FifoState& fs, Entry& e);
   bool barrier_met(const Thread& t, const Entry& e) const;
   void check_timeouts(Thread& t);
-  bool rail_peer(int p) const {
-    const int rpn = opt.ranks_per_node;
-    return p % rpn == opt.rank % rpn;
-  }
+  static uint64_t wr_id_of(const FifoState& fs, uint64_t idx) { return uint64_t(fs.channel) << kWrIdCmdBits | idx; }
   Entry& entry_of(FifoState& fs, uint64_t idx) {
     UCCL_CHECK_INTERNAL(idx >= fs.retired && idx < fs.cursor, "completion for FIFO %d command %llu outside [%llu, %llu)",
                         fs.global_idx, (unsigned long long)idx, (unsigned long long)fs.retired,
@@ -268,10 +266,8 @@ bool Proxy::Impl::poll_completions(Thread& t, std::vector<Completion>& comps) {
 bool Proxy::Impl::barrier_met(const Thread& t, const Entry& e) const {
   if (e.pending_wrs != 0) return false;
   const int kind = (e.f.flags & kCmdFlagSameRail) ? 1 : 0;
-  for (int p = 0; p < opt.num_ranks; ++p) {
-    if (p == opt.rank || (kind == 1 && !rail_peer(p))) continue;
+  for (int p : barrier_peers[kind])
     if (t.barrier_seen[kind][size_t(p)] < e.epoch) return false;
-  }
   return true;
 }
 
@@ -281,10 +277,9 @@ void Proxy::Impl::start_barrier(Thread& t, FifoState& fs, Entry& e) {
   e.started = true;
   e.posted = Clock::now();
   const uint32_t imm = encode_imm_control(ImmControlOp::kBarrier, uint32_t(e.epoch)) | (uint32_t(kind) << 24);
-  for (int p = 0; p < opt.num_ranks; ++p) {
-    if (p == opt.rank || (kind == 1 && !rail_peer(p))) continue;
+  for (int p : barrier_peers[kind]) {
     WorkRequest wr;
-    wr.wr_id = uint64_t(fs.channel) << kWrIdCmdBits | e.idx;
+    wr.wr_id = wr_id_of(fs, e.idx);
     wr.op = WrOp::kWriteImm;
     wr.peer = p;
     wr.imm = imm;
@@ -323,7 +318,7 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
   if (dst >= opt.num_ranks)
     UCCL_THROW(kTransport, "FIFO %d command %llu (%s): dst_rank %d >= num_ranks %d", fs.global_idx,
                (unsigned long long)e.idx, describe(f).c_str(), dst, opt.num_ranks);
-  const uint64_t wr_id = uint64_t(fs.channel) << kWrIdCmdBits | e.idx;
+  const uint64_t wr_id = wr_id_of(fs, e.idx);
   const bool ll = (f.flags & kCmdFlagLL) != 0;
   const bool phase = (f.flags & kCmdFlagPhase) != 0;
   const uint32_t counter_index = uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
@@ -331,7 +326,6 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
   WorkRequest wr;
   wr.wr_id = wr_id;
   wr.peer = dst;
-  e.posted = Clock::now();
   if (f.op == CmdOp::kWrite) {
     wr.local_offset = f.src_offset;
     wr.remote_offset = f.dst_offset;
@@ -438,8 +432,8 @@ void Proxy::Impl::check_timeouts(Thread& t) {
     if (e.f.op == CmdOp::kBarrier) {
       std::string missing;
       const int kind = (e.f.flags & kCmdFlagSameRail) ? 1 : 0;
-      for (int p = 0; p < opt.num_ranks; ++p)
-        if (p != opt.rank && (kind == 0 || rail_peer(p)) && t.barrier_seen[kind][size_t(p)] < e.epoch)
+      for (int p : barrier_peers[kind])
+        if (t.barrier_seen[kind][size_t(p)] < e.epoch)
           missing += (missing.empty() ? "" : ",") + std::to_string(p);
       r.peer = -1;
       r.phase = int32_t(DiagPhase::kBarrier);
@@ -492,6 +486,11 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   UCCL_ASSERT(o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)o.max_inflight_writes);
   UCCL_ASSERT(o.data_bytes > 0, "data_bytes must be > 0");
   m.cpus = parse_cpu_list(o.cpus);
+  for (int p = 0; p < o.num_ranks; ++p) {
+    if (p == o.rank) continue;
+    m.barrier_peers[0].push_back(p);
+    if (p % o.ranks_per_node == o.rank % o.ranks_per_node) m.barrier_peers[1].push_back(p);  // same rail
+  }
 
   TransportContext ctx;
   ctx.rank = o.rank;

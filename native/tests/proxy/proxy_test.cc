@@ -43,6 +43,14 @@ ProxyOptions loopback_options(int rank, int num_ranks, const std::string& job) {
   return o;
 }
 
+/// Pushes a BARRIER (flags: 0 = all ranks, kCmdFlagSameRail = rail peers) on `fifo` and waits for it to retire.
+void barrier(Proxy& proxy, int fifo, uint8_t flags = 0) {
+  TransferCmdFields bar;
+  bar.op = CmdOp::kBarrier;
+  bar.flags = flags;
+  proxy.wait(fifo, proxy.push(fifo, bar));
+}
+
 uint8_t pattern(int src, uint64_t chunk, uint32_t byte) { return uint8_t(src * 31 + chunk * 7 + byte); }
 
 bool chunk_ok(const uint8_t* data, int src, uint64_t chunk, uint64_t offset) {
@@ -112,9 +120,7 @@ void ht_end_to_end(int num_ranks, int chunks_per_fifo) {
         for (int c = 0; c < chunks_per_fifo; ++c)
           CHILD_CHECK(chunk_ok(data, src, uint64_t(f * chunks_per_fifo + c), dst_off(src, f, c)), "chunk %d", c);
     // Barrier: nobody stops before everyone finished receiving.
-    TransferCmdFields bar;
-    bar.op = CmdOp::kBarrier;
-    proxy.wait(0, proxy.push(0, bar));
+    barrier(proxy, 0);
     const ProxyCounters pc = proxy.counters_total();
     CHILD_CHECK(pc.writes == uint64_t(num_ranks * nf * chunks_per_fifo), "writes=%llu", (unsigned long long)pc.writes);
     CHILD_CHECK(pc.applied_updates == uint64_t(num_ranks * nf * chunks_per_fifo), "applied=%llu",
@@ -182,9 +188,7 @@ TEST(ProxyLoopback, LLPartialFenceTwoProcesses) {
         CHILD_CHECK(chunk_ok(data, peer, uint64_t(g * kWrites + w), kRecvBase + uint64_t(g * kWrites + w) * kChunk),
                     "group %d write %d missing when its fence applied", g, w);
     }
-    TransferCmdFields bar;
-    bar.op = CmdOp::kBarrier;
-    proxy.wait(1, proxy.push(1, bar));
+    barrier(proxy, 1);
     proxy.stop();
   });
   EXPECT_EQ(fail, "");
@@ -327,9 +331,7 @@ TEST(ProxyLoopback, FlowControlLimitsNeverExceeded) {
       CHILD_CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(20), "counter stuck");
       std::this_thread::yield();
     }
-    TransferCmdFields bar;
-    bar.op = CmdOp::kBarrier;
-    proxy.wait(0, proxy.push(0, bar));
+    barrier(proxy, 0);
     proxy.stop();
   });
   EXPECT_EQ(fail, "");
@@ -345,12 +347,7 @@ TEST(ProxyLoopback, BarriersAllAndSameRail) {
     o.fifos_per_thread = 1;
     Proxy proxy(o, store);
     proxy.start();
-    for (int i = 0; i < 3; ++i) {
-      TransferCmdFields b;
-      b.op = CmdOp::kBarrier;
-      b.flags = i == 1 ? kCmdFlagSameRail : 0;
-      proxy.wait(0, proxy.push(0, b));
-    }
+    for (int i = 0; i < 3; ++i) barrier(proxy, 0, i == 1 ? kCmdFlagSameRail : 0);
     CHILD_CHECK(proxy.counters_total().barriers == 3, "barriers");
     proxy.stop();
   });

@@ -75,10 +75,7 @@ QpTransition srd_rts(uint32_t psn) {
 std::string build_efa_wr(const WorkRequest& in, const LocalMr& data, const RemoteMr& rdata, const EfaPeerInfo& peer,
                          EfaWrPlan* p) {
   if (in.op == WrOp::kAtomicAdd) return "efa has no native atomics (the proxy emulates them with immediates)";
-  if (in.local_offset + in.bytes > data.bytes || in.remote_offset + in.bytes > rdata.bytes)
-    return format("remote access error: %u bytes from local offset %llu (region %llu) to remote offset %llu (region "
-                  "%llu)", in.bytes, (unsigned long long)in.local_offset, (unsigned long long)data.bytes,
-                  (unsigned long long)in.remote_offset, (unsigned long long)rdata.bytes);
+  if (std::string err = check_write_bounds(in, data, rdata); !err.empty()) return err;
   *p = EfaWrPlan{};
   p->wr_id = in.wr_id;
   p->with_imm = in.op == WrOp::kWriteImm;
@@ -127,7 +124,7 @@ class EfaTransport : public Transport {
   explicit EfaTransport(const TransportContext& ctx) : ctx_(ctx), ops_(real_verbs_ops()) {
     const std::string want = env::IB_HCA();
     for (const std::string& name : ops_->device_names()) {
-      if (!want.empty() ? name != want : !(name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0)) continue;
+      if (!want.empty() ? name != want : !is_efa_device(name)) continue;
       if ((dev_ = ops_->open_device(name))) {
         dev_name_ = name;
         break;
@@ -279,11 +276,8 @@ void EfaEndpoint::flush() {
 
 int EfaEndpoint::poll(std::vector<Completion>& out, int max) {
   const size_t start = out.size();
-  queue_.drain_errors(out, max);
   ibv_wc wc[kPollBatch];
-  const int room = std::min(kPollBatch, max - int(out.size() - start));
-  const int n = room > 0 ? t_->ops_->poll_cq(cq_, room, wc) : 0;
-  if (n < 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_poll_cq", -n).c_str());
+  const int n = queue_.poll_cq(*t_->ops_, cq_, out, max, wc);
   for (int i = 0; i < n; ++i) {
     Completion c;
     c.wr_id = wc[i].wr_id;
@@ -313,7 +307,7 @@ std::unique_ptr<Transport> create_efa_transport(const TransportContext& ctx) { r
 
 bool probe_efa() {
   for (const std::string& name : real_verbs_ops()->device_names())
-    if (name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0) return true;
+    if (is_efa_device(name)) return true;
   return false;
 }
 

@@ -103,6 +103,13 @@ QpTransition rc_rts(uint32_t my_psn) {
   return t;
 }
 
+std::string check_write_bounds(const WorkRequest& in, const LocalMr& data, const RemoteMr& rdata) {
+  if (in.local_offset + in.bytes <= data.bytes && in.remote_offset + in.bytes <= rdata.bytes) return "";
+  return format("remote access error: %u bytes from local offset %llu (region %llu) to remote offset %llu (region "
+                "%llu)", in.bytes, (unsigned long long)in.local_offset, (unsigned long long)data.bytes,
+                (unsigned long long)in.remote_offset, (unsigned long long)rdata.bytes);
+}
+
 std::string build_send_wr(const WorkRequest& in, const LocalMr& data, const LocalMr& scratch, const RemoteMr& rdata,
                           const RemoteMr& rctr, ibv_send_wr* wr, ibv_sge* sge) {
   std::memset(wr, 0, sizeof *wr);
@@ -124,10 +131,7 @@ std::string build_send_wr(const WorkRequest& in, const LocalMr& data, const Loca
     wr->num_sge = 1;
     return "";
   }
-  if (in.local_offset + in.bytes > data.bytes || in.remote_offset + in.bytes > rdata.bytes)
-    return format("remote access error: %u bytes from local offset %llu (region %llu) to remote offset %llu (region "
-                  "%llu)", in.bytes, (unsigned long long)in.local_offset, (unsigned long long)data.bytes,
-                  (unsigned long long)in.remote_offset, (unsigned long long)rdata.bytes);
+  if (std::string err = check_write_bounds(in, data, rdata); !err.empty()) return err;
   wr->opcode = in.op == WrOp::kWriteImm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
   if (in.op == WrOp::kWriteImm) wr->imm_data = htonl(in.imm);
   wr->wr.rdma.remote_addr = rdata.addr + in.remote_offset;
@@ -368,11 +372,8 @@ void IbverbsEndpoint::flush() {
 
 int IbverbsEndpoint::poll(std::vector<Completion>& out, int max) {
   const size_t start = out.size();
-  queue_.drain_errors(out, max);
   ibv_wc wc[kPollBatch];
-  const int room = std::min(kPollBatch, max - int(out.size() - start));
-  const int n = room > 0 ? t_->ops_->poll_cq(cq_, room, wc) : 0;
-  if (n < 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_poll_cq", -n).c_str());
+  const int n = queue_.poll_cq(*t_->ops_, cq_, out, max, wc);
   for (int i = 0; i < n; ++i) {
     Completion c;
     auto it = qpn_to_peer_.find(wc[i].qp_num);
@@ -409,7 +410,7 @@ std::unique_ptr<Transport> create_ibverbs_transport(const TransportContext& ctx)
 bool probe_ibverbs() {
   auto ops = real_verbs_ops();
   for (const std::string& name : ops->device_names()) {
-    if (name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0) continue;  // EFA devices go to the efa transport
+    if (is_efa_device(name)) continue;  // EFA devices go to the efa transport
     ibv_context* c = ops->open_device(name);
     if (!c) continue;
     ibv_port_attr pa{};

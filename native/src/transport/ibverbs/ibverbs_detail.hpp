@@ -50,6 +50,10 @@ struct RemoteMr {
   uint32_t rkey = 0;
 };
 
+/// "" if the write [local_offset, +bytes) -> [remote_offset, +bytes) stays inside both data regions, else the
+/// "remote access error: ..." text both verbs transports report as the request's error completion.
+std::string check_write_bounds(const WorkRequest& in, const LocalMr& data, const RemoteMr& rdata);
+
 /// Builds one send WR (and its SGE) from a proxy WorkRequest. Returns "" or why it cannot be posted (offsets outside
 /// the registered regions). The immediate goes to the wire in network order.
 std::string build_send_wr(const WorkRequest& in, const LocalMr& data, const LocalMr& scratch, const RemoteMr& rdata,

@@ -13,8 +13,12 @@
 
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/transport.hpp"
+#include "verbs_ops.hpp"
 
 namespace uccl_moe::detail {
+
+/// Work completions per poll_cq call.
+constexpr int kPollBatch = 32;
 
 class PostQueue {
  public:
@@ -47,6 +51,14 @@ class PostQueue {
     }
     return n;
   }
+  /// The first half of an endpoint's poll(): hands out deferred errors, then reads work completions from `cq` into
+  /// `wc` (room for kPollBatch) up to what is left of `max`. Returns how many work completions it read.
+  int poll_cq(VerbsOps& ops, ibv_cq* cq, std::vector<Completion>& out, int max, ibv_wc* wc) {
+    const int room = std::min(kPollBatch, max - drain_errors(out, max));
+    const int n = room > 0 ? ops.poll_cq(cq, room, wc) : 0;
+    if (n < 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_poll_cq", -n).c_str());
+    return n;
+  }
   bool empty() const { return backlog_.empty() && errors_.empty(); }
 
  private:
@@ -59,8 +71,5 @@ inline std::string wc_error_status(const ibv_wc& wc) {
   return uccl_moe::detail::format("completion error status=%s (%d) vendor_err=0x%x qp=%u", ibv_wc_status_str(wc.status),
                                   int(wc.status), wc.vendor_err, wc.qp_num);
 }
-
-/// Work completions per poll_cq call.
-constexpr int kPollBatch = 32;
 
 }  // namespace uccl_moe::detail

@@ -36,6 +36,9 @@ class VerbsOps {
 
 std::shared_ptr<VerbsOps> real_verbs_ops();
 
+/// EFA devices ("efa*", "rdmap*") belong to the efa transport; every other device to ibverbs.
+inline bool is_efa_device(const std::string& name) { return name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0; }
+
 /// "ibv_post_send qp=12: Cannot allocate memory (errno 12)" style message for a failed verbs call.
 std::string verbs_error(const char* call, int ret_or_errno);
 

@@ -3,6 +3,7 @@
 
 #include <cstring>
 
+#include "../work_request.hpp"
 #include "transport/efa/efa_detail.hpp"
 #include "uccl_moe/error.hpp"
 
@@ -45,13 +46,7 @@ TEST(EfaWr, PlanCarriesImmediateInNetworkOrderAndRejectsAtomics) {
   detail::EfaPeerInfo peer;
   peer.qpn = 55;
   peer.qkey = 0x1111;
-  WorkRequest w;
-  w.wr_id = 3;
-  w.op = WrOp::kWriteImm;
-  w.local_offset = 16;
-  w.remote_offset = 32;
-  w.bytes = 100;
-  w.imm = 0x40000001;
+  WorkRequest w = test::write_imm(3, /*peer=*/0, /*local_offset=*/16, /*remote_offset=*/32, /*bytes=*/100, 0x40000001);
   detail::EfaWrPlan p;
   ASSERT_EQ(detail::build_efa_wr(w, data, rdata, peer, &p), "");
   EXPECT_TRUE(p.with_imm);

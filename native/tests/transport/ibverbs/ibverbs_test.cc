@@ -3,6 +3,7 @@
 
 #include <thread>
 
+#include "../work_request.hpp"
 #include "fake_verbs.hpp"
 #include "transport/ibverbs/ibverbs_detail.hpp"
 #include "uccl_moe/error.hpp"
@@ -90,13 +91,7 @@ TEST(IbverbsWr, BuildsWritesImmediatesAndAtomics) {
   detail::RemoteMr rdata{0x500000, 1 << 20, 0x33}, rctr{0x900000, 256 * 8, 0x44};
   ibv_send_wr wr;
   ibv_sge sge;
-  WorkRequest in;
-  in.wr_id = 77;
-  in.op = WrOp::kWriteImm;
-  in.local_offset = 64;
-  in.remote_offset = 128;
-  in.bytes = 4096;
-  in.imm = 0x80123456;
+  WorkRequest in = test::write_imm(77, /*peer=*/0, /*local_offset=*/64, /*remote_offset=*/128, /*bytes=*/4096, 0x80123456);
   ASSERT_EQ(detail::build_send_wr(in, data, scratch, rdata, rctr, &wr, &sge), "");
   EXPECT_EQ(wr.opcode, IBV_WR_RDMA_WRITE_WITH_IMM);
   EXPECT_EQ(wr.imm_data, htonl(0x80123456)) << "immediates travel in network order";
@@ -177,13 +172,7 @@ TEST(IbverbsSeam, EndToEndOverFakeFabric) {
   }
   EXPECT_TRUE(ep[0]->can_reach(1));
   std::memset(data[0].data(), 0x42, 1024);
-  WorkRequest w;
-  w.wr_id = 5;
-  w.op = WrOp::kWriteImm;
-  w.peer = 1;
-  w.bytes = 1024;
-  w.remote_offset = 4096;
-  w.imm = 0xC0FFEE01;
+  const WorkRequest w = test::write_imm(5, /*peer=*/1, /*local_offset=*/0, /*remote_offset=*/4096, /*bytes=*/1024, 0xC0FFEE01);
   ep[0]->post(w);
   WorkRequest a;
   a.wr_id = 6;

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "../../proxy/multi_rank.hpp"
+#include "../work_request.hpp"
 #include "transport/loopback/fault_injector.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
@@ -83,15 +84,7 @@ TEST(Loopback, WriteImmAcrossProcessesReorderedDataBeforeImmediate) {
     if (rank == 0) {
       for (int i = 0; i < kN; ++i) {
         std::memset(c.data + i * 64, i + 1, 64);
-        WorkRequest wr;
-        wr.wr_id = uint64_t(i);
-        wr.op = WrOp::kWriteImm;
-        wr.peer = 1;
-        wr.local_offset = uint64_t(i) * 64;
-        wr.remote_offset = 32768 + uint64_t(i) * 64;
-        wr.bytes = 64;
-        wr.imm = uint32_t(i);
-        c.ep->post(wr);
+        c.ep->post(test::write_imm(uint64_t(i), /*peer=*/1, uint64_t(i) * 64, 32768 + uint64_t(i) * 64, 64, uint32_t(i)));
       }
       int sends = 0;
       const auto start = std::chrono::steady_clock::now();
@@ -140,12 +133,7 @@ TEST(Loopback, FullQueueHoldsSenderAndBadOffsetErrors) {
     std::vector<Completion> out;
     if (rank == 0) {
       for (int i = 0; i < 40; ++i) {
-        WorkRequest wr;
-        wr.wr_id = uint64_t(i);
-        wr.op = WrOp::kWriteImm;
-        wr.peer = 1;
-        wr.imm = uint32_t(i);
-        c.ep->post(wr);
+        c.ep->post(test::write_imm(uint64_t(i), /*peer=*/1, 0, 0, /*bytes=*/0, uint32_t(i)));
       }
       int sends = 0;
       for (int k = 0; k < 200; ++k) {
