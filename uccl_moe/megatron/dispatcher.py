@@ -57,17 +57,22 @@ def hidden_bytes_of(x: torch.Tensor) -> int:
 
 
 def buffer_sizes(
-    group_size: int, hidden_bytes: int, nvl_bytes: Optional[int], rdma_bytes: Optional[int]
+    group_size: int,
+    hidden_bytes: int,
+    nvl_bytes: Optional[int],
+    rdma_bytes: Optional[int],
+    ranks_per_node: int = 0,
 ) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
-    configs."""
+    configs for a group of `group_size` ranks in nodes of `ranks_per_node` (0: min(group_size, 8), one node up to
+    8 ranks), the layout the Buffer checks its sizes against."""
     from uccl_moe import Buffer
 
     configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
     if nvl_bytes is None:
-        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
     if rdma_bytes is None:
-        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size)) for c in configs)
+        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
     return nvl_bytes, rdma_bytes
 
 
@@ -79,10 +84,15 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
         for g, hb, backend, buf in _BUFFERS:
             if g is group and hb == hidden_bytes and backend == knobs.backend:
                 return buf
-        nvl, rdma = buffer_sizes(dist.get_world_size(group), hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes)
+        from uccl_moe.topology import detect
+
+        size = dist.get_world_size(group)
+        # The node layout the Buffer will detect and check the sizes against (a collective, like the Buffer's own).
+        topology = detect(group, dist.get_rank(group), size)
+        nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node)
         log.info(
-            "creating uccl Buffer: group size %d, hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
-            dist.get_world_size(group), hidden_bytes, nvl, rdma, knobs.backend,
+            "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
+            size, topology.ranks_per_node, hidden_bytes, nvl, rdma, knobs.backend,
         )
         buf = Buffer(group, nvl, rdma, backend=knobs.backend)  # type: ignore[arg-type]  # validated by knobs
         _BUFFERS.append((group, hidden_bytes, knobs.backend, buf))
@@ -102,15 +112,6 @@ def clear_buffers() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd functions over the Buffer.
 # ----------------------------------------------------------------------------------------------------------------
-def _capture(async_finish: bool) -> Any:
-    """``previous_event`` for a Buffer call: an event on the current stream when async, else None."""
-    if not async_finish:
-        return None
-    from uccl_moe.utils import EventHandle, EventOverlap
-
-    return EventOverlap(EventHandle())
-
-
 class _DispatchState:
     """What one forward's dispatch leaves for the later steps (not tensors autograd must see)."""
 
@@ -142,7 +143,7 @@ class UCCLDispatch(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        previous_event = _capture(async_finish)
+        previous_event = buffer.capture() if async_finish else None
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = (
             buffer.get_dispatch_layout(
                 topk_idx,
@@ -179,7 +180,7 @@ class UCCLDispatch(torch.autograd.Function):
     def backward(
         ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]
     ) -> tuple[Any, ...]:
-        previous_event = _capture(ctx.async_finish)
+        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         if grad_recv_topk_weights is not None:
             grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
         grad_x, grad_topk_weights, event = ctx.buffer.combine(
@@ -203,7 +204,7 @@ class UCCLCombine(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, buffer: Any, handle: Any, state: _DispatchState, async_finish: bool, allocate: bool
     ) -> torch.Tensor:
-        previous_event = _capture(async_finish)
+        previous_event = buffer.capture() if async_finish else None
         combined, _, event = buffer.combine(
             x,
             handle,
@@ -220,7 +221,7 @@ class UCCLCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        previous_event = _capture(ctx.async_finish)
+        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         grad_x, _, _, _, _, event = ctx.buffer.dispatch(
             grad.contiguous(),
             handle=ctx.handle,
@@ -349,10 +350,6 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
         """No zero-copy expert buffers: experts get fresh permuted tensors (Megatron 0.19 asks every forward)."""
         return None, None
-
-    def set_shared_experts(self, shared_experts: Any) -> None:
-        """Run the shared expert on its own stream while tokens are in flight (``--moe-shared-expert-overlap``)."""
-        super().set_shared_experts(shared_experts)
 
     # -- the six-method contract ---------------------------------------------------------------------------------
     def dispatch_preprocess(

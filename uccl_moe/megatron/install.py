@@ -37,30 +37,26 @@ _PATCHED = "__uccl_moe_patched__"
 _LOCK = threading.Lock()
 _installed = False
 
-# Megatron features the uccl dispatcher does not implement, with the fix to suggest. (name, bad value test, message)
-_UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
+# Megatron features the uccl dispatcher does not implement (refused when truthy), with the fix to suggest.
+_UNSUPPORTED: tuple[tuple[str, str], ...] = (
     (
         "overlap_moe_expert_parallel_comm",
-        bool,
         "Megatron's 1F1B EP-A2A overlap (--overlap-moe-expert-parallel-comm) keys on the flex/alltoall dispatchers' "
         "internals and is not supported with --moe-token-dispatcher-type uccl yet; drop the flag (uccl still "
         "overlaps its comm with the shared experts through --moe-shared-expert-overlap)",
     ),
     (
         "moe_pad_expert_input_to_capacity",
-        bool,
         "--moe-pad-expert-input-to-capacity is not supported with --moe-token-dispatcher-type uccl (like flex/DeepEP); "
         "use --moe-expert-capacity-factor alone (dropped tokens are skipped, not padded)",
     ),
     (
         "moe_router_padding_for_quantization",
-        bool,
         "--moe-router-padding-for-quantization (fp8/fp4 per-expert padding) is not supported with "
         "--moe-token-dispatcher-type uccl yet",
     ),
     (
         "moe_latent_size",
-        bool,
         "--moe-latent-size is not supported with --moe-token-dispatcher-type uccl yet",
     ),
 )
@@ -68,8 +64,8 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 
 def validate_config(config: Any) -> None:
     """uccl's own checks on a TransformerConfig whose dispatcher type is "uccl"; raises InvalidUsageError."""
-    for name, test, message in _UNSUPPORTED:
-        if test(getattr(config, name, None)):
+    for name, message in _UNSUPPORTED:
+        if getattr(config, name, None):
             raise InvalidUsageError(f"{name}={getattr(config, name)!r}: {message}")
     if getattr(config, "moe_enable_deepep", False):
         raise InvalidUsageError(
@@ -172,13 +168,14 @@ def _patch_moe_layer() -> None:
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 
-def widen_parser(parser: Any) -> Any:
-    """Add ``uccl`` to the ``--moe-token-dispatcher-type`` choices of `parser` and add the ``--moe-uccl-*`` knobs.
+def widen_parser(parser: Any, dest: str = "moe_token_dispatcher_type") -> Any:
+    """Add ``uccl`` to the choices of the `dest` option (``--moe-token-dispatcher-type``) of `parser` and add the
+    ``--moe-uccl-*`` knobs.
 
     Usable directly as Megatron's ``extra_args_provider``. Returns the parser.
     """
     for action in parser._actions:
-        if action.dest == "moe_token_dispatcher_type" and action.choices is not None:
+        if action.dest == dest and action.choices is not None:
             if DISPATCHER_TYPE not in action.choices:
                 action.choices = list(action.choices) + [DISPATCHER_TYPE]
     _knobs.add_arguments(parser)

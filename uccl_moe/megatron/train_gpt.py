@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..errors import InvalidUsageError
 from . import knobs as _knobs
 from .install import install as _install_uccl
+from .install import widen_parser
 
 # Megatron-LM flag spellings that are not a TransformerConfig field name: flag -> (dest, value or None = parsed).
 _ALIASES: dict[str, tuple[str, Any]] = {
@@ -137,25 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
         field_kw = _field_kwargs(field)
         if field_kw is None:
             continue
-        kw = field_kw
         flag = "--" + field.name.replace("_", "-")
         dest = "cfg__" + field.name
-        if kw.get("bool"):
+        if field_kw.get("bool"):
             model.add_argument(flag, dest=dest, action="store_const", const=True, default=None)
             model.add_argument("--no-" + field.name.replace("_", "-"), dest=dest, action="store_const", const=False)
         else:
-            model.add_argument(flag, dest=dest, default=None, **kw)
+            model.add_argument(flag, dest=dest, default=None, **field_kw)
     for flag, (dest, value) in _ALIASES.items():
         if value is None or value is float:
             model.add_argument(flag, dest="cfg__" + dest, type=int if value is None else float, default=None)
         else:
             model.add_argument(flag, dest="alias__" + dest, action="store_const", const=value, default=None)
-    for action in p._actions:
-        if action.dest == "cfg__moe_token_dispatcher_type" and action.choices is not None:
-            if "uccl" not in action.choices:
-                action.choices = list(action.choices) + ["uccl"]
-    _knobs.add_arguments(p)
-    return p
+    return widen_parser(p, dest="cfg__moe_token_dispatcher_type")
 
 
 def _parse_layer_freq(text: str) -> Any:

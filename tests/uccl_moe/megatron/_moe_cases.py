@@ -1,4 +1,4 @@
-"""Rank-side bodies of the Megatron MoELayer tests (run under ``_harness.run_ranks``).
+"""Rank-side bodies of the Megatron MoELayer tests (run under ``helpers.mp.run_ranks_on``).
 
 A *case* builds two real ``MoELayer``s with the local spec (SequentialMLP experts) on identical weights: one with
 Megatron's ``allgather`` dispatcher (the reference) and one with ``uccl``; runs forward and backward on identical

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.uccl_moe.megatron._harness import run_ranks  # noqa: E402
+from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
+
 from tests.uccl_moe.megatron._moe_cases import Case, dropless_roundtrip, run_cases  # noqa: E402
 
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(600)]
@@ -76,6 +77,15 @@ def test_matches_allgather_4_ranks(results_4, case):
 def test_dropless_roundtrip_contract():
     """dispatch -> tokens * probs (1/topk) -> combine returns the input; the backward returns the gradient."""
     for res in run_ranks(dropless_roundtrip, 2, 2, 2):
+        assert res["rows"] > 0
+        assert res["forward"] <= 1e-6, res
+        assert res["backward"] <= 1e-6, res
+
+
+def test_dropless_roundtrip_emulated_two_nodes():
+    """The default Buffer sizes follow the group's node layout: on two (emulated) nodes of one rank each the
+    dispatcher sizes the RDMA buffer too, which the Buffer requires across nodes."""
+    for res in run_ranks(dropless_roundtrip, 2, 2, 2, env={"UCCL_MOE_EMULATE_NODES": "2"}):
         assert res["rows"] > 0
         assert res["forward"] <= 1e-6, res
         assert res["backward"] <= 1e-6, res

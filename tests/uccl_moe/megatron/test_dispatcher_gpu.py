@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from tests.uccl_moe.megatron._harness import run_ranks  # noqa: E402
+from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
+
 from tests.uccl_moe.megatron._moe_cases import Case, dropless_roundtrip, run_cases  # noqa: E402
 from tests.uccl_moe.megatron.test_dispatcher import _check  # noqa: E402
 

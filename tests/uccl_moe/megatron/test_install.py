@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("megatron.core")
 
 import torch  # noqa: E402
+from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
 
 import uccl_moe.megatron as um  # noqa: E402  (installs)
-from tests.uccl_moe.megatron._harness import run_ranks  # noqa: E402
 from uccl_moe.errors import InvalidUsageError  # noqa: E402
 from uccl_moe.megatron import install as install_mod  # noqa: E402,F401
 from uccl_moe.megatron import knobs  # noqa: E402

@@ -72,3 +72,7 @@ def test_hidden_bytes_and_size_hint_defaults():
     configs = (Buffer.get_dispatch_config(2), Buffer.get_combine_config(2))
     want = max(c.get_nvl_buffer_size_hint(128, 2) for c in configs)
     assert nvl == want > 0 and rdma == 0
+    # Two nodes of one rank: the hints of that layout, with an RDMA buffer.
+    nvl, rdma = buffer_sizes(2, 128, None, None, ranks_per_node=1)
+    assert nvl == max(c.get_nvl_buffer_size_hint(128, 2, 1) for c in configs)
+    assert rdma == max(c.get_rdma_buffer_size_hint(128, 2, 1) for c in configs) > 0

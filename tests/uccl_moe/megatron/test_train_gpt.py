@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.uccl_moe.megatron._harness import run_ranks  # noqa: E402
+from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(600)]
 
