@@ -14,6 +14,10 @@ Handle (DeepEP-V1 positions; fields 1 and 2 are per *lane* here, not per channel
 A cached dispatch or combine reuses the lane geometry recorded in the handle (its channel count is
 L / W), whatever ``config.num_sms`` says; the other config fields (chunk sizes) still apply.
 
+Across nodes (``ctx.topology.num_nodes > 1``), R and the lane matrices above are those of the node's G local
+ranks, and dispatch/combine go through :class:`uccl_moe.backends.internode.InternodePath` (CPU proxy + NVLink
+forwarding); see that module.
+
 Streams: every method enqueues on the current stream (Buffer made it the comm stream) and allocates there.
 Only a non-cached dispatch without ``num_worst_tokens`` waits on the host (for the receive counts).
 A wait that expires (``UCCL_MOE_TIMEOUT_S``) aborts the whole launch and raises ``CommTimeoutError`` naming
@@ -48,8 +52,8 @@ class NativeBackend(Backend):
             missing.append("this build has no GPU support (no nvcc/hipcc was found at install time)")
         elif not _C.has_intranode_kernels():
             missing.append("the native intranode HT kernels are not compiled into this build")
-        if ctx.topology.num_nodes > 1:
-            missing.append("the internode path through the CPU proxy is not built yet")
+        elif ctx.topology.num_nodes > 1 and not _C.has_internode_kernels():
+            missing.append("the internode kernels are not compiled into this build")
         if missing:
             raise NotImplementedError(
                 "uccl-moe native backend unavailable: " + "; ".join(missing) + ". Use backend='reference' "
@@ -62,15 +66,23 @@ class NativeBackend(Backend):
                 "the native backend needs an NVL buffer: create Buffer(group, num_nvl_bytes=...) with at least "
                 "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) bytes"
             )
-        self.R = ctx.num_ranks
-        self.me = ctx.rank
+        topo = ctx.topology
+        self.R_all = ctx.num_ranks
+        self.R = topo.ranks_per_node if topo.num_nodes > 1 else ctx.num_ranks  # ranks sharing the NVL buffers
+        self.me = topo.local_rank if topo.num_nodes > 1 else ctx.rank
         self.W = _C.intranode_lanes_per_channel(self.R)
+        self._inter: Any = None
         self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
-        handles: list[Any] = [None] * self.R
-        dist.all_gather_object(handles, self._rt.ipc_handle(), group=ctx.group)
-        self._rt.connect(handles)
+        self._rt.set_global_rank(ctx.rank)
+        handles: list[Any] = [None] * self.R_all
+        dist.all_gather_object(handles, (topo.node, self._rt.ipc_handle()), group=ctx.group)
+        self._rt.connect([h for node, h in handles if node == topo.node])
         # Every rank has opened every peer before anyone launches a kernel that writes into peers.
         dist.barrier(group=ctx.group)
+        if topo.num_nodes > 1:
+            from .internode import InternodePath
+
+            self._inter = InternodePath(self, ctx)
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
@@ -82,10 +94,20 @@ class NativeBackend(Backend):
             raise InvalidUsageError("this Buffer's native backend was destroyed; create a new Buffer")
         if self._rt.aborted():
             self._raise_timeout()
+        if self._inter is not None:
+            self._inter.check()
 
     def _raise_timeout(self) -> None:
         rec = self._rt.diag()
-        raise CommTimeoutError(rec["message"], rec)
+        if rec.get("phase") == "rdma/capacity":
+            raise InvalidUsageError(rec["message"] + " (this Buffer is unusable now; create a new one)")
+        msg = rec["message"]
+        if self._inter is not None and self._inter.rt.failed():
+            try:
+                self._inter.rt.check()
+            except Exception as e:  # noqa: BLE001 - appended to the GPU's record
+                msg += f"; the CPU proxy failed first: {e}"
+        raise CommTimeoutError(msg, rec)
 
     def _sms_of(self, handle: Any) -> int:
         """num_sms the handle's lanes were laid out with (2 * channels)."""
@@ -103,14 +125,17 @@ class NativeBackend(Backend):
         topk_idx = topk_idx.contiguous()
         T, K = topk_idx.shape
         dev = topk_idx.device
-        per_rank = torch.empty(self.R, dtype=torch.int32, device=dev)
+        R, nodes = self.R_all, self.ctx.topology.num_nodes
+        per_rank = torch.empty(R, dtype=torch.int32, device=dev)
+        per_node = torch.empty(nodes, dtype=torch.int32, device=dev) if nodes > 1 else None
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty((T, self.R), dtype=torch.bool, device=dev)
+        in_rank = torch.empty((T, R), dtype=torch.bool, device=dev)
         _C.get_dispatch_layout(topk_idx=_ptr(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
-                               num_ranks=self.R, ranks_per_node=self.R, num_tokens_per_rank=_ptr(per_rank),
-                               num_tokens_per_node=0, num_tokens_per_expert=_ptr(per_expert),
-                               is_token_in_rank=_ptr(in_rank), stream=self._stream())
-        return per_rank, None, per_expert, in_rank
+                               num_ranks=R, ranks_per_node=self.ctx.topology.ranks_per_node,
+                               num_tokens_per_rank=_ptr(per_rank), num_tokens_per_node=_ptr(per_node),
+                               num_tokens_per_expert=_ptr(per_expert), is_token_in_rank=_ptr(in_rank),
+                               stream=self._stream())
+        return per_rank, per_node, per_expert, in_rank
 
     # ---------------------------------------------------------------- dispatch
     def _launch_dispatch(self, num_sms: int, config: Any, x: torch.Tensor, x_scales: torch.Tensor | None,
@@ -119,24 +144,14 @@ class NativeBackend(Backend):
                          num_experts: int, rows: int, with_meta: bool,
                          send_head: torch.Tensor | None) -> tuple[Any, ...]:
         T = x.shape[0]
-        dev = x.device
         K = topk_idx.shape[1] if topk_idx is not None else 0
-        recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=dev)
-        recv_scales = None
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = self._alloc_recv(rows, x, x_scales, K, with_meta)
         num_scales, s_tok, s_hid = 0, 0, 0
         if x_scales is not None:
             if x_scales.dim() == 1:
                 num_scales, s_tok, s_hid = 1, x_scales.stride(0), 0
-                recv_scales = torch.empty((rows,), dtype=x_scales.dtype, device=dev)
             else:
                 num_scales, s_tok, s_hid = x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
-                recv_scales = torch.empty((rows, num_scales), dtype=x_scales.dtype, device=dev)
-        recv_idx = recv_w = recv_src = None
-        if with_meta:
-            recv_src = torch.empty((rows,), dtype=torch.int32, device=dev)
-            if topk_idx is not None:
-                recv_idx = torch.empty((rows, K), dtype=torch.int64, device=dev)
-                recv_w = torch.empty((rows, K), dtype=torch.float32, device=dev)
         _C.dispatch_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
             nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, x=_ptr(x), x_scales=_ptr(x_scales),
@@ -148,8 +163,29 @@ class NativeBackend(Backend):
             recv_src_idx=_ptr(recv_src), send_head=_ptr(send_head), stream=self._stream())
         return recv_x, recv_scales, recv_idx, recv_w, recv_src
 
+    @staticmethod
+    def _alloc_recv(rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
+                    with_meta: bool) -> tuple[Any, ...]:
+        """Outputs of a dispatch receiving `rows` rows: (recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+        recv_src_idx); the last three are None without metadata (cached) and the middle two without top-k."""
+        dev = x.device
+        recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=dev)
+        recv_scales = None
+        if x_scales is not None:
+            shape = (rows,) if x_scales.dim() == 1 else (rows, x_scales.shape[1])
+            recv_scales = torch.empty(shape, dtype=x_scales.dtype, device=dev)
+        recv_idx = recv_w = recv_src = None
+        if with_meta:
+            recv_src = torch.empty((rows,), dtype=torch.int32, device=dev)
+            if num_topk > 0:
+                recv_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=dev)
+                recv_w = torch.empty((rows, num_topk), dtype=torch.float32, device=dev)
+        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+
     def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
         self._check_alive()
+        if self._inter is not None:
+            return self._inter.dispatch(req, int(req.config.num_sms), req.config)
         R = self.R
         x = req.x.contiguous()
         T = x.shape[0]
@@ -192,6 +228,8 @@ class NativeBackend(Backend):
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
         self._check_alive()
+        if self._inter is not None:
+            return self._inter.cached_dispatch(x, x_scales, handle, config)
         x = x.contiguous()
         num_sms = self._sms_of(handle)
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
@@ -205,6 +243,8 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any, config: Any):  # type: ignore[no-untyped-def]
         self._check_alive()
+        if self._inter is not None:
+            return self._inter.combine(x, handle, topk_weights, bias, config)
         x = x.contiguous()
         num_sms = self._sms_of(handle)
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
@@ -232,6 +272,9 @@ class NativeBackend(Backend):
         _C.peer_copy(runtime=self._rt, peer=peer, bytes=num_bytes, stream=self._stream())
 
     def destroy(self) -> None:
+        if self._inter is not None:
+            self._inter.destroy()
+            self._inter = None
         if self._rt is not None:
             self._rt.destroy()
             self._rt = None

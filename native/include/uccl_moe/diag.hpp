@@ -25,6 +25,7 @@ enum class DiagPhase : int32_t {
   kProxyOrdering = 11,      ///< proxy holding a counter update for missing earlier writes
   kRdmaRecvTokens = 12,     ///< internode receiver waiting for tokens from a node
   kForwarder = 13,          ///< internode forwarder waiting for NVLink room / RDMA data
+  kRdmaCapacity = 14,       ///< not a wait: an internode area needs more rows than the RDMA buffer holds
 };
 
 const char* diag_phase_name(DiagPhase phase);

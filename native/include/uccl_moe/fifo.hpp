@@ -11,8 +11,9 @@
 //   pop       (consumer) zeroes the oldest slot, then release-stores tail + 1. A command is retired when it *completed*
 //             (its write landed, its QUIET drained, its BARRIER met), so check_completion(idx) = tail > idx means
 //             "idx and everything before it is done".
-// Memory: plain host memory here (CPU producers and tests). With the internode kernels the ring and tail move to
-// pinned, GPU-mapped host memory and head/tail_cache to device memory; device_handle() then returns mapped pointers.
+// Memory: plain host memory for CPU producers. Created with GpuMemoryOps (the internode runtime), the ring and the tail
+// live in pinned host memory the GPU maps and the producer index and tail cache in device memory; device_handle()
+// then returns the GPU's views and only GPU producers may push (the host push methods throw).
 #pragma once
 
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <memory>
 
 #include "uccl_moe/fifo_device.cuh"
+#include "uccl_moe/gpu_memory.hpp"
 #include "uccl_moe/transfer_cmd.hpp"
 
 namespace uccl_moe {
@@ -27,7 +29,7 @@ namespace uccl_moe {
 class Fifo {
  public:
   /// `capacity`: power of two >= 2. `channel`: global FIFO index used in diagnostics.
-  explicit Fifo(uint32_t capacity, int channel = 0);
+  explicit Fifo(uint32_t capacity, int channel = 0, std::shared_ptr<const GpuMemoryOps> gpu = nullptr);
   ~Fifo();
   Fifo(const Fifo&) = delete;
   Fifo& operator=(const Fifo&) = delete;
@@ -49,20 +51,27 @@ class Fifo {
   /// Retires the oldest command (slot tail()). Requires it to have been published.
   void pop();
 
-  uint64_t head() const { return head_.load(std::memory_order_acquire); }
-  uint64_t tail() const { return tail_.load(std::memory_order_acquire); }
+  uint64_t head() const { return head_.load(std::memory_order_acquire); }  ///< host producers' index
+  uint64_t tail() const { return tail_->load(std::memory_order_acquire); }
   uint32_t capacity() const { return capacity_; }
   int channel() const { return channel_; }
-  /// Handle for a device producer (host pointers until the FIFO lives in pinned memory; see the header comment).
+  /// Handle for a device producer: GPU views with GpuMemoryOps, host pointers otherwise (CPU tests of the device code).
   FifoDeviceHandle device_handle();
+  bool on_gpu() const { return gpu_ != nullptr; }
 
  private:
   uint32_t capacity_;
   uint32_t mask_;
   int channel_;
+  std::shared_ptr<const GpuMemoryOps> gpu_;
   TransferCmd* ring_;
+  TransferCmd* ring_dev_ = nullptr;       ///< GPU view of ring_ (GPU FIFOs)
+  std::atomic<uint64_t>* tail_;           ///< &tail_storage_, or pinned memory the GPU maps
+  uint64_t* tail_dev_ = nullptr;          ///< GPU view of tail_
+  uint64_t* head_dev_ = nullptr;          ///< producer index of a GPU FIFO (device memory)
+  uint64_t* tail_cache_dev_ = nullptr;    ///< tail cache of a GPU FIFO (device memory)
   alignas(64) std::atomic<uint64_t> head_{0};
-  alignas(64) std::atomic<uint64_t> tail_{0};
+  alignas(64) std::atomic<uint64_t> tail_storage_{0};
   alignas(64) std::atomic<uint64_t> tail_cache_{0};  ///< producers' cached copy of tail_ (a hint, never ahead of tail_)
 };
 

@@ -42,6 +42,15 @@ inline Error memset_sync(void* p, int v, size_t bytes) { return hipMemset(p, v, 
 inline Error memcpy_async(void* dst, const void* src, size_t bytes, Stream s) {
   return hipMemcpyAsync(dst, src, bytes, hipMemcpyDefault, s);
 }
+inline Error stream_create_nonblocking(Stream* s) { return hipStreamCreateWithFlags(s, hipStreamNonBlocking); }
+inline Error stream_destroy(Stream s) { return hipStreamDestroy(s); }
+inline Error event_create(Event* e) { return hipEventCreateWithFlags(e, hipEventDisableTiming); }
+inline Error event_record(Event e, Stream s) { return hipEventRecord(e, s); }
+/// Success once the event completed; kNotReady while it is pending; anything else is an error.
+inline Error event_query(Event e) { return hipEventQuery(e); }
+constexpr Error kNotReady = hipErrorNotReady;
+inline Error event_destroy(Event e) { return hipEventDestroy(e); }
+inline bool is_success(Error e) { return e == hipSuccess; }
 using IpcMemHandle = hipIpcMemHandle_t;
 inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
 inline Error ipc_open_mem_handle(void** p, IpcMemHandle h) {
@@ -79,6 +88,15 @@ inline Error memset_sync(void* p, int v, size_t bytes) { return cudaMemset(p, v,
 inline Error memcpy_async(void* dst, const void* src, size_t bytes, Stream s) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s);
 }
+inline Error stream_create_nonblocking(Stream* s) { return cudaStreamCreateWithFlags(s, cudaStreamNonBlocking); }
+inline Error stream_destroy(Stream s) { return cudaStreamDestroy(s); }
+inline Error event_create(Event* e) { return cudaEventCreateWithFlags(e, cudaEventDisableTiming); }
+inline Error event_record(Event e, Stream s) { return cudaEventRecord(e, s); }
+/// Success once the event completed; kNotReady while it is pending; anything else is an error.
+inline Error event_query(Event e) { return cudaEventQuery(e); }
+constexpr Error kNotReady = cudaErrorNotReady;
+inline Error event_destroy(Event e) { return cudaEventDestroy(e); }
+inline bool is_success(Error e) { return e == cudaSuccess; }
 using IpcMemHandle = cudaIpcMemHandle_t;
 inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }
 inline Error ipc_open_mem_handle(void** p, IpcMemHandle h) {

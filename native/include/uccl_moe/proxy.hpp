@@ -18,6 +18,7 @@
 
 #include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/fifo.hpp"
+#include "uccl_moe/gpu_memory.hpp"
 #include "uccl_moe/transport.hpp"
 
 namespace uccl_moe {
@@ -38,6 +39,8 @@ struct ProxyOptions {
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
   uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
+  /// GPU mode (set by the internode runtime): FIFOs and counters in GPU-mapped memory, data_ptr is GPU memory.
+  std::shared_ptr<const GpuMemoryOps> gpu;
 };
 
 /// Monotone counters, summed over threads (per-thread values from thread_counters()).
@@ -86,6 +89,8 @@ class Proxy {
   /// int64 counters[num_ranks * kCountersPerSrc]; updates from rank s to slot c land at s * kCountersPerSrc + c.
   int64_t* counters() const;
   uint64_t num_counters() const;
+  /// GPU view of counters() (GPU mode), else counters().
+  int64_t* counters_device() const;
   /// Non-zero once a thread failed (kernels poll it through a mapped pointer later).
   const std::atomic<int32_t>& abort_flag() const;
 

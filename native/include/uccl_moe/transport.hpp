@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "uccl_moe/bootstrap.hpp"
+#include "uccl_moe/gpu_memory.hpp"
 
 namespace uccl_moe {
 
@@ -61,6 +62,8 @@ struct TransportContext {
   int num_threads = 1;
   std::string job = "uccl";  ///< namespace for bootstrap keys and shared-memory names
   double timeout_s = 100;
+  /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
+  std::shared_ptr<const GpuMemoryOps> gpu;
 };
 
 class Endpoint {

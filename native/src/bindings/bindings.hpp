@@ -5,15 +5,24 @@
 
 #include <nanobind/nanobind.h>
 
+#include <memory>
+
+#include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/diag.hpp"
+#include "uccl_moe/proxy.hpp"
 
 namespace uccl_moe::bindings {
 
 /// A DiagRecord as the dict Python sees (CommTimeoutError.record), with the formatted message.
 nanobind::dict diag_to_dict(const DiagRecord& r);
+/// A KvStore over two Python callables: set(key: str, value: bytes) and get(key: str, timeout_s: float) -> bytes.
+std::shared_ptr<KvStore> python_store(nanobind::object set_fn, nanobind::object get_fn);
+/// ProxyCounters as a dict (field name -> int).
+nanobind::dict counters_dict(const ProxyCounters& c);
 
 void register_core(nanobind::module_& m);
 void register_proxy(nanobind::module_& m);
 void register_runtime(nanobind::module_& m);
+void register_internode(nanobind::module_& m);
 
 }  // namespace uccl_moe::bindings

@@ -36,4 +36,5 @@ NB_MODULE(_C, m) {
   uccl_moe::bindings::register_core(m);
   uccl_moe::bindings::register_proxy(m);
   uccl_moe::bindings::register_runtime(m);
+  uccl_moe::bindings::register_internode(m);
 }

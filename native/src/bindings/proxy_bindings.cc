@@ -16,8 +16,6 @@ using namespace nb::literals;
 
 namespace uccl_moe::bindings {
 
-namespace {
-
 std::shared_ptr<KvStore> python_store(nb::object set_fn, nb::object get_fn) {
   // The callables run with the GIL (taken here: start() releases it). Python errors become Transport/Timeout errors
   // carrying the Python message.
@@ -60,8 +58,6 @@ nb::dict counters_dict(const ProxyCounters& c) {
   d["peak_inflight_window"] = c.peak_inflight_window;
   return d;
 }
-
-}  // namespace
 
 void register_proxy(nb::module_& m) {
   m.def("proxy_transports", &list_transports, "registered transports in priority order with their probe result");

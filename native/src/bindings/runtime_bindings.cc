@@ -53,6 +53,7 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("connected", &NvlRuntime::connected)
       .def_prop_ro("local_buffer", &NvlRuntime::local_buffer)
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
+      .def("set_global_rank", &NvlRuntime::set_global_rank, "rank"_a)
       .def("aborted", &NvlRuntime::aborted)
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
@@ -93,17 +94,19 @@ void register_runtime(nb::module_& m) {
   m.def("notify_dispatch", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t is_token_in_rank,
                               uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, int num_tokens,
                               int num_experts, int expert_alignment, bool write_host_counters, uintptr_t lane_prefix,
-                              uintptr_t rank_prefix, uintptr_t recv_lane_start, uintptr_t stream) {
+                              uintptr_t rank_prefix, uintptr_t recv_lane_start, uintptr_t stream,
+                              uintptr_t num_tokens_ptr) {
     const auto ctx = rt.context();
     const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
     intranode::NotifyArgs a{ptr<const bool>(is_token_in_rank), ptr<const int32_t>(num_tokens_per_rank),
                             ptr<const int32_t>(num_tokens_per_expert), num_tokens, num_experts, expert_alignment,
                             write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
-                            ptr<int32_t>(recv_lane_start)};
+                            ptr<int32_t>(recv_lane_start), ptr<const int32_t>(num_tokens_ptr)};
     intranode::launch_notify_dispatch(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "is_token_in_rank"_a,
   "num_tokens_per_rank"_a, "num_tokens_per_expert"_a, "num_tokens"_a, "num_experts"_a, "expert_alignment"_a,
-  "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a);
+  "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a,
+  "num_tokens_ptr"_a = 0);
 
   m.def("prepare_round", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t stream) {
     const auto ctx = rt.context();
@@ -118,7 +121,7 @@ void register_runtime(nb::module_& m) {
                                  int64_t scale_token_stride, int64_t scale_hidden_stride, int num_recv_rows,
                                  uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
                                  uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
-                                 uintptr_t stream) {
+                                 uintptr_t stream, uintptr_t num_tokens_ptr, uintptr_t row_map, uintptr_t src_tag) {
     const auto ctx = rt.context();
     const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
     intranode::DispatchArgs a{};
@@ -143,27 +146,32 @@ void register_runtime(nb::module_& m) {
     a.recv_topk_weights = ptr<float>(recv_topk_weights);
     a.recv_src_idx = ptr<int32_t>(recv_src_idx);
     a.send_head = ptr<int32_t>(send_head);
+    a.num_tokens_ptr = ptr<const int32_t>(num_tokens_ptr);
+    a.row_map = ptr<const int32_t>(row_map);
+    a.src_tag = ptr<const int32_t>(src_tag);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "x_scales"_a, "topk_idx"_a,
   "topk_weights"_a, "is_token_in_rank"_a, "rank_prefix"_a, "recv_lane_start"_a, "num_tokens"_a, "row_bytes"_a,
   "num_topk"_a, "num_scales"_a, "num_experts"_a, "scale_token_stride"_a, "scale_hidden_stride"_a,
   "num_recv_rows"_a, "recv_x"_a, "recv_scales"_a, "recv_topk_idx"_a, "recv_topk_weights"_a, "recv_src_idx"_a,
-  "send_head"_a, "stream"_a);
+  "send_head"_a, "stream"_a, "num_tokens_ptr"_a = 0, "row_map"_a = 0, "src_tag"_a = 0);
 
   m.def("combine_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
                                 uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t rank_prefix,
                                 uintptr_t recv_lane_start, uintptr_t send_head, int num_tokens, int hidden,
-                                int num_topk, uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream) {
+                                int num_topk, uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream,
+                                uintptr_t num_tokens_ptr, uintptr_t row_map) {
     const auto ctx = rt.context();
     const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
     intranode::CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const void>(bias0),
                              ptr<const void>(bias1), ptr<const int32_t>(rank_prefix),
                              ptr<const int32_t>(recv_lane_start), ptr<const int32_t>(send_head), num_tokens, hidden,
-                             num_topk, ptr<void>(out), ptr<float>(out_topk_weights)};
+                             num_topk, ptr<void>(out), ptr<float>(out_topk_weights),
+                             ptr<const int32_t>(num_tokens_ptr), ptr<const int32_t>(row_map)};
     intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "topk_weights"_a, "bias0"_a,
   "bias1"_a, "rank_prefix"_a, "recv_lane_start"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "out"_a,
-  "out_topk_weights"_a, "stream"_a);
+  "out_topk_weights"_a, "stream"_a, "num_tokens_ptr"_a = 0, "row_map"_a = 0);
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));

@@ -20,6 +20,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kProxyOrdering: return "proxy/ordering";
     case DiagPhase::kRdmaRecvTokens: return "rdma/recv-tokens";
     case DiagPhase::kForwarder: return "forwarder";
+    case DiagPhase::kRdmaCapacity: return "rdma/capacity";
   }
   return "unknown";
 }
@@ -32,6 +33,11 @@ const char* role_name(int32_t role) {
 }  // namespace
 
 std::string format_diag(const DiagRecord& r) {
+  if (r.phase == static_cast<int32_t>(DiagPhase::kRdmaCapacity))
+    return detail::format(
+        "rank %d: an internode area needs %lld rows but the RDMA buffer holds %lld per area (num_rdma_bytes too small "
+        "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
+        r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
   return detail::format(

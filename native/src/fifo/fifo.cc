@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include "uccl_moe/diag.hpp"
@@ -27,19 +28,47 @@ inline void store_release(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __AT
 inline void store_relaxed(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
 }  // namespace
 
-Fifo::Fifo(uint32_t capacity, int channel) : capacity_(capacity), mask_(capacity - 1), channel_(channel) {
+namespace {
+constexpr size_t kTailBytes = 64;  ///< the tail word sits alone in its cache line, after the ring
+}  // namespace
+
+Fifo::Fifo(uint32_t capacity, int channel, std::shared_ptr<const GpuMemoryOps> gpu)
+    : capacity_(capacity), mask_(capacity - 1), channel_(channel), gpu_(std::move(gpu)), tail_(&tail_storage_) {
   UCCL_ASSERT(capacity >= 2 && (capacity & (capacity - 1)) == 0,
               "FIFO capacity=%u must be a power of two >= 2 (UCCL_MOE_FIFO_CAPACITY)", capacity);
-  ring_ = static_cast<TransferCmd*>(std::aligned_alloc(64, std::max<size_t>(64, sizeof(TransferCmd) * capacity)));
-  UCCL_CHECK_INTERNAL(ring_ != nullptr, "allocating a FIFO of %u slots", capacity);
+  const size_t ring_bytes = std::max<size_t>(64, sizeof(TransferCmd) * capacity);
+  if (gpu_) {
+    // Ring + tail in one mapped block; producer index and tail cache in one device block (zeroed by the ops).
+    void* dev = nullptr;
+    char* host = static_cast<char*>(gpu_->alloc_mapped(ring_bytes + kTailBytes, &dev));
+    UCCL_CHECK_INTERNAL(host != nullptr && dev != nullptr, "allocating a mapped FIFO of %u slots", capacity);
+    ring_ = reinterpret_cast<TransferCmd*>(host);
+    ring_dev_ = reinterpret_cast<TransferCmd*>(dev);
+    tail_ = new (host + ring_bytes) std::atomic<uint64_t>(0);
+    tail_dev_ = reinterpret_cast<uint64_t*>(static_cast<char*>(dev) + ring_bytes);
+    head_dev_ = static_cast<uint64_t*>(gpu_->alloc_device(2 * kTailBytes));
+    UCCL_CHECK_INTERNAL(head_dev_ != nullptr, "allocating a FIFO producer index");
+    tail_cache_dev_ = head_dev_ + kTailBytes / sizeof(uint64_t);
+  } else {
+    ring_ = static_cast<TransferCmd*>(std::aligned_alloc(64, ring_bytes));
+    UCCL_CHECK_INTERNAL(ring_ != nullptr, "allocating a FIFO of %u slots", capacity);
+  }
   std::memset(ring_, 0, sizeof(TransferCmd) * capacity);
 }
 
-Fifo::~Fifo() { std::free(ring_); }
+Fifo::~Fifo() {
+  if (gpu_) {
+    gpu_->free_device(head_dev_);
+    gpu_->free_mapped(ring_);
+  } else {
+    std::free(ring_);
+  }
+}
 
 uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<int32_t>* abort_flag,
                     void (*on_abort)(const void*), const void* on_abort_arg) {
   UCCL_CHECK_INTERNAL(cmd.word0 != 0 && (cmd.word1 & kCmdValidBit), "pushing an unencoded command");
+  UCCL_CHECK_INTERNAL(!gpu_, "FIFO %d belongs to GPU producers; the host may not push into it", channel_);
   const uint64_t idx = head_.fetch_add(1, std::memory_order_relaxed);
   // Acquire pairs with the release CAS below: the producer that refreshed the cache had acquired tail_, so the
   // consumer's zeroing of our slot (before its release of tail_) happens-before our write of the slot.
@@ -49,7 +78,7 @@ uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<
     const auto start = std::chrono::steady_clock::now();
     uint64_t t;
     uint32_t spins = 0;
-    while (idx - (t = tail_.load(std::memory_order_acquire)) >= capacity_) {
+    while (idx - (t = tail_->load(std::memory_order_acquire)) >= capacity_) {
       if ((++spins & 255u) == 0) {
         if (abort_flag && abort_flag->load(std::memory_order_acquire)) {
           if (on_abort) on_abort(on_abort_arg);
@@ -83,14 +112,14 @@ uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<
 
 bool Fifo::try_push(const TransferCmd& cmd, uint64_t* idx) {
   const uint64_t h = head_.load(std::memory_order_relaxed);
-  if (h - tail_.load(std::memory_order_acquire) >= capacity_) return false;
+  if (h - tail_->load(std::memory_order_acquire) >= capacity_) return false;
   *idx = push(cmd);
   return true;
 }
 
 bool Fifo::check_completion(uint64_t idx) const {
   // Pairs with the release-store of tail_ in pop().
-  return tail_.load(std::memory_order_acquire) > idx;
+  return tail_->load(std::memory_order_acquire) > idx;
 }
 
 bool Fifo::poll(uint64_t idx, TransferCmd* out) const {
@@ -106,20 +135,27 @@ bool Fifo::poll(uint64_t idx, TransferCmd* out) const {
 }
 
 void Fifo::pop() {
-  const uint64_t t = tail_.load(std::memory_order_relaxed);
+  const uint64_t t = tail_->load(std::memory_order_relaxed);
   TransferCmd* slot = &ring_[t & mask_];
   store_relaxed(&slot->word1, 0);
   store_relaxed(&slot->word0, 0);
   // Hands the slot back to producers; pairs with their acquire loads of tail_ in push()/check_completion().
-  tail_.store(t + 1, std::memory_order_release);
+  tail_->store(t + 1, std::memory_order_release);
 }
 
 FifoDeviceHandle Fifo::device_handle() {
   FifoDeviceHandle h;
-  h.ring = ring_;
-  h.head = reinterpret_cast<uint64_t*>(&head_);
-  h.tail = reinterpret_cast<uint64_t*>(&tail_);
-  h.tail_cache = reinterpret_cast<uint64_t*>(&tail_cache_);
+  if (gpu_) {
+    h.ring = ring_dev_;
+    h.head = head_dev_;
+    h.tail = tail_dev_;
+    h.tail_cache = tail_cache_dev_;
+  } else {
+    h.ring = ring_;
+    h.head = reinterpret_cast<uint64_t*>(&head_);
+    h.tail = reinterpret_cast<uint64_t*>(tail_);
+    h.tail_cache = reinterpret_cast<uint64_t*>(&tail_cache_);
+  }
   h.capacity_mask = mask_;
   h.channel = channel_;
   return h;

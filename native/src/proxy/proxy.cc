@@ -103,6 +103,7 @@ struct Proxy::Impl {
   void* data = nullptr;
   bool own_data = false;
   int64_t* counters = nullptr;
+  int64_t* counters_dev = nullptr;  ///< GPU view (GPU mode)
   bool own_counters = false;
   uint64_t num_counters = 0;
   std::vector<int> cpus;
@@ -498,6 +499,7 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.num_threads = o.num_threads;
   ctx.job = o.job;
   ctx.timeout_s = o.timeout_s;
+  ctx.gpu = o.gpu;
   m.transport = create_transport(o.transport, ctx);
   m.caps = m.transport->caps();
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);
@@ -523,7 +525,15 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   }
   m.num_counters = uint64_t(o.num_ranks) * kCountersPerSrc;
   const size_t counter_bytes = m.num_counters * sizeof(int64_t);
-  m.counters = static_cast<int64_t*>(m.transport->allocate(MemoryKind::kCounters, counter_bytes));
+  if (o.gpu) {
+    // Kernels poll the counters: pinned host memory the GPU maps (the proxy applies software atomics there).
+    void* dev = nullptr;
+    m.counters = static_cast<int64_t*>(o.gpu->alloc_mapped(counter_bytes, &dev));
+    UCCL_CHECK_INTERNAL(m.counters != nullptr, "allocating mapped counters");
+    m.counters_dev = static_cast<int64_t*>(dev);
+  } else {
+    m.counters = static_cast<int64_t*>(m.transport->allocate(MemoryKind::kCounters, counter_bytes));
+  }
   if (!m.counters) {
     m.counters = static_cast<int64_t*>(std::aligned_alloc(4096, (counter_bytes + 4095) / 4096 * 4096));
     UCCL_CHECK_INTERNAL(m.counters != nullptr, "allocating counters");
@@ -548,7 +558,7 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   }
   for (int g = 0; g < num_fifos; ++g) {
     auto fs = std::make_unique<FifoState>();
-    fs->fifo = std::make_unique<Fifo>(uint32_t(o.fifo_capacity), g);
+    fs->fifo = std::make_unique<Fifo>(uint32_t(o.fifo_capacity), g, o.gpu);
     fs->global_idx = g;
     fs->channel = g / o.num_threads;
     m.threads[size_t(g % o.num_threads)]->fifos.push_back(fs.get());
@@ -569,6 +579,7 @@ Proxy::~Proxy() {
   impl_->transport.reset();
   if (impl_->own_data) std::free(impl_->data);
   if (impl_->own_counters) std::free(impl_->counters);
+  if (impl_->counters_dev && impl_->opt.gpu) impl_->opt.gpu->free_mapped(impl_->counters);
 }
 
 void Proxy::start() {
@@ -641,6 +652,7 @@ void Proxy::wait(int fifo_idx, uint64_t idx) {
 void* Proxy::data() const { return impl_->data; }
 uint64_t Proxy::data_bytes() const { return impl_->opt.data_bytes; }
 int64_t* Proxy::counters() const { return impl_->counters; }
+int64_t* Proxy::counters_device() const { return impl_->counters_dev ? impl_->counters_dev : impl_->counters; }
 uint64_t Proxy::num_counters() const { return impl_->num_counters; }
 const std::atomic<int32_t>& Proxy::abort_flag() const { return impl_->abort_flag; }
 std::string Proxy::transport_name() const { return impl_->transport->name(); }

@@ -114,6 +114,7 @@ intranode::NvlContext NvlRuntime::context() const {
   c.diag_record = reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag);
   c.abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag);
   c.timeout_ns = static_cast<uint64_t>(env::TIMEOUT_S() * 1e9);
+  c.diag_rank = global_rank_ >= 0 ? global_rank_ : rank_;
   return c;
 }
 

@@ -30,6 +30,8 @@ class NvlRuntime {
   void destroy();
 
   int rank() const { return rank_; }
+  /// Rank named in diagnostics when this node is one of several (default: the local rank).
+  void set_global_rank(int r) { global_rank_ = r; }
   int num_ranks() const { return num_ranks_; }
   int64_t num_nvl_bytes() const { return num_nvl_bytes_; }
   uintptr_t local_buffer() const { return reinterpret_cast<uintptr_t>(local_); }
@@ -47,6 +49,7 @@ class NvlRuntime {
 
  private:
   int rank_, num_ranks_, device_;
+  int global_rank_ = -1;
   int64_t num_nvl_bytes_;
   void* local_ = nullptr;
   void* peers_[8] = {};

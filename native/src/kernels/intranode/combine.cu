@@ -10,12 +10,15 @@
 // duplicate publications are harmless). A warp publishes before it blocks and every kPublishEvery tokens,
 // so a sender can never wait on slots that were consumed but not handed back.
 #include "intranode_device.cuh"
+#include "../bf16.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
 
 namespace {
 
+using kernels::add_bf16x8;
+using kernels::pack_bf16x8;
 constexpr int kSendUnroll = 8;
 constexpr int kPublishEvery = 4;  // tokens between two head publications of a receiver warp
 constexpr int kMaxWarpsSmem = kWarpsPerBlock;
@@ -55,7 +58,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
       if (head_seen < 0) return;
     }
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-    const int64_t row = row0 + pos;
+    const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
     const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
     const float wgt = has_weight ? a.topk_weights[row * a.num_topk + lane] : 0.0f;  // loaded before the row
     warp_copy_row<kSendUnroll, false>(
@@ -72,33 +75,6 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
     gpu::sync_warp();
     if (lane == 0) gpu::store_release_sys(tail, count);
   }
-}
-
-UCCL_DEVICE_INLINE float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-UCCL_DEVICE_INLINE float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
-UCCL_DEVICE_INLINE void add_bf16x8(float* acc, const int4& v) {
-  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
-                         static_cast<uint32_t>(v.w)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc[2 * i] += bf16_lo(w[i]);
-    acc[2 * i + 1] += bf16_hi(w[i]);
-  }
-}
-/// float -> bf16 bits, round to nearest even (NaN stays NaN).
-UCCL_DEVICE_INLINE uint32_t to_bf16_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
-UCCL_DEVICE_INLINE int4 pack_bf16x8(const float* acc) {
-  int4 r;
-  r.x = static_cast<int>(to_bf16_bits(acc[0]) | (to_bf16_bits(acc[1]) << 16));
-  r.y = static_cast<int>(to_bf16_bits(acc[2]) | (to_bf16_bits(acc[3]) << 16));
-  r.z = static_cast<int>(to_bf16_bits(acc[4]) | (to_bf16_bits(acc[5]) << 16));
-  r.w = static_cast<int>(to_bf16_bits(acc[6]) | (to_bf16_bits(acc[7]) << 16));
-  return r;
 }
 
 struct CombineSmem {
@@ -140,7 +116,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   const int per_warp = (num_16 + group - 1) / group;
   const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
   int begin, end;
-  lane_token_range(a.num_tokens, L, lane_idx, &begin, &end);
+  lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   int since_publish = 0;

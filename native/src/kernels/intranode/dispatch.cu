@@ -30,7 +30,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const int experts_per_rank = a.num_experts / N;
   const int num_16 = s.row_bytes / 16;
   int begin, end;
-  lane_token_range(a.num_tokens, L, lane_idx, &begin, &end);
+  lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
   int pos = 0, published = 0, head_seen = 0;
   for (int base = begin; base < end; base += gpu::kWarpSize) {
     const int t = base + lane;
@@ -57,7 +57,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
                                         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
                                                                       static_cast<int64_t>(tok) * s.row_bytes),
                                         num_16);
-      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = tok;
+      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = a.src_tag != nullptr ? a.src_tag[tok] : tok;
       if (a.topk_idx != nullptr && lane < a.num_topk) {
         const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
         const int64_t local_e = e - static_cast<int64_t>(dst) * experts_per_rank;
@@ -111,7 +111,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
     const int upto = min(avail, count);
     for (int j = done; j < upto; ++j) {
       const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
-      const int64_t row = row0 + j;
+      const int64_t row = a.row_map != nullptr ? a.row_map[row0 + j] : row0 + j;
       warp_copy_row<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                        reinterpret_cast<const int4*>(slot), num_16);
       if (a.recv_src_idx != nullptr && lane == 0)

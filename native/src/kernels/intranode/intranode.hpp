@@ -32,6 +32,7 @@ struct NvlContext {
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
   int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
   uint64_t timeout_ns;       ///< bound of every device spin (UCCL_MOE_TIMEOUT_S)
+  int32_t diag_rank;         ///< rank named in diagnostics: the global rank (== rank inside one node)
 };
 
 /// Lane geometry of one dispatch (and of the combine / cached dispatch that reuse its handle).
@@ -71,6 +72,7 @@ struct NotifyArgs {
   int32_t* lane_prefix;                   ///< [R, L] out
   int32_t* rank_prefix;                   ///< [R, R] out
   int32_t* recv_lane_start;               ///< [R, L] out
+  const int32_t* num_tokens_ptr;          ///< device token count overriding num_tokens (internode forwarders), or null
 };
 /// Barrier, count exchange, barrier; fills the three matrices and (optionally) the host-mapped counters.
 void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream);
@@ -94,6 +96,10 @@ struct DispatchArgs {
   float* recv_topk_weights;      ///< [rows, K] or null (0 where the idx is -1)
   int32_t* recv_src_idx;         ///< [rows] or null (cached)
   int32_t* send_head;            ///< [T, R] or null (cached)
+  // Internode forwarding (null inside one node):
+  const int32_t* num_tokens_ptr; ///< device token count overriding num_tokens
+  const int32_t* row_map;        ///< received row r (in lane order) goes to row row_map[r] of the outputs
+  const int32_t* src_tag;        ///< [T] value recorded in recv_src_idx instead of the token index
 };
 void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream);
 
@@ -108,6 +114,8 @@ struct CombineArgs {
   int32_t num_tokens, hidden, num_topk;
   void* out;                     ///< [T, hidden] bf16
   float* out_topk_weights;       ///< [T, K] or null
+  const int32_t* num_tokens_ptr; ///< device token count overriding num_tokens (internode), or null
+  const int32_t* row_map;        ///< row r of the dispatch's lane order is row row_map[r] of x (internode), or null
 };
 void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream);
 

@@ -13,7 +13,7 @@ constexpr int kWarpsPerBlock = kThreadsPerBlock / gpu::kWarpSize;
 constexpr int kRoleSender = 1, kRoleReceiver = 2, kRoleCoordinator = 4;  // DiagRecord::role
 
 UCCL_DEVICE_INLINE DiagDeviceHandle diag_of(const NvlContext& ctx) {
-  return DiagDeviceHandle{ctx.diag_record, ctx.abort_flag, ctx.timeout_ns, ctx.rank};
+  return DiagDeviceHandle{ctx.diag_record, ctx.abort_flag, ctx.timeout_ns, ctx.diag_rank};
 }
 
 template <typename T = int32_t>
@@ -93,6 +93,12 @@ UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __rest
       if (i < num_16) gpu::store_stream_128(dst + i, v[u]);
     }
   }
+}
+
+/// Token count of a launch: the host value, or the device one when an internode forwarder passes it.
+template <typename Args>
+UCCL_DEVICE_INLINE int tokens_of(const Args& a) {
+  return a.num_tokens_ptr != nullptr ? *a.num_tokens_ptr : a.num_tokens;
 }
 
 /// Token range [begin, end) of lane `lane_idx` out of `num_lanes` over `num_tokens` tokens.

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   for (int pair = warp; pair < N * L; pair += num_warps) {
     const int dst = pair / L, l = pair % L;
     int begin, end;
-    lane_token_range(a.num_tokens, L, l, &begin, &end);
+    lane_token_range(tokens_of(a), L, l, &begin, &end);
     int count = 0;
     for (int t = begin + lane; t < end; t += gpu::kWarpSize) count += a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
     for (int m = gpu::kWarpSize / 2; m > 0; m >>= 1) count += gpu::shfl_xor(count, m);

@@ -6,6 +6,9 @@
 //     completes locally. A full peer queue holds the request at the sender (like an RNR retry).
 //   - Fault injection (fault_injector.hpp) delays, reorders and drops requests at the sender.
 // No native atomics and no ordering guarantee: the proxy uses software atomics and the ordering engine.
+// GPU mode (TransportContext::gpu, set by the internode runtime): the data region is the caller's GPU buffer, peers
+// map it through IPC handles published in the store, and a write is a copy-engine copy whose completion is observed
+// before the immediate is enqueued — so the receiver's proxy never sees an immediate before the bytes landed.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -149,7 +152,10 @@ std::string host_name() {
 class LoopbackTransport;
 
 struct Peer {
-  std::unique_ptr<ShmSegment> data;
+  std::unique_ptr<ShmSegment> data;  ///< host mode
+  char* base = nullptr;              ///< the peer's data region as mapped here
+  uint64_t bytes = 0;
+  bool ipc_opened = false;           ///< GPU mode: base came from open_ipc (closed with the transport)
   std::unique_ptr<ShmSegment> queues;
   uint32_t depth = 0;
 };
@@ -173,7 +179,7 @@ class LoopbackEndpoint : public Endpoint {
   LoopbackTransport* t_;
   int thread_;
   FaultInjector faults_;
-  HostCopyEngine copy_;
+  std::unique_ptr<CopyEngine> copy_;  ///< created on the proxy thread at first use
   std::deque<Pending> pending_;
   std::deque<Completion> done_;
 };
@@ -191,18 +197,30 @@ class LoopbackTransport : public Transport {
     }
     data_name_ = base + ".data";
   }
+  ~LoopbackTransport() override {
+    for (Peer& p : peers_)
+      if (p.ipc_opened && ctx_.gpu) ctx_.gpu->close_ipc(p.base);
+  }
   const char* name() const override { return "loopback"; }
   TransportCaps caps() const override { return TransportCaps{false, false, depth_}; }
   void* allocate(MemoryKind kind, size_t bytes) override {
     if (kind != MemoryKind::kData) return nullptr;  // counters: caller memory (applied by our own proxy)
+    if (ctx_.gpu) return nullptr;                    // GPU mode: the caller's GPU buffer
     UCCL_ASSERT(data_.base == nullptr, "loopback: data region allocated twice");
     data_.create(data_name_, std::max<size_t>(bytes, 64));
     return data_.base;
   }
   void register_memory(MemoryKind kind, void* ptr, size_t bytes) override {
     if (kind == MemoryKind::kCounters) return;
+    if (ctx_.gpu) {
+      UCCL_ASSERT(ptr != nullptr && bytes > 0, "loopback (GPU mode): empty data region");
+      local_data_ = static_cast<char*>(ptr);
+      data_bytes_ = bytes;
+      return;
+    }
     UCCL_ASSERT(data_.base != nullptr && ptr == data_.base && bytes <= data_.bytes,
                 "the loopback transport shares only the data region it allocated (pass data_ptr=nullptr)");
+    local_data_ = static_cast<char*>(data_.base);
     data_bytes_ = bytes;
   }
   std::unique_ptr<Endpoint> create_endpoint(int thread_idx) override {
@@ -215,8 +233,10 @@ class LoopbackTransport : public Transport {
     if (connected_) return;
     const std::string prefix = ctx_.job + "/loopback/";
     BlobWriter w(kBlobMagic, kBlobVersion);
-    w.str(host_name()).str(queues_.name).u64(queues_.bytes).str(data_.name).u64(data_.bytes).u32(depth_).u32(
-        uint32_t(ctx_.num_threads));
+    // Data: a shared-memory name (host mode) or an IPC handle of the GPU buffer (GPU mode).
+    const std::string data_ref = ctx_.gpu ? ctx_.gpu->export_ipc(local_data_) : data_.name;
+    w.str(host_name()).str(queues_.name).u64(queues_.bytes).str(data_ref).u64(data_bytes_).u32(depth_).u32(
+        uint32_t(ctx_.num_threads)).u32(ctx_.gpu ? 1u : 0u);
     store.set(prefix + "r" + std::to_string(ctx_.rank), w.data());
     peers_.resize(size_t(ctx_.num_ranks));
     for (int p = 0; p < ctx_.num_ranks; ++p) {
@@ -226,19 +246,31 @@ class LoopbackTransport : public Transport {
       const uint64_t qbytes = r.u64();
       const std::string dname = r.str();
       const uint64_t dbytes = r.u64();
-      const uint32_t depth = r.u32(), threads = r.u32();
+      const uint32_t depth = r.u32(), threads = r.u32(), gpu_mode = r.u32();
       if (host != host_name())
         UCCL_THROW(kInvalidUsage, "loopback transport: rank %d is on host '%s', we are on '%s'; loopback emulates "
                    "nodes on one host only (UCCL_MOE_TRANSPORT)", p, host.c_str(), host_name().c_str());
       if (int(threads) != ctx_.num_threads)
         UCCL_THROW(kInvalidUsage, "loopback: rank %d runs %u proxy threads, we run %d (UCCL_MOE_PROXY_THREADS must "
                    "match on every rank)", p, threads, ctx_.num_threads);
+      if ((gpu_mode != 0) != (ctx_.gpu != nullptr))
+        UCCL_THROW(kInvalidUsage, "loopback: rank %d registered %s memory, we registered %s memory; every rank of a "
+                   "job must use the same mode", p, gpu_mode ? "GPU" : "host", ctx_.gpu ? "GPU" : "host");
       Peer& peer = peers_[size_t(p)];
       peer.depth = depth;
       peer.queues = std::make_unique<ShmSegment>();
       peer.queues->open(qname, qbytes);
-      peer.data = std::make_unique<ShmSegment>();
-      peer.data->open(dname, dbytes);
+      peer.bytes = dbytes;
+      if (!ctx_.gpu) {
+        peer.data = std::make_unique<ShmSegment>();
+        peer.data->open(dname, dbytes);
+        peer.base = static_cast<char*>(peer.data->base);
+      } else if (p == ctx_.rank) {
+        peer.base = local_data_;  // a process cannot open its own IPC handle
+      } else {
+        peer.base = static_cast<char*>(ctx_.gpu->open_ipc(dname));
+        peer.ipc_opened = true;
+      }
     }
     // Every rank mapped everything: the names can go, the mappings stay (no leak if a process dies later).
     store.set(prefix + "mapped/r" + std::to_string(ctx_.rank), "1");
@@ -275,6 +307,7 @@ class LoopbackTransport : public Transport {
   uint32_t depth_;
   ShmSegment queues_, data_;
   std::string data_name_;
+  char* local_data_ = nullptr;
   uint64_t data_bytes_ = 0;
   std::mutex mu_;
   bool connected_ = false;
@@ -288,7 +321,7 @@ LoopbackEndpoint::LoopbackEndpoint(LoopbackTransport* t, int thread_idx)
 void LoopbackEndpoint::connect(KvStore& store) { t_->connect_all(store); }
 
 bool LoopbackEndpoint::can_reach(int peer) const {
-  return peer >= 0 && size_t(peer) < t_->peers_.size() && t_->peers_[size_t(peer)].data != nullptr;
+  return peer >= 0 && size_t(peer) < t_->peers_.size() && t_->peers_[size_t(peer)].base != nullptr;
 }
 
 void LoopbackEndpoint::post(const WorkRequest& wr) {
@@ -310,6 +343,13 @@ void LoopbackEndpoint::flush() {
 }
 
 void LoopbackEndpoint::progress(std::vector<Completion>& out) {
+  if (pending_.empty()) return;
+  if (!copy_) {
+    if (t_->ctx_.gpu)
+      copy_ = t_->ctx_.gpu->make_copy_engine();
+    else
+      copy_ = std::make_unique<HostCopyEngine>();
+  }
   const auto now = std::chrono::steady_clock::now();
   // Eligible = ready; pick among the first `window` eligible ones (reordering).
   for (int budget = 64; budget > 0 && !pending_.empty(); --budget) {
@@ -323,24 +363,23 @@ void LoopbackEndpoint::progress(std::vector<Completion>& out) {
     const WorkRequest& wr = p.wr;
     Peer& peer = t_->peers_[size_t(wr.peer)];
     if (p.copy_token == 0) {
-      if (wr.local_offset + wr.bytes > t_->data_bytes_ || wr.remote_offset + wr.bytes > peer.data->bytes) {
+      if (wr.local_offset + wr.bytes > t_->data_bytes_ || wr.remote_offset + wr.bytes > peer.bytes) {
         Completion c;
         c.kind = CompletionKind::kError;
         c.wr_id = wr.wr_id;
         c.peer = wr.peer;
         c.status = detail::format("remote access error: %u bytes from local offset %llu (region %llu) to peer %d "
-                                  "offset %llu (region %zu)", wr.bytes, (unsigned long long)wr.local_offset,
+                                  "offset %llu (region %llu)", wr.bytes, (unsigned long long)wr.local_offset,
                                   (unsigned long long)t_->data_bytes_, wr.peer, (unsigned long long)wr.remote_offset,
-                                  peer.data->bytes);
+                                  (unsigned long long)peer.bytes);
         out.push_back(std::move(c));
         pending_.erase(pending_.begin() + long(idx));
         continue;
       }
-      p.copy_token = wr.bytes ? copy_.submit(static_cast<char*>(peer.data->base) + wr.remote_offset,
-                                             static_cast<char*>(t_->data_.base) + wr.local_offset, wr.bytes)
+      p.copy_token = wr.bytes ? copy_->submit(peer.base + wr.remote_offset, t_->local_data_ + wr.local_offset, wr.bytes)
                               : ~0ull;
     }
-    if (p.copy_token != ~0ull && !copy_.done(p.copy_token)) continue;
+    if (p.copy_token != ~0ull && !copy_->done(p.copy_token)) continue;
     if (wr.op == WrOp::kWriteImm) {
       QueueView q = t_->queue_view(peer.queues->base, peer.depth, thread_);
       // The immediate is published only after the data landed (release in try_enqueue).

@@ -1,0 +1,105 @@
+#include "rdma_runtime.hpp"
+
+#include <vector>
+
+#include "gpu_memory_ops.hpp"
+#include "uccl_moe/env.hpp"
+#include "uccl_moe/error.hpp"
+#include "uccl_moe/gpu_check.cuh"
+#include "uccl_moe/log.hpp"
+
+namespace uccl_moe::runtime {
+
+RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, int device,
+                         const std::string& job, std::shared_ptr<KvStore> store)
+    : rank_(rank), num_ranks_(num_ranks), ranks_per_node_(ranks_per_node), device_(device),
+      num_rdma_bytes_(num_rdma_bytes) {
+  UCCL_ASSERT(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0 && num_ranks / ranks_per_node >= 2,
+              "internode runtime: %d ranks with %d per node is not a multi-node layout", num_ranks, ranks_per_node);
+  UCCL_ASSERT(num_ranks / ranks_per_node <= internode::kMaxNodes, "%d nodes exceed the supported %d",
+              num_ranks / ranks_per_node, internode::kMaxNodes);
+  UCCL_ASSERT(num_rdma_bytes > 0 && num_rdma_bytes % 4096 == 0,
+              "num_rdma_bytes=%lld must be a positive multiple of 4096 (use Config.get_rdma_buffer_size_hint)",
+              static_cast<long long>(num_rdma_bytes));
+  ops_ = make_gpu_memory_ops(device);
+  UCCL_CHECK_GPU(gpu::set_device(device));
+  UCCL_CHECK_GPU(gpu::device_malloc(&buffer_, static_cast<size_t>(num_rdma_bytes)));
+  epochs_ = static_cast<int64_t*>(ops_->alloc_device(sizeof(int64_t) * internode::kNumSlots * num_ranks));
+  ProxyOptions o;
+  o.rank = rank;
+  o.num_ranks = num_ranks;
+  o.ranks_per_node = ranks_per_node;
+  o.job = job;
+  o.data_bytes = static_cast<uint64_t>(num_rdma_bytes);
+  o.data_ptr = buffer_;
+  o.gpu = ops_;
+  proxy_ = std::make_unique<Proxy>(o, std::move(store));
+  std::vector<FifoDeviceHandle> table;
+  for (int i = 0; i < proxy_->num_fifos(); ++i) table.push_back(proxy_->fifo(i).device_handle());
+  fifo_table_ = ops_->alloc_device(sizeof(FifoDeviceHandle) * table.size());
+  UCCL_CHECK_GPU(gpu::memcpy_async(fifo_table_, table.data(), sizeof(FifoDeviceHandle) * table.size(), nullptr));
+  UCCL_CHECK_GPU(gpu::device_synchronize());
+  UCCL_LOG(INFO, MEM, "RDMA buffer of %lld bytes at %p on device %d (rank %d of %d, %d per node, %d FIFOs over %s)",
+           static_cast<long long>(num_rdma_bytes), buffer_, device, rank, num_ranks, ranks_per_node,
+           proxy_->num_fifos(), proxy_->transport_name().c_str());
+}
+
+RdmaRuntime::~RdmaRuntime() {
+  try {
+    destroy();
+  } catch (const std::exception& e) {
+    UCCL_LOG(WARN, MEM, "RdmaRuntime destroy failed: %s", e.what());
+  }
+}
+
+void RdmaRuntime::start() {
+  UCCL_ASSERT(!destroyed_, "the RDMA runtime was destroyed");
+  proxy_->start();
+}
+
+void RdmaRuntime::destroy() {
+  if (destroyed_) return;
+  destroyed_ = true;
+  gpu::set_device(device_);
+  gpu::device_synchronize();  // no kernel still pushes into the FIFOs
+  try {
+    if (proxy_) proxy_->stop();
+  } catch (const std::exception& e) {
+    UCCL_LOG(WARN, PROXY, "proxy of rank %d stopped with an error: %s", rank_, e.what());
+  }
+  proxy_.reset();  // closes the peers' IPC mappings before our buffer goes
+  ops_->free_device(fifo_table_);
+  ops_->free_device(epochs_);
+  if (buffer_) gpu::device_free(buffer_);
+  buffer_ = nullptr;
+}
+
+void RdmaRuntime::check() const {
+  if (proxy_) proxy_->check();
+}
+
+bool RdmaRuntime::failed() const { return proxy_ && proxy_->abort_flag().load(std::memory_order_acquire) != 0; }
+
+internode::RdmaContext RdmaRuntime::context(const NvlRuntime& nvl) const {
+  UCCL_ASSERT(!destroyed_, "the RDMA runtime was destroyed; create a new Buffer");
+  const intranode::NvlContext n = nvl.context();
+  internode::RdmaContext c{};
+  c.rdma_buffer = static_cast<char*>(buffer_);
+  c.num_rdma_bytes = num_rdma_bytes_;
+  c.counters = proxy_->counters_device();
+  c.epochs = epochs_;
+  c.fifos = static_cast<const FifoDeviceHandle*>(fifo_table_);
+  c.num_fifos = proxy_->num_fifos();
+  c.rank = rank_;
+  c.num_ranks = num_ranks_;
+  c.ranks_per_node = ranks_per_node_;
+  c.num_nodes = num_ranks_ / ranks_per_node_;
+  c.node = rank_ / ranks_per_node_;
+  c.local = rank_ % ranks_per_node_;
+  c.diag_record = n.diag_record;
+  c.abort_flag = n.abort_flag;
+  c.timeout_ns = n.timeout_ns;
+  return c;
+}
+
+}  // namespace uccl_moe::runtime

@@ -1,0 +1,403 @@
+"""The internode half of the native backend: across nodes through the CPU proxy, then NVLink inside the node.
+
+Notation: N nodes x G GPUs per node, R = N * G ranks, rank = node * G + local; the *rail* of a rank is the set of
+ranks with the same local index (one per node). T = tokens of this rank, E = experts, E_loc = E / R.
+
+Dispatch (native/src/kernels/internode/internode.hpp has the kernel side):
+  1. notify: one all-gather of every rank's [tokens per rank | tokens per node | tokens per expert] (NCCL on the
+     comm stream; graph-capturable); every offset below is computed from it with device tensor ops.
+  2. pack + post + wait: each token is staged once per destination node; the proxy writes node n's rows into the
+     receive area of our rail peer on node n ("x'"): rows from every node of the rail, in node order.
+  3. forward: the intranode notify/dispatch kernels treat x' as this GPU's tokens and forward each row over NVLink
+     to the local GPUs holding its experts, at its final row (``row_map``: blocks by global source rank, tokens in
+     order, exactly like the reference backend) with its origin token index.
+Combine reverses it: intranode combine of the expert outputs into x'-ordered partial rows (the reduction inside the
+node), rail barrier, post of each node's partial rows back to their origin, wait, and a fixed-order float32
+reduction over nodes (plus biases) at the origin. The only host synchronisation is the one a non-cached dispatch
+needs for the receive count (none with ``num_worst_tokens``).
+
+Handle: the 6-tuple of the intranode path, where rank_prefix_matrix is global [R, R] and the lane matrices and
+send_head belong to the forwarding step ([G, L], [rows of x', G]); the internode plan rides on handle[0] as the
+attribute ``_uccl_internode``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ..errors import CommTimeoutError, InvalidUsageError
+from ..proxy import StoreBootstrap
+from .base import BufferContext, DispatchRequest
+
+_SLOT_DISPATCH, _SLOT_COMBINE = 0, 1
+_PLAN_ATTR = "_uccl_internode"
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def _excl_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return torch.cumsum(t, dim) - t
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything a cached dispatch and a combine reuse (device tensors unless noted)."""
+
+    send_pos: torch.Tensor      # [T, N] int32 row of token t in node n's segment, -1 if not sent there
+    pack_dst_row: torch.Tensor  # [N] int64 first row of our segment (receive area for our node, else send area)
+    send_rows: torch.Tensor     # [N] int32 rows we send to node n (0 for ours)
+    send_row0: torch.Tensor     # [N] int64 first row in our send area
+    peer_row0: torch.Tensor     # [N] int64 first row of our segment in the peer's receive area
+    seg_rows: torch.Tensor      # [N] int32 rows of x' from node m (our rail peer there)
+    seg_row0: torch.Tensor      # [N] int64 first row of node m's rows in x'
+    back_row0: torch.Tensor     # [N] int64 first row of our partials in origin m's combine receive area
+    part_row0: torch.Tensor     # [N] int64 first row of node n's partials for us (x' partials for our node)
+    num_xp: torch.Tensor        # [1] int32 rows of x'
+    xp_rows: int                # host bound of x' rows the forwarding tensors were sized for
+    mask: torch.Tensor          # [xp_rows, G] bool: forwarding targets of each x' row
+    row_map: torch.Tensor       # [rows] int32 final row of each row in forwarding order
+    fwd_counts: torch.Tensor    # [G] int32 rows of x' each local GPU receives
+    num_sms: int
+    fwd_prefix: torch.Tensor | None = None  # [G, G] forwarding step's rank prefix matrix
+
+
+class InternodePath:
+    """Runs dispatch/combine for a Buffer whose group spans nodes (NativeBackend delegates here)."""
+
+    def __init__(self, backend: Any, ctx: BufferContext) -> None:
+        topo = ctx.topology
+        self.backend = backend
+        self.ctx = ctx
+        self.N, self.G = topo.num_nodes, topo.ranks_per_node
+        self.R, self.me = topo.num_ranks, topo.rank
+        self.node, self.local = topo.node, topo.local_rank
+        if ctx.num_rdma_bytes <= 0 or ctx.num_rdma_bytes % 4096:
+            raise InvalidUsageError(
+                f"the group spans {self.N} nodes: create Buffer(group, num_nvl_bytes, num_rdma_bytes=...) with "
+                f"num_rdma_bytes a positive multiple of 4096 (Config.get_rdma_buffer_size_hint), got "
+                f"{ctx.num_rdma_bytes}"
+            )
+        # One job name for the group (bootstrap keys, shared-memory names): rank 0's random token.
+        token = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(token, src=dist.get_global_rank(ctx.group, 0), group=ctx.group)
+        job = f"ep{token[0]}"
+        store = StoreBootstrap(dist.distributed_c10d._get_default_store(), prefix=f"uccl_moe/{job}/")
+        self.rt = _C.RdmaRuntime(self.me, self.R, self.G, ctx.num_rdma_bytes, ctx.device.index, job, store.set,
+                                 store.get)
+        self.rt.start()
+        dist.barrier(group=ctx.group)
+        dev = ctx.device
+        self._rail = torch.arange(self.N, device=dev) * self.G + self.local
+        self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
+        self._node_ids = torch.arange(self.N, device=dev)
+
+    # ---------------------------------------------------------------- lifecycle and errors
+    def check(self) -> None:
+        """Raises the proxy's error (a lost command names itself) as CommTimeoutError."""
+        if self.rt.failed():
+            try:
+                self.rt.check()
+            except Exception as e:  # noqa: BLE001 - the proxy's Timeout/Transport error becomes the user's error
+                rec = {"rank": self.me, "peer": -1, "channel": -1, "phase": "proxy", "message": str(e)}
+                raise CommTimeoutError(f"rank {self.me}: the CPU proxy failed: {e}", rec) from None
+
+    def destroy(self) -> None:
+        self.rt.destroy()
+
+    def proxy_counters(self) -> dict[str, int]:
+        return dict(self.rt.proxy_counters())
+
+    # ---------------------------------------------------------------- plan
+    def _plan(self, req: DispatchRequest, num_sms: int) -> tuple[_Plan, torch.Tensor, list[int], int]:
+        """Notify: gathers the counts and derives every offset. Returns (plan, rank_prefix_matrix, per-expert
+        counts (host, [] with num_worst_tokens), receive rows)."""
+        N, G, R, me, n0 = self.N, self.G, self.R, self.me, self.node
+        E = req.num_experts
+        E_loc = E // R
+        T = req.x.shape[0]
+        dev = req.x.device
+        in_node = req.is_token_in_rank.view(T, N, G).any(-1)
+        mine = torch.cat([req.num_tokens_per_rank.to(torch.int32), in_node.sum(0, dtype=torch.int32),
+                          req.num_tokens_per_expert.to(torch.int32)])
+        gathered = torch.empty((R, mine.numel()), dtype=torch.int32, device=dev)
+        dist.all_gather_into_tensor(gathered, mine, group=self.ctx.group)
+        matrix = gathered[:, :R].to(torch.int64)            # [src, dst] rows
+        ncnt = gathered[:, R:R + N].to(torch.int64)         # [src, node] deduplicated rows
+        experts = gathered[:, R + N:]                       # [src, E]
+        rail = self._rail
+        ncnt_rail = ncnt[rail]                              # [m, n]: rail peer on node m -> node n
+        seg_rows = ncnt_rail[:, n0]                         # x' rows from node m
+        seg_row0 = _excl_cumsum(seg_rows)
+        num_xp = seg_rows.sum().to(torch.int32).reshape(1)
+        peer_x_row0 = _excl_cumsum(ncnt_rail, 0)[n0]       # [n]: our segment's first row in (n, local)'s x'
+        send_rows = ncnt[me].clone()
+        send_rows[n0] = 0
+        send_row0 = _excl_cumsum(send_rows)
+        is_mine = self._node_ids == n0
+        pack_dst_row = torch.where(is_mine, peer_x_row0, send_row0)
+        # Combine receive areas: origin m keeps one segment per other node n, in node order.
+        back = ncnt_rail.clone()
+        back[self._node_ids, self._node_ids] = 0
+        back_off = _excl_cumsum(back, 1)                   # [m, n]
+        back_row0 = back_off[:, n0]                        # where our partials go at origin m
+        part_row0 = torch.where(is_mine, seg_row0[n0].expand(N), back_off[n0])
+        send_pos = torch.where(in_node, torch.cumsum(in_node.to(torch.int32), 0) - 1,
+                               torch.full_like(in_node, -1, dtype=torch.int32)).to(torch.int32)
+        rank_prefix = torch.cumsum(matrix, 0).to(torch.int32)
+        # Forwarding order at this receiver: blocks (local source j, node m), m fastest; final order: global source
+        # rank s = m * G + j. row_map sends row r of block b to final_start[b] + (r - fwd_start[b]).
+        col = matrix[:, me].view(N, G).t().reshape(-1)     # [(j, m)]
+        fwd_end = torch.cumsum(col, 0)
+        fwd_start = fwd_end - col
+        final_start = _excl_cumsum(matrix[:, me]).view(N, G).t().reshape(-1)
+        num_recv = matrix[:, me].sum()
+        # Per-rank needs of the two RDMA areas (every rank checks every rank: all raise together, none hangs).
+        xp_need = torch.stack([ncnt[torch.arange(N, device=dev) * G + j].sum(0) for j in range(G)], 1).reshape(-1)
+        send_need = ncnt.sum(1) - ncnt[torch.arange(R, device=dev), torch.arange(R, device=dev) // G]
+        worst = req.num_worst_tokens > 0
+        counts: list[int] = []
+        if worst:
+            rows = req.num_worst_tokens
+            cap = self._dispatch_cap(req)
+            xp_rows = cap
+        else:
+            ex = experts[:, me * E_loc:(me + 1) * E_loc].sum(0)
+            host = torch.cat([num_recv.reshape(1), num_xp.to(torch.int64), xp_need.max().reshape(1),
+                              send_need.max().reshape(1), ex.to(torch.int64)]).cpu().tolist()
+            rows, xp_rows, max_xp, max_send = int(host[0]), int(host[1]), int(host[2]), int(host[3])
+            a = max(req.expert_alignment, 1)
+            counts = [(int(c) + a - 1) // a * a for c in host[4:]]
+            self._check_capacity(req, max(max_xp, max_send))
+        r = torch.arange(rows, device=dev, dtype=torch.int64)
+        blk = torch.searchsorted(fwd_end, r, right=True).clamp_(max=col.numel() - 1)
+        row_map = torch.where(r < num_recv, r - fwd_start[blk] + final_start[blk], r).to(torch.int32)
+        plan = _Plan(send_pos=send_pos, pack_dst_row=pack_dst_row, send_rows=send_rows.to(torch.int32),
+                     send_row0=send_row0, peer_row0=peer_x_row0, seg_rows=seg_rows.to(torch.int32),
+                     seg_row0=seg_row0, back_row0=back_row0, part_row0=part_row0, num_xp=num_xp, xp_rows=xp_rows,
+                     mask=torch.empty((0, G), dtype=torch.bool, device=dev), row_map=row_map,
+                     fwd_counts=matrix[rail][:, n0 * G:(n0 + 1) * G].sum(0).to(torch.int32), num_sms=num_sms)
+        return plan, rank_prefix, counts, rows
+
+    def _dispatch_layout(self, row_bytes: int, num_scales: int, num_topk: int) -> dict[str, int]:
+        return dict(_C.internode_dispatch_layout(self.ctx.num_rdma_bytes, row_bytes, num_scales, num_topk, self.G))
+
+    def _dispatch_cap(self, req: DispatchRequest) -> int:
+        x = req.x
+        ns = self._num_scales(req.x_scales)
+        K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
+        lay = self._dispatch_layout(x.shape[1] * x.element_size(), ns, K)
+        comb = _C.internode_combine_layout(self.ctx.num_rdma_bytes, x.shape[1], max(K, 1))
+        return int(min(lay["cap"], comb["cap"]))
+
+    def _check_capacity(self, req: DispatchRequest, need: int) -> None:
+        cap = self._dispatch_cap(req)
+        if need > cap:
+            raise InvalidUsageError(
+                f"rank {self.me}: this dispatch stages up to {need} rows per RDMA area but num_rdma_bytes="
+                f"{self.ctx.num_rdma_bytes} holds {cap} rows of hidden={req.x.shape[1]} ({req.x.dtype}); create the "
+                f"Buffer with num_rdma_bytes >= {int(self.ctx.num_rdma_bytes * need / max(cap, 1)) + (1 << 20)}"
+            )
+
+    @staticmethod
+    def _num_scales(s: torch.Tensor | None) -> int:
+        if s is None:
+            return 0
+        return 1 if s.dim() == 1 else int(s.shape[1])
+
+    # ---------------------------------------------------------------- dispatch
+    def _stage(self, plan: _Plan, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+               topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_experts: int,
+               barrier: bool) -> dict[str, int]:
+        """Pack, post and wait: x' is complete in our receive area afterwards. Returns the layout."""
+        stream = self.backend._stream()
+        nvl = self.backend._rt
+        T = x.shape[0]
+        row_bytes = x.shape[1] * x.element_size()
+        ns = self._num_scales(x_scales)
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+        lay = self._dispatch_layout(row_bytes, ns, K)
+        s_tok = x_scales.stride(0) if x_scales is not None else 0
+        s_hid = (x_scales.stride(1) if x_scales.dim() == 2 else 0) if x_scales is not None else 0
+        if barrier:
+            _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
+        _C.rdma_pack(runtime=self.rt, nvl=nvl, x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok,
+                     scale_hidden_stride=s_hid, num_scales=ns, topk_idx=_ptr(topk_idx),
+                     topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
+                     send_pos=_ptr(plan.send_pos), dst_row=_ptr(plan.pack_dst_row), num_tokens=T,
+                     row_bytes=row_bytes, num_topk=K, num_experts=num_experts, stream=stream)
+        half = lay["half_bytes"]
+        arrays = [[half + lay["off_x"], lay["off_x"], row_bytes]]
+        if ns:
+            arrays.append([half + lay["off_scales"], lay["off_scales"], 4 * ns])
+        if topk_idx is not None:
+            arrays += [[half + lay["off_topk"], lay["off_topk"], 8 * K],
+                       [half + lay["off_weights"], lay["off_weights"], 4 * K],
+                       [half + lay["off_mask"], lay["off_mask"], 4],
+                       [half + lay["off_src"], lay["off_src"], 4]]
+        _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.send_rows), src_row=_ptr(plan.send_row0),
+                     dst_row=_ptr(plan.peer_row0), arrays=arrays, slot=_SLOT_DISPATCH, peer_cap=lay["cap"],
+                     stream=stream)
+        _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_DISPATCH, stream=stream)
+        return lay
+
+    def _area_view(self, off: int, rows: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
+        """A [rows, cols] tensor over our RDMA buffer (the receive area starts at offset 0)."""
+        return _DeviceView.tensor(self.rt.buffer + off, rows * cols, dtype, self.ctx.device).view(rows, cols)
+
+    def dispatch(self, req: DispatchRequest, num_sms: int, cfg: Any) -> tuple[Any, ...]:
+        self.check()
+        b = self.backend
+        x = req.x.contiguous()
+        topk_idx = req.topk_idx.contiguous() if req.topk_idx is not None else None
+        topk_weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
+        in_rank = req.is_token_in_rank.contiguous()
+        plan, rank_prefix, counts, rows = self._plan(req, num_sms)
+        # The all-gather above already ordered this call after every rank's previous one: no barrier needed.
+        lay = self._stage(plan, x, req.x_scales, topk_idx, topk_weights, in_rank, req.num_experts, barrier=False)
+        G = self.G
+        bits = self._area_view(lay["off_mask"], plan.xp_rows, torch.int32, 1)
+        plan.mask = ((bits >> self._shifts) & 1).bool()
+        E_fwd = req.num_experts // self.N
+        geo = _C.intranode_geometry(num_sms, G, cfg.num_max_nvl_chunked_send_tokens,
+                                    cfg.num_max_nvl_chunked_recv_tokens)
+        L = geo[0] * geo[1]
+        dev = x.device
+        lane_prefix = torch.empty((G, L), dtype=torch.int32, device=dev)
+        fwd_prefix = torch.empty((G, G), dtype=torch.int32, device=dev)
+        recv_lane_start = torch.empty((G, L), dtype=torch.int32, device=dev)
+        no_experts = torch.zeros(E_fwd, dtype=torch.int32, device=dev)
+        _C.notify_dispatch(
+            runtime=b._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
+            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, is_token_in_rank=_ptr(plan.mask),
+            num_tokens_per_rank=_ptr(plan.fwd_counts), num_tokens_per_expert=_ptr(no_experts),
+            num_tokens=plan.xp_rows, num_experts=E_fwd, expert_alignment=1, write_host_counters=False,
+            lane_prefix=_ptr(lane_prefix), rank_prefix=_ptr(fwd_prefix), recv_lane_start=_ptr(recv_lane_start),
+            stream=b._stream(), num_tokens_ptr=_ptr(plan.num_xp))
+        send_head = torch.empty((plan.xp_rows, G), dtype=torch.int32, device=dev)
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+        recv = b._alloc_recv(rows, x, req.x_scales, K, True)
+        self._forward(plan, lay, x, req.x_scales, K, E_fwd, fwd_prefix, recv_lane_start, rows, recv, send_head, cfg,
+                      num_sms, with_meta=True)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv
+        handle = (rank_prefix, lane_prefix, recv_lane_start, recv_src, in_rank, send_head)
+        plan.fwd_prefix = fwd_prefix
+        setattr(rank_prefix, _PLAN_ATTR, plan)
+        return recv_x, recv_scales, recv_idx, recv_w, counts, handle
+
+    def _forward(self, plan: _Plan, lay: dict[str, int], x: torch.Tensor, x_scales: torch.Tensor | None,
+                 num_topk: int, E_fwd: int, fwd_prefix: torch.Tensor, recv_lane_start: torch.Tensor, rows: int,
+                 recv: tuple[Any, ...], send_head: torch.Tensor | None, cfg: Any, num_sms: int,
+                 with_meta: bool) -> None:
+        """NVLink step: the intranode dispatch kernel over x' (our receive area), rows placed by row_map."""
+        b = self.backend
+        base = self.rt.buffer
+        row_bytes = x.shape[1] * x.element_size()
+        ns = self._num_scales(x_scales)
+        with_topk = num_topk > 0
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv
+        _C.dispatch_intranode(
+            runtime=b._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
+            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, x=base + lay["off_x"],
+            x_scales=base + lay["off_scales"] if ns else 0, topk_idx=base + lay["off_topk"] if with_topk else 0,
+            topk_weights=base + lay["off_weights"] if with_topk else 0, is_token_in_rank=_ptr(plan.mask),
+            rank_prefix=_ptr(fwd_prefix), recv_lane_start=_ptr(recv_lane_start), num_tokens=plan.xp_rows,
+            row_bytes=row_bytes, num_topk=num_topk, num_scales=ns, num_experts=E_fwd, scale_token_stride=ns,
+            scale_hidden_stride=1, num_recv_rows=rows, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
+            recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w), recv_src_idx=_ptr(recv_src),
+            send_head=_ptr(send_head), stream=b._stream(), num_tokens_ptr=_ptr(plan.num_xp),
+            row_map=_ptr(plan.row_map), src_tag=base + lay["off_src"] if with_meta else 0)
+
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
+                        config: Any) -> tuple[Any, Any]:
+        self.check()
+        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        b = self.backend
+        x = x.contiguous()
+        lay = self._stage(plan, x, x_scales, None, None, handle[4], self.R, barrier=True)
+        _C.prepare_round(runtime=b._rt, num_sms=plan.num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
+                         nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, stream=b._stream())
+        rows = int(handle[3].shape[0])
+        recv = b._alloc_recv(rows, x, x_scales, 0, False)
+        assert plan.fwd_prefix is not None
+        self._forward(plan, lay, x, x_scales, 0, self.G, plan.fwd_prefix, handle[2], rows, recv, None, config,
+                      plan.num_sms, with_meta=False)
+        return recv[0], recv[1]
+
+    # ---------------------------------------------------------------- combine
+    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
+                config: Any) -> tuple[Any, Any]:
+        self.check()
+        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        b = self.backend
+        stream = b._stream()
+        nvl = b._rt
+        x = x.contiguous()
+        H = x.shape[1]
+        K = topk_weights.shape[1] if topk_weights is not None else 0
+        T = int(handle[4].shape[0])
+        lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, H, max(K, 1)))
+        if plan.xp_rows > lay["cap"]:
+            raise InvalidUsageError(
+                f"rank {self.me}: combine stages {plan.xp_rows} rows but num_rdma_bytes={self.ctx.num_rdma_bytes} "
+                f"holds {lay['cap']} rows of hidden={H}; create the Buffer with a larger num_rdma_bytes"
+            )
+        base = self.rt.buffer
+        half = lay["half_bytes"]
+        tw = topk_weights.contiguous() if topk_weights is not None else None
+        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        # No origin still reads its combine receive area, no forwarder its partials, once the rail met here.
+        _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
+        _C.prepare_round(runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
+                         stream=stream)
+        _C.combine_intranode(
+            runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
+            topk_weights=_ptr(tw), bias0=0, bias1=0, rank_prefix=_ptr(plan.fwd_prefix),
+            recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=plan.xp_rows, hidden=H,
+            num_topk=K, out=base + lay["off_x"], out_topk_weights=base + lay["off_weights"] if K else 0,
+            stream=stream, num_tokens_ptr=_ptr(plan.num_xp), row_map=_ptr(plan.row_map))
+        arrays = [[lay["off_x"], half + lay["off_x"], 2 * H]]
+        if K:
+            arrays.append([lay["off_weights"], half + lay["off_weights"], 4 * K])
+        _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.seg_rows), src_row=_ptr(plan.seg_row0),
+                     dst_row=_ptr(plan.back_row0), arrays=arrays, slot=_SLOT_COMBINE, peer_cap=lay["cap"],
+                     stream=stream)
+        _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_COMBINE, stream=stream)
+        own = self._node_ids == self.node
+        area0 = torch.where(own, 0, half)
+        part_x = (base + area0 + lay["off_x"] + plan.part_row0 * (2 * H)).to(torch.int64)
+        part_w = (base + area0 + lay["off_weights"] + plan.part_row0 * (4 * K)).to(torch.int64)
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
+        b0 = bias[0].contiguous() if bias[0] is not None else None
+        b1 = bias[1].contiguous() if bias[1] is not None else None
+        _C.combine_reduce(send_pos=_ptr(plan.send_pos), part_x=_ptr(part_x), part_w=_ptr(part_w) if K else 0,
+                          bias0=_ptr(b0), bias1=_ptr(b1), num_tokens=T, hidden=H, num_topk=K, num_nodes=self.N,
+                          out=_ptr(out), out_topk_weights=_ptr(out_w), stream=stream)
+        # part_x/part_w must outlive the kernel: the caching allocator reuses their memory only after the stream
+        # passed this point.
+        part_x.record_stream(torch.cuda.current_stream())
+        part_w.record_stream(torch.cuda.current_stream())
+        return out, out_w
+
+
+class _DeviceView:
+    """Wraps raw device memory as a torch tensor (``__cuda_array_interface__``) without copying or owning it."""
+
+    _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint8: "|u1"}
+
+    def __init__(self, ptr: int, numel: int, dtype: torch.dtype) -> None:
+        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": self._TYPESTR[dtype], "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+    @classmethod
+    def tensor(cls, ptr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.as_tensor(cls(ptr, numel, dtype), device=device)
+
