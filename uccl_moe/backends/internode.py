@@ -4,8 +4,8 @@ Notation: N nodes x G GPUs per node, R = N * G ranks, rank = node * G + local; t
 ranks with the same local index (one per node). T = tokens of this rank, E = experts, E_loc = E / R.
 
 Dispatch (native/src/kernels/internode/internode.hpp has the kernel side):
-  1. notify: one all-gather of every rank's [tokens per rank | tokens per node | tokens per expert] (NCCL on the
-     comm stream; graph-capturable); every offset below is computed from it with device tensor ops.
+  1. notify: an all-gather of every rank's [tokens per rank | tokens per node | tokens per expert] through the
+     proxy (kernel-driven, no host sync); every offset below is computed from it with device tensor ops.
   2. pack + post + wait: each token is staged once per destination node; the proxy writes node n's rows into the
      receive area of our rail peer on node n ("x'"): rows from every node of the rail, in node order.
   3. forward: the intranode notify/dispatch kernels treat x' as this GPU's tokens and forward each row over NVLink
@@ -86,9 +86,9 @@ class InternodePath:
                 f"{ctx.num_rdma_bytes}"
             )
         # One job name for the group (bootstrap keys, shared-memory names): rank 0's random token.
-        token = [uuid.uuid4().hex[:12]]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(ctx.group, 0), group=ctx.group)
-        job = f"ep{token[0]}"
+        tokens: list[Any] = [None] * self.R
+        dist.all_gather_object(tokens, uuid.uuid4().hex[:12], group=ctx.group)
+        job = f"ep{tokens[0]}"
         store = StoreBootstrap(dist.distributed_c10d._get_default_store(), prefix=f"uccl_moe/{job}/")
         self.rt = _C.RdmaRuntime(self.me, self.R, self.G, ctx.num_rdma_bytes, ctx.device.index, job, store.set,
                                  store.get)
@@ -98,6 +98,7 @@ class InternodePath:
         self._rail = torch.arange(self.N, device=dev) * self.G + self.local
         self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
         self._node_ids = torch.arange(self.N, device=dev)
+        self._calls = 0  # non-cached dispatches so far (selects the notify region)
 
     # ---------------------------------------------------------------- lifecycle and errors
     def check(self) -> None:
@@ -127,8 +128,17 @@ class InternodePath:
         in_node = req.is_token_in_rank.view(T, N, G).any(-1)
         mine = torch.cat([req.num_tokens_per_rank.to(torch.int32), in_node.sum(0, dtype=torch.int32),
                           req.num_tokens_per_expert.to(torch.int32)])
-        gathered = torch.empty((R, mine.numel()), dtype=torch.int32, device=dev)
-        dist.all_gather_into_tensor(gathered, mine, group=self.ctx.group)
+        V = mine.numel()
+        if R * V * 4 > (2 << 20):
+            raise InvalidUsageError(f"notify rows of {R} ranks x {V} counts exceed the 2 MiB notify region; use fewer "
+                                    f"experts ({E}) or ranks")
+        # Every rank calls dispatch equally often, so the call parity agrees: alternate between two regions.
+        off = _C.internode_notify_offset(self.ctx.num_rdma_bytes, self._calls)
+        self._calls += 1
+        gathered = _DeviceView.tensor(self.rt.buffer + off, R * V, torch.int32, dev).view(R, V)
+        gathered[me].copy_(mine)
+        _C.rdma_notify(runtime=self.rt, nvl=self.backend._rt, offset=off, row_bytes=V * 4,
+                       stream=self.backend._stream())
         matrix = gathered[:, :R].to(torch.int64)            # [src, dst] rows
         ncnt = gathered[:, R:R + N].to(torch.int64)         # [src, node] deduplicated rows
         experts = gathered[:, R + N:]                       # [src, E]
@@ -260,7 +270,7 @@ class InternodePath:
         topk_weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
         in_rank = req.is_token_in_rank.contiguous()
         plan, rank_prefix, counts, rows = self._plan(req, num_sms)
-        # The all-gather above already ordered this call after every rank's previous one: no barrier needed.
+        # No rank writes into our areas before it received our notify row, i.e. before we reached this call.
         lay = self._stage(plan, x, req.x_scales, topk_idx, topk_weights, in_rank, req.num_experts, barrier=False)
         G = self.G
         bits = self._area_view(lay["off_mask"], plan.xp_rows, torch.int32, 1)

@@ -126,6 +126,13 @@ void register_internode(nb::module_& m) {
     internode::launch_rdma_post(rt.context(nvl), a, stream_of(stream));
   }, "runtime"_a, "nvl"_a, "rows"_a, "src_row"_a, "dst_row"_a, "arrays"_a, "slot"_a, "peer_cap"_a, "stream"_a,
   "Pushes, per remote node, WRITEs of `rows[n]` rows of each (src_off, dst_off, row_bytes) array and an arrival");
+  m.def("rdma_notify", [](RdmaRuntime& rt, NvlRuntime& nvl, int64_t offset, int row_bytes, uintptr_t stream) {
+    internode::launch_rdma_notify(rt.context(nvl), offset, row_bytes, stream_of(stream));
+  }, "runtime"_a, "nvl"_a, "offset"_a, "row_bytes"_a, "stream"_a,
+  "All-gather of one row per rank through the proxy (row `rank` at `offset` goes to every rank)");
+  m.def("internode_notify_offset", [](int64_t num_rdma_bytes, int parity) {
+    return num_rdma_bytes - internode::kNotifyReserveBytes + (parity & 1) * (internode::kNotifyReserveBytes / 2);
+  }, "num_rdma_bytes"_a, "parity"_a);
   m.def("rdma_wait", [](RdmaRuntime& rt, NvlRuntime& nvl, int slot, uintptr_t stream) {
     internode::launch_rdma_wait(rt.context(nvl), slot, stream_of(stream));
   }, "runtime"_a, "nvl"_a, "slot"_a, "stream"_a);

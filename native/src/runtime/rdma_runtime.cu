@@ -18,9 +18,9 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
               "internode runtime: %d ranks with %d per node is not a multi-node layout", num_ranks, ranks_per_node);
   UCCL_ASSERT(num_ranks / ranks_per_node <= internode::kMaxNodes, "%d nodes exceed the supported %d",
               num_ranks / ranks_per_node, internode::kMaxNodes);
-  UCCL_ASSERT(num_rdma_bytes > 0 && num_rdma_bytes % 4096 == 0,
-              "num_rdma_bytes=%lld must be a positive multiple of 4096 (use Config.get_rdma_buffer_size_hint)",
-              static_cast<long long>(num_rdma_bytes));
+  UCCL_ASSERT(num_rdma_bytes >= 4 * internode::kNotifyReserveBytes && num_rdma_bytes % 4096 == 0,
+              "num_rdma_bytes=%lld must be a multiple of 4096 and at least %lld (use Config.get_rdma_buffer_size_hint)",
+              static_cast<long long>(num_rdma_bytes), static_cast<long long>(4 * internode::kNotifyReserveBytes));
   ops_ = make_gpu_memory_ops(device);
   UCCL_CHECK_GPU(gpu::set_device(device));
   UCCL_CHECK_GPU(gpu::device_malloc(&buffer_, static_cast<size_t>(num_rdma_bytes)));

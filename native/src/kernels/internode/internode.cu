@@ -101,10 +101,9 @@ __global__ void rdma_post_kernel(RdmaContext ctx, PostArgs a) {
   fifo.push(encode(f), diag);
 }
 
-__global__ void rdma_wait_kernel(RdmaContext ctx, int slot) {
-  const int m = threadIdx.x;
-  if (m >= ctx.num_nodes || m == ctx.node) return;
-  const int src = m * ctx.ranks_per_node + ctx.local;
+/// Arrival of `slot` from rank `src`: waits until its counter passed what this rank consumed so far. False on
+/// timeout (diagnostic written).
+UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot) {
   const int64_t* counter = ctx.counters + static_cast<int64_t>(src) * kCountersPerSrc + slot;
   int64_t* epoch = ctx.epochs + slot * ctx.num_ranks + src;
   const int64_t want = *epoch + 1;
@@ -114,11 +113,40 @@ __global__ void rdma_wait_kernel(RdmaContext ctx, int slot) {
   while (seen < want) {
     if (wait.expired()) {
       report_timeout(diag, DiagPhase::kRdmaRecvTokens, kRoleReceiver, src, slot, want, seen, 0, wait.waited_s());
-      return;
+      return false;
     }
     seen = gpu::load_acquire_sys(counter);
   }
   *epoch = want;
+  return true;
+}
+
+__global__ void rdma_notify_kernel(RdmaContext ctx, int64_t offset, int row_bytes) {
+  const DiagDeviceHandle diag = diag_of(ctx);
+  for (int p = threadIdx.x; p < ctx.num_ranks; p += blockDim.x) {
+    if (p == ctx.rank) continue;
+    const FifoDeviceHandle fifo = ctx.fifos[p % ctx.num_fifos];
+    TransferCmdFields f;
+    f.op = CmdOp::kWrite;
+    f.dst_rank = static_cast<uint32_t>(p);
+    f.bytes = static_cast<uint32_t>(row_bytes);
+    f.src_offset = f.dst_offset = static_cast<uint64_t>(offset + static_cast<int64_t>(ctx.rank) * row_bytes);
+    if (fifo.push(encode(f), diag) == ~0ull) return;
+    TransferCmdFields g;
+    g.op = CmdOp::kAtomic;
+    g.dst_rank = static_cast<uint32_t>(p);
+    g.counter_slot = kSlotNotify;
+    g.counter_value = 1;
+    if (fifo.push(encode(g), diag) == ~0ull) return;
+  }
+  for (int s = threadIdx.x; s < ctx.num_ranks; s += blockDim.x)
+    if (s != ctx.rank && !wait_arrival(ctx, s, kSlotNotify)) return;
+}
+
+__global__ void rdma_wait_kernel(RdmaContext ctx, int slot) {
+  const int m = threadIdx.x;
+  if (m >= ctx.num_nodes || m == ctx.node) return;
+  wait_arrival(ctx, m * ctx.ranks_per_node + ctx.local, slot);
 }
 
 __global__ void rail_barrier_kernel(RdmaContext ctx) {
@@ -183,7 +211,7 @@ RdmaLayout dispatch_layout(int64_t num_rdma_bytes, int row_bytes, int num_scales
   UCCL_ASSERT(row_bytes > 0 && row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16", row_bytes);
   UCCL_ASSERT(ranks_per_node >= 1 && ranks_per_node <= 8, "ranks_per_node=%d must be in [1, 8]", ranks_per_node);
   RdmaLayout l{};
-  l.half_bytes = num_rdma_bytes / 2 / kAlign * kAlign;
+  l.half_bytes = std::max<int64_t>(0, num_rdma_bytes - kNotifyReserveBytes) / 2 / kAlign * kAlign;
   const int64_t per_row = row_bytes + 4LL * num_scales + 8LL * num_topk + 4LL * num_topk + 4 + 4;
   l.cap = std::max<int64_t>(0, (l.half_bytes - 6 * kAlign) / per_row) / 16 * 16;
   l.off_x = 0;
@@ -204,7 +232,7 @@ RdmaLayout combine_layout(int64_t num_rdma_bytes, int hidden, int num_topk) {
   UCCL_ASSERT(hidden > 0 && (hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               hidden);
   RdmaLayout l{};
-  l.half_bytes = num_rdma_bytes / 2 / kAlign * kAlign;
+  l.half_bytes = std::max<int64_t>(0, num_rdma_bytes - kNotifyReserveBytes) / 2 / kAlign * kAlign;
   const int64_t per_row = 2LL * hidden + 4LL * num_topk;
   l.cap = std::max<int64_t>(0, (l.half_bytes - 2 * kAlign) / per_row) / 16 * 16;
   l.off_x = 0;
@@ -240,6 +268,17 @@ void launch_rdma_post(const RdmaContext& ctx, const PostArgs& a, void* stream) {
     UCCL_ASSERT(a.arrays[i].row_bytes % 4 == 0 && a.arrays[i].src_off % 4 == 0 && a.arrays[i].dst_off % 4 == 0,
                 "post array %d is not 4-byte aligned (the command carries offsets in 4-byte units)", i);
   rdma_post_kernel<<<1, kMaxNodes, 0, static_cast<gpu::Stream>(stream)>>>(ctx, a);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+void launch_rdma_notify(const RdmaContext& ctx, int64_t offset, int row_bytes, void* stream) {
+  UCCL_ASSERT(row_bytes > 0 && row_bytes % 4 == 0 && offset % 4 == 0, "notify rows of %d bytes at %lld", row_bytes,
+              static_cast<long long>(offset));
+  UCCL_ASSERT(offset >= ctx.num_rdma_bytes - kNotifyReserveBytes &&
+                  offset + static_cast<int64_t>(ctx.num_ranks) * row_bytes <= ctx.num_rdma_bytes,
+              "notify rows (%d ranks x %d bytes at %lld) leave the notify region of the RDMA buffer", ctx.num_ranks,
+              row_bytes, static_cast<long long>(offset));
+  rdma_notify_kernel<<<1, 256, 0, static_cast<gpu::Stream>(stream)>>>(ctx, offset, row_bytes);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -14,7 +14,9 @@
 // Combine runs the same path backwards: intranode combine into the forwarder's partial rows (reduction inside the
 // node), post of each node's partial rows back to their origin, wait, and a final fixed-order reduction over nodes.
 //
-// RDMA buffer: two halves of identical layout on every rank. Dispatch: [receive area | send area]; combine:
+// Notify: every rank writes its count row into row `rank` of every rank's notify region (WRITE + arrival through
+// the proxy) and waits for every other rank's arrival: an all-gather of a few KB, graph-safe and NCCL-free.
+// RDMA buffer: [half | half | notify regions]; the two halves have the same layout on every rank. Dispatch: [receive area | send area]; combine:
 // [partial rows of x' | partial rows received from other nodes]. Each area holds `cap` rows of every array
 // (RdmaLayout); the backend checks the counts against cap.
 #pragma once
@@ -28,7 +30,10 @@ namespace uccl_moe::internode {
 
 constexpr int kSlotDispatch = 0;  ///< counter slot of dispatch arrivals (one add per source per call)
 constexpr int kSlotCombine = 1;   ///< counter slot of combine arrivals
-constexpr int kNumSlots = 2;
+constexpr int kSlotNotify = 2;    ///< counter slot of notify arrivals (every rank writes to every rank)
+constexpr int kNumSlots = 3;
+/// The last bytes of the RDMA buffer hold the notify rows (two alternating regions); the halves split the rest.
+constexpr int64_t kNotifyReserveBytes = 4LL << 20;
 constexpr int kMaxNodes = 64;
 constexpr uint32_t kMaxCmdBytes = 8u << 20;  ///< payload bytes per WRITE command (< TransferCmd's 16 MiB)
 
@@ -97,6 +102,9 @@ struct PostArgs {
   int32_t slot;              ///< kSlotDispatch / kSlotCombine
   int64_t peer_cap;          ///< rows of the peer's area: a segment that would overflow it is not sent (reported)
 };
+/// Notify all-gather: row `rank` of the `row_bytes`-wide rows at byte `offset` goes to every other rank (same
+/// offset), then waits until every other rank's row arrived.
+void launch_rdma_notify(const RdmaContext& ctx, int64_t offset, int row_bytes, void* stream);
 /// One thread per remote node pushes its WRITEs and the arrival ATOMIC into one FIFO (HT order).
 void launch_rdma_post(const RdmaContext& ctx, const PostArgs& a, void* stream);
 /// Waits (bounded) until every remote rail peer's arrival for `slot` of this call landed.
