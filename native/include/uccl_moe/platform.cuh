@@ -32,6 +32,10 @@ inline Error device_synchronize() { return hipDeviceSynchronize(); }
 inline Error stream_synchronize(Stream s) { return hipStreamSynchronize(s); }
 inline Error host_alloc_mapped(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocMapped); }
 inline Error host_free(void* p) { return hipHostFree(p); }
+inline Error host_register_mapped(void* p, size_t bytes) {
+  return hipHostRegister(p, bytes, hipHostRegisterMapped | hipHostRegisterPortable);
+}
+inline Error host_unregister(void* p) { return hipHostUnregister(p); }
 inline Error host_device_pointer(void** d, void* h) { return hipHostGetDevicePointer(d, h, 0); }
 inline Error get_device(int* d) { return hipGetDevice(d); }
 inline Error set_device(int d) { return hipSetDevice(d); }
@@ -78,6 +82,10 @@ inline Error host_alloc_mapped(void** p, size_t bytes) {
   return cudaHostAlloc(p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
 }
 inline Error host_free(void* p) { return cudaFreeHost(p); }
+inline Error host_register_mapped(void* p, size_t bytes) {
+  return cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+}
+inline Error host_unregister(void* p) { return cudaHostUnregister(p); }
 inline Error host_device_pointer(void** d, void* h) { return cudaHostGetDevicePointer(d, h, 0); }
 inline Error get_device(int* d) { return cudaGetDevice(d); }
 inline Error set_device(int d) { return cudaSetDevice(d); }

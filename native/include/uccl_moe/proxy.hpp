@@ -39,8 +39,11 @@ struct ProxyOptions {
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
   uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
-  /// GPU mode (set by the internode runtime): FIFOs and counters in GPU-mapped memory, data_ptr is GPU memory.
+  /// GPU mode (set by the internode runtime): FIFOs and counters in GPU-mapped memory.
   std::shared_ptr<const GpuMemoryOps> gpu;
+  /// With `gpu`: data_ptr is GPU memory (IPC + copy engines in the loopback). Otherwise the transport allocates host
+  /// memory that the caller registers with the GPU (host-staged).
+  bool gpu_data = false;
 };
 
 /// Monotone counters, summed over threads (per-thread values from thread_counters()).

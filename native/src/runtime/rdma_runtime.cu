@@ -7,6 +7,7 @@
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/gpu_check.cuh"
 #include "uccl_moe/log.hpp"
+#include "uccl_moe/transport.hpp"
 
 namespace uccl_moe::runtime {
 
@@ -23,7 +24,17 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
               static_cast<long long>(num_rdma_bytes), static_cast<long long>(4 * internode::kNotifyReserveBytes));
   ops_ = make_gpu_memory_ops(device);
   UCCL_CHECK_GPU(gpu::set_device(device));
-  UCCL_CHECK_GPU(gpu::device_malloc(&buffer_, static_cast<size_t>(num_rdma_bytes)));
+  // The loopback transport stages through pinned host memory unless asked for GPU copies: a copy-engine copy issued by
+  // the proxy can queue behind this process's own spinning wait kernel when both streams share a hardware queue.
+  std::string transport = env::TRANSPORT();
+  if (transport == "auto")
+    for (const auto& t : list_transports())
+      if (t.second) {
+        transport = t.first;
+        break;
+      }
+  const bool host_staged = transport == "loopback" && !env::LOOPBACK_GPU_COPY();
+  if (!host_staged) UCCL_CHECK_GPU(gpu::device_malloc(&buffer_, static_cast<size_t>(num_rdma_bytes)));
   epochs_ = static_cast<int64_t*>(ops_->alloc_device(sizeof(int64_t) * internode::kNumSlots * num_ranks));
   ProxyOptions o;
   o.rank = rank;
@@ -31,9 +42,15 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   o.ranks_per_node = ranks_per_node;
   o.job = job;
   o.data_bytes = static_cast<uint64_t>(num_rdma_bytes);
-  o.data_ptr = buffer_;
+  o.data_ptr = buffer_;  // null when host-staged: the transport allocates (shared memory) and we register it
   o.gpu = ops_;
+  o.gpu_data = !host_staged;
   proxy_ = std::make_unique<Proxy>(o, std::move(store));
+  if (host_staged) {
+    host_data_ = proxy_->data();
+    UCCL_CHECK_GPU(gpu::host_register_mapped(host_data_, static_cast<size_t>(num_rdma_bytes)));
+    UCCL_CHECK_GPU(gpu::host_device_pointer(&buffer_, host_data_));
+  }
   std::vector<FifoDeviceHandle> table;
   for (int i = 0; i < proxy_->num_fifos(); ++i) table.push_back(proxy_->fifo(i).device_handle());
   fifo_table_ = ops_->alloc_device(sizeof(FifoDeviceHandle) * table.size());
@@ -67,11 +84,16 @@ void RdmaRuntime::destroy() {
   } catch (const std::exception& e) {
     UCCL_LOG(WARN, PROXY, "proxy of rank %d stopped with an error: %s", rank_, e.what());
   }
-  proxy_.reset();  // closes the peers' IPC mappings before our buffer goes
+  if (host_data_) {
+    gpu::host_unregister(host_data_);  // before the proxy (and its transport) unmaps the region
+    host_data_ = nullptr;
+  } else if (buffer_) {
+    gpu::device_free(buffer_);
+  }
+  buffer_ = nullptr;
   ops_->free_device(fifo_table_);
   ops_->free_device(epochs_);
-  if (buffer_) gpu::device_free(buffer_);
-  buffer_ = nullptr;
+  proxy_.reset();  // closes the peers' mappings (IPC or shared memory) after the GPU let go of them
 }
 
 void RdmaRuntime::check() const {

@@ -34,6 +34,8 @@ class RdmaRuntime {
   internode::RdmaContext context(const NvlRuntime& nvl) const;
 
   uintptr_t buffer() const { return reinterpret_cast<uintptr_t>(buffer_); }
+  /// True when the RDMA buffer is host memory the GPU maps (loopback without UCCL_MOE_LOOPBACK_GPU_COPY).
+  bool host_staged() const { return host_data_ != nullptr; }
   int64_t num_rdma_bytes() const { return num_rdma_bytes_; }
   const Proxy& proxy() const { return *proxy_; }
 
@@ -41,7 +43,8 @@ class RdmaRuntime {
   int rank_, num_ranks_, ranks_per_node_, device_;
   int64_t num_rdma_bytes_;
   std::shared_ptr<GpuMemoryOps> ops_;
-  void* buffer_ = nullptr;
+  void* buffer_ = nullptr;        ///< what kernels address: device memory, or the device view of host_data_
+  void* host_data_ = nullptr;     ///< host-staged mode: the transport's data region, registered with the GPU
   void* fifo_table_ = nullptr;  ///< FifoDeviceHandle[num_fifos] in device memory
   int64_t* epochs_ = nullptr;   ///< device, [kNumSlots * num_ranks]
   std::unique_ptr<Proxy> proxy_;
