@@ -64,10 +64,8 @@ void register_internode(nb::module_& m) {
         nb::gil_scoped_release release;  // the store callbacks take the GIL back
         r.start();
       })
-      .def("destroy", [](RdmaRuntime& r) {
-        nb::gil_scoped_release release;
-        r.destroy();
-      })
+      // Keeps the GIL: destroying the proxy drops the bootstrap store, which holds Python callables.
+      .def("destroy", &RdmaRuntime::destroy)
       .def("check", &RdmaRuntime::check, "rethrows the proxy's first error")
       .def("failed", &RdmaRuntime::failed)
       .def_prop_ro("buffer", &RdmaRuntime::buffer)
