@@ -38,6 +38,11 @@ def _group_limited(case: _Case, nodes: int, groups: int) -> None:
     case.idx = torch.topk(scores, case.K, dim=1).indices.to(torch.int64)
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bool:
+    got, want = got.detach().cpu().float(), want.float()
+    return bool(((got - want).abs() <= 1e-2 + 1e-2 * want.abs() + magnitude * 2.0 ** -8).all())
+
+
 def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
     from uccl_moe import Buffer, Config
 
@@ -116,13 +121,14 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
         on = nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()),
                          config=cfg)
         orf = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
-        check(f"{name}: combine vs reference", torch.allclose(on.combined_x.cpu().float(), orf.combined_x.float(),
-                                                              rtol=1e-2, atol=2e-2))
+        # Partials are rounded to BF16 once per node before the cross-node sum (as DeepEP does): allow that
+        # rounding (2^-8 of the copies' magnitude) on top of the intranode tolerance.
+        mag = ref.combine(y.abs(), rr.handle, config=cfg).combined_x.float()
+        check(f"{name}: combine vs reference", _close(on.combined_x, orf.combined_x, mag))
         check(f"{name}: combine weights", torch.allclose(on.combined_topk_weights.cpu(), orf.combined_topk_weights,
                                                          rtol=1e-5, atol=1e-5))
-        check(f"{name}: combine without extras",
-              torch.allclose(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x.cpu().float(),
-                             ref.combine(y, rr.handle, config=cfg).combined_x.float(), rtol=1e-2, atol=2e-2))
+        check(f"{name}: combine without extras", _close(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x,
+                                                        ref.combine(y, rr.handle, config=cfg).combined_x, mag))
         first = on.combined_x.clone()
         same = all(torch.equal(nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights,
                                            bias=(b0.cuda(), b1.cuda()), config=cfg).combined_x, first)
