@@ -99,6 +99,14 @@ class InternodePath:
         self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
         self._node_ids = torch.arange(self.N, device=dev)
         self._calls = 0  # non-cached dispatches so far (selects the notify region)
+        # Benchmarks set this to a list to get (stage, CUDA event) marks on the comm stream.
+        self.timeline: list[tuple[str, Any]] | None = None
+
+    def _mark(self, stage: str) -> None:
+        if self.timeline is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.timeline.append((stage, ev))
 
     # ---------------------------------------------------------------- lifecycle and errors
     def check(self) -> None:
@@ -236,8 +244,10 @@ class InternodePath:
         lay = self._dispatch_layout(row_bytes, ns, K)
         s_tok = x_scales.stride(0) if x_scales is not None else 0
         s_hid = (x_scales.stride(1) if x_scales.dim() == 2 else 0) if x_scales is not None else 0
+        self._mark("start")
         if barrier:
             _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
+            self._mark("rail barrier")
         _C.rdma_pack(runtime=self.rt, nvl=nvl, x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok,
                      scale_hidden_stride=s_hid, num_scales=ns, topk_idx=_ptr(topk_idx),
                      topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
@@ -255,7 +265,9 @@ class InternodePath:
         _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.send_rows), src_row=_ptr(plan.send_row0),
                      dst_row=_ptr(plan.peer_row0), arrays=arrays, slot=_SLOT_DISPATCH, peer_cap=lay["cap"],
                      stream=stream)
+        self._mark("pack + post")
         _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_DISPATCH, stream=stream)
+        self._mark("proxy + copy (wait)")
         return lay
 
     def _area_view(self, off: int, rows: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
@@ -339,6 +351,7 @@ class InternodePath:
         assert plan.fwd_prefix is not None
         self._forward(plan, lay, x, x_scales, 0, self.G, plan.fwd_prefix, handle[2], rows, recv, None, config,
                       plan.num_sms, with_meta=False)
+        self._mark("nvlink forward")
         return recv[0], recv[1]
 
     # ---------------------------------------------------------------- combine
@@ -364,7 +377,9 @@ class InternodePath:
         tw = topk_weights.contiguous() if topk_weights is not None else None
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
         # No origin still reads its combine receive area, no forwarder its partials, once the rail met here.
+        self._mark("start")
         _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
+        self._mark("rail barrier")
         _C.prepare_round(runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
                          stream=stream)
         _C.combine_intranode(
@@ -373,13 +388,16 @@ class InternodePath:
             recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=plan.xp_rows, hidden=H,
             num_topk=K, out=base + lay["off_x"], out_topk_weights=base + lay["off_weights"] if K else 0,
             stream=stream, num_tokens_ptr=_ptr(plan.num_xp), row_map=_ptr(plan.row_map))
+        self._mark("nvlink reduce")
         arrays = [[lay["off_x"], half + lay["off_x"], 2 * H]]
         if K:
             arrays.append([lay["off_weights"], half + lay["off_weights"], 4 * K])
         _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.seg_rows), src_row=_ptr(plan.seg_row0),
                      dst_row=_ptr(plan.back_row0), arrays=arrays, slot=_SLOT_COMBINE, peer_cap=lay["cap"],
                      stream=stream)
+        self._mark("post")
         _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_COMBINE, stream=stream)
+        self._mark("proxy + copy (wait)")
         own = self._node_ids == self.node
         area0 = torch.where(own, 0, half)
         part_x = (base + area0 + lay["off_x"] + plan.part_row0 * (2 * H)).to(torch.int64)
@@ -391,6 +409,7 @@ class InternodePath:
         _C.combine_reduce(send_pos=_ptr(plan.send_pos), part_x=_ptr(part_x), part_w=_ptr(part_w) if K else 0,
                           bias0=_ptr(b0), bias1=_ptr(b1), num_tokens=T, hidden=H, num_topk=K, num_nodes=self.N,
                           out=_ptr(out), out_topk_weights=_ptr(out_w), stream=stream)
+        self._mark("final reduce")
         # part_x/part_w must outlive the kernel: the caching allocator reuses their memory only after the stream
         # passed this point.
         part_x.record_stream(torch.cuda.current_stream())

@@ -55,11 +55,12 @@ void register_internode(nb::module_& m) {
                           "Per-rank RDMA buffer (GPU memory) served by the CPU proxy; kernels push commands into its "
                           "GPU-mapped FIFOs")
       .def("__init__", [](RdmaRuntime* self, int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes,
-                          int device, const std::string& job, nb::object store_set, nb::object store_get) {
+                          int device, const std::string& job, nb::object store_set, nb::object store_get,
+                          int num_threads) {
         new (self) RdmaRuntime(rank, num_ranks, ranks_per_node, num_rdma_bytes, device, job,
-                               python_store(store_set, store_get));
+                               python_store(store_set, store_get), num_threads);
       }, "rank"_a, "num_ranks"_a, "ranks_per_node"_a, "num_rdma_bytes"_a, "device"_a, "job"_a, "store_set"_a,
-      "store_get"_a)
+      "store_get"_a, "num_threads"_a = 0)
       .def("start", [](RdmaRuntime& r) {
         nb::gil_scoped_release release;  // the store callbacks take the GIL back
         r.start();
@@ -146,6 +147,11 @@ void register_internode(nb::module_& m) {
     internode::launch_combine_reduce(a, stream_of(stream));
   }, "send_pos"_a, "part_x"_a, "part_w"_a, "bias0"_a, "bias1"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a,
   "num_nodes"_a, "out"_a, "out_topk_weights"_a, "stream"_a);
+  m.def("fifo_bench", [](RdmaRuntime& rt, NvlRuntime& nvl, int num_fifos, int cmds, int dst_rank, bool pingpong,
+                         uintptr_t out_ns, uintptr_t stream) {
+    internode::launch_fifo_bench(rt.context(nvl), num_fifos, cmds, dst_rank, pingpong, ptr<int64_t>(out_ns),
+                                 stream_of(stream));
+  }, "runtime"_a, "nvl"_a, "num_fifos"_a, "cmds"_a, "dst_rank"_a, "pingpong"_a, "out_ns"_a, "stream"_a);
   m.def("has_internode_kernels", []() { return true; });
 }
 

@@ -12,11 +12,11 @@
 namespace uccl_moe::runtime {
 
 RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, int device,
-                         const std::string& job, std::shared_ptr<KvStore> store)
+                         const std::string& job, std::shared_ptr<KvStore> store, int num_threads)
     : rank_(rank), num_ranks_(num_ranks), ranks_per_node_(ranks_per_node), device_(device),
       num_rdma_bytes_(num_rdma_bytes) {
-  UCCL_ASSERT(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0 && num_ranks / ranks_per_node >= 2,
-              "internode runtime: %d ranks with %d per node is not a multi-node layout", num_ranks, ranks_per_node);
+  UCCL_ASSERT(ranks_per_node >= 1 && num_ranks % ranks_per_node == 0,
+              "internode runtime: %d ranks do not split into nodes of %d", num_ranks, ranks_per_node);
   UCCL_ASSERT(num_ranks / ranks_per_node <= internode::kMaxNodes, "%d nodes exceed the supported %d",
               num_ranks / ranks_per_node, internode::kMaxNodes);
   UCCL_ASSERT(num_rdma_bytes >= 4 * internode::kNotifyReserveBytes && num_rdma_bytes % 4096 == 0,
@@ -41,6 +41,7 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   o.num_ranks = num_ranks;
   o.ranks_per_node = ranks_per_node;
   o.job = job;
+  o.num_threads = num_threads;
   o.data_bytes = static_cast<uint64_t>(num_rdma_bytes);
   o.data_ptr = buffer_;  // null when host-staged: the transport allocates (shared memory) and we register it
   o.gpu = ops_;

@@ -19,7 +19,7 @@ namespace uccl_moe::runtime {
 class RdmaRuntime {
  public:
   RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t num_rdma_bytes, int device, const std::string& job,
-              std::shared_ptr<KvStore> store);
+              std::shared_ptr<KvStore> store, int num_threads = 0);  ///< num_threads 0: UCCL_MOE_PROXY_THREADS
   ~RdmaRuntime();
   RdmaRuntime(const RdmaRuntime&) = delete;
   RdmaRuntime& operator=(const RdmaRuntime&) = delete;

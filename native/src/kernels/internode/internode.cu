@@ -200,6 +200,43 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(ReduceArgs a) 
   }
 }
 
+__global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int cmds, int dst_rank, bool pingpong,
+                                  int64_t* out_ns) {
+  const int f = blockIdx.x * blockDim.x + threadIdx.x;
+  if (f >= (pingpong ? 1 : num_fifos)) return;
+  const DiagDeviceHandle diag = diag_of(ctx);
+  const FifoDeviceHandle fifo = ctx.fifos[f];
+  TransferCmdFields c;
+  c.op = CmdOp::kAtomic;
+  c.dst_rank = static_cast<uint32_t>(dst_rank);
+  c.counter_slot = kSlotBench;
+  c.counter_value = 1;
+  const TransferCmd cmd = encode(c);
+  auto wait_done = [&](uint64_t idx) {
+    BoundedWait wait(diag);
+    while (!fifo.check_completion(idx)) {
+      if (wait.expired()) {
+        report_timeout(diag, DiagPhase::kFifoCompletion, kRoleSender, dst_rank, fifo.channel,
+                       static_cast<int64_t>(idx) + 1, 0, idx, wait.waited_s());
+        return false;
+      }
+    }
+    return true;
+  };
+  const uint64_t t0 = gpu::global_timer_ns();
+  uint64_t idx = 0;
+  for (int i = 0; i < cmds; ++i) {
+    const uint64_t t = gpu::global_timer_ns();
+    idx = fifo.push(cmd, diag);
+    if (idx == ~0ull) return;
+    if (pingpong) {
+      if (!wait_done(idx)) return;
+      out_ns[i] = static_cast<int64_t>(gpu::global_timer_ns() - t);
+    }
+  }
+  if (!pingpong && wait_done(idx)) out_ns[f] = static_cast<int64_t>(gpu::global_timer_ns() - t0);
+}
+
 int grid_for(int64_t items, int per_block) {
   const int64_t blocks = (items + per_block - 1) / per_block;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(blocks, 1024)));
@@ -290,6 +327,15 @@ void launch_rdma_wait(const RdmaContext& ctx, int slot, void* stream) {
 
 void launch_rail_barrier(const RdmaContext& ctx, void* stream) {
   rail_barrier_kernel<<<1, gpu::kWarpSize, 0, static_cast<gpu::Stream>(stream)>>>(ctx);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int cmds, int dst_rank, bool pingpong, int64_t* out_ns,
+                       void* stream) {
+  UCCL_ASSERT(num_fifos >= 1 && num_fifos <= ctx.num_fifos, "num_fifos=%d must be in [1, %d]", num_fifos,
+              ctx.num_fifos);
+  UCCL_ASSERT(dst_rank >= 0 && dst_rank < ctx.num_ranks, "dst_rank=%d", dst_rank);
+  fifo_bench_kernel<<<1, 64, 0, static_cast<gpu::Stream>(stream)>>>(ctx, num_fifos, cmds, dst_rank, pingpong, out_ns);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
