@@ -49,7 +49,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     node = rank // G
     counts = torch.diff(res.handle[0][:, rank].long(), prepend=torch.zeros(1, dtype=torch.long, device="cuda"))
     remote_rows = int(counts.sum() - counts[node * G:(node + 1) * G].sum())
-    y = res.recv_x
+    y: Any = res.recv_x
+    handle: Any = res.handle
 
     def timed(fn: Any) -> tuple[float, dict[str, float]]:
         inter.timeline = []
@@ -58,14 +59,14 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
         marks = inter.timeline
         inter.timeline = None
         total = marks[0][1].elapsed_time(marks[-1][1])
-        split = {}
+        split: dict[str, float] = {}
         for (_, a), (name, b) in zip(marks, marks[1:]):
             split[name] = split.get(name, 0.0) + a.elapsed_time(b)
         return total, split
 
     results: dict[str, Any] = {}
     for op, fn in (("dispatch", lambda: buf.dispatch(x, handle=res.handle, config=cfg)),
-                   ("combine", lambda: buf.combine(y, res.handle, topk_weights=res.recv_topk_weights, config=cfg))):
+                   ("combine", lambda: buf.combine(y, handle, topk_weights=res.recv_topk_weights, config=cfg))):
         for _ in range(3):
             timed(fn)
         runs = [timed(fn) for _ in range(args.iters)]
