@@ -47,6 +47,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
                        num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
     G = R // args.nodes
     node = rank // G
+    assert res.handle is not None
     counts = torch.diff(res.handle[0][:, rank].long(), prepend=torch.zeros(1, dtype=torch.long, device="cuda"))
     remote_rows = int(counts.sum() - counts[node * G:(node + 1) * G].sum())
     y: Any = res.recv_x
