@@ -165,7 +165,7 @@ class InternodePath:
         back = ncnt_rail.clone()
         back[self._node_ids, self._node_ids] = 0
         back_off = _excl_cumsum(back, 1)                   # [m, n]
-        back_row0 = back_off[:, n0]                        # where our partials go at origin m
+        back_row0 = back_off[:, n0].contiguous()           # where our partials go at origin m (kernels index it)
         part_row0 = torch.where(is_mine, seg_row0[n0].expand(N), back_off[n0])
         send_pos = torch.where(in_node, torch.cumsum(in_node.to(torch.int32), 0) - 1,
                                torch.full_like(in_node, -1, dtype=torch.int32)).to(torch.int32)
@@ -197,12 +197,21 @@ class InternodePath:
         r = torch.arange(rows, device=dev, dtype=torch.int64)
         blk = torch.searchsorted(fwd_end, r, right=True).clamp_(max=col.numel() - 1)
         row_map = torch.where(r < num_recv, r - fwd_start[blk] + final_start[blk], r).to(torch.int32)
+        # Kernels read these as plain arrays: every one must be contiguous (a column view is not).
         plan = _Plan(send_pos=send_pos, pack_dst_row=pack_dst_row, send_rows=send_rows.to(torch.int32),
                      send_row0=send_row0, peer_row0=peer_x_row0, seg_rows=seg_rows.to(torch.int32),
                      seg_row0=seg_row0, back_row0=back_row0, part_row0=part_row0, num_xp=num_xp, xp_rows=xp_rows,
                      mask=torch.empty((0, G), dtype=torch.bool, device=dev), row_map=row_map,
                      fwd_counts=matrix[rail][:, n0 * G:(n0 + 1) * G].sum(0).to(torch.int32), num_sms=num_sms)
+        self._check_plan(plan)
         return plan, rank_prefix, counts, rows
+
+    @staticmethod
+    def _check_plan(plan: _Plan) -> None:
+        for f in dataclasses.fields(plan):
+            v = getattr(plan, f.name)
+            if isinstance(v, torch.Tensor) and not v.is_contiguous():
+                raise AssertionError(f"internode plan field {f.name} is not contiguous")
 
     def _dispatch_layout(self, row_bytes: int, num_scales: int, num_topk: int) -> dict[str, int]:
         return dict(_C.internode_dispatch_layout(self.ctx.num_rdma_bytes, row_bytes, num_scales, num_topk, self.G))
