@@ -47,6 +47,65 @@ def _excl_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return torch.cumsum(t, dim) - t
 
 
+def plan_offsets(matrix: torch.Tensor, ncnt: torch.Tensor, in_node: torch.Tensor, N: int, G: int,
+                 me: int) -> dict[str, torch.Tensor]:
+    """Every row offset of one dispatch for rank `me`, from the gathered counts (device tensor ops, no sync).
+
+    matrix [R, R] int64 rows rank s sends to rank d; ncnt [R, N] int64 deduplicated rows rank s sends to node n;
+    in_node [T, N] bool: our token t goes to node n. Every tensor returned is contiguous (kernels index them).
+    """
+    dev = matrix.device
+    R = N * G
+    n0, local = me // G, me % G
+    nodes = torch.arange(N, device=dev)
+    rail = nodes * G + local
+    ncnt_rail = ncnt[rail]                              # [m, n]: rail peer on node m -> node n
+    seg_rows = ncnt_rail[:, n0].contiguous()            # x' rows from node m
+    seg_row0 = _excl_cumsum(seg_rows)
+    peer_row0 = _excl_cumsum(ncnt_rail, 0)[n0].contiguous()  # [n]: our segment's first row in (n, local)'s x'
+    send_rows = ncnt[me].clone()
+    send_rows[n0] = 0
+    send_row0 = _excl_cumsum(send_rows)
+    is_mine = nodes == n0
+    # Combine receive areas: origin m keeps one segment per other node n, in node order.
+    back = ncnt_rail.clone()
+    back[nodes, nodes] = 0
+    back_off = _excl_cumsum(back, 1)                   # [m, n]
+    # Forwarding order at this receiver: blocks (local source j, node m), m fastest; final order: global source
+    # rank s = m * G + j.
+    col = matrix[:, me].view(N, G).t().reshape(-1)     # [(j, m)]
+    fwd_end = torch.cumsum(col, 0)
+    out = {
+        "seg_rows": seg_rows.to(torch.int32),
+        "seg_row0": seg_row0,
+        "num_xp": seg_rows.sum().to(torch.int32).reshape(1),
+        "peer_row0": peer_row0,
+        "send_rows": send_rows.to(torch.int32),
+        "send_row0": send_row0,
+        "pack_dst_row": torch.where(is_mine, peer_row0, send_row0),
+        "back_row0": back_off[:, n0].contiguous(),     # where our partials go at origin m
+        "part_row0": torch.where(is_mine, seg_row0[n0].expand(N), back_off[n0]).contiguous(),
+        "send_pos": torch.where(in_node, torch.cumsum(in_node.to(torch.int32), 0) - 1,
+                                torch.full_like(in_node, -1, dtype=torch.int32)).to(torch.int32),
+        "fwd_counts": matrix[rail][:, n0 * G:(n0 + 1) * G].sum(0).to(torch.int32),
+        "fwd_end": fwd_end,
+        "fwd_start": fwd_end - col,
+        "final_start": _excl_cumsum(matrix[:, me]).view(N, G).t().reshape(-1).contiguous(),
+        "num_recv": matrix[:, me].sum(),
+        # Per-rank needs of the two RDMA areas (every rank checks every rank: all raise together, none hangs).
+        "xp_need": ncnt.view(N, G, N).sum(0).t().reshape(-1),
+        "send_need": ncnt.sum(1) - ncnt[torch.arange(R, device=dev), torch.arange(R, device=dev) // G],
+    }
+    return out
+
+
+def row_map_of(o: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """[rows] int32: final row of each received row in forwarding order (rows past the received ones: themselves)."""
+    r = torch.arange(rows, device=o["fwd_end"].device, dtype=torch.int64)
+    blk = torch.searchsorted(o["fwd_end"], r, right=True).clamp_(max=o["fwd_end"].numel() - 1)
+    return torch.where(r < o["num_recv"], r - o["fwd_start"][blk] + o["final_start"][blk], r).to(torch.int32)
+
+
 @dataclasses.dataclass
 class _Plan:
     """Everything a cached dispatch and a combine reuse (device tensors unless noted)."""
@@ -95,7 +154,6 @@ class InternodePath:
         self.rt.start()
         dist.barrier(group=ctx.group)
         dev = ctx.device
-        self._rail = torch.arange(self.N, device=dev) * self.G + self.local
         self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
         self._node_ids = torch.arange(self.N, device=dev)
         self._calls = 0  # non-cached dispatches so far (selects the notify region)
@@ -128,7 +186,7 @@ class InternodePath:
     def _plan(self, req: DispatchRequest, num_sms: int) -> tuple[_Plan, torch.Tensor, list[int], int]:
         """Notify: gathers the counts and derives every offset. Returns (plan, rank_prefix_matrix, per-expert
         counts (host, [] with num_worst_tokens), receive rows)."""
-        N, G, R, me, n0 = self.N, self.G, self.R, self.me, self.node
+        N, G, R, me = self.N, self.G, self.R, self.me
         E = req.num_experts
         E_loc = E // R
         T = req.x.shape[0]
@@ -150,36 +208,10 @@ class InternodePath:
         matrix = gathered[:, :R].to(torch.int64)            # [src, dst] rows
         ncnt = gathered[:, R:R + N].to(torch.int64)         # [src, node] deduplicated rows
         experts = gathered[:, R + N:]                       # [src, E]
-        rail = self._rail
-        ncnt_rail = ncnt[rail]                              # [m, n]: rail peer on node m -> node n
-        seg_rows = ncnt_rail[:, n0]                         # x' rows from node m
-        seg_row0 = _excl_cumsum(seg_rows)
-        num_xp = seg_rows.sum().to(torch.int32).reshape(1)
-        peer_x_row0 = _excl_cumsum(ncnt_rail, 0)[n0]       # [n]: our segment's first row in (n, local)'s x'
-        send_rows = ncnt[me].clone()
-        send_rows[n0] = 0
-        send_row0 = _excl_cumsum(send_rows)
-        is_mine = self._node_ids == n0
-        pack_dst_row = torch.where(is_mine, peer_x_row0, send_row0)
-        # Combine receive areas: origin m keeps one segment per other node n, in node order.
-        back = ncnt_rail.clone()
-        back[self._node_ids, self._node_ids] = 0
-        back_off = _excl_cumsum(back, 1)                   # [m, n]
-        back_row0 = back_off[:, n0].contiguous()           # where our partials go at origin m (kernels index it)
-        part_row0 = torch.where(is_mine, seg_row0[n0].expand(N), back_off[n0])
-        send_pos = torch.where(in_node, torch.cumsum(in_node.to(torch.int32), 0) - 1,
-                               torch.full_like(in_node, -1, dtype=torch.int32)).to(torch.int32)
+        o = plan_offsets(matrix, ncnt, in_node, N, G, me)
         rank_prefix = torch.cumsum(matrix, 0).to(torch.int32)
-        # Forwarding order at this receiver: blocks (local source j, node m), m fastest; final order: global source
-        # rank s = m * G + j. row_map sends row r of block b to final_start[b] + (r - fwd_start[b]).
-        col = matrix[:, me].view(N, G).t().reshape(-1)     # [(j, m)]
-        fwd_end = torch.cumsum(col, 0)
-        fwd_start = fwd_end - col
-        final_start = _excl_cumsum(matrix[:, me]).view(N, G).t().reshape(-1)
-        num_recv = matrix[:, me].sum()
-        # Per-rank needs of the two RDMA areas (every rank checks every rank: all raise together, none hangs).
-        xp_need = torch.stack([ncnt[torch.arange(N, device=dev) * G + j].sum(0) for j in range(G)], 1).reshape(-1)
-        send_need = ncnt.sum(1) - ncnt[torch.arange(R, device=dev), torch.arange(R, device=dev) // G]
+        num_recv = o["num_recv"]
+        num_xp = o["num_xp"]
         worst = req.num_worst_tokens > 0
         counts: list[int] = []
         if worst:
@@ -188,21 +220,17 @@ class InternodePath:
             xp_rows = cap
         else:
             ex = experts[:, me * E_loc:(me + 1) * E_loc].sum(0)
-            host = torch.cat([num_recv.reshape(1), num_xp.to(torch.int64), xp_need.max().reshape(1),
-                              send_need.max().reshape(1), ex.to(torch.int64)]).cpu().tolist()
+            host = torch.cat([num_recv.reshape(1), num_xp.to(torch.int64), o["xp_need"].max().reshape(1),
+                              o["send_need"].max().reshape(1), ex.to(torch.int64)]).cpu().tolist()
             rows, xp_rows, max_xp, max_send = int(host[0]), int(host[1]), int(host[2]), int(host[3])
             a = max(req.expert_alignment, 1)
             counts = [(int(c) + a - 1) // a * a for c in host[4:]]
             self._check_capacity(req, max(max_xp, max_send))
-        r = torch.arange(rows, device=dev, dtype=torch.int64)
-        blk = torch.searchsorted(fwd_end, r, right=True).clamp_(max=col.numel() - 1)
-        row_map = torch.where(r < num_recv, r - fwd_start[blk] + final_start[blk], r).to(torch.int32)
-        # Kernels read these as plain arrays: every one must be contiguous (a column view is not).
-        plan = _Plan(send_pos=send_pos, pack_dst_row=pack_dst_row, send_rows=send_rows.to(torch.int32),
-                     send_row0=send_row0, peer_row0=peer_x_row0, seg_rows=seg_rows.to(torch.int32),
-                     seg_row0=seg_row0, back_row0=back_row0, part_row0=part_row0, num_xp=num_xp, xp_rows=xp_rows,
-                     mask=torch.empty((0, G), dtype=torch.bool, device=dev), row_map=row_map,
-                     fwd_counts=matrix[rail][:, n0 * G:(n0 + 1) * G].sum(0).to(torch.int32), num_sms=num_sms)
+        plan = _Plan(send_pos=o["send_pos"], pack_dst_row=o["pack_dst_row"], send_rows=o["send_rows"],
+                     send_row0=o["send_row0"], peer_row0=o["peer_row0"], seg_rows=o["seg_rows"],
+                     seg_row0=o["seg_row0"], back_row0=o["back_row0"], part_row0=o["part_row0"], num_xp=num_xp,
+                     xp_rows=xp_rows, mask=torch.empty((0, G), dtype=torch.bool, device=dev),
+                     row_map=row_map_of(o, rows), fwd_counts=o["fwd_counts"], num_sms=num_sms)
         self._check_plan(plan)
         return plan, rank_prefix, counts, rows
 
