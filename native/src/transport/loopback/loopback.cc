@@ -351,14 +351,19 @@ void LoopbackEndpoint::progress(std::vector<Completion>& out) {
       copy_ = std::make_unique<HostCopyEngine>();
   }
   const auto now = std::chrono::steady_clock::now();
+  // Without reordering or delays the oldest request is always next: no scan (the common, fast case).
+  const bool in_order = faults_.config().reorder_window <= 1 && faults_.config().delay_us <= 0;
   // Eligible = ready; pick among the first `window` eligible ones (reordering).
   for (int budget = 64; budget > 0 && !pending_.empty(); --budget) {
-    int eligible[64];
-    int n = 0;
-    for (size_t i = 0; i < pending_.size() && n < 64; ++i)
-      if (pending_[i].ready <= now) eligible[n++] = int(i);
-    if (n == 0) return;
-    const size_t idx = size_t(eligible[faults_.pick(n)]);
+    size_t idx = 0;
+    if (!in_order) {
+      int eligible[64];
+      int n = 0;
+      for (size_t i = 0; i < pending_.size() && n < 64; ++i)
+        if (pending_[i].ready <= now) eligible[n++] = int(i);
+      if (n == 0) return;
+      idx = size_t(eligible[faults_.pick(n)]);
+    }
     Pending& p = pending_[idx];
     const WorkRequest& wr = p.wr;
     Peer& peer = t_->peers_[size_t(wr.peer)];
@@ -379,7 +384,10 @@ void LoopbackEndpoint::progress(std::vector<Completion>& out) {
       p.copy_token = wr.bytes ? copy_->submit(peer.base + wr.remote_offset, t_->local_data_ + wr.local_offset, wr.bytes)
                               : ~0ull;
     }
-    if (p.copy_token != ~0ull && !copy_->done(p.copy_token)) continue;
+    if (p.copy_token != ~0ull && !copy_->done(p.copy_token)) {
+      if (in_order) return;  // the oldest copy is still running; later ones complete after it
+      continue;
+    }
     if (wr.op == WrOp::kWriteImm) {
       QueueView q = t_->queue_view(peer.queues->base, peer.depth, thread_);
       // The immediate is published only after the data landed (release in try_enqueue).
