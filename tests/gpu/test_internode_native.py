@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_intranode_native import _Case, _dispatch, _eq, _hash, _split
+from test_intranode_native import _Case, _dispatch, _eq, _hash, check_case
 
 pytestmark = pytest.mark.gpu
 
@@ -87,59 +87,8 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
               and _eq(lay_n.num_tokens_per_expert, lay_r.num_tokens_per_expert)
               and _eq(lay_n.is_token_in_rank, lay_r.is_token_in_rank)
               and _eq(lay_n.num_tokens_per_rdma_rank, lay_r.num_tokens_per_rdma_rank))
-        _, rn = _dispatch(nat, case, "cuda", config=cfg)
-        _, rr = _dispatch(ref, case, "cpu", config=cfg)
-        xn, sn = _split(rn.recv_x)
-        xr, sr = _split(rr.recv_x)
-        check(f"{name}: recv_x", _eq(xn, xr))
-        check(f"{name}: recv scales", _eq(sn, sr))
-        check(f"{name}: recv_topk_idx", _eq(rn.recv_topk_idx, rr.recv_topk_idx))
-        check(f"{name}: recv_topk_weights", _eq(rn.recv_topk_weights, rr.recv_topk_weights))
-        check(f"{name}: per-expert counts", rn.num_recv_tokens_per_expert_list == rr.num_recv_tokens_per_expert_list)
-        check(f"{name}: rank_prefix_matrix", _eq(rn.handle[0], rr.handle[0]))
-        check(f"{name}: recv_src_idx", _eq(rn.handle[3], rr.handle[3]))
-        if routing == "empty_last" and rank == R - 1:
-            check(f"{name}: last rank receives nothing", xn.shape[0] == 0)
-        cn = nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
-        cx, cs = _split(cn.recv_x)
-        check(f"{name}: cached recv_x", _eq(cx, xn) and _eq(cs, sn))
-        worst = T * R if name != "bf16-neg" else 400 * R
-        _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst)
-        wx, ws = _split(wn.recv_x)
-        n = xn.shape[0]
-        check(f"{name}: worst shape/list", wx.shape[0] == worst and wn.num_recv_tokens_per_expert_list == [])
-        check(f"{name}: worst prefix", _eq(wx[:n], xn) and _eq(wn.recv_topk_idx[:n], rn.recv_topk_idx)
-              and _eq(wn.recv_topk_weights[:n], rn.recv_topk_weights) and (ws is None or _eq(ws[:n], sn))
-              and _eq(wn.handle[3][:n], rn.handle[3]))
-        check(f"{name}: worst tail -1", bool((wn.recv_topk_idx[n:] == -1).all()) and
-              bool((wn.recv_topk_weights[n:] == 0).all()) and bool((wn.handle[3][n:] == -1).all()))
-        if fp8:
-            continue
-        y = torch.randn((n, H), generator=case.gen).bfloat16()
-        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
-        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
-        on = nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()),
-                         config=cfg)
-        orf = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
-        # Partials are rounded to BF16 once per node before the cross-node sum (as DeepEP does): allow that
-        # rounding (2^-8 of the copies' magnitude) on top of the intranode tolerance.
-        mag = ref.combine(y.abs(), rr.handle, config=cfg).combined_x.float()
-        check(f"{name}: combine vs reference", _close(on.combined_x, orf.combined_x, mag))
-        check(f"{name}: combine weights", torch.allclose(on.combined_topk_weights.cpu(), orf.combined_topk_weights,
-                                                         rtol=1e-5, atol=1e-5))
-        check(f"{name}: combine without extras", _close(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x,
-                                                        ref.combine(y, rr.handle, config=cfg).combined_x, mag))
-        first = on.combined_x.clone()
-        same = all(torch.equal(nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights,
-                                           bias=(b0.cuda(), b1.cuda()), config=cfg).combined_x, first)
-                   for _ in range(5))
-        check(f"{name}: combine bitwise identical x5", same)
-        yw = torch.cat([y.cuda(), torch.randn((worst - n, H), device="cuda").bfloat16()])
-        ow = nat.combine(yw, wn.handle, topk_weights=wn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()), config=cfg)
-        check(f"{name}: combine via worst handle", torch.equal(ow.combined_x, first))
-        back = nat.combine(xn, rn.handle, config=cfg).combined_x.float().cpu()
-        cnt = lay_r.is_token_in_rank.sum(1, keepdim=True).float()
-        check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
+        check_case(check, name, nat, ref, case, cfg, lay_r, worst=T * R if name != "bf16-neg" else 400 * R,
+                   empty_rank=routing == "empty_last", combine_close=_close, repeats=5)
 
     # Back-to-back: dispatch + combine + cached dispatch `iters` times; hashes must not move, memory must not grow.
     case = _Case(rank, R, 1024, 2048, 8 * R, 8, False, "none", "random", 7)

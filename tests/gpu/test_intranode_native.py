@@ -109,6 +109,75 @@ def _split(recv_x):
     return recv_x if isinstance(recv_x, tuple) else (recv_x, None)
 
 
+def _close_bf16(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bool:
+    """Combine tolerance inside a node: one BF16 rounding of the float32 sum."""
+    return torch.allclose(got.detach().cpu().float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def check_case(check, name: str, nat, ref, case: _Case, cfg, lay_r, worst: int, empty_rank: bool,
+               combine_close, repeats: int) -> None:
+    """The per-case checks shared by the intranode and internode GPU tests: dispatch vs the reference (rows, scales,
+    ids, weights, counts, prefix matrix, sources), cached dispatch, num_worst_tokens, and for BF16 combine vs the
+    reference (with and without weights/biases; `combine_close(got, want, magnitude)` decides closeness), bitwise
+    repeatability, combine through the worst handle and the round trip."""
+    rank, R, T, H = dist.get_rank(), case.R, case.T, case.H
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    _, rr = _dispatch(ref, case, "cpu", config=cfg)
+    xn, sn = _split(rn.recv_x)
+    xr, sr = _split(rr.recv_x)
+    check(f"{name}: recv_x", _eq(xn, xr))
+    check(f"{name}: recv scales", _eq(sn, sr))
+    check(f"{name}: recv_topk_idx", _eq(rn.recv_topk_idx, rr.recv_topk_idx))
+    check(f"{name}: recv_topk_weights", _eq(rn.recv_topk_weights, rr.recv_topk_weights))
+    check(f"{name}: per-expert counts", rn.num_recv_tokens_per_expert_list == rr.num_recv_tokens_per_expert_list)
+    check(f"{name}: rank_prefix_matrix", _eq(rn.handle[0], rr.handle[0]))
+    check(f"{name}: recv_src_idx", _eq(rn.handle[3], rr.handle[3]))
+    if empty_rank and rank == R - 1:
+        check(f"{name}: last rank receives nothing", xn.shape[0] == 0)
+    # cached dispatch
+    cn = nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
+    cx, cs = _split(cn.recv_x)
+    check(f"{name}: cached recv_x", _eq(cx, xn) and _eq(cs, sn))
+    # num_worst_tokens
+    _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst)
+    wx, ws = _split(wn.recv_x)
+    n = xn.shape[0]
+    check(f"{name}: worst shape/list", wx.shape[0] == worst and wn.num_recv_tokens_per_expert_list == [])
+    check(f"{name}: worst prefix", _eq(wx[:n], xn) and _eq(wn.recv_topk_idx[:n], rn.recv_topk_idx)
+          and _eq(wn.recv_topk_weights[:n], rn.recv_topk_weights) and (ws is None or _eq(ws[:n], sn))
+          and _eq(wn.handle[3][:n], rn.handle[3]))
+    check(f"{name}: worst tail -1", bool((wn.recv_topk_idx[n:] == -1).all()) and
+          bool((wn.recv_topk_weights[n:] == 0).all()) and bool((wn.handle[3][n:] == -1).all()))
+    if sn is not None:
+        return
+    # combine: random expert outputs (same rows on both sides), top-k weights and two biases
+    y = torch.randn((n, H), generator=case.gen).bfloat16()
+    b0 = torch.randn((T, H), generator=case.gen).bfloat16()
+    b1 = torch.randn((T, H), generator=case.gen).bfloat16()
+    on = nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()),
+                     config=cfg)
+    orf = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
+    mag = ref.combine(y.abs(), rr.handle, config=cfg).combined_x.float()
+    check(f"{name}: combine vs reference", combine_close(on.combined_x, orf.combined_x, mag))
+    check(f"{name}: combine weights", torch.allclose(on.combined_topk_weights.cpu(), orf.combined_topk_weights,
+                                                     rtol=1e-5, atol=1e-5))
+    check(f"{name}: combine without extras", combine_close(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x,
+                                                           ref.combine(y, rr.handle, config=cfg).combined_x, mag))
+    first = on.combined_x.clone()
+    same = all(torch.equal(nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights,
+                                       bias=(b0.cuda(), b1.cuda()), config=cfg).combined_x, first)
+               for _ in range(repeats))
+    check(f"{name}: combine bitwise identical x{repeats}", same)
+    # combine through the num_worst_tokens handle (padding rows are ignored)
+    yw = torch.cat([y.cuda(), torch.randn((worst - n, H), device="cuda").bfloat16()])
+    ow = nat.combine(yw, wn.handle, topk_weights=wn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()), config=cfg)
+    check(f"{name}: combine via worst handle", torch.equal(ow.combined_x, first))
+    # the original tokens come back: dispatch then combine of recv_x sums each token once per rank
+    back = nat.combine(xn, rn.handle, config=cfg).combined_x.float().cpu()
+    cnt = lay_r.is_token_in_rank.sum(1, keepdim=True).float()
+    check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
+
+
 # ------------------------------------------------------------------------------------------------ the worker
 def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     from uccl_moe import Buffer, Config
@@ -161,63 +230,8 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         check(f"{name}: layout", _eq(lay_n.num_tokens_per_rank, lay_r.num_tokens_per_rank)
               and _eq(lay_n.num_tokens_per_expert, lay_r.num_tokens_per_expert)
               and _eq(lay_n.is_token_in_rank, lay_r.is_token_in_rank) and lay_n.num_tokens_per_rdma_rank is None)
-        # dispatch
-        _, rn = _dispatch(nat, case, "cuda", config=cfg)
-        _, rr = _dispatch(ref, case, "cpu", config=cfg)
-        xn, sn = _split(rn.recv_x)
-        xr, sr = _split(rr.recv_x)
-        check(f"{name}: recv_x", _eq(xn, xr))
-        check(f"{name}: recv scales", _eq(sn, sr))
-        check(f"{name}: recv_topk_idx", _eq(rn.recv_topk_idx, rr.recv_topk_idx))
-        check(f"{name}: recv_topk_weights", _eq(rn.recv_topk_weights, rr.recv_topk_weights))
-        check(f"{name}: per-expert counts", rn.num_recv_tokens_per_expert_list == rr.num_recv_tokens_per_expert_list)
-        check(f"{name}: rank_prefix_matrix", _eq(rn.handle[0], rr.handle[0]))
-        check(f"{name}: recv_src_idx", _eq(rn.handle[3], rr.handle[3]))
-        if routing == "empty_last" and rank == R - 1:
-            check(f"{name}: last rank receives nothing", xn.shape[0] == 0)
-        # cached dispatch
-        cn = nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
-        cx, cs = _split(cn.recv_x)
-        check(f"{name}: cached recv_x", _eq(cx, xn) and _eq(cs, sn))
-        # num_worst_tokens
-        worst = T * R
-        _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst)
-        wx, ws = _split(wn.recv_x)
-        n = xn.shape[0]
-        check(f"{name}: worst shape/list", wx.shape[0] == worst and wn.num_recv_tokens_per_expert_list == [])
-        check(f"{name}: worst prefix", _eq(wx[:n], xn) and _eq(wn.recv_topk_idx[:n], rn.recv_topk_idx)
-              and _eq(wn.recv_topk_weights[:n], rn.recv_topk_weights) and (ws is None or _eq(ws[:n], sn)))
-        check(f"{name}: worst tail -1", bool((wn.recv_topk_idx[n:] == -1).all()) and
-              bool((wn.recv_topk_weights[n:] == 0).all()) and bool((wn.handle[3][n:] == -1).all()))
-        if fp8:
-            continue
-        # combine: random expert outputs (same rows on both sides), top-k weights and two biases
-        y = torch.randn((n, H), generator=case.gen).bfloat16()
-        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
-        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
-        on = nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()),
-                         config=cfg)
-        orf = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
-        close = torch.allclose(on.combined_x.cpu().float(), orf.combined_x.float(), rtol=1e-2, atol=1e-2)
-        check(f"{name}: combine vs reference", close)
-        check(f"{name}: combine weights", torch.allclose(on.combined_topk_weights.cpu(), orf.combined_topk_weights,
-                                                         rtol=1e-5, atol=1e-6))
-        check(f"{name}: combine without extras",
-              torch.allclose(nat.combine(y.cuda(), rn.handle, config=cfg).combined_x.cpu().float(),
-                             ref.combine(y, rr.handle, config=cfg).combined_x.float(), rtol=1e-2, atol=1e-2))
-        first = on.combined_x.clone()
-        same = all(torch.equal(nat.combine(y.cuda(), rn.handle, topk_weights=rn.recv_topk_weights,
-                                           bias=(b0.cuda(), b1.cuda()), config=cfg).combined_x, first)
-                   for _ in range(10))
-        check(f"{name}: combine bitwise identical x10", same)
-        # combine through the num_worst_tokens handle (padding rows are ignored)
-        yw = torch.cat([y.cuda(), torch.randn((worst - n, H), device="cuda").bfloat16()])
-        ow = nat.combine(yw, wn.handle, topk_weights=wn.recv_topk_weights, bias=(b0.cuda(), b1.cuda()), config=cfg)
-        check(f"{name}: combine via worst handle", torch.equal(ow.combined_x, first))
-        # the original tokens come back: dispatch then combine of recv_x sums each token once per rank
-        back = nat.combine(xn, rn.handle, config=cfg).combined_x.float().cpu()
-        cnt = lay_r.is_token_in_rank.sum(1, keepdim=True).float()
-        check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
+        check_case(check, name, nat, ref, case, cfg, lay_r, worst=T * R, empty_rank=routing == "empty_last",
+                   combine_close=_close_bf16, repeats=10)
 
     if small:
         dist.barrier(group=gloo)

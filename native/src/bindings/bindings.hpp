@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <memory>
 
 #include "uccl_moe/bootstrap.hpp"
@@ -12,6 +13,14 @@
 #include "uccl_moe/proxy.hpp"
 
 namespace uccl_moe::bindings {
+
+/// A device pointer passed from Python as an int (0 = absent).
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+/// A stream handle passed from Python as an int (cudaStream_t / hipStream_t).
+inline void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 /// A DiagRecord as the dict Python sees (CommTimeoutError.record), with the formatted message.
 nanobind::dict diag_to_dict(const DiagRecord& r);

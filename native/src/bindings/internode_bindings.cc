@@ -24,11 +24,6 @@ namespace {
 using runtime::NvlRuntime;
 using runtime::RdmaRuntime;
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 nb::dict layout_dict(const internode::RdmaLayout& l) {
   nb::dict d;

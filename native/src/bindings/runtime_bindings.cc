@@ -24,11 +24,6 @@ namespace {
 using intranode::Geometry;
 using runtime::NvlRuntime;
 
-template <typename T>
-T* ptr(uintptr_t p) {
-  return reinterpret_cast<T*>(p);
-}
-void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
 nb::tuple geometry_tuple(const Geometry& g) {
   return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
