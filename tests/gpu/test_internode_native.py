@@ -131,10 +131,10 @@ _REORDER_ENV = {"UCCL_MOE_LOOPBACK_REORDER_WINDOW": "64", "UCCL_MOE_LOOPBACK_DEL
 
 
 @pytest.mark.parametrize("world,nodes,reorder", [(4, 2, False), (4, 4, False), (2, 2, False), (4, 2, True),
-                                                 (4, 4, True)])
+                                                 (4, 4, True), (8, 2, False)])
 def test_native_internode_matches_reference(world: int, nodes: int, reorder: bool) -> None:
     iters = int(os.environ.get("UMOE_TEST_ITERS", "1000"))
-    if reorder:
+    if reorder or world > 4:  # 8 ranks share the test machine's GPUs: keep the run short
         iters = min(iters, 100)
     env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": str(nodes), **(_REORDER_ENV if reorder else {})}
     run_shared_gpu_ranks(_worker, world, nodes, iters, env=env, timeout_s=1200)
