@@ -19,7 +19,7 @@ def _ranks(N: int, G: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor,
     gen = torch.Generator().manual_seed(seed)
     R = N * G
     in_rank = []
-    for r in range(R):
+    for _ in range(R):
         T = int(torch.randint(0, 40, (1,), generator=gen))
         m = torch.rand((T, R), generator=gen) < 0.3
         m[:, R - 1] = False  # the last rank receives nothing
