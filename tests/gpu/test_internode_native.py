@@ -174,3 +174,32 @@ def test_native_internode_dropped_command_raises() -> None:
     env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": "2", "UCCL_MOE_TIMEOUT_S": "4",
            "UCCL_MOE_LOOPBACK_DROP_EVERY": "5"}
     run_shared_gpu_ranks(_drop_worker, 2, env=env, timeout_s=300)
+
+
+# ------------------------------------------------------------------------------------------------ RDMA buffer too small
+def _small_buffer_worker(rank: int, world: int, gloo) -> None:
+    from uccl_moe import Buffer, Config, InvalidUsageError
+
+    cfg = Config(24, 8, 256, 6, 128)
+    # Just the Config hint (passes the Buffer's own check): ~3150 staged rows of hidden 7168 fit per area.
+    rdma = -(-cfg.get_rdma_buffer_size_hint(7168 * 2, world, 1) // 4096) * 4096
+    nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, world), rdma, backend="native",
+                 explicitly_destroy=True)
+    case = _Case(rank, world, 6000, 7168, 4 * world, 4, False, "none", "random", 9)  # ~6000 rows to the other node
+    try:
+        _dispatch(nat, case, "cuda", config=cfg)
+    except InvalidUsageError as e:
+        assert "num_rdma_bytes" in str(e) and "rows" in str(e), str(e)
+    else:
+        raise AssertionError("a dispatch that does not fit the RDMA buffer was accepted")
+    # The refusal happened before any staging: a dispatch that fits still works on the same Buffer.
+    small = _Case(rank, world, 64, 7168, 4 * world, 4, False, "none", "random", 10)
+    _, r = _dispatch(nat, small, "cuda", config=cfg)
+    torch.cuda.synchronize()
+    assert r.recv_x.shape[0] == int(r.handle[0][-1, rank])
+    dist.barrier(group=gloo)
+    nat.destroy()
+
+
+def test_native_internode_rdma_buffer_too_small_raises() -> None:
+    run_shared_gpu_ranks(_small_buffer_worker, 2, env={**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": "2"}, timeout_s=300)
