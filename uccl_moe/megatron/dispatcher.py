@@ -62,10 +62,13 @@ def buffer_sizes(
     nvl_bytes: Optional[int],
     rdma_bytes: Optional[int],
     ranks_per_node: int = 0,
+    max_tokens: int = 0,
+    num_topk: int = 0,
 ) -> tuple[int, int]:
     """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
     configs for a group of `group_size` ranks in nodes of `ranks_per_node` (0: min(group_size, 8), one node up to
-    8 ranks), the layout the Buffer checks its sizes against."""
+    8 ranks), the layout the Buffer checks its sizes against. Across nodes the RDMA default also holds the staging
+    of `max_tokens` tokens per rank with `num_topk` experts each (any routing; see backends/internode.py)."""
     from uccl_moe import Buffer
 
     configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
@@ -73,11 +76,18 @@ def buffer_sizes(
         nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
     if rdma_bytes is None:
         rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
+        per_node = ranks_per_node or min(group_size, 8)
+        if rdma_bytes > 0 and group_size > per_node and max_tokens > 0:
+            from uccl_moe.backends.internode import rdma_bytes_for
+
+            staged = rdma_bytes_for(max_tokens, hidden_bytes // 2, num_topk, group_size // per_node)
+            rdma_bytes = max(-(-rdma_bytes // 4096) * 4096, staged)
     return nvl_bytes, rdma_bytes
 
 
-def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
-    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`), created on first use."""
+def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0) -> Any:
+    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`), created on first use; `max_tokens`
+    (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans nodes."""
     from uccl_moe import Buffer
 
     with _BUFFERS_LOCK:
@@ -89,7 +99,8 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs) -> Any:
         size = dist.get_world_size(group)
         # The node layout the Buffer will detect and check the sizes against (a collective, like the Buffer's own).
         topology = detect(group, dist.get_rank(group), size)
-        nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node)
+        nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node,
+                                 max_tokens, num_topk)
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             size, topology.ranks_per_node, hidden_bytes, nvl, rdma, knobs.backend,
@@ -337,7 +348,10 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def _get_buffer(self, x: torch.Tensor) -> Any:
         hb = hidden_bytes_of(x)
         if self._buffer is None or self._buffer_hidden_bytes != hb:
-            self._buffer = get_buffer(self.comm_group, hb, self.knobs)
+            # Twice this batch's tokens: room for longer sequences without recreating the Buffer.
+            tokens = x.numel() // max(int(x.size(-1)), 1)
+            self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens,
+                                      int(getattr(self.config, "moe_router_topk", 0) or 0))
             self._buffer_hidden_bytes = hb
         return self._buffer
 

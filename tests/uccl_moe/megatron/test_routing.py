@@ -76,3 +76,11 @@ def test_hidden_bytes_and_size_hint_defaults():
     nvl, rdma = buffer_sizes(2, 128, None, None, ranks_per_node=1)
     assert nvl == max(c.get_nvl_buffer_size_hint(128, 2, 1) for c in configs)
     assert rdma == max(c.get_rdma_buffer_size_hint(128, 2, 1) for c in configs) > 0
+    # ... and with a token count, room to stage any routing of them (2 nodes x 4096 tokens of hidden 7168, top-8).
+    from uccl_moe import _C
+
+    _, rdma = buffer_sizes(4, 7168 * 2, None, None, ranks_per_node=2, max_tokens=4096, num_topk=8)
+    assert rdma % 4096 == 0
+    assert _C.internode_dispatch_layout(rdma, 7168 * 2, 0, 8, 2)["cap"] >= 2 * 4096
+    assert _C.internode_combine_layout(rdma, 7168, 8)["cap"] >= 2 * 4096
+    assert buffer_sizes(4, 7168 * 2, None, 123, ranks_per_node=2, max_tokens=4096, num_topk=8)[1] == 123
