@@ -10,8 +10,9 @@ from helpers.mp import run_shared_gpu_ranks  # noqa: E402
 
 
 def worker(rank, world, gloo, nodes):
-    from uccl_moe import Buffer, Config
     from test_intranode_native import _Case, _dispatch
+
+    from uccl_moe import Buffer, Config
 
     cfg = Config(24, 8, 256, 6, 128)
     nvl = cfg.get_nvl_buffer_size_hint(4096, world)
