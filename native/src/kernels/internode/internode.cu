@@ -67,26 +67,31 @@ __global__ void __launch_bounds__(kThreads) rdma_pack_kernel(RdmaContext ctx, Pa
 }
 
 __global__ void rdma_post_kernel(RdmaContext ctx, PostArgs a) {
-  const int n = threadIdx.x;
+  // Thread (n, s): stripe s of every array of node n's segment, through its own FIFO (FIFOs n*S .. n*S+S-1 belong
+  // to S different proxy threads when there are at least S), then the stripe's arrival in the same FIFO.
+  const int n = threadIdx.x / kStripes, s = threadIdx.x % kStripes;
   if (n >= ctx.num_nodes || n == ctx.node) return;
   const int dst = n * ctx.ranks_per_node + ctx.local;
-  const FifoDeviceHandle fifo = ctx.fifos[n % ctx.num_fifos];
+  const FifoDeviceHandle fifo = ctx.fifos[(n * kStripes + s) % ctx.num_fifos];
   const DiagDeviceHandle diag = diag_of(ctx);
   const int64_t rows = a.rows[n];
   if (a.dst_row[n] + rows > a.peer_cap) {  // num_worst_tokens calls are checked here, the others on the host
-    report_timeout(diag, DiagPhase::kRdmaCapacity, kRoleSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0, 0.0);
+    if (s == 0)
+      report_timeout(diag, DiagPhase::kRdmaCapacity, kRoleSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0, 0.0);
     return;
   }
   for (int i = 0; i < a.num_arrays; ++i) {
     const PostArray& arr = a.arrays[i];
     const int64_t total = rows * arr.row_bytes;
+    const int64_t part = (total + kStripes * 16 - 1) / (kStripes * 16) * 16;  // 16-byte aligned stripes
+    const int64_t lo = min(total, s * part), hi = min(total, lo + part);
     const int64_t src = arr.src_off + a.src_row[n] * arr.row_bytes;
     const int64_t dst_off = arr.dst_off + a.dst_row[n] * arr.row_bytes;
-    for (int64_t off = 0; off < total; off += kMaxCmdBytes) {
+    for (int64_t off = lo; off < hi; off += kMaxCmdBytes) {
       TransferCmdFields f;
       f.op = CmdOp::kWrite;
       f.dst_rank = static_cast<uint32_t>(dst);
-      f.bytes = static_cast<uint32_t>(min(static_cast<int64_t>(kMaxCmdBytes), total - off));
+      f.bytes = static_cast<uint32_t>(min(static_cast<int64_t>(kMaxCmdBytes), hi - off));
       f.src_offset = static_cast<uint64_t>(src + off);
       f.dst_offset = static_cast<uint64_t>(dst_off + off);
       if (fifo.push(encode(f), diag) == ~0ull) return;
@@ -101,12 +106,12 @@ __global__ void rdma_post_kernel(RdmaContext ctx, PostArgs a) {
   fifo.push(encode(f), diag);
 }
 
-/// Arrival of `slot` from rank `src`: waits until its counter passed what this rank consumed so far. False on
-/// timeout (diagnostic written).
-UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot) {
+/// `count` arrivals of `slot` from rank `src`: waits until its counter passed what this rank consumed so far by
+/// `count`. False on timeout (diagnostic written).
+UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot, int count) {
   const int64_t* counter = ctx.counters + static_cast<int64_t>(src) * kCountersPerSrc + slot;
   int64_t* epoch = ctx.epochs + slot * ctx.num_ranks + src;
-  const int64_t want = *epoch + 1;
+  const int64_t want = *epoch + count;
   const DiagDeviceHandle diag = diag_of(ctx);
   BoundedWait wait(diag);
   int64_t seen = gpu::load_acquire_sys(counter);  // released by the proxy's counter add (after the data landed)
@@ -140,13 +145,13 @@ __global__ void rdma_notify_kernel(RdmaContext ctx, int64_t offset, int row_byte
     if (fifo.push(encode(g), diag) == ~0ull) return;
   }
   for (int s = threadIdx.x; s < ctx.num_ranks; s += blockDim.x)
-    if (s != ctx.rank && !wait_arrival(ctx, s, kSlotNotify)) return;
+    if (s != ctx.rank && !wait_arrival(ctx, s, kSlotNotify, 1)) return;
 }
 
 __global__ void rdma_wait_kernel(RdmaContext ctx, int slot) {
   const int m = threadIdx.x;
   if (m >= ctx.num_nodes || m == ctx.node) return;
-  wait_arrival(ctx, m * ctx.ranks_per_node + ctx.local, slot);
+  wait_arrival(ctx, m * ctx.ranks_per_node + ctx.local, slot, kStripes);  // one arrival per stripe
 }
 
 __global__ void rail_barrier_kernel(RdmaContext ctx) {
@@ -304,7 +309,7 @@ void launch_rdma_post(const RdmaContext& ctx, const PostArgs& a, void* stream) {
   for (int i = 0; i < a.num_arrays; ++i)
     UCCL_ASSERT(a.arrays[i].row_bytes % 4 == 0 && a.arrays[i].src_off % 4 == 0 && a.arrays[i].dst_off % 4 == 0,
                 "post array %d is not 4-byte aligned (the command carries offsets in 4-byte units)", i);
-  rdma_post_kernel<<<1, kMaxNodes, 0, static_cast<gpu::Stream>(stream)>>>(ctx, a);
+  rdma_post_kernel<<<1, kMaxNodes * kStripes, 0, static_cast<gpu::Stream>(stream)>>>(ctx, a);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

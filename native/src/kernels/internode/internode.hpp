@@ -5,9 +5,10 @@
 // Data flow of a dispatch on N nodes x G GPUs (rank = node * G + local; rail peers share `local`):
 //   1. pack      each token is staged once per destination node it needs (per-node deduplication): rows for our
 //                own node go straight into our receive area, rows for node n into our send area's segment n.
-//   2. post      one thread per remote node pushes WRITE commands (one per array chunk) and a counter ATOMIC into a
-//                FIFO; the proxy copies the segment into the receive area of our rail peer on node n.
-//   3. wait      the receiver polls the counters the proxy applies (one arrival per source node per call).
+//   2. post      per remote node, kStripes threads each push the WRITEs of one stripe of the segment and a counter
+//                ATOMIC into their own FIFO; the proxy threads copy the stripes into the receive area of our rail
+//                peer on node n in parallel.
+//   3. wait      the receiver polls the counters the proxy applies (kStripes arrivals per source node per call).
 //   4. forward   the receive area is an ordinary token array ("x'": rows from every node of our rail, in node
 //                order); the intranode notify/dispatch kernels forward it over NVLink to the local GPUs that hold
 //                its experts, writing each row at its final position (row_map) with its origin token index.
@@ -36,6 +37,9 @@ constexpr int kNumSlots = 3;
 constexpr int64_t kNotifyReserveBytes = 4LL << 20;
 constexpr int kMaxNodes = 64;
 constexpr uint32_t kMaxCmdBytes = 8u << 20;  ///< payload bytes per WRITE command (< TransferCmd's 16 MiB)
+/// A node's segment is posted as this many stripes through different FIFOs (so different proxy threads copy in
+/// parallel), each with its own arrival; the receiver waits for all of them.
+constexpr int kStripes = 4;
 
 /// What every internode kernel knows (trivially copyable; passed by value).
 struct RdmaContext {
@@ -105,7 +109,8 @@ struct PostArgs {
 /// Notify all-gather: row `rank` of the `row_bytes`-wide rows at byte `offset` goes to every other rank (same
 /// offset), then waits until every other rank's row arrived.
 void launch_rdma_notify(const RdmaContext& ctx, int64_t offset, int row_bytes, void* stream);
-/// One thread per remote node pushes its WRITEs and the arrival ATOMIC into one FIFO (HT order).
+/// kStripes threads per remote node each push the WRITEs of one stripe of every array and the stripe's arrival
+/// ATOMIC into one FIFO (HT order: the arrival is applied after that FIFO's writes landed).
 void launch_rdma_post(const RdmaContext& ctx, const PostArgs& a, void* stream);
 /// Waits (bounded) until every remote rail peer's arrival for `slot` of this call landed.
 void launch_rdma_wait(const RdmaContext& ctx, int slot, void* stream);
