@@ -34,6 +34,7 @@ from .. import _C
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..proxy import StoreBootstrap
 from .base import BufferContext, DispatchRequest
+from .native import scale_layout
 
 _SLOT_DISPATCH, _SLOT_COMBINE = 0, 1
 _PLAN_ATTR = "_uccl_internode"
@@ -247,22 +248,14 @@ class InternodePath:
                      seg_row0=o["seg_row0"], back_row0=o["back_row0"], part_row0=o["part_row0"], num_xp=num_xp,
                      xp_rows=xp_rows, mask=torch.empty((0, G), dtype=torch.bool, device=dev),
                      row_map=row_map_of(o, rows), fwd_counts=o["fwd_counts"], num_sms=num_sms)
-        self._check_plan(plan)
         return plan, rank_prefix, counts, rows
-
-    @staticmethod
-    def _check_plan(plan: _Plan) -> None:
-        for f in dataclasses.fields(plan):
-            v = getattr(plan, f.name)
-            if isinstance(v, torch.Tensor) and not v.is_contiguous():
-                raise AssertionError(f"internode plan field {f.name} is not contiguous")
 
     def _dispatch_layout(self, row_bytes: int, num_scales: int, num_topk: int) -> dict[str, int]:
         return dict(_C.internode_dispatch_layout(self.ctx.num_rdma_bytes, row_bytes, num_scales, num_topk, self.G))
 
     def _dispatch_cap(self, req: DispatchRequest) -> int:
         x = req.x
-        ns = self._num_scales(req.x_scales)
+        ns = scale_layout(req.x_scales)[0]
         K = req.topk_idx.shape[1] if req.topk_idx is not None else 0
         lay = self._dispatch_layout(x.shape[1] * x.element_size(), ns, K)
         comb = _C.internode_combine_layout(self.ctx.num_rdma_bytes, x.shape[1], max(K, 1))
@@ -277,12 +270,6 @@ class InternodePath:
                 f"Buffer with num_rdma_bytes >= {int(self.ctx.num_rdma_bytes * need / max(cap, 1)) + (1 << 20)}"
             )
 
-    @staticmethod
-    def _num_scales(s: torch.Tensor | None) -> int:
-        if s is None:
-            return 0
-        return 1 if s.dim() == 1 else int(s.shape[1])
-
     # ---------------------------------------------------------------- dispatch
     def _stage(self, plan: _Plan, x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
                topk_weights: torch.Tensor | None, is_token_in_rank: torch.Tensor, num_experts: int,
@@ -292,11 +279,9 @@ class InternodePath:
         nvl = self.backend._rt
         T = x.shape[0]
         row_bytes = x.shape[1] * x.element_size()
-        ns = self._num_scales(x_scales)
+        ns, s_tok, s_hid = scale_layout(x_scales)
         K = topk_idx.shape[1] if topk_idx is not None else 0
         lay = self._dispatch_layout(row_bytes, ns, K)
-        s_tok = x_scales.stride(0) if x_scales is not None else 0
-        s_hid = (x_scales.stride(1) if x_scales.dim() == 2 else 0) if x_scales is not None else 0
         self._mark("start")
         if barrier:
             _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
@@ -327,8 +312,10 @@ class InternodePath:
         """A [rows, cols] tensor over our RDMA buffer (the receive area starts at offset 0)."""
         return _DeviceView.tensor(self.rt.buffer + off, rows * cols, dtype, self.ctx.device).view(rows, cols)
 
-    def dispatch(self, req: DispatchRequest, num_sms: int, cfg: Any) -> tuple[Any, ...]:
+    def dispatch(self, req: DispatchRequest) -> tuple[Any, ...]:
         self.check()
+        cfg = req.config
+        num_sms = int(cfg.num_sms)
         b = self.backend
         x = req.x.contiguous()
         topk_idx = req.topk_idx.contiguous() if req.topk_idx is not None else None
@@ -375,7 +362,7 @@ class InternodePath:
         b = self.backend
         base = self.rt.buffer
         row_bytes = x.shape[1] * x.element_size()
-        ns = self._num_scales(x_scales)
+        ns = scale_layout(x_scales)[0]
         with_topk = num_topk > 0
         recv_x, recv_scales, recv_idx, recv_w, recv_src = recv
         _C.dispatch_intranode(
@@ -463,10 +450,6 @@ class InternodePath:
                           bias0=_ptr(b0), bias1=_ptr(b1), num_tokens=T, hidden=H, num_topk=K, num_nodes=self.N,
                           out=_ptr(out), out_topk_weights=_ptr(out_w), stream=stream)
         self._mark("final reduce")
-        # part_x/part_w must outlive the kernel: the caching allocator reuses their memory only after the stream
-        # passed this point.
-        part_x.record_stream(torch.cuda.current_stream())
-        part_w.record_stream(torch.cuda.current_stream())
         return out, out_w
 
 

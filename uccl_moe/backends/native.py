@@ -40,6 +40,15 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
+def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """(scales per token, token stride, hidden stride) of FP8 scales as the kernels index them; (0, 0, 0) if none."""
+    if x_scales is None:
+        return 0, 0, 0
+    if x_scales.dim() == 1:
+        return 1, x_scales.stride(0), 0
+    return x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
+
+
 class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
@@ -146,12 +155,7 @@ class NativeBackend(Backend):
         T = x.shape[0]
         K = topk_idx.shape[1] if topk_idx is not None else 0
         recv_x, recv_scales, recv_idx, recv_w, recv_src = self._alloc_recv(rows, x, x_scales, K, with_meta)
-        num_scales, s_tok, s_hid = 0, 0, 0
-        if x_scales is not None:
-            if x_scales.dim() == 1:
-                num_scales, s_tok, s_hid = 1, x_scales.stride(0), 0
-            else:
-                num_scales, s_tok, s_hid = x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
+        num_scales, s_tok, s_hid = scale_layout(x_scales)
         _C.dispatch_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
             nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, x=_ptr(x), x_scales=_ptr(x_scales),
@@ -185,7 +189,7 @@ class NativeBackend(Backend):
     def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
         self._check_alive()
         if self._inter is not None:
-            return self._inter.dispatch(req, int(req.config.num_sms), req.config)
+            return self._inter.dispatch(req)
         R = self.R
         x = req.x.contiguous()
         T = x.shape[0]
