@@ -21,10 +21,9 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
-from ._run import _plot, _table, _worker
+from ._run import _plot, _table, _worker, spawn
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -71,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
         print("--iters must be >= 20 (the median of at least 20 runs is the method)", file=sys.stderr)
         return 2
     import torch
-    import torch.multiprocessing as mp
 
     if not torch.cuda.is_available():
         print("uccl-moe bench needs CUDA GPUs", file=sys.stderr)
@@ -81,20 +79,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {R} ranks share {torch.cuda.device_count()} GPU(s); timings are not meaningful",
               file=sys.stderr)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as d:
-        init_file, result_file = os.path.join(d, "init"), os.path.join(d, "result.json")
-        t0 = time.time()
-        procs = [ctx.Process(target=_worker, args=(r, R, init_file, args, result_file)) for r in range(R)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            print(f"bench failed (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
-            return 1
-        with open(result_file) as f:
-            result = json.load(f)
+    t0 = time.time()
+    result = spawn(_worker, R, args)
+    if result is None:
+        return 1
     rows = result["rows"]
     dev = torch.cuda.get_device_name(0)
     print(f"uccl-moe bench on {R} x {dev}; peer copy ceiling (one way, copy engine) "

@@ -14,6 +14,30 @@ FLUSH_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------------ per rank
+def spawn(worker: Callable[..., None], R: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """Runs worker(rank, R, init_file, args, result_file) in R spawned processes; returns the JSON rank 0 wrote to
+    result_file, or None (after printing the exit codes) if a process failed."""
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        init_file, result_file = os.path.join(d, "init"), os.path.join(d, "result.json")
+        procs = [ctx.Process(target=worker, args=(r, R, init_file, args, result_file)) for r in range(R)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            print(f"bench failed (exit codes {[p.exitcode for p in procs]})", file=sys.stderr)
+            return None
+        with open(result_file) as f:
+            result: dict[str, Any] = json.load(f)
+            return result
+
+
 def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> float:
     """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream)."""
     import torch

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from typing import Any
 
 
@@ -103,22 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import torch
-    import torch.multiprocessing as mp
+
+    from ._run import spawn
 
     R = args.ranks or torch.cuda.device_count()
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as d:
-        init_file, result_file = os.path.join(d, "init"), os.path.join(d, "result.json")
-        procs = [ctx.Process(target=_worker, args=(r, R, init_file, args, result_file)) for r in range(R)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        if any(proc.exitcode != 0 for proc in procs):
-            print(f"bench failed (exit codes {[proc.exitcode for proc in procs]})", file=sys.stderr)
-            return 1
-        with open(result_file) as f:
-            res = json.load(f)
+    res = spawn(_worker, R, args)
+    if res is None:
+        return 1
     dev = torch.cuda.get_device_name(0)
     print(f"emulated internode (LOOPBACK, not a NIC): {R} ranks as {args.nodes} nodes x {R // args.nodes} on "
           f"{min(R, torch.cuda.device_count())} x {dev}; T={args.tokens} H={args.hidden} E={args.experts} "
