@@ -184,14 +184,22 @@ class InternodePath:
             self.timeline.append((stage, ev))
 
     # ---------------------------------------------------------------- lifecycle and errors
+    def proxy_error(self) -> str | None:
+        """The proxy's first error (a lost command names itself), or None while it runs fine."""
+        if not self.rt.failed():
+            return None
+        try:
+            self.rt.check()
+        except Exception as e:  # noqa: BLE001 - the proxy's Timeout/Transport error, as text
+            return str(e)
+        return None
+
     def check(self) -> None:
-        """Raises the proxy's error (a lost command names itself) as CommTimeoutError."""
-        if self.rt.failed():
-            try:
-                self.rt.check()
-            except Exception as e:  # noqa: BLE001 - the proxy's Timeout/Transport error becomes the user's error
-                rec = {"rank": self.me, "peer": -1, "channel": -1, "phase": "proxy", "message": str(e)}
-                raise CommTimeoutError(f"rank {self.me}: the CPU proxy failed: {e}", rec) from None
+        """Raises the proxy's error as CommTimeoutError (NativeBackend calls this before every operation)."""
+        err = self.proxy_error()
+        if err is not None:
+            rec = {"rank": self.me, "peer": -1, "channel": -1, "phase": "proxy", "message": err}
+            raise CommTimeoutError(f"rank {self.me}: the CPU proxy failed: {err}", rec)
 
     def destroy(self) -> None:
         self.rt.destroy()
@@ -313,7 +321,6 @@ class InternodePath:
         return _DeviceView.tensor(self.rt.buffer + off, rows * cols, dtype, self.ctx.device).view(rows, cols)
 
     def dispatch(self, req: DispatchRequest) -> tuple[Any, ...]:
-        self.check()
         cfg = req.config
         num_sms = int(cfg.num_sms)
         b = self.backend
@@ -379,7 +386,6 @@ class InternodePath:
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
                         config: Any) -> tuple[Any, Any]:
-        self.check()
         plan: _Plan = getattr(handle[0], _PLAN_ATTR)
         b = self.backend
         x = x.contiguous()
@@ -397,7 +403,6 @@ class InternodePath:
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
                 config: Any) -> tuple[Any, Any]:
-        self.check()
         plan: _Plan = getattr(handle[0], _PLAN_ATTR)
         b = self.backend
         stream = b._stream()

@@ -111,11 +111,9 @@ class NativeBackend(Backend):
         if rec.get("phase") == "rdma/capacity":
             raise InvalidUsageError(rec["message"] + " (this Buffer is unusable now; create a new one)")
         msg = rec["message"]
-        if self._inter is not None and self._inter.rt.failed():
-            try:
-                self._inter.rt.check()
-            except Exception as e:  # noqa: BLE001 - appended to the GPU's record
-                msg += f"; the CPU proxy failed first: {e}"
+        proxy = self._inter.proxy_error() if self._inter is not None else None
+        if proxy is not None:
+            msg += f"; the CPU proxy failed first: {proxy}"
         raise CommTimeoutError(msg, rec)
 
     def _sms_of(self, handle: Any) -> int:
