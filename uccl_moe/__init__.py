@@ -25,6 +25,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 _env.configure_logging()
+_env.prepare_cuda_module_loading()
 
 _LAZY = {
     "Buffer": "buffer", "Config": "buffer", "DispatchHandle": "buffer", "DispatchResult": "buffer",

@@ -6,7 +6,9 @@ group: layout (with tokens per node), received rows (BF16 and FP8 with row/colum
 expert ids, weights, per-expert counts, source indices, the global rank prefix matrix; cached dispatch;
 num_worst_tokens; combine with biases and top-k weights (BF16 tolerance; bitwise identical across runs); the round
 trip; group-limited routing; back-to-back calls with a hash check. The same runs again with the loopback's most
-aggressive reordering and delays, and a dropped command must surface as CommTimeoutError naming it.
+aggressive reordering and delays, and a dropped command must surface as CommTimeoutError naming it. Both loopback
+data paths run (GPU copy engines over CUDA IPC; host-staged), and lazy kernel loading must select host staging under
+UCCL_MOE_LOOPBACK_GPU_COPY=auto and be refused with an explanation under =1.
 
 Env: UMOE_TEST_ITERS (back-to-back iterations, default 1000).
 """
@@ -43,7 +45,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, magnitude: torch.Tensor) -> bo
     return bool(((got - want).abs() <= 1e-2 + 1e-2 * want.abs() + magnitude * 2.0 ** -8).all())
 
 
-def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
+def _worker(rank: int, world: int, gloo, nodes: int, iters: int, host_staged: bool) -> None:
     from uccl_moe import Buffer, Config
 
     R = world
@@ -53,6 +55,7 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
     nat = Buffer(dist.group.WORLD, nvl, RDMA_BYTES, backend="native", explicitly_destroy=True)
     ref = Buffer(gloo, nvl, RDMA_BYTES, backend="reference", explicitly_destroy=True)
     assert nat.topology.num_nodes == nodes, nat.topology
+    assert nat._backend._inter.rt.host_staged == host_staged, "the loopback ran the other data path"
     failures: list[str] = []
     verbose = os.environ.get("UMOE_TEST_VERBOSE", "0") == "1"
 
@@ -128,16 +131,48 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int) -> None:
 _BASE_ENV = {"UCCL_MOE_PROXY_THREADS": "2", "UCCL_MOE_TIMEOUT_S": "60"}
 _REORDER_ENV = {"UCCL_MOE_LOOPBACK_REORDER_WINDOW": "64", "UCCL_MOE_LOOPBACK_DELAY_US": "300",
                 "UCCL_MOE_LOOPBACK_SEED": "7", "UCCL_MOE_MAX_INFLIGHT_WRITES": "16"}
+# The loopback's two data paths: GPU memory copied by copy engines over CUDA IPC (needs eager kernel loading), and
+# pinned host memory copied by the proxy.
+_DATA_ENV = {"gpu": {"UCCL_MOE_LOOPBACK_GPU_COPY": "1", "CUDA_MODULE_LOADING": "EAGER"},
+             "host": {"UCCL_MOE_LOOPBACK_GPU_COPY": "0"}}
 
 
-@pytest.mark.parametrize("world,nodes,reorder", [(4, 2, False), (4, 4, False), (2, 2, False), (4, 2, True),
-                                                 (4, 4, True), (8, 2, False)])
-def test_native_internode_matches_reference(world: int, nodes: int, reorder: bool) -> None:
+@pytest.mark.parametrize("world,nodes,reorder,data", [
+    (4, 2, False, "gpu"), (4, 4, False, "gpu"), (2, 2, False, "gpu"), (4, 2, True, "gpu"), (4, 4, True, "gpu"),
+    (8, 2, False, "gpu"), (4, 2, False, "host"), (2, 2, False, "host"), (4, 4, True, "host")])
+def test_native_internode_matches_reference(world: int, nodes: int, reorder: bool, data: str) -> None:
     iters = int(os.environ.get("UMOE_TEST_ITERS", "1000"))
-    if reorder or world > 4:  # 8 ranks share the test machine's GPUs: keep the run short
+    if reorder or world > 4 or data == "host":  # keep the repeats of the other data path and 8 shared ranks short
         iters = min(iters, 100)
-    env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": str(nodes), **(_REORDER_ENV if reorder else {})}
-    run_shared_gpu_ranks(_worker, world, nodes, iters, env=env, timeout_s=1200)
+    env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": str(nodes), **_DATA_ENV[data], **(_REORDER_ENV if reorder else {})}
+    run_shared_gpu_ranks(_worker, world, nodes, iters, data == "host", env=env, timeout_s=1200)
+
+
+def _data_path_worker(rank: int, world: int, gloo) -> tuple[str, bool | None]:
+    """Under lazy kernel loading: GPU_COPY=1 must refuse with an explanation, auto must fall back to host staging."""
+    from uccl_moe import Buffer, Config, InvalidUsageError
+
+    cfg = Config(24, 8, 256, 6, 128)
+    try:
+        nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(4096, world), RDMA_BYTES, backend="native",
+                     explicitly_destroy=True)
+    except InvalidUsageError as e:
+        return str(e), None
+    staged = nat._backend._inter.rt.host_staged
+    nat.destroy()
+    return "", staged
+
+
+@pytest.mark.parametrize("gpu_copy", ["1", "auto"])
+def test_native_internode_lazy_loading_data_path(gpu_copy: str) -> None:
+    env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": "2", "CUDA_MODULE_LOADING": "LAZY",
+           "UCCL_MOE_LOOPBACK_GPU_COPY": gpu_copy}
+    results = run_shared_gpu_ranks(_data_path_worker, 2, env=env, timeout_s=300)
+    for msg, staged in results:
+        if gpu_copy == "1":
+            assert "CUDA_MODULE_LOADING=EAGER" in msg and staged is None, (msg, staged)
+        else:
+            assert msg == "" and staged is True, (msg, staged)
 
 
 # ------------------------------------------------------------------------------------------------ a dropped command
@@ -170,9 +205,10 @@ def _drop_worker(rank: int, world: int, gloo) -> None:
     nat.destroy()
 
 
-def test_native_internode_dropped_command_raises() -> None:
+@pytest.mark.parametrize("data", ["gpu", "host"])
+def test_native_internode_dropped_command_raises(data: str) -> None:
     env = {**_BASE_ENV, "UCCL_MOE_EMULATE_NODES": "2", "UCCL_MOE_TIMEOUT_S": "4",
-           "UCCL_MOE_LOOPBACK_DROP_EVERY": "5"}
+           "UCCL_MOE_LOOPBACK_DROP_EVERY": "5", **_DATA_ENV[data]}
     run_shared_gpu_ranks(_drop_worker, 2, env=env, timeout_s=300)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -163,3 +166,41 @@ def test_package_import_does_not_need_torch():
     code = "import sys, uccl_moe, uccl_moe.cli; assert 'torch' not in sys.modules, sorted(sys.modules)"
     root = str(Path(uccl_moe.__file__).parent.parent)
     subprocess.run([__import__("sys").executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.parametrize(
+    "gpu_copy,nodes,preset,expect",
+    [
+        ("auto", "2", None, "EAGER"),   # emulated nodes copy with copy engines: eager loading is asked for
+        ("1", "0", None, "EAGER"),      # asked for explicitly
+        ("0", "2", None, None),         # host-staged: nothing to change
+        ("auto", "0", None, None),      # no emulation: real transports never need it
+        ("auto", "2", "LAZY", "LAZY"),  # the user's choice stands (the runtime then stages through host memory)
+    ],
+)
+def test_prepare_cuda_module_loading(monkeypatch, gpu_copy, nodes, preset, expect):
+    monkeypatch.setenv("UCCL_MOE_LOOPBACK_GPU_COPY", gpu_copy)
+    monkeypatch.setenv("UCCL_MOE_EMULATE_NODES", nodes)
+    if preset is None:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", preset)
+    changed = env.prepare_cuda_module_loading()
+    assert os.environ.get("CUDA_MODULE_LOADING") == expect
+    assert changed == (preset is None and expect is not None)
+
+
+def test_prepare_cuda_module_loading_leaves_a_started_cuda_alone(monkeypatch):
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    monkeypatch.setenv("UCCL_MOE_LOOPBACK_GPU_COPY", "1")
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert env.prepare_cuda_module_loading() is False
+    assert "CUDA_MODULE_LOADING" not in os.environ
+
+
+def test_gpu_copy_knob_choices():
+    k = env.KNOBS["LOOPBACK_GPU_COPY"]
+    assert k.parse("auto") == "auto" and k.parse("1") == "1"
+    with pytest.raises(InvalidUsageError, match="UCCL_MOE_LOOPBACK_GPU_COPY"):
+        k.parse("yes")

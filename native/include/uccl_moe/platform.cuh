@@ -67,6 +67,9 @@ inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
 inline Error clock_rate_khz(int* khz, int device) {
   return hipDeviceGetAttribute(khz, hipDeviceAttributeClockRate, device);
 }
+/// Whether kernels load lazily on first launch (the CUDA hazard below). HIP: code objects are loaded per module, and
+/// no ROCm run of the GPU-copy loopback was possible here, so this reports eager and the check is CUDA-only.
+inline bool lazy_module_loading() { return false; }
 /// Wall-clock-ish counter used for timeouts: AMD's constant-rate s_memrealtime (100 MHz).
 constexpr int kWarpSize = 64;
 #else
@@ -113,6 +116,20 @@ inline Error ipc_open_mem_handle(void** p, IpcMemHandle h) {
 inline Error ipc_close_mem_handle(void* p) { return cudaIpcCloseMemHandle(p); }
 inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
   return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+/// Whether the driver loads kernels lazily, on their first launch (CUDA_MODULE_LOADING=LAZY, the default since
+/// CUDA 12.2). A lazy load may wait for the whole context to go idle, so a host thread that must issue CUDA work to
+/// let a spinning kernel finish can deadlock against it. Asked through the driver entry point (no libcuda link).
+inline bool lazy_module_loading() {
+  using GetMode = int (*)(int*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr)
+    return false;  // a driver without the query predates lazy loading
+  int mode = 0;
+  return reinterpret_cast<GetMode>(fn)(&mode) == 0 && mode == 2;  // CU_MODULE_LAZY_LOADING
 }
 constexpr int kWarpSize = 32;
 #endif

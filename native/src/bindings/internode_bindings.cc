@@ -66,6 +66,8 @@ void register_internode(nb::module_& m) {
       .def("failed", &RdmaRuntime::failed)
       .def_prop_ro("buffer", &RdmaRuntime::buffer)
       .def_prop_ro("num_rdma_bytes", &RdmaRuntime::num_rdma_bytes)
+      .def_prop_ro("host_staged", &RdmaRuntime::host_staged,
+                   "loopback data path: True = pinned host memory copied by the proxy, False = GPU memory")
       .def("proxy_counters", [](const RdmaRuntime& r) { return counters_dict(r.proxy().counters_total()); })
       .def_prop_ro("transport", [](const RdmaRuntime& r) { return r.proxy().transport_name(); });
 
