@@ -243,7 +243,9 @@ bool Proxy::Impl::poll_completions(Thread& t, std::vector<Completion>& comps) {
       if (reordered) t.stats.bump(t.stats.reorders);
       const size_t held = t.order->num_held();
       if (held > t.last_held) t.stats.bump(t.stats.held_updates, held - t.last_held);
-      if (held < t.last_held || t.last_held == 0) t.held_since = Clock::now();
+      // The hold clock restarts when updates start being held or a held one is released (no clock read while
+      // nothing is held: the common case, one immediate per command).
+      if (held > 0 && (held < t.last_held || t.last_held == 0)) t.held_since = Clock::now();
       t.last_held = held;
       continue;
     }
@@ -379,6 +381,9 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
 
 bool Proxy::Impl::post_new(Thread& t) {
   bool any = false;
+  // One clock read per pass, not per command: `posted` only feeds the timeout (seconds).
+  Clock::time_point now{};
+  bool have_now = false;
   for (FifoState* fs : t.fifos) {
     for (int budget = kPostBudgetPerFifo; budget > 0; --budget) {
       // A QUIET or BARRIER not yet retired fences everything after it.
@@ -412,7 +417,11 @@ bool Proxy::Impl::post_new(Thread& t) {
       Entry& e = fs->inflight.back();
       e.f = f;
       e.idx = fs->cursor;
-      e.posted = Clock::now();
+      if (!have_now) {
+        now = Clock::now();
+        have_now = true;
+      }
+      e.posted = now;
       ++fs->cursor;
       if (data_op) post_cmd(t, *fs, e);
       any = true;
