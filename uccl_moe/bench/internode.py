@@ -7,8 +7,8 @@ without the L2 flush (the loopback's host staging dominates). Reports ``rdma_GBp
 ranks of other nodes x row bytes / time, and the time split by stage (rail barrier, pack + post, proxy + copy,
 NVLink forwarding / reduction), medians over runs.
 
-These are LOOPBACK figures: the "network" is the CPU proxy copying through pinned host memory (or GPU copy engines
-with UCCL_MOE_LOOPBACK_GPU_COPY=1); they say nothing about a NIC.
+These are LOOPBACK figures: the "network" is the CPU proxy driving GPU copy engines over CUDA IPC, or copying
+through pinned host memory (``--data host``); they say nothing about a NIC.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     import torch.distributed as dist
 
     os.environ["UCCL_MOE_EMULATE_NODES"] = str(args.nodes)
+    os.environ["UCCL_MOE_LOOPBACK_GPU_COPY"] = {"auto": "auto", "gpu": "1", "host": "0"}[args.data]
+    from uccl_moe import Buffer, Config  # before CUDA starts: asks for eager kernel loading (GPU copies)
+
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     gloo = dist.new_group(list(range(R)), backend="gloo")
-    from uccl_moe import Buffer, Config
 
     cfg = Config(args.sms, 8, 256, 6, 128)
     buf = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(args.hidden * 2, R), args.rdma_mb << 20,
@@ -80,6 +82,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
         results[op] = {"ms": slow[0], "split_ms": slow[1], "remote_rows_min": rows,
                        "rdma_GBps": rows * H * 2 / (slow[0] * 1e-3) / 1e9 if slow[0] > 0 else 0.0}
     results["proxy"] = inter.proxy_counters()
+    results["data_path"] = "host-staged" if inter.rt.host_staged else "GPU copy engines"
     if rank == 0:
         with open(result_file, "w") as f:
             json.dump(results, f)
@@ -99,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rdma-mb", type=int, default=1024, help="RDMA buffer per rank (MiB)")
+    p.add_argument("--data", choices=["auto", "gpu", "host"], default="auto",
+                   help="loopback data path: GPU copy engines over CUDA IPC, host-staged pinned memory, or auto "
+                        "(UCCL_MOE_LOOPBACK_GPU_COPY)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import torch
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.cuda.get_device_name(0)
     print(f"emulated internode (LOOPBACK, not a NIC): {R} ranks as {args.nodes} nodes x {R // args.nodes} on "
           f"{min(R, torch.cuda.device_count())} x {dev}; T={args.tokens} H={args.hidden} E={args.experts} "
-          f"top-{args.topk}, BF16")
+          f"top-{args.topk}, BF16; data path: {res['data_path']}")
     for op in ("dispatch", "combine"):
         r = res[op]
         split = ", ".join(f"{k} {v:.3f}" for k, v in r["split_ms"].items())
