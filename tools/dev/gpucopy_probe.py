@@ -1,5 +1,6 @@
-"""Probe of the GPU-copy loopback deadlock: cached dispatches with the host either blocking in
-torch.cuda.synchronize() (SYNC=block) or polling an event without blocking (SYNC=poll)."""
+"""Probe of the GPU-copy loopback hangs (PROBE_T tokens x PROBE_H hidden, 2 ranks as 2 nodes): cached dispatches
+with the host either blocking in torch.cuda.synchronize() (SYNC=block) or polling an event without blocking
+(SYNC=poll)."""
 import os
 import sys
 import time
@@ -16,9 +17,10 @@ def worker(rank, world, gloo, mode):
     cfg = Config(24, 8, 256, 6, 128)
     nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(4096, world), 1 << 30, backend="native",
                  explicitly_destroy=True)
-    T, E, K = 256, 4 * world, 2
+    T, H = int(os.environ.get("PROBE_T", "256")), int(os.environ.get("PROBE_H", "2048"))
+    E, K = 4 * world, 2
     idx = torch.randint(0, E, (T, K), device="cuda")
-    x = torch.randn((T, 2048), device="cuda").bfloat16()
+    x = torch.randn((T, H), device="cuda").bfloat16()
     w = torch.rand((T, K), device="cuda")
     lay = nat.get_dispatch_layout(idx, E)
 
@@ -47,6 +49,7 @@ def worker(rank, world, gloo, mode):
 
 if __name__ == "__main__":
     mode = os.environ.get("SYNC", "block")
-    run_shared_gpu_ranks(worker, 2, mode, env={"UCCL_MOE_EMULATE_NODES": "2", "UCCL_MOE_TIMEOUT_S": "8",
-                                               "UCCL_MOE_LOOPBACK_GPU_COPY": "1", "UCCL_MOE_PROXY_THREADS": "1"},
-                         timeout_s=90)
+    env = {"UCCL_MOE_EMULATE_NODES": "2", "UCCL_MOE_TIMEOUT_S": os.environ.get("UCCL_MOE_TIMEOUT_S", "8"),
+           "UCCL_MOE_LOOPBACK_GPU_COPY": "1", "UCCL_MOE_PROXY_THREADS": os.environ.get("UCCL_MOE_PROXY_THREADS", "1"),
+           "CUDA_MODULE_LOADING": os.environ.get("CUDA_MODULE_LOADING", "EAGER")}
+    run_shared_gpu_ranks(worker, 2, mode, env=env, timeout_s=90)

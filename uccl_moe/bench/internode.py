@@ -27,7 +27,9 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
 
     os.environ["UCCL_MOE_EMULATE_NODES"] = str(args.nodes)
     os.environ["UCCL_MOE_LOOPBACK_GPU_COPY"] = {"auto": "auto", "gpu": "1", "host": "0"}[args.data]
-    from uccl_moe import Buffer, Config  # before CUDA starts: asks for eager kernel loading (GPU copies)
+    from uccl_moe import Buffer, Config, env
+
+    env.prepare_cuda_module_loading()  # before CUDA starts (the package was imported before the knobs above were set)
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
