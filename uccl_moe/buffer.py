@@ -32,7 +32,7 @@ from . import env
 from .backends.base import Backend, BufferContext, DispatchRequest, create_backend
 from .errors import InvalidTypeError, InvalidUsageError
 from .topology import Topology, detect
-from .utils import EventHandle, EventOverlap
+from .utils import EventHandle, EventOverlap, host_ints
 
 try:
     from . import _C
@@ -363,7 +363,7 @@ class Buffer:
         if t.shape[1] < 1 or t.shape[1] > MAX_TOPK:
             raise _err(f"{name} has {t.shape[1]} columns (top-k); supported: 1..{MAX_TOPK}")
         if num_experts is not None and t.numel() > 0 and self._check_values():
-            lo, hi = int(t.min()), int(t.max())
+            lo, hi = host_ints(torch.stack([t.min(), t.max()]))
             if lo < -1 or hi >= num_experts:
                 bad = lo if lo < -1 else hi
                 raise _err(

@@ -145,15 +145,12 @@ def configure_logging() -> None:
 def prepare_cuda_module_loading() -> bool:
     """Ask CUDA for eager kernel loading when the loopback transport will copy with copy engines.
 
-    Under emulated nodes (``UCCL_MOE_EMULATE_NODES``, ``UCCL_MOE_LOOPBACK_GPU_COPY`` auto) or with
-    ``UCCL_MOE_LOOPBACK_GPU_COPY=1``, the CPU proxy issues CUDA copies that spinning kernels wait for. With lazy
+    With ``UCCL_MOE_LOOPBACK_GPU_COPY=1`` the CPU proxy issues CUDA copies that spinning kernels wait for. With lazy
     loading (CUDA's default) a kernel's first launch can wait for those kernels to finish: a deadlock. So this sets
     ``CUDA_MODULE_LOADING=EAGER`` unless the user set it or CUDA already started in this process (then the native
-    runtime stages through host memory under ``auto`` and refuses ``1`` with an explanation). Returns whether it set it.
+    runtime refuses the GPU-copy mode with an explanation). Returns whether it set it.
     """
-    gpu_copy = get("LOOPBACK_GPU_COPY")
-    wanted = gpu_copy == "1" or (gpu_copy == "auto" and get("EMULATE_NODES") > 0)
-    if not wanted or "CUDA_MODULE_LOADING" in os.environ:
+    if not get("LOOPBACK_GPU_COPY") or "CUDA_MODULE_LOADING" in os.environ:
         return False
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():

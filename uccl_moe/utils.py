@@ -75,6 +75,23 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
+def host_ints(t: torch.Tensor) -> list[int]:
+    """The values of integer tensor `t` (any device) as Python ints, read without a pageable device-to-host copy.
+
+    A pageable copy (``.cpu()``, ``.item()``) holds a CUDA driver lock while it waits for its stream; the loopback
+    transport's GPU-copy mode needs that lock in the proxy thread while our kernels wait for its copies. So device
+    values go through pinned memory and an event wait.
+    """
+    if not t.is_cuda:
+        return [int(v) for v in t.reshape(-1).tolist()]
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return [int(v) for v in host.reshape(-1).tolist()]
+
+
 def check_nvlink_connections(group: Any) -> None:
     """DeepEP-compatible check; raises if ranks of `group` on this host cannot reach each other by P2P.
 

@@ -169,18 +169,19 @@ def test_package_import_does_not_need_torch():
 
 
 @pytest.mark.parametrize(
-    "gpu_copy,nodes,preset,expect",
+    "gpu_copy,preset,expect",
     [
-        ("auto", "2", None, "EAGER"),   # emulated nodes copy with copy engines: eager loading is asked for
-        ("1", "0", None, "EAGER"),      # asked for explicitly
-        ("0", "2", None, None),         # host-staged: nothing to change
-        ("auto", "0", None, None),      # no emulation: real transports never need it
-        ("auto", "2", "LAZY", "LAZY"),  # the user's choice stands (the runtime then stages through host memory)
+        ("1", None, "EAGER"),     # GPU copies: eager loading is asked for
+        ("0", None, None),        # host-staged: nothing to change
+        (None, None, None),       # the default is host-staged
+        ("1", "LAZY", "LAZY"),    # the user's choice stands (the runtime then refuses with the reason)
     ],
 )
-def test_prepare_cuda_module_loading(monkeypatch, gpu_copy, nodes, preset, expect):
-    monkeypatch.setenv("UCCL_MOE_LOOPBACK_GPU_COPY", gpu_copy)
-    monkeypatch.setenv("UCCL_MOE_EMULATE_NODES", nodes)
+def test_prepare_cuda_module_loading(monkeypatch, gpu_copy, preset, expect):
+    if gpu_copy is None:
+        monkeypatch.delenv("UCCL_MOE_LOOPBACK_GPU_COPY", raising=False)
+    else:
+        monkeypatch.setenv("UCCL_MOE_LOOPBACK_GPU_COPY", gpu_copy)
     if preset is None:
         monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     else:
@@ -197,10 +198,3 @@ def test_prepare_cuda_module_loading_leaves_a_started_cuda_alone(monkeypatch):
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     assert env.prepare_cuda_module_loading() is False
     assert "CUDA_MODULE_LOADING" not in os.environ
-
-
-def test_gpu_copy_knob_choices():
-    k = env.KNOBS["LOOPBACK_GPU_COPY"]
-    assert k.parse("auto") == "auto" and k.parse("1") == "1"
-    with pytest.raises(InvalidUsageError, match="UCCL_MOE_LOOPBACK_GPU_COPY"):
-        k.parse("yes")

@@ -15,9 +15,9 @@ def worker(rank, world, gloo, mode):
     from uccl_moe import Buffer, Config
 
     cfg = Config(24, 8, 256, 6, 128)
-    nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(4096, world), 1 << 30, backend="native",
-                 explicitly_destroy=True)
     T, H = int(os.environ.get("PROBE_T", "256")), int(os.environ.get("PROBE_H", "2048"))
+    nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(2 * H, world), 1 << 30, backend="native",
+                 explicitly_destroy=True)
     E, K = 4 * world, 2
     idx = torch.randint(0, E, (T, K), device="cuda")
     x = torch.randn((T, H), device="cuda").bfloat16()

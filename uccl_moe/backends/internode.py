@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..proxy import StoreBootstrap
+from ..utils import host_ints
 from .base import BufferContext, DispatchRequest
 from .native import scale_layout
 
@@ -245,8 +246,9 @@ class InternodePath:
             xp_rows = cap
         else:
             ex = experts[:, me * E_loc:(me + 1) * E_loc].sum(0)
-            host = torch.cat([num_recv.reshape(1), num_xp.to(torch.int64), o["xp_need"].max().reshape(1),
-                              o["send_need"].max().reshape(1), ex.to(torch.int64)]).cpu().tolist()
+            host = host_ints(torch.cat([num_recv.reshape(1), num_xp.to(torch.int64),
+                                            o["xp_need"].max().reshape(1), o["send_need"].max().reshape(1),
+                                            ex.to(torch.int64)]))
             rows, xp_rows, max_xp, max_send = int(host[0]), int(host[1]), int(host[2]), int(host[3])
             a = max(req.expert_alignment, 1)
             counts = [(int(c) + a - 1) // a * a for c in host[4:]]

@@ -26,7 +26,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     import torch.distributed as dist
 
     os.environ["UCCL_MOE_EMULATE_NODES"] = str(args.nodes)
-    os.environ["UCCL_MOE_LOOPBACK_GPU_COPY"] = {"auto": "auto", "gpu": "1", "host": "0"}[args.data]
+    os.environ["UCCL_MOE_LOOPBACK_GPU_COPY"] = {"gpu": "1", "host": "0"}[args.data]
     from uccl_moe import Buffer, Config, env
 
     env.prepare_cuda_module_loading()  # before CUDA starts (the package was imported before the knobs above were set)
@@ -51,6 +51,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     G = R // args.nodes
     node = rank // G
     assert res.handle is not None
+    torch.cuda.synchronize()  # GPU copies: no blocking pageable device-to-host copy while communication is in flight
     counts = torch.diff(res.handle[0][:, rank].long(), prepend=torch.zeros(1, dtype=torch.long, device="cuda"))
     remote_rows = int(counts.sum() - counts[node * G:(node + 1) * G].sum())
     y: Any = res.recv_x
@@ -104,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=24)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--rdma-mb", type=int, default=1024, help="RDMA buffer per rank (MiB)")
-    p.add_argument("--data", choices=["auto", "gpu", "host"], default="auto",
-                   help="loopback data path: GPU copy engines over CUDA IPC, host-staged pinned memory, or auto "
-                        "(UCCL_MOE_LOOPBACK_GPU_COPY)")
+    p.add_argument("--data", choices=["host", "gpu"], default="host",
+                   help="loopback data path: host-staged pinned memory (default) or GPU copy engines over CUDA IPC "
+                        "(UCCL_MOE_LOOPBACK_GPU_COPY=1)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     import torch

@@ -24,10 +24,11 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
               static_cast<long long>(num_rdma_bytes), static_cast<long long>(4 * internode::kNotifyReserveBytes));
   ops_ = make_gpu_memory_ops(device);
   UCCL_CHECK_GPU(gpu::set_device(device));
-  // The loopback transport copies GPU to GPU with copy engines (CUDA IPC) when kernels load eagerly, else it stages
-  // through pinned host memory. With lazy loading, the first launch of any kernel in this process may wait for the
-  // context to go idle, that is for our spinning wait kernels, which wait for the proxy's copy, which the driver holds
-  // behind the pending load: a deadlock (docs/internode.md, "Loopback on GPUs"). The host-staged proxy calls no CUDA.
+  // The loopback transport stages through pinned host memory unless asked for GPU copies (copy engines over CUDA IPC).
+  // The proxy thread then issues CUDA calls that our spinning kernels wait for, which deadlocks against (a) lazy kernel
+  // loading (a first launch waits for the context to go idle), so eager loading is required, and (b) a blocking
+  // pageable device-to-host copy by the application, which holds a driver lock the proxy's copies need while it
+  // waits for the stream (docs/internode.md, "Loopback on GPUs"). The host-staged proxy calls no CUDA at all.
   std::string transport = env::TRANSPORT();
   if (transport == "auto")
     for (const auto& t : list_transports())
@@ -35,19 +36,11 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
         transport = t.first;
         break;
       }
-  const std::string gpu_copy = env::LOOPBACK_GPU_COPY();
-  const bool lazy = gpu::lazy_module_loading();
-  UCCL_ASSERT(!(transport == "loopback" && gpu_copy == "1" && lazy),
+  const bool host_staged = transport == "loopback" && !env::LOOPBACK_GPU_COPY();
+  UCCL_ASSERT(host_staged || transport != "loopback" || !gpu::lazy_module_loading(),
               "UCCL_MOE_LOOPBACK_GPU_COPY=1 needs eager kernel loading: set CUDA_MODULE_LOADING=EAGER before the "
-              "process starts CUDA (import uccl_moe before the first CUDA call does it for you), or use "
-              "UCCL_MOE_LOOPBACK_GPU_COPY=0 (host-staged)");
-  const bool host_staged = transport == "loopback" && (gpu_copy == "0" || lazy);
-  if (transport == "loopback")
-    UCCL_LOG(INFO, MEM, "loopback RDMA buffer: %s",
-             host_staged ? (gpu_copy == "0" ? "host-staged (UCCL_MOE_LOOPBACK_GPU_COPY=0)"
-                                            : "host-staged (CUDA kernels load lazily; CUDA_MODULE_LOADING=EAGER "
-                                              "enables GPU copies)")
-                         : "GPU memory, copied by copy engines");
+              "process starts CUDA (import uccl_moe before the first CUDA call does it for you), or unset "
+              "UCCL_MOE_LOOPBACK_GPU_COPY (host-staged)");
   if (!host_staged) UCCL_CHECK_GPU(gpu::device_malloc(&buffer_, static_cast<size_t>(num_rdma_bytes)));
   epochs_ = static_cast<int64_t*>(ops_->alloc_device(sizeof(int64_t) * internode::kNumSlots * num_ranks));
   ProxyOptions o;
