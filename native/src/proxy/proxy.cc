@@ -24,7 +24,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kWrIdCmdBits = 56;  ///< wr_id = local FIFO << 56 | command index
-constexpr int kPollBatch = 64;
+constexpr int kPollBatch = 512;  // completions + immediates handled per loop (each command makes one of each on loopback)
 constexpr int kPostBudgetPerFifo = 64;  ///< commands read from one FIFO per loop (fairness between FIFOs)
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -83,13 +83,41 @@ struct Entry {
   bool done = false;
 };
 
+/// The commands between a FIFO's tail and its read cursor, in a ring as large as the FIFO (the proxy never reads
+/// further ahead than the FIFO holds): no allocation per command.
+class EntryRing {
+ public:
+  explicit EntryRing(size_t capacity) : slots_(capacity) {}
+  bool empty() const { return size_ == 0; }
+  size_t size() const { return size_; }
+  Entry& front() { return slots_[head_]; }
+  Entry& back() { return slots_[(head_ + size_ - 1) % slots_.size()]; }
+  Entry& operator[](size_t i) { return slots_[(head_ + i) % slots_.size()]; }
+  Entry& emplace_back() {
+    UCCL_CHECK_INTERNAL(size_ < slots_.size(), "proxy read %zu commands ahead of a FIFO of %zu", size_ + 1,
+                        slots_.size());
+    Entry& e = slots_[(head_ + size_++) % slots_.size()];
+    e = Entry{};
+    return e;
+  }
+  void pop_front() {
+    head_ = (head_ + 1) % slots_.size();
+    --size_;
+  }
+
+ private:
+  std::vector<Entry> slots_;
+  size_t head_ = 0, size_ = 0;
+};
+
 struct FifoState {
+  explicit FifoState(size_t capacity) : inflight(capacity) {}
   std::unique_ptr<Fifo> fifo;
   int global_idx = 0;
   int channel = 0;         ///< index within the thread (immediate channel field)
   uint64_t cursor = 0;     ///< next command to read
   uint64_t retired = 0;    ///< == fifo->tail()
-  std::deque<Entry> inflight;  ///< commands [retired, cursor)
+  EntryRing inflight;      ///< commands [retired, cursor)
 };
 
 }  // namespace
@@ -566,7 +594,7 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
     m.threads.push_back(std::move(th));
   }
   for (int g = 0; g < num_fifos; ++g) {
-    auto fs = std::make_unique<FifoState>();
+    auto fs = std::make_unique<FifoState>(size_t(o.fifo_capacity));
     fs->fifo = std::make_unique<Fifo>(uint32_t(o.fifo_capacity), g, o.gpu);
     fs->global_idx = g;
     fs->channel = g / o.num_threads;
