@@ -145,10 +145,11 @@ void register_internode(nb::module_& m) {
   }, "send_pos"_a, "part_x"_a, "part_w"_a, "bias0"_a, "bias1"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a,
   "num_nodes"_a, "out"_a, "out_topk_weights"_a, "stream"_a);
   m.def("fifo_bench", [](RdmaRuntime& rt, NvlRuntime& nvl, int num_fifos, int cmds, int dst_rank, bool pingpong,
-                         uintptr_t out_ns, uintptr_t stream) {
-    internode::launch_fifo_bench(rt.context(nvl), num_fifos, cmds, dst_rank, pingpong, ptr<int64_t>(out_ns),
-                                 stream_of(stream));
-  }, "runtime"_a, "nvl"_a, "num_fifos"_a, "cmds"_a, "dst_rank"_a, "pingpong"_a, "out_ns"_a, "stream"_a);
+                         uintptr_t out_ns, uintptr_t stream, int producers) {
+    internode::launch_fifo_bench(rt.context(nvl), num_fifos, producers, cmds, dst_rank, pingpong,
+                                 ptr<int64_t>(out_ns), stream_of(stream));
+  }, "runtime"_a, "nvl"_a, "num_fifos"_a, "cmds"_a, "dst_rank"_a, "pingpong"_a, "out_ns"_a, "stream"_a,
+  "producers"_a = 1);
   m.def("has_internode_kernels", []() { return true; });
 }
 

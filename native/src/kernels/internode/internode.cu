@@ -205,10 +205,15 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(ReduceArgs a) 
   }
 }
 
-__global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int cmds, int dst_rank, bool pingpong,
-                                  int64_t* out_ns) {
-  const int f = blockIdx.x * blockDim.x + threadIdx.x;
-  if (f >= (pingpong ? 1 : num_fifos)) return;
+__global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int producers, int cmds, int dst_rank,
+                                  bool pingpong, int64_t* out_ns) {
+  // Thread t pushes into FIFO t % num_fifos: `producers` threads (in different warps) share each FIFO and split its
+  // `cmds` commands; out_ns[t] is thread t's time from its first push to the completion of its last command.
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t >= (pingpong ? 1 : num_fifos * producers)) return;
+  const int f = t % num_fifos;
+  const int share = t / num_fifos;
+  if (!pingpong) cmds = cmds / producers + (share < cmds % producers ? 1 : 0);
   const DiagDeviceHandle diag = diag_of(ctx);
   const FifoDeviceHandle fifo = ctx.fifos[f];
   TransferCmdFields c;
@@ -239,7 +244,7 @@ __global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int cmds, int 
       out_ns[i] = static_cast<int64_t>(gpu::global_timer_ns() - t);
     }
   }
-  if (!pingpong && wait_done(idx)) out_ns[f] = static_cast<int64_t>(gpu::global_timer_ns() - t0);
+  if (!pingpong && cmds > 0 && wait_done(idx)) out_ns[t] = static_cast<int64_t>(gpu::global_timer_ns() - t0);
 }
 
 int grid_for(int64_t items, int per_block) {
@@ -335,12 +340,15 @@ void launch_rail_barrier(const RdmaContext& ctx, void* stream) {
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int cmds, int dst_rank, bool pingpong, int64_t* out_ns,
-                       void* stream) {
+void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int producers, int cmds, int dst_rank, bool pingpong,
+                       int64_t* out_ns, void* stream) {
   UCCL_ASSERT(num_fifos >= 1 && num_fifos <= ctx.num_fifos, "num_fifos=%d must be in [1, %d]", num_fifos,
               ctx.num_fifos);
+  UCCL_ASSERT(producers >= 1 && producers <= 32, "producers=%d per FIFO must be in [1, 32]", producers);
   UCCL_ASSERT(dst_rank >= 0 && dst_rank < ctx.num_ranks, "dst_rank=%d", dst_rank);
-  fifo_bench_kernel<<<1, 64, 0, static_cast<gpu::Stream>(stream)>>>(ctx, num_fifos, cmds, dst_rank, pingpong, out_ns);
+  const int threads = pingpong ? 1 : num_fifos * producers;
+  fifo_bench_kernel<<<(threads + 63) / 64, 64, 0, static_cast<gpu::Stream>(stream)>>>(ctx, num_fifos, producers, cmds,
+                                                                                      dst_rank, pingpong, out_ns);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -119,13 +119,14 @@ void launch_rdma_wait(const RdmaContext& ctx, int slot, void* stream);
 void launch_rail_barrier(const RdmaContext& ctx, void* stream);
 
 /// FIFO benchmark with GPU producers: ATOMIC commands (counter slot kSlotBench) to `dst_rank`.
-///   flood (pingpong = false): thread f < num_fifos pushes `cmds` commands into FIFO f, waits for the last one's
-///     completion and writes the elapsed ns to out_ns[f];
+///   flood (pingpong = false): `producers` threads per FIFO (thread t uses FIFO t % num_fifos, so sharers sit in
+///     different warps) split FIFO f's `cmds` commands, each waits for its last one's completion and writes its
+///     elapsed ns to out_ns[t] (num_fifos * producers entries);
 ///   pingpong: one thread pushes into FIFO 0 and waits for each command's completion: out_ns[i] = push -> retired
 ///     as seen by the GPU (an upper bound of push -> proxy).
 constexpr int kSlotBench = 8;
-void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int cmds, int dst_rank, bool pingpong, int64_t* out_ns,
-                       void* stream);
+void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int producers, int cmds, int dst_rank, bool pingpong,
+                       int64_t* out_ns, void* stream);
 
 struct ReduceArgs {
   const int32_t* send_pos;   ///< [T, N]
