@@ -16,23 +16,15 @@
 #include <thread>
 #include <vector>
 
+#include "bench_args.hpp"
 #include "uccl_moe/fifo.hpp"
 
 using namespace uccl_moe;
+using bench::parse_list;
 using Clock = std::chrono::steady_clock;
 
 static uint64_t now_ns() {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count());
-}
-
-static std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
 }
 
 int main(int argc, char** argv) {

@@ -14,20 +14,12 @@
 
 #include <unistd.h>
 
+#include "bench_args.hpp"
 #include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/proxy.hpp"
 
 using namespace uccl_moe;
-
-static std::vector<int> parse_list(const char* s) {
-  std::vector<int> v;
-  for (const char* p = s; *p;) {
-    v.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return v;
-}
+using bench::parse_list;
 
 int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
