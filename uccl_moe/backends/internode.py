@@ -310,13 +310,20 @@ class InternodePath:
                        [half + lay["off_weights"], lay["off_weights"], 4 * K],
                        [half + lay["off_mask"], lay["off_mask"], 4],
                        [half + lay["off_src"], lay["off_src"], 4]]
-        _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.send_rows), src_row=_ptr(plan.send_row0),
-                     dst_row=_ptr(plan.peer_row0), arrays=arrays, slot=_SLOT_DISPATCH, peer_cap=lay["cap"],
-                     stream=stream)
-        self._mark("pack + post")
-        _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_DISPATCH, stream=stream)
-        self._mark("proxy + copy (wait)")
+        self._post_and_wait(arrays, plan.send_rows, plan.send_row0, plan.peer_row0, _SLOT_DISPATCH, lay["cap"],
+                            "pack + post", stream)
         return lay
+
+    def _post_and_wait(self, arrays: list[list[int]], rows: torch.Tensor, src_row: torch.Tensor,
+                       dst_row: torch.Tensor, slot: int, peer_cap: int, post_stage: str, stream: int) -> None:
+        """Posts the node segments' rows of `arrays` ([dst offset, src offset, bytes per row]) to the rail peers and
+        waits for every peer's arrival on `slot`; marks the two stages."""
+        nvl = self.backend._rt
+        _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(rows), src_row=_ptr(src_row), dst_row=_ptr(dst_row),
+                     arrays=arrays, slot=slot, peer_cap=peer_cap, stream=stream)
+        self._mark(post_stage)
+        _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=slot, stream=stream)
+        self._mark("proxy + copy (wait)")
 
     def _area_view(self, off: int, rows: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
         """A [rows, cols] tensor over our RDMA buffer (the receive area starts at offset 0)."""
@@ -439,12 +446,8 @@ class InternodePath:
         arrays = [[lay["off_x"], half + lay["off_x"], 2 * H]]
         if K:
             arrays.append([lay["off_weights"], half + lay["off_weights"], 4 * K])
-        _C.rdma_post(runtime=self.rt, nvl=nvl, rows=_ptr(plan.seg_rows), src_row=_ptr(plan.seg_row0),
-                     dst_row=_ptr(plan.back_row0), arrays=arrays, slot=_SLOT_COMBINE, peer_cap=lay["cap"],
-                     stream=stream)
-        self._mark("post")
-        _C.rdma_wait(runtime=self.rt, nvl=nvl, slot=_SLOT_COMBINE, stream=stream)
-        self._mark("proxy + copy (wait)")
+        self._post_and_wait(arrays, plan.seg_rows, plan.seg_row0, plan.back_row0, _SLOT_COMBINE, lay["cap"], "post",
+                            stream)
         own = self._node_ids == self.node
         area0 = torch.where(own, 0, half)
         part_x = (base + area0 + lay["off_x"] + plan.part_row0 * (2 * H)).to(torch.int64)

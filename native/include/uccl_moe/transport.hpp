@@ -100,6 +100,8 @@ class Transport {
 /// efa > ibverbs > loopback, whose probe finds usable hardware). Unknown or unavailable names throw InvalidUsage
 /// listing the registered ones.
 std::unique_ptr<Transport> create_transport(const std::string& name, const TransportContext& ctx);
+/// The registered transport `name` stands for ("auto" resolved by the probes); throws like create_transport.
+std::string resolve_transport(const std::string& name);
 /// Registered transport names in priority order, and whether each was compiled in and its probe succeeds.
 std::vector<std::pair<std::string, bool>> list_transports();
 

@@ -29,13 +29,7 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   // loading (a first launch waits for the context to go idle), so eager loading is required, and (b) a blocking
   // pageable device-to-host copy by the application, which holds a driver lock the proxy's copies need while it
   // waits for the stream (docs/internode.md, "Loopback on GPUs"). The host-staged proxy calls no CUDA at all.
-  std::string transport = env::TRANSPORT();
-  if (transport == "auto")
-    for (const auto& t : list_transports())
-      if (t.second) {
-        transport = t.first;
-        break;
-      }
+  const std::string transport = resolve_transport(env::TRANSPORT());  // the proxy gets the same, unprobed again
   const bool host_staged = transport == "loopback" && !env::LOOPBACK_GPU_COPY();
   UCCL_ASSERT(host_staged || transport != "loopback" || !gpu::lazy_module_loading(),
               "UCCL_MOE_LOOPBACK_GPU_COPY=1 needs eager kernel loading: set CUDA_MODULE_LOADING=EAGER before the "
@@ -48,6 +42,7 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   o.num_ranks = num_ranks;
   o.ranks_per_node = ranks_per_node;
   o.job = job;
+  o.transport = transport;
   o.num_threads = num_threads;
   o.data_bytes = static_cast<uint64_t>(num_rdma_bytes);
   o.data_ptr = buffer_;  // null when host-staged: the transport allocates (shared memory) and we register it

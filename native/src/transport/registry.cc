@@ -55,18 +55,28 @@ std::vector<std::pair<std::string, bool>> list_transports() {
   return out;
 }
 
-std::unique_ptr<Transport> create_transport(const std::string& name, const TransportContext& ctx) {
+std::string resolve_transport(const std::string& name) {
   for (const auto& e : registry()) {
     if (name == "auto" ? e.probe() : name == e.name) {
       if (name != "auto" && !e.probe())
         UCCL_THROW(kInvalidUsage, "transport '%s' was requested but no usable device was found (registered: %s)",
                    e.name, names().c_str());
-      UCCL_LOG(INFO, NET, "rank %d: transport %s%s", ctx.rank, e.name, name == "auto" ? " (auto)" : "");
-      return e.create(ctx);
+      return e.name;
     }
   }
   UCCL_THROW(kInvalidUsage, "unknown transport '%s'; registered in this build: %s (UCCL_MOE_TRANSPORT)", name.c_str(),
              names().c_str());
+}
+
+std::unique_ptr<Transport> create_transport(const std::string& name, const TransportContext& ctx) {
+  const std::string chosen = resolve_transport(name);
+  for (const auto& e : registry())
+    if (chosen == e.name) {
+      UCCL_LOG(INFO, NET, "rank %d: transport %s%s", ctx.rank, e.name, name == "auto" ? " (auto)" : "");
+      return e.create(ctx);
+    }
+  UCCL_CHECK_INTERNAL(false, "resolved transport '%s' is not registered", chosen.c_str());
+  return nullptr;
 }
 
 }  // namespace uccl_moe

@@ -190,5 +190,28 @@ TEST(Loopback, RegistryListsLoopbackAndRejectsForeignMemory) {
   EXPECT_THROW(t->register_memory(MemoryKind::kData, mine.data(), mine.size()), Error);
 }
 
+TEST(TransportRegistry, ResolveNamesTheTransportAutoAndCreateWouldTake) {
+  EXPECT_EQ(resolve_transport("loopback"), "loopback");
+  std::string first_usable;
+  for (const auto& t : list_transports())
+    if (t.second && first_usable.empty()) first_usable = t.first;
+  EXPECT_EQ(resolve_transport("auto"), first_usable);
+  try {
+    resolve_transport("tcp");
+    ADD_FAILURE() << "an unknown transport was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown transport 'tcp'"), std::string::npos) << e.what();
+  }
+  for (const auto& t : list_transports())
+    if (!t.second) {
+      try {
+        resolve_transport(t.first);
+        ADD_FAILURE() << t.first << " has no usable device but was accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("no usable device"), std::string::npos) << e.what();
+      }
+    }
+}
+
 }  // namespace
 }  // namespace uccl_moe
