@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# 4 x H200 device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
+#   mtest    Megatron dispatcher GPU tests on the native backend (EP2/EP4, TPxEP, shared-expert overlap)
+#   inter    emulated-internode GPU tests on 4 GPUs (2x2 and 4x1, both data paths, reordering)
+#   ibench   emulated-internode benchmark 2 nodes x 2 GPUs, GPU-copy and host-staged data paths
+#   smoke    `uccl-moe compare` of uccl vs alltoall, a few steps (EP4 DeepSeek-V3 proxy)
+#   compare  the 50-step compare: uccl, alltoall twice (run-to-run noise), allgather
+#   profile  one profiled uccl run with --moe-shared-expert-overlap and one without; timeline summaries
+# carry: .whl (megatron-core, hydra-core, omegaconf, antlr4 wheels for Python 3.12)
+set -uo pipefail
+FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"   # 8 files come back: all in one tarball
+trap 'tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT"/*.log "$FINAL"/ 2>/dev/null' EXIT
+t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+. tools/dev/device_setup.sh || exit 1
+filt() { grep -v "UserWarning\|warnings.warn\|param.main_grad\|INFO:megatron\|^\[.*\] *\(decoder\|embedding\|output\)" ; }
+for stage in ${STAGES:-mtest inter ibench smoke}; do
+  case $stage in
+  mtest)
+    UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout ${MTEST_T:-200} python3 -m pytest -q -p no:cacheprovider \
+      --timeout 180 -rA tests/uccl_moe/megatron/test_dispatcher_gpu.py > "$OUT/mtest.log" 2>&1
+    echo "mtest rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mtest.log" | tail -8 ;;
+  inter)
+    timeout ${INTER_T:-260} python3 -m pytest -q -p no:cacheprovider --timeout 240 -rA \
+      tests/gpu/test_internode_native.py -k "${INTER_K:-4-2 or 4-4}" > "$OUT/inter.log" 2>&1
+    echo "inter rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/inter.log" | tail -10 ;;
+  ibench)
+    for d in gpu host; do
+      UCCL_MOE_PROXY_THREADS=4 timeout 90 python3 -m uccl_moe.bench.internode --ranks 4 --nodes 2 --iters 20 \
+        --data $d --json "$OUT/ibench_2x2_$d.json" 2>&1 | grep -v "it/s\]" | tail -14
+    done ;;
+  smoke)
+    timeout ${SMOKE_T:-200} python3 -m uccl_moe.cli compare recipe=dsv3_proxy_local 'dispatchers=[uccl,alltoall]' \
+      train.train_iters=${SMOKE_ITERS:-5} --run-dir "$OUT/smoke" --timeout-s 150 2>&1 | filt | tail -14 ;;
+  compare)
+    timeout ${COMPARE_T:-540} python3 -m uccl_moe.cli compare recipe=dsv3_proxy_local \
+      'dispatchers=[uccl,alltoall,allgather]' --repeat-baseline --baseline alltoall --warmup-steps 3 \
+      --run-dir "$OUT/cmp" --timeout-s 200 ${COMPARE_ARGS:-} 2>&1 | filt | tail -20 ;;
+  profile)
+    for ov in true false; do
+      timeout ${PROFILE_T:-150} python3 -m uccl_moe.cli train recipe=dsv3_proxy_local train.train_iters=8 \
+        dispatcher.moe_shared_expert_overlap=$ov \
+        "train.extra_args=[--profile,--profile-step-start,5,--profile-step-end,7,--profile-dir,$OUT/prof_$ov]" \
+        > "$OUT/prof_$ov.log" 2>&1
+      echo "profile overlap=$ov rc=$?"; grep -E "iteration [5-8]/|Error" "$OUT/prof_$ov.log" | tail -4 | cut -c1-200
+      python3 -m uccl_moe.megatron.timeline "$OUT/prof_$ov/trace_rank0.json" --json "$OUT/prof_$ov/timeline.json"
+      gzip -c "$OUT/prof_$ov/trace_rank0.json" > "$FINAL/trace_overlap_$ov.json.gz"; rm -f "$OUT/prof_$ov/trace_rank0.json"
+    done ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+  el "$stage done"
+done
