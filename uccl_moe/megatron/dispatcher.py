@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from ..errors import InvalidUsageError
+from ..errors import InvalidTypeError, InvalidUsageError
 from . import _compat
 from . import knobs as _knobs
 
@@ -85,14 +85,44 @@ def buffer_sizes(
     return nvl_bytes, rdma_bytes
 
 
-def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0) -> Any:
-    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`), created on first use; `max_tokens`
-    (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans nodes."""
+# The hidden-state dtype the native kernels move: combine reduces BF16 rows (in float32), as DeepEP's does.
+NATIVE_HIDDEN_DTYPES = (torch.bfloat16,)
+_FALLBACK_LOGGED: set[torch.dtype] = set()
+
+
+def backend_for(knob: str, dtype: torch.dtype) -> str:
+    """The Buffer backend for hidden states of `dtype` under the ``moe_uccl_backend`` knob `knob`.
+
+    ``auto`` keeps the Buffer's own choice (native kernels on GPUs) for BF16 models and takes ``reference`` (the
+    torch.distributed all-to-all, exact in any dtype) for others, saying so once; ``native`` refuses other dtypes.
+    """
+    if knob == "reference" or dtype in NATIVE_HIDDEN_DTYPES:
+        return knob
+    if knob == "native":
+        raise InvalidTypeError(
+            f"moe_uccl_backend=native moves BF16 hidden states only (combine reduces BF16 rows, like DeepEP's), but "
+            f"this model's are {str(dtype).replace('torch.', '')}: train with --bf16, or set --moe-uccl-backend auto "
+            f"or reference (all_to_all in the model's dtype)"
+        )
+    if dtype not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(dtype)
+        log.warning("uccl dispatcher: hidden states are %s and the native kernels move BF16 only; using the "
+                    "reference backend (all_to_all) for them. Train with --bf16 for the native kernels.",
+                    str(dtype).replace("torch.", ""))
+    return "reference"
+
+
+def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0,
+               backend: Optional[str] = None) -> Any:
+    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`, `backend`), created on first use;
+    `max_tokens` (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans
+    nodes. `backend` defaults to the knob (see :func:`backend_for`)."""
     from uccl_moe import Buffer
 
+    backend = knobs.backend if backend is None else backend
     with _BUFFERS_LOCK:
-        for g, hb, backend, buf in _BUFFERS:
-            if g is group and hb == hidden_bytes and backend == knobs.backend:
+        for g, hb, b, buf in _BUFFERS:
+            if g is group and hb == hidden_bytes and b == backend:
                 return buf
         from uccl_moe.topology import detect
 
@@ -103,10 +133,10 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
                                  max_tokens, num_topk)
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
-            size, topology.ranks_per_node, hidden_bytes, nvl, rdma, knobs.backend,
+            size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,
         )
-        buf = Buffer(group, nvl, rdma, backend=knobs.backend)  # type: ignore[arg-type]  # validated by knobs
-        _BUFFERS.append((group, hidden_bytes, knobs.backend, buf))
+        buf = Buffer(group, nvl, rdma, backend=backend)  # type: ignore[arg-type]  # validated by knobs
+        _BUFFERS.append((group, hidden_bytes, backend, buf))
         return buf
 
 
@@ -342,17 +372,20 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self._routing_map: Optional[torch.Tensor] = None
         self._reversed_mapping: Optional[torch.Tensor] = None
         self._buffer_hidden_bytes = 0
+        self._buffer_dtype: Optional[torch.dtype] = None
         self.cudagraph_attrs = ["_topk_idx"]
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _get_buffer(self, x: torch.Tensor) -> Any:
         hb = hidden_bytes_of(x)
-        if self._buffer is None or self._buffer_hidden_bytes != hb:
+        if self._buffer is None or self._buffer_hidden_bytes != hb or self._buffer_dtype != x.dtype:
             # Twice this batch's tokens: room for longer sequences without recreating the Buffer.
             tokens = x.numel() // max(int(x.size(-1)), 1)
             self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens,
-                                      int(getattr(self.config, "moe_router_topk", 0) or 0))
+                                      int(getattr(self.config, "moe_router_topk", 0) or 0),
+                                      backend=backend_for(self.knobs.backend, x.dtype))
             self._buffer_hidden_bytes = hb
+            self._buffer_dtype = x.dtype
         return self._buffer
 
     def _wait(self) -> None:

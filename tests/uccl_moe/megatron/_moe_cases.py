@@ -30,6 +30,7 @@ class Case:
     batch: int = 2
     aux_loss: bool = True
     backend: str = "reference"  # uccl Buffer backend (moe_uccl_backend)
+    dtype: str = "fp32"  # model dtype: "fp32", or "bf16" (what the native kernels move)
 
     @property
     def id(self) -> str:
@@ -38,7 +39,15 @@ class Case:
             s += f"-cf{self.capacity_factor}"
         if self.shared_expert:
             s += "-shared" + ("-overlap" if self.shared_expert_overlap else "")
+        if self.dtype != "fp32":
+            s += f"-{self.dtype}"
+        if self.backend != "reference":
+            s += f"-{self.backend}"
         return s
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.dtype]
 
 
 def init_parallel(case: Case) -> None:
@@ -74,8 +83,8 @@ def make_config(case: Case, dispatcher: str, **overrides: Any) -> Any:
         sequence_parallel=case.tp > 1,
         add_bias_linear=False,
         use_cpu_initialization=True,
-        bf16=False,
-        params_dtype=torch.float32,
+        bf16=case.dtype == "bf16",
+        params_dtype=case.torch_dtype,
         moe_expert_capacity_factor=case.capacity_factor,
         moe_shared_expert_intermediate_size=case.hidden if case.shared_expert else None,
         # Only uccl (and alltoall) may overlap the shared expert; the allgather reference computes it inline.
@@ -128,19 +137,22 @@ def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
     uccl_layer.load_state_dict(ref_layer.state_dict())
     gen = torch.Generator().manual_seed(100 + rank)
     seq = case.seq // case.tp if case.tp > 1 else case.seq
-    x = torch.randn(seq, case.batch, case.hidden, generator=gen).to(device)
-    g = torch.randn(seq, case.batch, case.hidden, generator=gen).to(device)
+    x = torch.randn(seq, case.batch, case.hidden, generator=gen).to(device, case.torch_dtype)
+    g = torch.randn(seq, case.batch, case.hidden, generator=gen).to(device, case.torch_dtype)
     # Sequence parallel: TP ranks hold different token shards, as in a real model.
     ref = forward_backward(ref_layer, x, g)
     clear_aux_losses_tracker()
     got = forward_backward(uccl_layer, x, g)
     clear_aux_losses_tracker()
-    diffs = {}
+    diffs, scales = {}, {}
     for k, v in ref.items():
         if k in got:
             diffs[k] = float((got[k].float() - v.float()).abs().max()) if v.numel() else 0.0
+            scales[k] = float(v.float().abs().max()) if v.numel() else 0.0
     return {
         "diffs": diffs,
+        "scales": scales,
+        "backend": type(uccl_layer.token_dispatcher._buffer._backend).__name__,
         "missing": sorted(set(ref) ^ set(got)),
         "dispatcher": type(uccl_layer.token_dispatcher).__name__,
         "ref_dispatcher": type(ref_layer.token_dispatcher).__name__,
@@ -161,20 +173,21 @@ def run_cases(rank: int, world: int, cases: list[Case], device_kind: str = "cpu"
     return out
 
 
-def dropless_roundtrip(rank: int, world: int, ep: int, topk: int, device_kind: str = "cpu") -> dict[str, float]:
+def dropless_roundtrip(rank: int, world: int, ep: int, topk: int, device_kind: str = "cpu",
+                       backend: str = "reference", dtype: str = "fp32") -> dict[str, float]:
     """Megatron's dropless contract through the dispatcher alone: dispatch -> x * probs (probs = 1/topk) ->
-    combine == x, and the backward with grad = x returns x."""
+    combine == x, and the backward with grad = x returns x (exact for a power-of-two topk, in either dtype)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: F401
 
     import uccl_moe.megatron  # noqa: F401
 
-    case = Case(ep=ep, topk=topk, aux_loss=False)
+    case = Case(ep=ep, topk=topk, aux_loss=False, backend=backend, dtype=dtype)
     init_parallel(case)
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
     layer = make_layer(make_config(case, "uccl"), device)
     disp = layer.token_dispatcher
     gen = torch.Generator().manual_seed(7 + rank)
-    x = torch.randn(32, 8, case.hidden, generator=gen).to(device).requires_grad_(True)
+    x = torch.randn(32, 8, case.hidden, generator=gen).to(device, case.torch_dtype).requires_grad_(True)
     logits = torch.randn(32 * 8, case.num_experts, generator=gen).to(device)
     sel = torch.topk(logits, topk, dim=1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, sel, True)
@@ -189,4 +202,5 @@ def dropless_roundtrip(rank: int, world: int, ep: int, topk: int, device_kind: s
     fwd = float((out - x).abs().max())
     out.backward(x.detach())
     bwd = float((x.grad - x.detach()).abs().max())
-    return {"forward": fwd, "backward": bwd, "rows": float(tokens.shape[0])}
+    return {"forward": fwd, "backward": bwd, "rows": float(tokens.shape[0]),
+            "backend": type(disp._buffer._backend).__name__}

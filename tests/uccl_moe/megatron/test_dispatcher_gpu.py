@@ -32,16 +32,21 @@ def _world() -> int:
 
 
 def _cases(world: int) -> list[Case]:
+    # The native kernels move BF16 hidden states; the reference backend runs the exact FP32 comparison.
+    dtype = "bf16" if BACKEND == "native" else "fp32"
     cases = [
-        Case(ep=2, topk=2, backend=BACKEND),
-        Case(ep=2, topk=1, capacity_factor=0.5, backend=BACKEND),
-        Case(ep=2, topk=2, shared_expert=True, shared_expert_overlap=True, backend=BACKEND),
+        Case(ep=2, topk=2, backend=BACKEND, dtype=dtype),
+        Case(ep=2, topk=1, capacity_factor=0.5, backend=BACKEND, dtype=dtype),
+        Case(ep=2, topk=2, shared_expert=True, shared_expert_overlap=True, backend=BACKEND, dtype=dtype),
     ]
     if world == 4:
         cases += [
-            Case(ep=4, topk=4, backend=BACKEND),
-            Case(tp=2, ep=2, topk=2, shared_expert=True, shared_expert_overlap=True, backend=BACKEND),
+            Case(ep=4, topk=4, backend=BACKEND, dtype=dtype),
+            Case(ep=4, topk=8, num_experts=16, backend=BACKEND, dtype=dtype),
+            Case(tp=2, ep=2, topk=2, shared_expert=True, shared_expert_overlap=True, backend=BACKEND, dtype=dtype),
         ]
+    if BACKEND == "native":  # an FP32 model under "auto" takes the reference backend, exactly
+        cases.append(Case(ep=2, topk=2, backend="auto", dtype="fp32"))
     return cases
 
 
@@ -51,9 +56,13 @@ def test_matches_allgather_on_cuda():
     results = run_ranks(run_cases, world, cases, "cuda", backend="nccl")
     for case in cases:
         _check(results, case)
+        want = "ReferenceBackend" if case.backend == "reference" or case.dtype == "fp32" else "NativeBackend"
+        assert all(r[case.id]["backend"] == want for r in results), (case.id, [r[case.id]["backend"] for r in results])
 
 
 def test_dropless_roundtrip_contract_on_cuda():
     world = _world()
-    for res in run_ranks(dropless_roundtrip, world, world, 2, "cuda", backend="nccl"):
+    dtype = "bf16" if BACKEND == "native" else "fp32"
+    for res in run_ranks(dropless_roundtrip, world, world, 2, "cuda", BACKEND, dtype, backend="nccl"):
         assert res["rows"] > 0 and res["forward"] <= 1e-6 and res["backward"] <= 1e-6, res
+        assert res["backend"] == ("NativeBackend" if BACKEND == "native" else "ReferenceBackend"), res
