@@ -58,6 +58,10 @@ def run(threads: int, cmds: int, fifos_per_thread: int, device: int, producers: 
         if nvl.aborted():
             raise RuntimeError(nvl.diag()["message"])
         rt.check()
+        pushed = num_fifos * (1000 + cmds) + cmds  # warm-up, flood, pingpong: one counter add each
+        applied = int(rt.proxy_counters()["applied_updates"])
+        if applied != pushed:
+            raise RuntimeError(f"the proxy applied {applied} counter updates for {pushed} commands pushed")
         slowest = int(flood.max())
         lat_us = lat.double().cpu() / 1e3
         return {"threads": threads, "fifos": num_fifos, "producers_per_fifo": producers, "cmds_per_fifo": cmds,

@@ -219,7 +219,7 @@ __global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int producers,
   TransferCmdFields c;
   c.op = CmdOp::kAtomic;
   c.dst_rank = static_cast<uint32_t>(dst_rank);
-  c.counter_slot = kSlotBench;
+  c.counter_slot = static_cast<uint8_t>(kSlotBench + 8 * (f % kBenchCounterLines));
   c.counter_value = 1;
   const TransferCmd cmd = encode(c);
   auto wait_done = [&](uint64_t idx) {
