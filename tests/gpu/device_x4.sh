@@ -5,6 +5,7 @@
 #   ibench   emulated-internode benchmark 2 nodes x 2 GPUs, GPU-copy and host-staged data paths
 #   smoke    `uccl-moe compare` of uccl vs alltoall, a few steps (EP4 DeepSeek-V3 proxy)
 #   compare  the 50-step compare: uccl, alltoall twice (run-to-run noise), allgather
+#   fifo     FIFO flood with GPU producers (1/2/4/8 proxy threads), then 4 producers per FIFO
 #   profile  one profiled uccl run with --moe-shared-expert-overlap and one without; timeline summaries
 # carry: .whl (megatron-core, hydra-core, omegaconf, antlr4 wheels for Python 3.12)
 set -uo pipefail
@@ -45,6 +46,10 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
       python3 -m uccl_moe.megatron.timeline "$OUT/prof_$ov/trace_rank0.json" --json "$OUT/prof_$ov/timeline.json"
       gzip -c "$OUT/prof_$ov/trace_rank0.json" > "$FINAL/trace_overlap_$ov.json.gz"; rm -f "$OUT/prof_$ov/trace_rank0.json"
     done ;;
+  fifo)
+    timeout 120 python3 -m uccl_moe.bench.fifo_gpu --threads 1,2,4,8 --cmds 20000 --json "$OUT/fifo_p1.json" 2>&1 | tail -8
+    timeout 120 python3 -m uccl_moe.bench.fifo_gpu --threads 1,2,4,8 --cmds 20000 --producers 4 \
+      --json "$OUT/fifo_p4.json" 2>&1 | tail -8 ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
   el "$stage done"
