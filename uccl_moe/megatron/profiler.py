@@ -90,7 +90,8 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         # prof.step() at the top of iteration i makes it the profiler's step i (its "ProfilerStep#i"), so iteration
         # i runs under schedule(i): nothing before start-1, warm-up at start-1, recording at start..end-1, then done
-        # (the export runs in the step() call at the top of iteration `end`, before that step's timer starts).
+        # (the export runs in the step() call at the top of iteration `end`, before this rank's timer starts; ranks
+        # that do not profile wait for it in that iteration's first collective, so their iteration `end` is slower).
         self._prof = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=max(self.start - 1, 0), warmup=1 if self.start > 0 else 0,
