@@ -5,9 +5,10 @@
 
 Each run is ``uccl-moe train`` of the recipe with ``dispatcher=<name>`` added to the overrides (same seed, steps and
 everything else). The runs go one after another on this host. From each run's log the per-step loss, step time,
-tokens/s, peak memory and (with the default entry ``uccl_moe.megatron.train_gpt``) the forward dispatch/combine
-time per MoE layer are read; for the default entry compare adds ``--log-throughput --log-memory --log-moe-timing``
-to the command (see :mod:`uccl_moe.megatron.step_stats`). Megatron-LM's ``pretrain_gpt.py`` log lines are read as
+tokens/s, peak memory and (with the default entry ``uccl_moe.megatron.train_gpt``) the CPU seconds per step and the
+forward dispatch/combine time per MoE layer are read; for the default entry compare adds ``--log-throughput
+--log-memory --log-cpu --log-moe-timing`` to the command (see :mod:`uccl_moe.megatron.step_stats`); the table
+reports CPU use as cores busy (CPU seconds / step seconds). Megatron-LM's ``pretrain_gpt.py`` log lines are read as
 well (loss, step time, tokens/s from the global batch size; peak memory from its memory report).
 
 Outputs in the compare directory (``runs/<recipe>/<time>-compare`` or ``--run-dir``): ``<run>/config.yaml``,
@@ -49,7 +50,7 @@ from .local import check_devices, child_env, format_command, torchrun_command
 from .megatron_args import entry_command
 
 DEFAULT_ENTRY = ["-m", "uccl_moe.megatron.train_gpt"]
-STATS_FLAGS = ["--log-throughput", "--log-memory"]
+STATS_FLAGS = ["--log-throughput", "--log-memory", "--log-cpu"]
 MOE_TIMING_FLAG = "--log-moe-timing"
 
 # ----------------------------------------------------------------------------------------------------- parsing
@@ -63,6 +64,7 @@ _TRAIN_GPT = re.compile(
 )
 _TOKENS = re.compile(rf"\| ({_FLOAT}) tokens/s")
 _PEAK = re.compile(rf"\| peak mem ({_FLOAT}) MiB")
+_CPU = re.compile(rf"\| cpu ({_FLOAT}) s\b")
 _LAYER_MS = re.compile(r"\| (dispatch|combine) ms/layer \[([^\]]*)\]")
 # Megatron-LM (training.py training_log):
 #  [2025-01-01 10:00:00] iteration        2/      50 | consumed samples: ... | elapsed time per iteration (ms): 812.3 |
@@ -83,6 +85,7 @@ class Step:
     step_ms: float
     tokens_per_s: float | None = None
     peak_mem_mib: float | None = None
+    cpu_s: float | None = None  # CPU seconds (user + sys, all threads) of the logging rank's process in the step
     dispatch_ms: list[float] | None = None  # forward, per MoE layer of the logging rank
     combine_ms: list[float] | None = None
 
@@ -112,6 +115,8 @@ def parse_log(text: str, seq_length: int | None = None) -> list[Step]:
                 st.tokens_per_s = float(t.group(1))
             if (p := _PEAK.search(rest)) is not None:
                 st.peak_mem_mib = float(p.group(1))
+            if (c := _CPU.search(rest)) is not None:
+                st.cpu_s = float(c.group(1))
             for kind, values in _LAYER_MS.findall(rest):
                 setattr(st, f"{kind}_ms", _ms_list(values))
             steps[it] = st
@@ -194,6 +199,7 @@ def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
     timed = run.steps[warmup:] if len(run.steps) > warmup else run.steps
     tps = [s.tokens_per_s for s in timed if s.tokens_per_s is not None]
     mem = [s.peak_mem_mib for s in run.steps if s.peak_mem_mib is not None]
+    cpu = [(s.cpu_s, s.step_ms) for s in timed if s.cpu_s is not None and s.step_ms > 0]
     disp = _layer_means([s.dispatch_ms for s in timed])
     comb = _layer_means([s.combine_ms for s in timed])
     return {
@@ -203,6 +209,9 @@ def summarize_run(run: Run, warmup: int) -> dict[str, Any]:
         "median_step_ms": statistics.median([s.step_ms for s in timed]) if timed else None,
         "tokens_per_s": _mean(tps),
         "peak_mem_mib": max(mem) if mem else None,
+        "cpu_s_mean": _mean([c for c, _ in cpu]),
+        # mean CPU seconds / mean step seconds: cores the logging rank's process kept busy, time-weighted
+        "cpu_cores": sum(c for c, _ in cpu) / (sum(ms for _, ms in cpu) / 1000.0) if cpu else None,
         "dispatch_ms_per_layer": disp,
         "combine_ms_per_layer": comb,
         "dispatch_ms_mean_layer": _mean(disp) if disp else None,
@@ -253,13 +262,13 @@ def _fmt(v: Any, spec: str) -> str:
 def render_table(result: dict[str, Any]) -> str:
     """A Markdown table of the runs (one row each) plus the run-to-run noise line."""
     head = ["run", "ok", "steps", "final loss", "max abs(Δloss) vs " + result["baseline"], "step ms (median)",
-            "tokens/s", "speedup", "peak mem MiB", "dispatch ms/layer", "combine ms/layer"]
+            "tokens/s", "speedup", "peak mem MiB", "cpu cores", "dispatch ms/layer", "combine ms/layer"]
     rows = []
     for r in result["runs"]:
         s, p = r["summary"], r["parity"]
         rows.append([r["name"], "yes" if r["ok"] else "FAILED", str(s["steps"]), _fmt(s["final_loss"], ".5f"),
                      _fmt(p["max_abs_dloss"], ".3e"), _fmt(s["median_step_ms"], ".1f"), _fmt(s["tokens_per_s"], ".0f"),
-                     _fmt(s["speedup_vs_baseline"], ".3f"), _fmt(s["peak_mem_mib"], ".1f"),
+                     _fmt(s["speedup_vs_baseline"], ".3f"), _fmt(s["peak_mem_mib"], ".1f"), _fmt(s["cpu_cores"], ".2f"),
                      _fmt(s["dispatch_ms_mean_layer"], ".3f"), _fmt(s["combine_ms_mean_layer"], ".3f")])
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |",
@@ -269,8 +278,10 @@ def render_table(result: dict[str, Any]) -> str:
     if rep is not None:
         lines.append(f"run-to-run noise ({rep['runs'][0]} vs {rep['runs'][1]}): max |Δloss| "
                      f"{_fmt(rep['max_abs_dloss'], '.3e')} over {len(rep['per_step_abs_dloss'])} steps")
-    lines.append(f"step ms, tokens/s and dispatch/combine: means over steps after the first {result['warmup_steps']}; "
-                 "dispatch/combine: forward, per MoE layer of the logging rank")
+    lines.append(f"step ms, tokens/s, cpu cores and dispatch/combine: means over steps after the first "
+                 f"{result['warmup_steps']}; cpu cores: CPU seconds (user+sys, all threads) of the logging rank's "
+                 "process / step seconds; dispatch/combine: forward, per MoE layer of the logging rank, from "
+                 "*_preprocess to *_postprocess (the comm phase as the compute stream sees it)")
     return "\n".join(lines)
 
 
@@ -406,7 +417,8 @@ def execute(run: Run, run_dir: Path, seq_length: int | None, timeout_s: float | 
 
 
 def merge_loss_log(steps: list[Step], path: Path) -> None:
-    """Replace the rounded losses and step times of `steps` by train_gpt's ``--loss-log`` values where present."""
+    """Replace the rounded losses, step times and CPU seconds of `steps` by train_gpt's ``--loss-log`` values where
+    present (``cpu_s`` is in the file with ``--log-cpu``)."""
     if not path.is_file():
         return
     precise: dict[int, dict[str, Any]] = {}
@@ -419,6 +431,8 @@ def merge_loss_log(steps: list[Step], path: Path) -> None:
         if row is not None:
             st.loss = float(row["loss"])
             st.step_ms = float(row["seconds"]) * 1000.0
+            if row.get("cpu_s") is not None:
+                st.cpu_s = float(row["cpu_s"])
 
 
 def _run_subdir(run: Run) -> str:
@@ -436,7 +450,7 @@ def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-tolerance", type=float, default=None,
                    help="exit 3 when a run's max |Δloss| vs the baseline exceeds this")
     p.add_argument("--warmup-steps", type=int, default=1,
-                   help="steps left out of the step time / tokens/s / dispatch-combine means (default 1)")
+                   help="steps left out of the step time / tokens/s / cpu cores / dispatch-combine means (default 1)")
     p.add_argument("--no-moe-timing", action="store_true",
                    help="do not time dispatch/combine (the default entry adds --log-moe-timing otherwise)")
     p.add_argument("--timeout-s", type=float, default=None, help="kill a run after this many seconds (a failure)")

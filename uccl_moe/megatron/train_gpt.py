@@ -18,6 +18,9 @@ Flags use Megatron's names. Every ``TransformerConfig`` field is a flag (``--moe
 True), plus Megatron's aliases listed in ``_ALIASES`` (``--num-experts``, ``--swiglu``, ``--disable-bias-linear``, ...),
 the training flags of :func:`build_parser`, and the ``--moe-uccl-*`` knobs. Unknown flags are an error.
 ``--loss-log FILE`` writes one JSON line per step (iteration, loss, grad norm, seconds) on the last rank.
+``--log-throughput``, ``--log-memory``, ``--log-cpu`` and ``--log-moe-timing`` add tokens/s, peak memory, the step's
+CPU seconds and forward dispatch/combine ms per MoE layer to each log line (:mod:`uccl_moe.megatron.step_stats`);
+``--profile`` records a torch.profiler trace of a few steps (:mod:`uccl_moe.megatron.profiler`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from ..errors import InvalidUsageError
 from . import knobs as _knobs
 from .install import install as _install_uccl
 from .install import widen_parser
+from .profiler import PROFILE_FLAGS, StepProfiler, check_profile_args
+from .step_stats import process_cpu_s
 
 # Megatron-LM flag spellings that are not a TransformerConfig field name: flag -> (dest, value or None = parsed).
 _ALIASES: dict[str, tuple[str, Any]] = {
@@ -81,6 +86,8 @@ _TRAIN_FLAGS: dict[str, dict[str, Any]] = {
     "--use-distributed-optimizer": dict(action="store_true"),
     "--loss-log": dict(type=str, default=None, help="append one JSON line per step here (last rank)"),
     "--log-memory": dict(action="store_true", help="add this rank's peak memory (MiB) to each log line"),
+    "--log-cpu": dict(action="store_true",
+                      help="add the CPU seconds (user+sys, all threads) this rank's process spent in the step"),
     "--log-moe-timing": dict(action="store_true",
                              help="add forward dispatch/combine ms per MoE layer to each log line (step_stats)"),
 }
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = p.add_argument_group("training (uccl_moe.megatron.train_gpt)")
     for flag, kw in _TRAIN_FLAGS.items():
         train.add_argument(flag, **kw)
+    prof = p.add_argument_group("profiling (Megatron-LM's flags; uccl_moe.megatron.profiler)")
+    for flag, kw in PROFILE_FLAGS.items():
+        prof.add_argument(flag, **kw)
     for flag in _IGNORED:
         if flag in _IGNORED_WITH_VALUE:
             train.add_argument(flag, default=None, help=argparse.SUPPRESS)
@@ -207,6 +217,7 @@ def setup(argv: Sequence[str]) -> TrainSetup:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     args = build_parser().parse_args(list(argv))
+    check_profile_args(args)
     device_kind = "cuda" if torch.cuda.is_available() else "cpu"
     _init_distributed(device_kind, args.distributed_timeout_minutes)
     cfg: dict[str, Any] = {
@@ -486,8 +497,11 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         print(f"[train_gpt] world {dist.get_world_size()} DP {ts.dp_size} micro-batches/step {ts.num_microbatches} "
               f"dispatcher {config.moe_token_dispatcher_type} (uccl MoE layers on rank 0: {n}) device {ts.device}",
               flush=True)
+    profiler = StepProfiler(ts.args, rank, ts.device)
     for it in range(1, ts.args.train_iters + 1):
+        profiler.step()  # before the timers: a trace export at the end of the window is not in any step's time
         t0 = time.perf_counter()
+        cpu0 = process_cpu_s() if ts.args.log_cpu else 0.0
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
@@ -505,11 +519,15 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
             dist.all_reduce(loss_t, group=parallel_state.get_data_parallel_group())
             loss = float(loss_t) / ts.dp_size
         dt = time.perf_counter() - t0
+        cpu_s = process_cpu_s() - cpu0 if ts.args.log_cpu else None
         tokens = ts.args.micro_batch_size * ts.num_microbatches * ts.dp_size * ts.args.seq_length
         row = {"iteration": it, "loss": loss, "lr": lr, "tokens_per_s": tokens / dt,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                "seconds": dt, "update_ok": bool(update_ok)}
         extra = f" | {row['tokens_per_s']:.0f} tokens/s" if ts.args.log_throughput else ""
+        if cpu_s is not None:
+            row["cpu_s"] = cpu_s
+            extra += f" | cpu {cpu_s:.3f} s"
         if ts.args.log_memory:
             from .step_stats import peak_memory_mib
 
@@ -535,6 +553,7 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
                     f.write(json.dumps(row) + "\n")
         if not math.isfinite(loss) and is_last:
             raise FloatingPointError(f"loss is {loss} at iteration {it}")
+    profiler.close()
     return log_rows
 
 

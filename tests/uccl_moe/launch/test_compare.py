@@ -20,17 +20,17 @@ from uccl_moe.launch import compare as cmp
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# Real lines of `uccl-moe compare recipe=tiny_cpu_moe` (train_gpt with --log-throughput --log-memory
+# Real lines of `uccl-moe compare recipe=tiny_cpu_moe` (train_gpt with --log-throughput --log-memory --log-cpu
 # --log-moe-timing), with the noise around them that a torchrun log carries.
 TRAIN_GPT_LOG = """\
 /site-packages/megatron/core/optimizer/__init__.py:24: UserWarning: Transformer Engine and Apex are not installed.
   warnings.warn(
 [train_gpt] world 2 DP 2 micro-batches/step 2 dispatcher uccl (uccl MoE layers on rank 0: 2) device cpu
-[train_gpt] iteration 1/4 | lm loss 5.55953 | lr 0.001 | grad norm 0.8801 | 1637.5 ms | 313 tokens/s | peak mem 418.7 MiB | dispatch ms/layer [15.138,7.829] | combine ms/layer [1.350,5.357]
-[train_gpt] iteration 2/4 | lm loss 5.42710 | lr 0.001 | grad norm 0.8806 | 85.3 ms | 6002 tokens/s | peak mem 418.7 MiB | dispatch ms/layer [7.829,6.394] | combine ms/layer [2.775,1.490]
+[train_gpt] iteration 1/4 | lm loss 5.55953 | lr 0.001 | grad norm 0.8801 | 1637.5 ms | 313 tokens/s | cpu 3.000 s | peak mem 418.7 MiB | dispatch ms/layer [15.138,7.829] | combine ms/layer [1.350,5.357]
+[train_gpt] iteration 2/4 | lm loss 5.42710 | lr 0.001 | grad norm 0.8806 | 85.3 ms | 6002 tokens/s | cpu 0.171 s | peak mem 418.7 MiB | dispatch ms/layer [7.829,6.394] | combine ms/layer [2.775,1.490]
 [rank1]:[W1122 14:17:01] some gloo warning
-[train_gpt] iteration 3/4 | lm loss 5.28506 | lr 0.001 | grad norm 0.8102 | 90.1 ms | 5683 tokens/s | peak mem 419.0 MiB | dispatch ms/layer [6.000,6.000] | combine ms/layer [2.000,2.000]
-[train_gpt] iteration 4/4 | lm loss 5.17753 | lr 0.001 | grad norm 0.8692 | 80.0 ms | 6400 tokens/s | peak mem 419.0 MiB | dispatch ms/layer [5.000,7.000] | combine ms/layer [1.000,3.000]
+[train_gpt] iteration 3/4 | lm loss 5.28506 | lr 0.001 | grad norm 0.8102 | 90.1 ms | 5683 tokens/s | cpu 0.180 s | peak mem 419.0 MiB | dispatch ms/layer [6.000,6.000] | combine ms/layer [2.000,2.000]
+[train_gpt] iteration 4/4 | lm loss 5.17753 | lr 0.001 | grad norm 0.8692 | 80.0 ms | 6400 tokens/s | cpu 0.160 s | peak mem 419.0 MiB | dispatch ms/layer [5.000,7.000] | combine ms/layer [1.000,3.000]
 """  # noqa: E501
 
 # The plain train_gpt line (no extra flags), as `uccl-moe train` prints it.
@@ -53,12 +53,13 @@ def test_parse_train_gpt_lines_with_all_fields():
     assert [s.loss for s in steps] == [5.55953, 5.42710, 5.28506, 5.17753]
     assert steps[1].step_ms == 85.3 and steps[1].tokens_per_s == 6002 and steps[1].peak_mem_mib == 418.7
     assert steps[0].dispatch_ms == [15.138, 7.829] and steps[0].combine_ms == [1.350, 5.357]
+    assert [s.cpu_s for s in steps] == [3.0, 0.171, 0.180, 0.160]
 
 
 def test_parse_plain_lines_and_nan():
     steps = cmp.parse_log(PLAIN_LOG)
     assert len(steps) == 2 and steps[0].tokens_per_s is None and steps[0].peak_mem_mib is None
-    assert steps[0].dispatch_ms is None and math.isnan(steps[1].loss)
+    assert steps[0].dispatch_ms is None and steps[0].cpu_s is None and math.isnan(steps[1].loss)
 
 
 def test_parse_duplicate_iteration_keeps_first():
@@ -71,6 +72,12 @@ def test_parse_megatron_lm_lines():
     assert [(s.iteration, s.loss, s.step_ms) for s in steps] == [(1, 10.5, 2000.0), (2, 10.1, 1000.0)]
     assert steps[1].tokens_per_s == pytest.approx(256 * 4096 / 1.0)
     assert all(s.peak_mem_mib == 52000.25 for s in steps)
+    assert all(s.cpu_s is None for s in steps)
+    summary = cmp.summarize_run(_run("mlm", MEGATRON_LM_LOG, expected=2), warmup=1)
+    assert summary["cpu_cores"] is None and summary["cpu_s_mean"] is None
+    res = cmp.analyze([_run("mlm", MEGATRON_LM_LOG, expected=2)], "mlm", 1, None)
+    row = next(line for line in cmp.render_table(res).splitlines() if line.startswith("| mlm"))
+    assert "| -  " in row  # no cpu cores (nor dispatch/combine) for Megatron-LM entries
 
 
 def _run(name: str, text: str, rc: int = 0, expected: int = 4) -> cmp.Run:
@@ -106,6 +113,9 @@ def test_analyze_parity_throughput_and_layers():
     assert s["tokens_per_s"] == pytest.approx((6002 + 5683 + 6400) / 3)
     assert s["median_step_ms"] == 85.3 and s["peak_mem_mib"] == 419.0
     assert s["dispatch_ms_per_layer"] == pytest.approx([(7.829 + 6 + 5) / 3, (6.394 + 6 + 7) / 3])
+    # CPU seconds over step seconds of steps 2..4 (the 3 s of step 1 is warmup)
+    assert s["cpu_s_mean"] == pytest.approx((0.171 + 0.180 + 0.160) / 3)
+    assert s["cpu_cores"] == pytest.approx((0.171 + 0.180 + 0.160) / ((85.3 + 90.1 + 80.0) / 1000))
     speedup = by["alltoall"]["summary"]["speedup_vs_baseline"]
     assert speedup == pytest.approx((6002 + 5683 + 3200) / (6002 + 5683 + 6400))
     json.dumps(res)  # JSON-able
@@ -128,11 +138,26 @@ def test_table_and_png(tmp_path: Path):
     assert lines[0].startswith("| run") and "max abs(Δloss) vs uccl" in lines[0]
     row = next(line for line in lines if line.startswith("| alltoall"))
     assert "5.000e-04" in row and "0.823" in row  # parity and speedup (14885/18085)
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert cols[cols.index("cpu cores")] == "cpu cores"
+    assert [c.strip() for c in row.strip("|").split("|")][cols.index("cpu cores")] == "2.00"  # 0.511 s / 0.2554 s
     assert "run-to-run noise (uccl vs uccl#2): max |Δloss| 1.000e-05 over 4 steps" in table
     png = tmp_path / "c.png"
     note = cmp.write_png(res, png)
     assert note is None, note  # matplotlib is a test requirement (pip install matplotlib)
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_merge_loss_log_takes_precise_values(tmp_path: Path):
+    steps = cmp.parse_log(TRAIN_GPT_LOG)
+    log = tmp_path / "steps.jsonl"
+    rows = [{"iteration": 2, "loss": 5.427104321, "seconds": 0.0853217, "cpu_s": 0.1712345},
+            {"iteration": 3, "loss": 5.285, "seconds": 0.09}]  # a row without cpu_s keeps the parsed value
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmp.merge_loss_log(steps, log)
+    assert (steps[1].loss, steps[1].step_ms, steps[1].cpu_s) == (5.427104321, pytest.approx(85.3217), 0.1712345)
+    assert (steps[2].loss, steps[2].step_ms, steps[2].cpu_s) == (5.285, pytest.approx(90.0), 0.180)
+    assert steps[0].cpu_s == 3.0  # not in the file: unchanged
 
 
 def test_parse_dispatchers():
@@ -158,7 +183,7 @@ def test_dry_run_prints_one_command_per_run(capsys, tmp_path: Path):
     assert "--moe-token-dispatcher-type uccl" in cmds[0] and "--moe-token-dispatcher-type alltoall" in cmds[1]
     for c, sub in zip(cmds, ["uccl", "alltoall", "alltoall-2"]):
         assert "--seed 1234" in c and "--train-iters 4" in c
-        assert "--log-throughput --log-memory --log-moe-timing" in c
+        assert "--log-throughput --log-memory --log-cpu --log-moe-timing" in c
         assert f"--loss-log {tmp_path / sub / 'steps.jsonl'}" in c
     assert not any(tmp_path.iterdir())  # dry run writes nothing
 
@@ -180,8 +205,9 @@ FAKE_TRAINER = textwrap.dedent("""
     n = 3 if disp == "allgather" else 4
     for i in range(1, n + 1):
         loss = 6.0 - 0.1 * i + (2e-5 if disp == "alltoall" else 0.0)
+        cpu = " | cpu 0.150 s" if disp == "uccl" else ""  # the alltoall lines lack it, like Megatron-LM's
         print(f"[train_gpt] iteration {i}/4 | lm loss {loss:.5f} | lr 0.001 | grad norm 1.0 | {100 + i:.1f} ms | "
-              f"{1000 * i} tokens/s | peak mem 10.0 MiB", flush=True)
+              f"{1000 * i} tokens/s{cpu} | peak mem 10.0 MiB", flush=True)
     sys.exit(5 if disp == "allgather" else 0)
 """)
 
@@ -215,6 +241,8 @@ def test_compare_exit_codes_and_outputs(monkeypatch, tmp_path: Path, capsys):
     res = json.loads((out / "compare.json").read_text())
     assert [r["name"] for r in res["runs"]] == ["uccl", "alltoall"]
     assert res["runs"][1]["parity"]["max_abs_dloss"] == pytest.approx(2e-5, rel=1e-3)
+    assert res["runs"][0]["summary"]["cpu_cores"] == pytest.approx(3 * 0.15 / ((102 + 103 + 104) / 1000))
+    assert res["runs"][1]["summary"]["cpu_cores"] is None
     assert (out / "compare.png").is_file() and (out / "uccl" / "command.sh").is_file()
     assert "| alltoall" in capsys.readouterr().out
     # parity above the tolerance: exit 3
@@ -254,6 +282,7 @@ def test_compare_tiny_cpu_moe_uccl_vs_alltoall(tmp_path: Path):
         assert all(s["peak_mem_mib"] > 50 for s in steps)  # RSS of a rank with torch + megatron loaded
         assert len(steps[-1]["dispatch_ms"]) == 2 and all(v > 0 for v in steps[-1]["dispatch_ms"])  # 2 MoE layers
         assert by[name]["summary"]["tokens_per_s"] > 0
+        assert all(s["cpu_s"] > 0 for s in steps) and by[name]["summary"]["cpu_cores"] > 0  # --log-cpu
     losses = [s["loss"] for s in by["uccl"]["steps"]]
     assert losses[0] - losses[-1] > 1000 * 1e-4  # training moves the loss far more than the tolerance
     parity = by["alltoall"]["parity"]
