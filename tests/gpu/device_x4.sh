@@ -18,7 +18,8 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
   case $stage in
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout ${MTEST_T:-200} python3 -m pytest -q -p no:cacheprovider \
-      --timeout 180 -rA tests/uccl_moe/megatron/test_dispatcher_gpu.py > "$OUT/mtest.log" 2>&1
+      --timeout 180 -rA tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
+      > "$OUT/mtest.log" 2>&1
     echo "mtest rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/mtest.log" | tail -8 ;;
   inter)
     timeout ${INTER_T:-260} python3 -m pytest -q -p no:cacheprovider --timeout 240 -rA \
