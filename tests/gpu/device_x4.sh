@@ -35,17 +35,17 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
       train.train_iters=${SMOKE_ITERS:-5} --run-dir "$OUT/smoke" --timeout-s 150 2>&1 | filt | tail -14 ;;
   compare)
     timeout ${COMPARE_T:-540} python3 -m uccl_moe.cli compare recipe=dsv3_proxy_local \
-      'dispatchers=[uccl,alltoall,allgather]' --repeat-baseline --baseline alltoall --warmup-steps 3 \
+      "dispatchers=${DISPATCHERS:-[uccl,alltoall,allgather]}" ${REPEAT---repeat-baseline} --baseline alltoall --warmup-steps 3 \
       --run-dir "$OUT/cmp" --timeout-s 200 ${COMPARE_ARGS:-} 2>&1 | filt | tail -20 ;;
   profile)
-    for ov in true false; do
+    for spec in ${PROFILE_RUNS:-uccl:true uccl:false}; do   # dispatcher:shared-expert-overlap
+      d=${spec%%:*}; ov=${spec##*:}; P="$OUT/prof_${d}_$ov"
       timeout ${PROFILE_T:-150} python3 -m uccl_moe.cli train recipe=dsv3_proxy_local train.train_iters=8 \
-        dispatcher.moe_shared_expert_overlap=$ov \
-        "train.extra_args=[--profile,--profile-step-start,5,--profile-step-end,7,--profile-dir,$OUT/prof_$ov]" \
-        > "$OUT/prof_$ov.log" 2>&1
-      echo "profile overlap=$ov rc=$?"; grep -E "iteration [5-8]/|Error" "$OUT/prof_$ov.log" | tail -4 | cut -c1-200
-      python3 -m uccl_moe.megatron.timeline "$OUT/prof_$ov/trace_rank0.json" --json "$OUT/prof_$ov/timeline.json"
-      gzip -c "$OUT/prof_$ov/trace_rank0.json" > "$FINAL/trace_overlap_$ov.json.gz"; rm -f "$OUT/prof_$ov/trace_rank0.json"
+        dispatcher=$d dispatcher.moe_shared_expert_overlap=$ov \
+        "train.extra_args=[--profile,--profile-step-start,5,--profile-step-end,7,--profile-dir,$P]" > "$P.log" 2>&1
+      echo "profile $d overlap=$ov rc=$?"; grep -E "iteration [5-8]/|Error" "$P.log" | tail -4 | cut -c1-200
+      python3 -m uccl_moe.megatron.timeline "$P/trace_rank0.json" --json "$P/timeline.json"
+      gzip -c "$P/trace_rank0.json" > "$FINAL/trace_${d}_$ov.json.gz"; rm -f "$P/trace_rank0.json"
     done ;;
   fifo)
     timeout 120 python3 -m uccl_moe.bench.fifo_gpu --threads 1,2,4,8 --cmds 20000 --json "$OUT/fifo_p1.json" 2>&1 | tail -8

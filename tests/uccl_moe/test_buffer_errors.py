@@ -337,3 +337,27 @@ def test_value_checks_can_be_switched_off(buf, monkeypatch):
             torch.zeros((2, 2), dtype=torch.int32), 4)
     monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "maybe")
     _raises(InvalidUsageError, 'UCCL_MOE_CHECK_INPUTS="maybe" is invalid', buf._check_values)
+
+
+def test_topk_range_check_reads_the_device_once_per_routing(buf, monkeypatch):
+    import uccl_moe.buffer as buffer_mod
+
+    reads = []
+    real = buffer_mod.host_ints
+
+    def counting(t):
+        reads.append(t)
+        return real(t)
+
+    monkeypatch.setattr(buffer_mod, "host_ints", counting)
+    topk = torch.tensor([[0, 1], [2, -1]], dtype=torch.int64)
+    buf.get_dispatch_layout(topk, 4)
+    buf.get_dispatch_layout(topk, 4)  # layout, then dispatch, of the same routing: checked once
+    assert len(reads) == 1
+    buf.get_dispatch_layout(topk, 8)  # another expert count: checked again
+    assert len(reads) == 2
+    topk[1, 1] = 4  # an in-place write after the check is seen
+    _raises(InvalidUsageError, r"topk_idx holds expert id 4, outside \[-1, 4\)", buf.get_dispatch_layout, topk, 4)
+    fresh = torch.tensor([[0, 1], [2, -1]], dtype=torch.int64)  # equal values, another tensor: read again
+    buf.get_dispatch_layout(fresh, 4)
+    assert len(reads) == 4
