@@ -85,8 +85,6 @@ def buffer_sizes(
     return nvl_bytes, rdma_bytes
 
 
-# The hidden-state dtype the native kernels move: combine reduces BF16 rows (in float32), as DeepEP's does.
-NATIVE_HIDDEN_DTYPES = (torch.bfloat16,)
 _FALLBACK_LOGGED: set[torch.dtype] = set()
 
 
@@ -96,7 +94,10 @@ def backend_for(knob: str, dtype: torch.dtype) -> str:
     ``auto`` keeps the Buffer's own choice (native kernels on GPUs) for BF16 models and takes ``reference`` (the
     torch.distributed all-to-all, exact in any dtype) for others, saying so once; ``native`` refuses other dtypes.
     """
-    if knob == "reference" or dtype in NATIVE_HIDDEN_DTYPES:
+    # What the native kernels combine (BF16 rows, reduced in float32, as DeepEP's): the dtypes they can move both ways.
+    from uccl_moe.backends.native import NativeBackend
+
+    if knob == "reference" or dtype in NativeBackend.supported_combine_dtypes:
         return knob
     if knob == "native":
         raise InvalidTypeError(
@@ -371,21 +372,19 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self._topk_idx: Optional[torch.Tensor] = None
         self._routing_map: Optional[torch.Tensor] = None
         self._reversed_mapping: Optional[torch.Tensor] = None
-        self._buffer_hidden_bytes = 0
-        self._buffer_dtype: Optional[torch.dtype] = None
+        self._buffer_key: Optional[tuple[int, torch.dtype]] = None  # (hidden bytes, dtype) the Buffer was got for
         self.cudagraph_attrs = ["_topk_idx"]
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _get_buffer(self, x: torch.Tensor) -> Any:
         hb = hidden_bytes_of(x)
-        if self._buffer is None or self._buffer_hidden_bytes != hb or self._buffer_dtype != x.dtype:
+        if self._buffer_key != (hb, x.dtype):
             # Twice this batch's tokens: room for longer sequences without recreating the Buffer.
             tokens = x.numel() // max(int(x.size(-1)), 1)
             self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens,
                                       int(getattr(self.config, "moe_router_topk", 0) or 0),
                                       backend=backend_for(self.knobs.backend, x.dtype))
-            self._buffer_hidden_bytes = hb
-            self._buffer_dtype = x.dtype
+            self._buffer_key = (hb, x.dtype)
         return self._buffer
 
     def _wait(self) -> None:
