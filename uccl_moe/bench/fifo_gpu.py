@@ -34,6 +34,9 @@ class _DictStore:
         return self.kv[key]
 
 
+_WARMUP_CMDS = 1000  # per FIFO, before the timed flood
+
+
 def run(threads: int, cmds: int, fifos_per_thread: int, device: int, producers: int = 1) -> dict[str, Any]:
     store = _DictStore()
     rt = _C.RdmaRuntime(0, 1, 1, 64 << 20, device, f"fifo{uuid.uuid4().hex[:8]}", store.set, store.get,
@@ -46,7 +49,7 @@ def run(threads: int, cmds: int, fifos_per_thread: int, device: int, producers: 
         num_fifos = threads * fifos_per_thread
         # warm-up, then flood
         warm = torch.zeros(num_fifos, dtype=torch.int64, device="cuda")
-        _C.fifo_bench(runtime=rt, nvl=nvl, num_fifos=num_fifos, cmds=1000, dst_rank=0, pingpong=False,
+        _C.fifo_bench(runtime=rt, nvl=nvl, num_fifos=num_fifos, cmds=_WARMUP_CMDS, dst_rank=0, pingpong=False,
                       out_ns=warm.data_ptr(), stream=stream)
         flood = torch.zeros(num_fifos * producers, dtype=torch.int64, device="cuda")
         _C.fifo_bench(runtime=rt, nvl=nvl, num_fifos=num_fifos, cmds=cmds, dst_rank=0, pingpong=False,
@@ -58,7 +61,7 @@ def run(threads: int, cmds: int, fifos_per_thread: int, device: int, producers: 
         if nvl.aborted():
             raise RuntimeError(nvl.diag()["message"])
         rt.check()
-        pushed = num_fifos * (1000 + cmds) + cmds  # warm-up, flood, pingpong: one counter add each
+        pushed = num_fifos * (_WARMUP_CMDS + cmds) + cmds  # warm-up, flood, pingpong: one counter add each
         applied = int(rt.proxy_counters()["applied_updates"])
         if applied != pushed:
             raise RuntimeError(f"the proxy applied {applied} counter updates for {pushed} commands pushed")

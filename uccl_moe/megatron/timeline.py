@@ -201,13 +201,12 @@ def analyze(kernels: Sequence[Kernel], main_stream: Optional[StreamId] = None) -
     for device in devices:
         mine = [k for k in kernels if k.device == device]
         window_us += max(k.end_us for k in mine) - min(k.start_us for k in mine)
-        # by_cls[c][stream] = union of class-c kernels on that stream
-        by_cls: dict[str, dict[StreamId, list[Interval]]] = {c: {} for c in CLASSES}
         raw: dict[str, dict[StreamId, list[Interval]]] = {c: {} for c in CLASSES}
         for k in mine:
             raw[k.cls].setdefault(k.stream, []).append((k.start_us, k.end_us))
+        # by_cls[c][stream] = union of class-c kernels on that stream
+        by_cls = {c: {s: union(ivs) for s, ivs in raw[c].items()} for c in CLASSES}
         for c in CLASSES:
-            by_cls[c] = {s: union(ivs) for s, ivs in raw[c].items()}
             busy_us[c] += total(union(iv for ivs in by_cls[c].values() for iv in ivs))
         stream_ids = sorted({k.stream for k in mine}, key=_sort_key)
         compute_busy = {s: total(by_cls["compute"].get(s, [])) for s in stream_ids}
