@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_intranode_native import _Case, _dispatch, _eq, _hash, check_case
+from test_intranode_native import Checks, _Case, _dispatch, _eq, check_back_to_back, check_case
 
 pytestmark = pytest.mark.gpu
 
@@ -77,14 +77,7 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int, host_staged: bo
     assert nat._backend._inter.rt.host_staged == host_staged, "the loopback ran the other data path"
     if not host_staged:
         _synchronize_before_host_reads()
-    failures: list[str] = []
-    verbose = os.environ.get("UMOE_TEST_VERBOSE", "0") == "1"
-
-    def check(name: str, ok: bool) -> None:
-        if verbose:
-            print(f"rank {rank}/{R}: {'ok ' if ok else 'BAD'} {name}", flush=True)
-        if not ok:
-            failures.append(name)
+    check = Checks(rank, R)
 
     # name, T, H, experts per rank, K, fp8, scales, routing
     cases = [
@@ -115,38 +108,16 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int, host_staged: bo
                    empty_rank=routing == "empty_last", combine_close=_close, repeats=5)
 
     # Back-to-back: dispatch + combine + cached dispatch `iters` times; hashes must not move, memory must not grow.
-    case = _Case(rank, R, 1024, 2048, 8 * R, 8, False, "none", "random", 7)
-    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
-    lay = nat.get_dispatch_layout(idx, 8 * R)
-    h0 = None
-    mem0 = None
-    bad = torch.zeros((), dtype=torch.int64, device="cuda")
-    for it in range(iters):
-        r = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
-        c = nat.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, config=cfg)
-        cd = nat.dispatch(c.combined_x, handle=r.handle, config=cfg)
-        h = torch.stack([_hash(r.recv_x), _hash(c.combined_x), _hash(c.combined_topk_weights.view(torch.int16)),
-                         _hash(cd.recv_x)])
-        if h0 is None:
-            h0 = h
-        bad += (h != h0).sum()
-        if it == 10:
-            torch.cuda.synchronize()
-            mem0 = torch.cuda.memory_allocated()
-    torch.cuda.synchronize()
-    check(f"{iters} back-to-back calls: hash stable", int(bad) == 0)
-    grown = torch.cuda.memory_allocated() - mem0 if mem0 is not None else 0
-    check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
+    check_back_to_back(check, nat, cfg, 8, iters, cached=True)
     stats = nat._backend._inter.proxy_counters()  # type: ignore[attr-defined]
-    if verbose:
+    if check.verbose:
         print(f"rank {rank}: proxy counters {stats}", flush=True)
     check("proxy carried the traffic", stats["writes"] > 0 and stats["applied_updates"] > 0)
 
     dist.barrier(group=gloo)
     nat.destroy()
     ref.destroy()
-    assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+    check.assert_none_failed()
 
 
 _BASE_ENV = {"UCCL_MOE_PROXY_THREADS": "2", "UCCL_MOE_TIMEOUT_S": "60"}

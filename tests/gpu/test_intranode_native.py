@@ -178,6 +178,56 @@ def check_case(check, name: str, nat, ref, case: _Case, cfg, lay_r, worst: int, 
     check(f"{name}: round trip", torch.allclose(back, case.x.float() * cnt, rtol=2e-2, atol=2e-2))
 
 
+class Checks:
+    """One rank's named checks: ``check(name, ok)`` records the failed ones (printed as they run with
+    UMOE_TEST_VERBOSE=1); :meth:`assert_none_failed` ends the worker."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.failures: list[str] = []
+        self.verbose = os.environ.get("UMOE_TEST_VERBOSE", "0") == "1"
+
+    def __call__(self, name: str, ok: bool) -> None:
+        if self.verbose:
+            print(f"rank {self.rank}/{self.world}: {'ok ' if ok else 'BAD'} {name}", flush=True)
+        if not ok:
+            self.failures.append(name)
+
+    def assert_none_failed(self) -> None:
+        assert not self.failures, f"rank {self.rank}: {len(self.failures)} checks failed: {self.failures}"
+
+
+def check_back_to_back(check: Checks, nat, cfg, experts_per_rank: int, iters: int, cached: bool) -> None:
+    """Non-cached dispatch + combine (+ a cached dispatch of the combined rows when `cached`) `iters` times on one
+    routing: the output hashes must not move and memory must not grow."""
+    R = check.world
+    case = _Case(check.rank, R, 1024, 2048, experts_per_rank * R, 8, False, "none", "random", 7)
+    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
+    lay = nat.get_dispatch_layout(idx, experts_per_rank * R)
+    h0 = None
+    mem0 = None
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for it in range(iters):
+        r = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+        c = nat.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, config=cfg)
+        hashes = [_hash(r.recv_x), _hash(c.combined_x), _hash(c.combined_topk_weights.view(torch.int16))]
+        if cached:
+            hashes.append(_hash(nat.dispatch(c.combined_x, handle=r.handle, config=cfg).recv_x))
+        h = torch.stack(hashes)
+        if h0 is None:
+            h0 = h
+        bad += (h != h0).sum()
+        if it == 10:
+            torch.cuda.synchronize()
+            mem0 = torch.cuda.memory_allocated()
+    torch.cuda.synchronize()
+    check(f"{iters} back-to-back calls: hash stable", int(bad) == 0)
+    # A per-call leak of any output would grow by >= iters x (rows x 4 B) >> 2 MB; allow allocator rounding.
+    grown = torch.cuda.memory_allocated() - mem0 if mem0 is not None else 0
+    check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
+
+
 # ------------------------------------------------------------------------------------------------ the worker
 def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     from uccl_moe import Buffer, Config
@@ -189,14 +239,7 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
     cfg = Config(24, 8, 256, 6, 128)
-    failures: list[str] = []
-    verbose = os.environ.get("UMOE_TEST_VERBOSE", "0") == "1"
-
-    def check(name: str, ok: bool) -> None:
-        if verbose:
-            print(f"rank {rank}/{R}: {'ok ' if ok else 'BAD'} {name}", flush=True)
-        if not ok:
-            failures.append(name)
+    check = Checks(rank, R)
 
     # name, T, H, experts per rank, K, fp8, scales, routing  (E = experts per rank x R)
     cases = [
@@ -237,7 +280,7 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         dist.barrier(group=gloo)
         nat.destroy()
         ref.destroy()
-        assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+        check.assert_none_failed()
         return
     # CUDA graph: dispatch (num_worst_tokens, no host sync) + combine captured once, replayed.
     case = _Case(rank, R, 512, 2048, 16 * R, 8, False, "none", "random", 99)
@@ -266,33 +309,12 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     del graph
 
     # Back-to-back: non-cached dispatch + combine `iters` times; hashes must not move, memory must not grow.
-    case = _Case(rank, R, 1024, 2048, 16 * R, 8, False, "none", "random", 7)
-    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
-    lay = nat.get_dispatch_layout(idx, 16 * R)
-    h0 = None
-    mem0 = None
-    bad = torch.zeros((), dtype=torch.int64, device="cuda")
-    for it in range(iters):
-        r = nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
-        c = nat.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights, config=cfg)
-        h = torch.stack([_hash(r.recv_x), _hash(c.combined_x), _hash(c.combined_topk_weights.view(torch.int16))])
-        if h0 is None:
-            h0 = h
-        bad += (h != h0).sum()
-        if it == 10:
-            torch.cuda.synchronize()
-            mem0 = torch.cuda.memory_allocated()
-    torch.cuda.synchronize()
-    check(f"{iters} back-to-back calls: hash stable", int(bad) == 0)
-    # A per-call leak of any output would grow by >= iters x (rows x 4 B) >> 2 MB; allow allocator rounding.
-    grown = torch.cuda.memory_allocated() - mem0 if mem0 is not None else 0
-    check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
+    check_back_to_back(check, nat, cfg, 16, iters, cached=False)
 
     dist.barrier(group=gloo)
     nat.destroy()
     ref.destroy()
-    assert not failures, f"rank {rank}: {len(failures)} checks failed: {failures}"
+    check.assert_none_failed()
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
