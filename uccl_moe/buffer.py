@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -33,6 +33,7 @@ from .backends.base import Backend, BufferContext, DispatchRequest, create_backe
 from .errors import InvalidTypeError, InvalidUsageError
 from .topology import Topology, detect
 from .utils import EventHandle, EventOverlap, host_ints
+from .utils import current_stream as _current_stream
 
 try:
     from . import _C
@@ -238,6 +239,10 @@ class Buffer:
         self.device = device
         self.backend_name: str = choice
         self._comm_stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+        # Reused for every stream join (a wait binds to the record made just before it, so reuse is safe); a new
+        # torch Event per join, as Stream.wait_stream makes, is a measurable part of a small call's host time.
+        self._join_in: Any = torch.cuda.Event() if device.type == "cuda" else None
+        self._join_out: Any = torch.cuda.Event() if device.type == "cuda" else None
         self._handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
@@ -333,7 +338,8 @@ class Buffer:
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(self._comm_stream)
         else:
-            self._comm_stream.wait_stream(torch.cuda.current_stream())
+            self._join_in.record(_current_stream())
+            self._comm_stream.wait_event(self._join_in)
 
     def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
@@ -344,7 +350,7 @@ class Buffer:
         """
         if self._comm_stream is None:
             return EventOverlap(EventHandle() if async_finish else None)
-        compute = torch.cuda.current_stream()
+        compute = _current_stream()
         for t in _flatten(outputs):
             if t.device.type == "cuda":
                 t.record_stream(compute)
@@ -353,11 +359,23 @@ class Buffer:
                 if t.device.type == "cuda":
                     t.record_stream(self._comm_stream)
             return EventOverlap(EventHandle(self._comm_stream))
-        compute.wait_stream(self._comm_stream)
+        self._join_out.record(self._comm_stream)
+        compute.wait_event(self._join_out)
         return EventOverlap(None)
 
-    def _comm_context(self) -> Any:
-        return torch.cuda.stream(self._comm_stream) if self._comm_stream is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _comm_context(self) -> Iterator[None]:
+        """The comm stream is current inside (allocations and launches go to it); the caller's stream after.
+        torch.cuda.stream() does the same but looks the device up through slow paths several times per call."""
+        if self._comm_stream is None:
+            yield
+            return
+        prev = _current_stream()
+        torch.cuda.set_stream(self._comm_stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(prev)
 
     # ---------------------------------------------------------------- validation helpers
     def _check_topk_idx(self, topk_idx: Any, num_experts: int | None, name: str = "topk_idx") -> torch.Tensor:

@@ -14,6 +14,20 @@ from typing import Any
 import torch
 
 
+def current_stream() -> Any:
+    """``torch.cuda.current_stream()`` of the current device. Naming the device index skips torch's device lookup
+    (availability and environment checks on every call), a measurable share of a small dispatch's host time."""
+    return torch.cuda.current_stream(torch.cuda.current_device())
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The cudaStream_t / hipStream_t of the current stream on `device_index`, as an int for the kernels."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return int(get(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
 class EventHandle:
     """A point on a stream.
 
@@ -25,12 +39,12 @@ class EventHandle:
         self.event: torch.cuda.Event | None = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.event = torch.cuda.Event()
-            self.event.record(stream if stream is not None else torch.cuda.current_stream())
+            self.event.record(stream if stream is not None else current_stream())
 
     def current_stream_wait(self) -> None:
         """Make the current stream wait for this event (no host blocking)."""
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            current_stream().wait_event(self.event)
 
     def stream_wait(self, stream: Any) -> None:
         """Make `stream` wait for this event."""

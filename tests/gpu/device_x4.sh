@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # 4 x H200 device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
+#   itest    intranode GPU tests (ITEST_K selects, UMOE_TEST_ITERS back-to-back calls, default 200)
+#   bench    `uccl-moe bench` with BENCH_ARGS (JSON and PNG in the results)
 #   mtest    Megatron dispatcher GPU tests on the native backend (EP2/EP4, TPxEP, shared-expert overlap)
 #   inter    emulated-internode GPU tests on 4 GPUs (2x2 and 4x1, both data paths, reordering)
 #   ibench   emulated-internode benchmark 2 nodes x 2 GPUs, GPU-copy and host-staged data paths
@@ -16,6 +18,14 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 filt() { grep -v "UserWarning\|warnings.warn\|param.main_grad\|INFO:megatron\|^\[.*\] *\(decoder\|embedding\|output\)" ; }
 for stage in ${STAGES:-mtest inter ibench smoke}; do
   case $stage in
+  itest)
+    UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-200} timeout ${ITEST_T:-400} python3 -m pytest -q -p no:cacheprovider \
+      --timeout 380 -rA tests/gpu/test_intranode_native.py -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
+    echo "itest rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|checks failed" "$OUT/itest.log" | tail -10 ;;
+  bench)
+    # shellcheck disable=SC2086
+    timeout ${BENCH_T:-300} python3 -m uccl_moe.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --png "$OUT/bench.png" \
+      2>&1 | grep -v "it/s\]" | tail -${BENCH_TAIL:-30} ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout ${MTEST_T:-200} python3 -m pytest -q -p no:cacheprovider \
       --timeout 180 -rA tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \

@@ -228,6 +228,38 @@ def check_back_to_back(check: Checks, nat, cfg, experts_per_rank: int, iters: in
     check(f"{iters} back-to-back calls: no memory growth ({grown} B)", grown <= 2 << 20)
 
 
+def check_chained_rounds(check: Checks, nat, iters: int) -> None:
+    """Cached dispatches and combines chain without any reset or barrier (nvl_layout.hpp): FP8 rows then BF16
+    rows through the same rings (different slot layouts), a smaller ring on some calls (other slot counts), and
+    every 10th iteration a second handle with fewer SMs (a channel-count change, which resets the rings).
+    Outputs must equal the non-cached dispatch and the first iteration's combine, every time."""
+    from uccl_moe import Config
+
+    R = check.world
+    cfg_a, cfg_small_ring, cfg_b = Config(24, 8, 256, 6, 128), Config(24, 4, 96, 6, 128), Config(16, 6, 256, 6, 128)
+    fp8 = _Case(check.rank, R, 777, 2048, 16 * R, 8, True, "col", "neg", 21)
+    bf16 = _Case(check.rank, R, 500 + 31 * check.rank, 2048, 16 * R, 8, False, "none", "skew", 22)
+    _, ra = _dispatch(nat, fp8, "cuda", config=cfg_a)
+    _, rb = _dispatch(nat, bf16, "cuda", config=cfg_b)
+    xa, xb = fp8.xin("cuda"), bf16.xin("cuda")
+    ya = torch.randn((ra.recv_x[0].shape[0], 2048), device="cuda").bfloat16()
+    yb = rb.recv_x * 0.5
+    want_a, want_b = ra.recv_x[0].view(torch.uint8), rb.recv_x
+    comb_a0 = nat.combine(ya, ra.handle, topk_weights=ra.recv_topk_weights, config=cfg_a).combined_x.clone()
+    comb_b0 = nat.combine(yb, rb.handle, config=cfg_b).combined_x.clone()
+    bad = torch.zeros((), dtype=torch.int64, device="cuda")
+    for it in range(iters):
+        got = nat.dispatch(xa, handle=ra.handle, config=cfg_small_ring if it % 3 == 0 else cfg_a).recv_x
+        bad += (got[0].view(torch.uint8) != want_a).sum() + (got[1] != ra.recv_x[1]).sum()
+        bad += (nat.combine(ya, ra.handle, topk_weights=ra.recv_topk_weights,
+                            config=cfg_small_ring if it % 2 == 0 else cfg_a).combined_x != comb_a0).sum()
+        if it % 10 == 9:
+            bad += (nat.dispatch(xb, handle=rb.handle, config=cfg_b).recv_x != want_b).sum()
+            bad += (nat.combine(yb, rb.handle, config=cfg_b).combined_x != comb_b0).sum()
+    torch.cuda.synchronize()
+    check(f"{iters} chained cached dispatch/combine rounds (FP8/BF16 rows, two rings, two SM counts)", int(bad) == 0)
+
+
 # ------------------------------------------------------------------------------------------------ the worker
 def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     from uccl_moe import Buffer, Config
@@ -310,6 +342,7 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
 
     # Back-to-back: non-cached dispatch + combine `iters` times; hashes must not move, memory must not grow.
     check_back_to_back(check, nat, cfg, 16, iters, cached=False)
+    check_chained_rounds(check, nat, iters)
 
     dist.barrier(group=gloo)
     nat.destroy()
@@ -355,3 +388,34 @@ def _skip_worker(rank: int, world: int, gloo) -> None:
 
 def test_native_timeout_when_a_rank_skips() -> None:
     run_shared_gpu_ranks(_skip_worker, 3, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
+
+
+def _skip_combine_worker(rank: int, world: int, gloo) -> None:
+    """Combine has no barrier: a rank that skips it is named by the ring wait that starves."""
+    from uccl_moe import Buffer, CommTimeoutError, Config
+
+    cfg = Config(24, 8, 256, 6, 128)
+    nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(2048 * 2, world), backend="native",
+                 explicitly_destroy=True)
+    case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 3)
+    _, res = _dispatch(nat, case, "cuda", config=cfg)
+    torch.cuda.synchronize()
+    skipper = world - 1
+    if rank != skipper:
+        try:
+            nat.combine(res.recv_x, res.handle, config=cfg)
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
+        except CommTimeoutError as e:
+            rec = e.record or {}
+            assert rec.get("peer") == skipper and rec.get("rank") == rank, rec
+            assert str(rec.get("phase")).startswith("combine/"), rec
+            assert f"peer {skipper}" in str(e), str(e)
+        else:
+            raise AssertionError("combine returned although a peer skipped it")
+    dist.barrier(group=gloo)
+    nat.destroy()
+
+
+def test_native_timeout_when_a_rank_skips_a_combine() -> None:
+    run_shared_gpu_ranks(_skip_combine_worker, 3, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .. import _C, env
 from ..errors import CommTimeoutError, InvalidUsageError
+from ..utils import current_raw_stream
 from .base import Backend, BufferContext, DispatchRequest, register_backend
 
 
@@ -94,9 +95,8 @@ class NativeBackend(Backend):
             self._inter = InternodePath(self, ctx)
 
     # ---------------------------------------------------------------- helpers
-    @staticmethod
-    def _stream() -> int:
-        return int(torch.cuda.current_stream().cuda_stream)
+    def _stream(self) -> int:
+        return current_raw_stream(self.ctx.device.index)
 
     def _check_alive(self) -> None:
         if self._rt is None:
@@ -234,9 +234,6 @@ class NativeBackend(Backend):
             return self._inter.cached_dispatch(x, x_scales, handle, config)
         x = x.contiguous()
         num_sms = self._sms_of(handle)
-        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
-        _C.prepare_round(runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
-                         stream=self._stream())
         rows = int(handle[3].shape[0])
         recv_x, recv_scales, _, _, _ = self._launch_dispatch(
             num_sms, config, x, x_scales, None, None, handle[4], handle[0], handle[2], self.R, rows, False, None)
@@ -258,8 +255,6 @@ class NativeBackend(Backend):
         b1 = bias[1].contiguous() if bias[1] is not None else None
         out = torch.empty((T, H), dtype=x.dtype, device=x.device)
         out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
-        _C.prepare_round(runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
-                         stream=self._stream())
         _C.combine_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from ._run import _plot, _table, _worker, spawn
+from ._run import _kernel_lines, _plot, _table, _worker, spawn
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=30, help="timed runs per op (median; >= 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
     p.add_argument("--json", default="uccl_moe_bench.json", help="JSON output path ('' = none)")
     p.add_argument("--png", default="uccl_moe_bench.png", help="PNG plot path ('' = none)")
 
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"uccl-moe bench on {R} x {dev}; peer copy ceiling (one way, copy engine) "
           f"{result['peer_copy_GBps']:.1f} GB/s; {time.time() - t0:.0f} s")
     print(_table(rows))
+    if args.kernel_times:
+        print(_kernel_lines(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev, "ranks": R, "argv": sys.argv[1:],

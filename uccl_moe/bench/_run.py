@@ -56,6 +56,35 @@ def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> floa
     return float(statistics.median(times))
 
 
+def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int) -> dict[str, float]:
+    """GPU time per call of each kernel fn() launches (torch.profiler, L2 flushed before each call; the flush's
+    own kernel is left out): the kernel-only view next to the event time of the whole Python call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return kernel_table([(e.key, e.device_time_total) for e in prof.key_averages()
+                         if e.device_time_total > 0], iters)
+
+
+def kernel_table(totals: list[tuple[str, float]], calls: int) -> dict[str, float]:
+    """Microseconds per call by short kernel name ("dispatch_intranode_kernel", "ncclDevKernel_SendRecv", ...)
+    from (profiler name, total us) pairs; fill kernels (the L2 flush) are dropped, names that shorten alike
+    are summed."""
+    out: dict[str, float] = {}
+    for name, total in totals:
+        if "FillFunctor" in name or "fill_kernel" in name:
+            continue
+        bare = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+        short = bare.split("::")[-1].split()[-1] if bare.split() else name
+        out[short] = round(out.get(short, 0.0) + total / calls, 1)
+    return out
+
+
 def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, cfg: Any,
            args: argparse.Namespace) -> dict[str, Any]:
     import torch
@@ -92,6 +121,9 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     out: dict[str, Any] = {}
     out["dispatch_us"] = _time_op(lambda: buf.dispatch(x, handle=h, config=cfg), flush, args.iters, args.warmup)
     out["combine_us"] = _time_op(lambda: buf.combine(y, h, config=cfg), flush, args.iters, args.warmup)
+    if args.kernel_times:
+        out["dispatch_kernels"] = _kernel_us(lambda: buf.dispatch(x, handle=h, config=cfg), flush, args.iters)
+        out["combine_kernels"] = _kernel_us(lambda: buf.combine(y, h, config=cfg), flush, args.iters)
     if not args.no_nccl and 1 < R <= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
         send_rows = sum(send_to)
         send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
@@ -125,6 +157,11 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = round(t, 1)
         row[f"{op}_logical_GBps"] = round(slowest[recv_key] * slowest[bytes_key] / (t * 1e3), 1)
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
+    for op in ("dispatch", "combine"):
+        key = f"{op}_kernels"
+        if key in per_rank[0]:  # slowest rank per kernel
+            names = sorted({n for d in per_rank for n in d[key]})
+            row[key] = {n: max(d[key].get(n, 0.0) for d in per_rank) for n in names}
     return row
 
 
@@ -203,6 +240,19 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["  ".join(h.rjust(w) for (_, h), w in zip(cols, widths))]
     for r in rows:
         lines.append("  ".join(str(r.get(k, "")).rjust(w) for (k, _), w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def _kernel_lines(rows: list[dict[str, Any]]) -> str:
+    """One line per row and op: GPU kernel us per call (slowest rank), e.g. for --kernel-times."""
+    lines = []
+    for r in rows:
+        for op in ("dispatch", "combine"):
+            ks = r.get(f"{op}_kernels")
+            if ks:
+                body = ", ".join(f"{n} {us:.1f}" for n, us in ks.items())
+                lines.append(f"EP{r['ranks']} T={r['tokens']} {r['dtype']} sms={r['num_sms']} chunk={r['nvl_send']} "
+                             f"ring={r['nvl_recv']} {op}: {r[f'{op}_us']} us call; kernels us: {body}")
     return "\n".join(lines)
 
 

@@ -293,13 +293,13 @@ UCCL_DEVICE_INLINE void store_stream_128(int4* p, const int4& v) {
 /// 4-byte load of ring metadata written by a peer (same rule as load_ring_128).
 UCCL_DEVICE_INLINE int32_t load_ring_32(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
-/// Relaxed system-scope atomic max (monotonic counters published by several warps: a late, smaller
-/// value can never move the counter back).
-UCCL_DEVICE_INLINE void atomic_max_sys(int32_t* p, int32_t v) {
+/// System-scope atomic add with release semantics: a counter several warps advance by disjoint deltas (each
+/// owns the increment it claimed), so the value only moves forward, modulo 2^32, whatever the arrival order.
+UCCL_DEVICE_INLINE void atomic_add_release_sys(int32_t* p, int32_t v) {
 #if defined(UCCL_MOE_HIP)
-  __hip_atomic_fetch_max(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
-  asm volatile("red.release.sys.global.max.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
 }
 /// Block-scope fence (shared-memory progress words read by sibling warps).

@@ -24,6 +24,13 @@ namespace {
 using intranode::Geometry;
 using runtime::NvlRuntime;
 
+/// Resets the ring counters (prepare_round: two barriers) before a dispatch or combine whose channel count
+/// differs from the one the counters were last reset for; rounds with an unchanged count chain without it.
+void ensure_rings(NvlRuntime& rt, const intranode::NvlContext& ctx, const Geometry& g, uintptr_t stream) {
+  if (rt.ring_channels() == g.num_channels) return;
+  intranode::launch_prepare_round(ctx, g, stream_of(stream));
+  rt.set_ring_channels(g.num_channels);
+}
 
 nb::tuple geometry_tuple(const Geometry& g) {
   return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
@@ -98,6 +105,7 @@ void register_runtime(nb::module_& m) {
                             write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
                             ptr<int32_t>(recv_lane_start), ptr<const int32_t>(num_tokens_ptr)};
     intranode::launch_notify_dispatch(ctx, g, a, stream_of(stream));
+    rt.set_ring_channels(g.num_channels);  // notify resets the ring counters
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "is_token_in_rank"_a,
   "num_tokens_per_rank"_a, "num_tokens_per_expert"_a, "num_tokens"_a, "num_experts"_a, "expert_alignment"_a,
   "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a,
@@ -105,8 +113,9 @@ void register_runtime(nb::module_& m) {
 
   m.def("prepare_round", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t stream) {
     const auto ctx = rt.context();
-    intranode::launch_prepare_round(ctx, intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv),
-                                    stream_of(stream));
+    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    intranode::launch_prepare_round(ctx, g, stream_of(stream));
+    rt.set_ring_channels(g.num_channels);
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "stream"_a);
 
   m.def("dispatch_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
@@ -144,6 +153,7 @@ void register_runtime(nb::module_& m) {
     a.num_tokens_ptr = ptr<const int32_t>(num_tokens_ptr);
     a.row_map = ptr<const int32_t>(row_map);
     a.src_tag = ptr<const int32_t>(src_tag);
+    ensure_rings(rt, ctx, g, stream);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "x_scales"_a, "topk_idx"_a,
   "topk_weights"_a, "is_token_in_rank"_a, "rank_prefix"_a, "recv_lane_start"_a, "num_tokens"_a, "row_bytes"_a,
@@ -163,6 +173,7 @@ void register_runtime(nb::module_& m) {
                              ptr<const int32_t>(recv_lane_start), ptr<const int32_t>(send_head), num_tokens, hidden,
                              num_topk, ptr<void>(out), ptr<float>(out_topk_weights),
                              ptr<const int32_t>(num_tokens_ptr), ptr<const int32_t>(row_map)};
+    ensure_rings(rt, ctx, g, stream);
     intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "topk_weights"_a, "bias0"_a,
   "bias1"_a, "rank_prefix"_a, "recv_lane_start"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "out"_a,

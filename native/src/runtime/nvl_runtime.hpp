@@ -47,6 +47,12 @@ class NvlRuntime {
   bool aborted() const;
   DiagRecord diag() const;
 
+  /// Channel count the ring counters were last reset for (-1: never). Rounds with the same count chain
+  /// without a reset (nvl_layout.hpp); the bindings reset when it changes. Every rank sees the same calls,
+  /// so every rank takes the same decision.
+  int ring_channels() const { return ring_channels_; }
+  void set_ring_channels(int c) { ring_channels_ = c; }
+
  private:
   int rank_, num_ranks_, device_;
   int global_rank_ = -1;
@@ -55,6 +61,7 @@ class NvlRuntime {
   void* peers_[8] = {};
   bool connected_ = false;
   bool destroyed_ = false;
+  int ring_channels_ = -1;
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;
 };

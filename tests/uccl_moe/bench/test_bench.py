@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from uccl_moe.bench.__main__ import build_parser, main
-from uccl_moe.bench._run import _summarise, _table
+from uccl_moe.bench._run import _kernel_lines, _summarise, _table, kernel_table
 
 
 def _rank(us: float, n_recv: int, n_remote: int) -> dict:
@@ -31,3 +31,19 @@ def test_cli_parsing_and_method_guard() -> None:
     args = build_parser().parse_args(["--tokens", "128,4096", "--sms", "16,24"])
     assert args.tokens == [128, 4096] and args.sms == [16, 24] and args.dtypes == "fp8,bf16"
     assert main(["--iters", "5"]) == 2  # fewer than 20 timed runs is refused
+
+
+def test_kernel_times_per_call_and_slowest_rank() -> None:
+    ours = "void uccl_moe::intranode::(anonymous namespace)::dispatch_intranode_kernel(NvlContext, Geometry)"
+    totals = [(ours, 900.0),
+              ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<unsigned char>>(int)", 5e4),
+              ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 300.0)]
+    table = kernel_table(totals, 30)
+    assert table == {"dispatch_intranode_kernel": 30.0, "ncclDevKernel_SendRecv": 10.0}  # the flush is dropped
+    a = {**_rank(100.0, 400, 300), "dispatch_kernels": {"k": 10.0}, "combine_kernels": {"c": 3.0, "p": 1.0}}
+    b = {**_rank(90.0, 400, 300), "dispatch_kernels": {"k": 12.0}, "combine_kernels": {"c": 2.0}}
+    row = _summarise([a, b])
+    assert row["dispatch_kernels"] == {"k": 12.0} and row["combine_kernels"] == {"c": 3.0, "p": 1.0}
+    row.update(ranks=2, tokens=64, dtype="bf16", num_sms=24, nvl_send=8, nvl_recv=256)
+    lines = _kernel_lines([row]).splitlines()
+    assert len(lines) == 2 and "k 12.0" in lines[0] and lines[1].endswith("kernels us: c 3.0, p 1.0")

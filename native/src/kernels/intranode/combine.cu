@@ -6,9 +6,10 @@
 //   receiver block c: G = warps / W warps per lane, each owning a 1/G slice of the hidden columns, walk the
 //     lane's tokens in order; send_head[t][r] is the slot position of token t's copy in ring (lane, r).
 // Heads: each receiver warp records how far it consumed each ring in shared memory; the minimum over the G
-// warps of a lane is published to the sender with a system-scope atomic max (monotonic, so late or
-// duplicate publications are harmless). A warp publishes before it blocks and every kPublishEvery tokens,
-// so a sender can never wait on slots that were consumed but not handed back.
+// warps of a lane is handed to the sender as a system-scope atomic add of the growth the publishing warp
+// claimed in shared memory (so the head only moves forward whatever order the adds land in). A warp publishes
+// before it blocks and every kPublishEvery tokens, so a sender can never wait on slots that were consumed but
+// not handed back. Counters are relative to the round's bases (nvl_layout.hpp).
 #include "intranode_device.cuh"
 #include "../bf16.cuh"
 #include "uccl_moe/gpu_check.cuh"
@@ -34,9 +35,11 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   const int lane_idx = c * g.lanes_per_channel + w;
-  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w, s.bytes);
+  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
   int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;
   const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;
+  int32_t* base_word = meta_ptr(ctx.buffers[me], kOffSendBase) + lane_idx * N + dst;
+  const int32_t base = gpu::shfl(*base_word, 0);
   // Rows we received from dst in this lane: contiguous in x.
   const int dst_begin = dst == 0 ? 0 : a.rank_prefix[(dst - 1) * N + me];
   const int dst_end = a.rank_prefix[dst * N + me];
@@ -45,17 +48,17 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int count = next - start;
   const int64_t row0 = dst_begin + start;
   const int num_16 = s.row_bytes / 16;
-  int published = 0, head_seen = 0;
+  int published = 0, head_seen = -1;  // < 0: the first write waits for the previous round to drain
   for (int pos = 0; pos < count; ++pos) {
-    if (pos - head_seen >= g.lane_slots) {
+    if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
       if (published < pos) {
         gpu::sync_warp();
-        if (lane == 0) gpu::store_release_sys(tail, pos);
+        if (lane == 0) gpu::store_release_sys(tail, base + pos);
         published = pos;
       }
-      head_seen = warp_wait_at_least(ctx, head, pos - g.lane_slots + 1, DiagPhase::kCombineSendRoom, kRoleSender, dst,
-                                     lane_idx);
-      if (head_seen < 0) return;
+      if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kCombineSendRoom,
+                              kRoleSender, dst, lane_idx, &head_seen))
+        return;
     }
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
@@ -67,20 +70,27 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
     if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
     if (pos + 1 - published >= g.chunk_tokens) {
       gpu::sync_warp();
-      if (lane == 0) gpu::store_release_sys(tail, pos + 1);  // pairs with the receiver's acquire
+      if (lane == 0) gpu::store_release_sys(tail, base + pos + 1);  // pairs with the receiver's acquire
       published = pos + 1;
     }
   }
   if (published < count) {
     gpu::sync_warp();
-    if (lane == 0) gpu::store_release_sys(tail, count);
+    if (lane == 0) gpu::store_release_sys(tail, base + count);
   }
+  if (lane == 0) *base_word = base + count;  // the next round on this stream starts here
 }
 
 struct CombineSmem {
   int32_t consumed[kMaxWarpsSmem][kMaxLocalRanks];   // per warp: ring positions consumed, per source rank
   int32_t published[kMaxWarpsSmem][kMaxLocalRanks];  // per lane (indexed by its first warp): head published
 };
+
+/// Ring counters of combine receiver lane `lane_idx` for source rank `src`: the tail it polls (here), the head
+/// it publishes (at src) and the base both are relative to (here).
+UCCL_DEVICE_INLINE int32_t* recv_base_word(const NvlContext& ctx, int lane_idx, int src) {
+  return meta_ptr(ctx.buffers[ctx.rank], kOffRecvBase) + lane_idx * ctx.num_ranks + src;
+}
 
 /// Lane d < N of the warp: min over the lane's G warps of what they consumed from rank d; publishes it to rank
 /// d's head word if it grew. Called by all lanes.
@@ -92,9 +102,9 @@ UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, CombineSmem* sm, in
     for (int gw = 0; gw < group; ++gw)
       m = min(m, static_cast<int32_t>(*reinterpret_cast<volatile int32_t*>(&sm->consumed[first_warp + gw][lane])));
     const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
-    if (m > old) {
+    if (m > old) {  // this warp claimed the growth old -> m; every claim is disjoint, so adding them is exact
       int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
-      gpu::atomic_max_sys(head, m);  // release: our ring reads happen before the sender reuses the slots
+      gpu::atomic_add_release_sys(head, m - old);  // release: our ring reads happen before the sender reuses them
     }
   }
 }
@@ -109,8 +119,9 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   const int first_warp = lane_local * group;
   const int my_warp = first_warp + gw;
   // Lane d < N tracks ring (lane, d): its base, the tail seen, and what this warp consumed.
-  const char* my_ring = lane < N ? lane_ring(ctx.buffers[ctx.rank], g, N, c, lane, lane_local, s.bytes) : nullptr;
+  const char* my_ring = lane < N ? lane_ring(ctx.buffers[ctx.rank], g, N, c, lane, lane_local) : nullptr;
   const int32_t* my_tail = meta_ptr(ctx.buffers[ctx.rank], kOffTail) + lane_idx * N + (lane < N ? lane : 0);
+  const int32_t my_base = lane < N ? *recv_base_word(ctx, lane_idx, lane) : 0;
   int32_t tail_seen = 0;
   const int num_16 = s.row_bytes / 16;
   const int per_warp = (num_16 + group - 1) / group;
@@ -134,7 +145,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       BoundedWait wait(diag);
       while (true) {
         if (need) {
-          tail_seen = gpu::load_acquire_sys(my_tail);  // released by rank `lane`'s sender
+          tail_seen = ring_diff(gpu::load_acquire_sys(my_tail), my_base);  // released by rank `lane`'s sender
           need = tail_seen <= p;
         }
         const gpu::LaneMask waiting = gpu::ballot(need);
@@ -218,9 +229,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   }
   __syncthreads();
   const int group = kWarpsPerBlock / W;  // warps per lane
-  const int lane_local = warp / group, gw = warp % group;
-  if (lane_local >= W) return;
-  combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
+  const int lane_local = warp / group, gw = warp % group, lane = gpu::lane_id();
+  if (lane_local < W) combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
+  __syncthreads();  // every warp of a lane published its last head: published[] is the lane's final count
+  if (lane_local < W && gw == 0 && lane < ctx.num_ranks) {
+    int32_t* base = recv_base_word(ctx, c * W + lane_local, lane);
+    *base += sm.published[lane_local * group][lane];  // the next round on this stream starts here
+  }
 }
 
 }  // namespace
@@ -230,6 +245,10 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0)};
+  const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
+  UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
+              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
+              g.lane_slots, k.slot.bytes);
   const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.hidden * 2, a.num_topk, 0);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
               "combine needs %lld NVL bytes but the Buffer has %lld: create it with num_nvl_bytes >= "
@@ -239,14 +258,14 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
   // One instantiation per local rank count (the per-rank copies of a column live in registers).
   switch (ctx.num_ranks) {
-    case 1: combine_intranode_kernel<1><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 2: combine_intranode_kernel<2><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 3: combine_intranode_kernel<3><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 4: combine_intranode_kernel<4><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 5: combine_intranode_kernel<5><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 6: combine_intranode_kernel<6><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 7: combine_intranode_kernel<7><<<grid, block, 0, st>>>(ctx, g, k); break;
-    case 8: combine_intranode_kernel<8><<<grid, block, 0, st>>>(ctx, g, k); break;
+    case 1: combine_intranode_kernel<1><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 2: combine_intranode_kernel<2><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 3: combine_intranode_kernel<3><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 4: combine_intranode_kernel<4><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 5: combine_intranode_kernel<5><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 6: combine_intranode_kernel<6><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 7: combine_intranode_kernel<7><<<grid, block, 0, st>>>(ctx, placed, k); break;
+    case 8: combine_intranode_kernel<8><<<grid, block, 0, st>>>(ctx, placed, k); break;
     default: UCCL_THROW(kInvalidUsage, "combine supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", ctx.num_ranks);
   }
   UCCL_CHECK_GPU(gpu::get_last_error());

@@ -24,33 +24,35 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   const int lane_idx = c * g.lanes_per_channel + w;
-  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w, s.bytes);
+  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
   int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;         // at the receiver
   const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;   // written by dst
+  const int32_t base = gpu::shfl(meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst], 0);  // counts are relative
   const int experts_per_rank = a.num_experts / N;
   const int num_16 = s.row_bytes / 16;
   int begin, end;
   lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
-  int pos = 0, published = 0, head_seen = 0;
-  for (int base = begin; base < end; base += gpu::kWarpSize) {
-    const int t = base + lane;
+  // head_seen < 0: the previous round may still be draining; the first write waits for it (see nvl_layout.hpp).
+  int pos = 0, published = 0, head_seen = -1;
+  for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
+    const int t = chunk + lane;
     const bool selected = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
     gpu::LaneMask mask = gpu::ballot(selected);
     if (a.send_head != nullptr && t < end)
       a.send_head[static_cast<int64_t>(t) * N + dst] = selected ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
     while (mask != 0) {
-      const int tok = base + gpu::lowest_bit(mask);
+      const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
-      if (pos - head_seen >= g.lane_slots) {
+      if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
         // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
         if (published < pos) {
           gpu::sync_warp();
-          if (lane == 0) gpu::store_release_sys(tail, pos);
+          if (lane == 0) gpu::store_release_sys(tail, base + pos);
           published = pos;
         }
-        head_seen = warp_wait_at_least(ctx, head, pos - g.lane_slots + 1, DiagPhase::kDispatchSendRoom, kRoleSender,
-                                       dst, lane_idx);
-        if (head_seen < 0) return;
+        if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kDispatchSendRoom,
+                                kRoleSender, dst, lane_idx, &head_seen))
+          return;
       }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
       warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot),
@@ -76,15 +78,16 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
       ++pos;
       if (pos - published >= g.chunk_tokens) {
         gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
-        if (lane == 0) gpu::store_release_sys(tail, pos);  // pairs with the receiver's acquire of tail
+        if (lane == 0) gpu::store_release_sys(tail, base + pos);  // pairs with the receiver's acquire of tail
         published = pos;
       }
     }
   }
   if (published < pos) {
     gpu::sync_warp();
-    if (lane == 0) gpu::store_release_sys(tail, pos);
+    if (lane == 0) gpu::store_release_sys(tail, base + pos);
   }
+  if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
 }
 
 UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
@@ -93,9 +96,10 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   const int lane_idx = c * g.lanes_per_channel + w;
-  const char* ring = lane_ring(ctx.buffers[me], g, N, c, src, w, s.bytes);
+  const char* ring = lane_ring(ctx.buffers[me], g, N, c, src, w);
   const int32_t* tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + src;  // written by src
   int32_t* head = meta_ptr(ctx.buffers[src], kOffHead) + lane_idx * N + me;        // at the sender
+  const int32_t base = gpu::shfl(meta_ptr(ctx.buffers[me], kOffRecvBase)[lane_idx * N + src], 0);
   const int src_begin = src == 0 ? 0 : a.rank_prefix[(src - 1) * N + me];
   const int src_end = a.rank_prefix[src * N + me];
   const int start = a.recv_lane_start[src * L + lane_idx];
@@ -105,9 +109,10 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
   const int num_16 = s.row_bytes / 16;
   int done = 0;
   while (done < count) {
-    const int32_t avail = warp_wait_at_least(ctx, tail, done + 1, DiagPhase::kDispatchRecvTokens, kRoleReceiver, src,
-                                             lane_idx);
-    if (avail < 0) return;
+    int32_t avail;
+    if (!warp_wait_at_least(ctx, tail, base, done + 1, DiagPhase::kDispatchRecvTokens, kRoleReceiver, src, lane_idx,
+                            &avail))
+      return;
     const int upto = min(avail, count);
     for (int j = done; j < upto; ++j) {
       const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
@@ -130,8 +135,9 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
     }
     done = upto;
     gpu::sync_warp();  // all lanes' slot reads are done before lane 0 hands the slots back
-    if (lane == 0) gpu::store_release_sys(head, done);  // pairs with the sender's acquire of head
+    if (lane == 0) gpu::store_release_sys(head, base + done);  // pairs with the sender's acquire of head
   }
+  if (lane == 0) meta_ptr(ctx.buffers[me], kOffRecvBase)[lane_idx * N + src] = base + count;
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
@@ -169,13 +175,17 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
   UCCL_ASSERT(a.num_topk <= kMaxTopk, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   UCCL_ASSERT(a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds the warp width", a.num_topk);
   DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales)};
+  const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
+  UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
+              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
+              g.lane_slots, k.slot.bytes);
   const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.row_bytes, a.num_topk, a.num_scales);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
               "dispatch needs %lld NVL bytes (%d channels x %d ranks x %d slots of %d bytes + meta) but the Buffer has "
               "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
               "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
               ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
-  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, k);
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

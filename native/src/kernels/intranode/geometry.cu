@@ -28,6 +28,12 @@ Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_
   return g;
 }
 
+Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {
+  const int64_t rings = static_cast<int64_t>(g.num_lanes) * num_ranks;
+  g.lane_region_bytes = (num_nvl_bytes - static_cast<int64_t>(kNvlMetaBytes)) / rings / 16 * 16;
+  return g;
+}
+
 int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales) {
   const SlotLayout s = SlotLayout::make(row_bytes, num_topk, num_scales);
   return static_cast<int64_t>(kNvlMetaBytes) +

@@ -43,12 +43,16 @@ struct Geometry {
   int32_t lane_slots;         ///< Tl = T / W: slots of one lane's ring
   int32_t chunk_tokens;       ///< tokens a sender writes between two tail publications
   int32_t num_lanes;          ///< L = num_channels * lanes_per_channel
+  int64_t lane_region_bytes;  ///< byte stride of the lane rings (fixed per channel count; 0 until placed)
 };
 
 /// Lanes per channel for `num_ranks` local ranks on this build (warps per block / ranks).
 int lanes_per_channel(int num_ranks);
 /// Validated geometry (throws InvalidUsage naming the Config field to change).
 Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens);
+/// `g` with lane_region_bytes set for a buffer of `num_nvl_bytes` (the ring region split evenly over the
+/// C * N * W lane rings, 16-byte aligned).
+Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes);
 /// Bytes of NVL buffer a dispatch/combine with these rows needs (meta + rings); Buffer's hint is >= this
 /// whenever hidden_bytes was computed as hidden * max(element size, 2).
 int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales);
@@ -76,7 +80,8 @@ struct NotifyArgs {
 };
 /// Barrier, count exchange, barrier; fills the three matrices and (optionally) the host-mapped counters.
 void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream);
-/// Barrier, reset of ring heads/tails, barrier: precedes cached dispatch and combine.
+/// Barrier, reset of ring heads/tails and their bases, barrier. Needed only before the first cached dispatch or
+/// combine after the channel count changed (the bindings launch it then); otherwise rounds chain without it.
 void launch_prepare_round(const NvlContext& ctx, const Geometry& g, void* stream);
 
 struct DispatchArgs {

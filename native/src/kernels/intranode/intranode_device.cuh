@@ -55,22 +55,33 @@ UCCL_DEVICE_INLINE bool barrier_block(const NvlContext& ctx, int* s_failed) {
   return ok;
 }
 
-/// Warp-collective wait until `*counter` (polled with acquire) satisfies value >= want. Returns the value
-/// seen, or -1 (uniform across the warp) once the wait expired or another waiter aborted; the first expiry
-/// writes the diagnostic record.
-UCCL_DEVICE_INLINE int32_t warp_wait_at_least(const NvlContext& ctx, const int32_t* counter, int32_t want,
-                                              DiagPhase phase, int role, int peer, int channel) {
-  int32_t v = gpu::shfl(gpu::load_acquire_sys(counter), 0);
-  if (v >= want) return v;
+/// Wrapping distance a - b of two ring counters (they count modulo 2^32 across rounds).
+UCCL_DEVICE_INLINE int32_t ring_diff(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
+}
+
+/// Warp-collective wait until `*counter` (polled with acquire) reached base + want (wrapping compare). Stores
+/// counter - base in *seen (warp-uniform) and returns true, or returns false (uniform) once the wait expired
+/// or another waiter aborted; the first expiry writes the diagnostic record, with counts relative to base.
+UCCL_DEVICE_INLINE bool warp_wait_at_least(const NvlContext& ctx, const int32_t* counter, int32_t base, int32_t want,
+                                           DiagPhase phase, int role, int peer, int channel, int32_t* seen) {
+  int32_t v = ring_diff(gpu::shfl(gpu::load_acquire_sys(counter), 0), base);
+  if (v >= want) {
+    *seen = v;
+    return true;
+  }
   DiagDeviceHandle diag = diag_of(ctx);
   BoundedWait wait(diag);
   while (true) {
-    v = gpu::shfl(gpu::load_acquire_sys(counter), 0);
-    if (v >= want) return v;
+    v = ring_diff(gpu::shfl(gpu::load_acquire_sys(counter), 0), base);
+    if (v >= want) {
+      *seen = v;
+      return true;
+    }
     const int expired = gpu::shfl(wait.expired() ? 1 : 0, 0);
     if (expired) {
       if (gpu::lane_id() == 0) report_timeout(diag, phase, role, peer, channel, want, v, 0, wait.waited_s());
-      return -1;
+      return false;
     }
   }
 }
@@ -108,12 +119,10 @@ UCCL_DEVICE_INLINE void lane_token_range(int num_tokens, int num_lanes, int lane
   *end = min(num_tokens, *begin + per_lane);
 }
 
-/// Ring of (channel, src) lane `w` inside `buffer` (the receiver's NVL buffer).
-UCCL_DEVICE_INLINE char* lane_ring(void* buffer, const Geometry& g, int num_ranks, int channel, int src, int w,
-                                   int slot_bytes) {
-  const size_t slot0 = (static_cast<size_t>(channel) * num_ranks + src) * g.channel_slots +
-                       static_cast<size_t>(w) * g.lane_slots;
-  return static_cast<char*>(buffer) + kNvlMetaBytes + slot0 * slot_bytes;
+/// Ring of (channel, src) lane `w` inside `buffer` (the receiver's NVL buffer); g.lane_region_bytes apart.
+UCCL_DEVICE_INLINE char* lane_ring(void* buffer, const Geometry& g, int num_ranks, int channel, int src, int w) {
+  const int64_t ring = (static_cast<int64_t>(channel) * num_ranks + src) * g.lanes_per_channel + w;
+  return static_cast<char*>(buffer) + kNvlMetaBytes + ring * g.lane_region_bytes;
 }
 
 }  // namespace uccl_moe::intranode

@@ -1,5 +1,6 @@
 // notify_dispatch: exchange of token counts between local ranks before a non-cached dispatch, and
-// prepare_round: the ring reset before a cached dispatch or a combine. Both are one block (counts are tiny).
+// prepare_round: the ring reset when the channel count changed. Both are one block (counts are tiny) and reset
+// the ring counters between two barriers.
 #include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -7,7 +8,7 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-/// Zeroes this rank's tail[lane][src] and head[lane][dst] words for the lanes in use. Called between two
+/// Zeroes this rank's tail, head, send_base and recv_base words for the lanes in use. Called between two
 /// barriers: after the first no peer still reads or writes them (previous kernels are done everywhere),
 /// before the second no peer starts writing them.
 UCCL_DEVICE_INLINE void reset_ring_counters(const NvlContext& ctx, int num_lanes) {
@@ -16,6 +17,8 @@ UCCL_DEVICE_INLINE void reset_ring_counters(const NvlContext& ctx, int num_lanes
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     meta_ptr(local, kOffTail)[i] = 0;
     meta_ptr(local, kOffHead)[i] = 0;
+    meta_ptr(local, kOffSendBase)[i] = 0;
+    meta_ptr(local, kOffRecvBase)[i] = 0;
   }
 }
 

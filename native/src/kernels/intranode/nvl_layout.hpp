@@ -9,6 +9,13 @@
 // size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta); the receiver
 // warp copies slots out and publishes `head` (in the sender's meta). Both spin only on local memory.
 //
+// Rounds without a barrier: tail and head count slots since the last reset (notify_dispatch, or prepare_round
+// when the channel count changed), modulo 2^32, and are compared by wrapping difference. Each side keeps the
+// count it ended the previous round at in its own meta (send_base / recv_base), so a cached dispatch or a
+// combine needs no reset and no cross-rank barrier: positions inside a round are relative to the base, and a
+// sender's first write of a round waits until the receiver drained the ring (head == send_base), because a
+// round may lay out its slots differently (FP8 vs BF16 rows). A lane's ring sits at a fixed byte offset for
+// a given channel count (lane_region_bytes, from num_nvl_bytes), whatever the slot size of the round.
 // Meta region (first kNvlMetaBytes of the buffer), all int32:
 //   barrier_signal[kMaxLocalRanks]                 +1 by rank p for each barrier it enters (written by p)
 //   barrier_epoch                                  barriers this rank entered (local only)
@@ -18,8 +25,10 @@
 //   lane_prefix[src][lane]     N x kMaxLanes       inclusive prefix over lanes of tokens src sends me
 //   tail[lane][src]            kMaxLanes x N       slots src has published in ring (lane, src) here
 //   head[lane][dst]            kMaxLanes x N       slots dst has consumed from my ring (lane, me) there
-// Rings region (from kNvlMetaBytes): ring of (channel c, src) = T slots, lane w of c owns slots
-// [w * Tl, (w + 1) * Tl); slot = SlotLayout::bytes.
+//   send_base[lane][dst]       kMaxLanes x N       tail I published to dst at the end of my last round (local)
+//   recv_base[lane][src]       kMaxLanes x N       head I published to src at the end of my last round (local)
+// Rings region (from kNvlMetaBytes): lane ring (channel c, src, w) starts at ((c * N + src) * W + w) *
+// lane_region_bytes and holds Tl slots of SlotLayout::bytes.
 #pragma once
 
 #include <cstddef>
@@ -45,7 +54,9 @@ constexpr size_t kOffLanePrefix =
     align_up(kOffExpertCounts + sizeof(int32_t) * kMaxLocalRanks * kMaxExpertsPerRank, 4096);
 constexpr size_t kOffTail = kOffLanePrefix + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 constexpr size_t kOffHead = kOffTail + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
-constexpr size_t kMetaEnd = kOffHead + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kOffSendBase = kOffHead + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kOffRecvBase = kOffSendBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 static_assert(kMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
