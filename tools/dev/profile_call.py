@@ -38,7 +38,40 @@ def main() -> None:
         y = r.recv_x
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=r.handle, config=cfg),
                "combine": lambda: buf.combine(y, r.handle, config=cfg)}
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         for name, fn in ops.items():
+            # The bench's loop (flush, events, call) under the profiler: what the GPU and the host did between the
+            # flush and the end event, for the last two iterations.
+            from torch.profiler import ProfilerActivity, profile
+
+            ts = []
+            for _ in range(20):
+                flush.zero_()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fn()
+                e.record()
+                e.synchronize()
+                ts.append(s.elapsed_time(e) * 1e3)
+            print(f"--- {name}: event time, flushed, not profiled: median {sorted(ts)[10]:.1f} us; all {ts}")
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(6):
+                    flush.zero_()
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    fn()
+                    e.record()
+                    e.synchronize()
+            evs = sorted(prof.events(), key=lambda ev: ev.time_range.start)
+            marks = [ev for ev in evs if "Fill" in ev.name and ev.device_type.name == "CUDA"]
+            t0 = marks[-2].time_range.start
+            print(f"--- {name}: events of the last two iterations (us from the flush kernel's start)")
+            for ev in evs:
+                if ev.time_range.start >= t0 and ev.name not in ("aten::empty",):
+                    dev = "GPU" if ev.device_type.name == "CUDA" else "cpu"
+                    print(f"{ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f} {dev} {ev.name[:90]}")
+
             for _ in range(20):
                 fn()
             torch.cuda.synchronize()

@@ -7,7 +7,9 @@ For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x
     for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
 and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
 Method (DESIGN.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
-after warm-up, the slowest rank's time. Metrics: ``logical_GBps`` = all rows a rank receives (own rows
+after warm-up, the slowest rank's time. Before each flush the ranks meet in a one-float NCCL all-reduce (not
+timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
+rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
 included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks only. FP8 rows count
 hidden bytes + 4 bytes per scale; combine counts BF16.
 
@@ -46,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=30, help="timed runs per op (median; >= 20)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
+    p.add_argument("--no-align", action="store_true",
+                   help="do not align the ranks (tiny NCCL all-reduce, untimed) before each timed run")
     p.add_argument("--kernel-times", action="store_true",
                    help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
     p.add_argument("--json", default="uccl_moe_bench.json", help="JSON output path ('' = none)")

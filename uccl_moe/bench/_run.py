@@ -38,14 +38,19 @@ def spawn(worker: Callable[..., None], R: int, args: argparse.Namespace) -> dict
             return result
 
 
-def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> float:
-    """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream)."""
+def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
+             align: Callable[[], Any] | None = None) -> float:
+    """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream). `align`
+    (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the same moment:
+    without it a rank's time includes how late its peers launched, which is host noise, not communication."""
     import torch
 
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if align is not None:
+            align()
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -56,33 +61,36 @@ def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int) -> floa
     return float(statistics.median(times))
 
 
-def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int) -> dict[str, float]:
-    """GPU time per call of each kernel fn() launches (torch.profiler, L2 flushed before each call; the flush's
-    own kernel is left out): the kernel-only view next to the event time of the whole Python call."""
+def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int, align: Callable[[], Any] | None) -> dict[str, float]:
+    """GPU time per call of each kernel fn() launches (torch.profiler; ranks aligned and L2 flushed before each
+    call like _time_op; the flush's and the alignment's kernels are left out): the kernel-only view next to the
+    event time of the whole Python call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
+            if align is not None:
+                align()
             flush.zero_()
             fn()
         torch.cuda.synchronize()
-    return kernel_table([(e.key, e.device_time_total) for e in prof.key_averages()
-                         if e.device_time_total > 0], iters)
+    events = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type.name == "CUDA"]
+    return kernel_table(events, iters, skip=("AllReduce",) if align is not None else ())
 
 
-def kernel_table(totals: list[tuple[str, float]], calls: int) -> dict[str, float]:
+def kernel_table(events: list[tuple[str, float]], calls: int, skip: tuple[str, ...] = ()) -> dict[str, float]:
     """Microseconds per call by short kernel name ("dispatch_intranode_kernel", "ncclDevKernel_SendRecv", ...)
-    from (profiler name, total us) pairs; fill kernels (the L2 flush) are dropped, names that shorten alike
-    are summed."""
-    out: dict[str, float] = {}
-    for name, total in totals:
-        if "FillFunctor" in name or "fill_kernel" in name:
+    from (profiler name, duration us) per launch: the median launch times launches per call. Fill kernels (the L2
+    flush) and names containing a `skip` entry are dropped; names that shorten alike are pooled."""
+    durations: dict[str, list[float]] = {}
+    for name, us in events:
+        if "FillFunctor" in name or "fill_kernel" in name or any(k in name for k in skip):
             continue
         bare = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
         short = bare.split("::")[-1].split()[-1] if bare.split() else name
-        out[short] = round(out.get(short, 0.0) + total / calls, 1)
-    return out
+        durations.setdefault(short, []).append(us)
+    return {n: round(statistics.median(d) * len(d) / calls, 1) for n, d in durations.items()}
 
 
 def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, cfg: Any,
@@ -118,22 +126,32 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     y = torch.randn((recv_x.shape[0], H), device=dev).bfloat16()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
+    nccl_ok = 1 < R <= torch.cuda.device_count()  # NCCL refuses two ranks on one GPU
+    align = None
+    if nccl_ok and not args.no_align:
+        token = torch.zeros(1, device=dev)
+
+        def align() -> None:
+            dist.all_reduce(token)
+
     out: dict[str, Any] = {}
-    out["dispatch_us"] = _time_op(lambda: buf.dispatch(x, handle=h, config=cfg), flush, args.iters, args.warmup)
-    out["combine_us"] = _time_op(lambda: buf.combine(y, h, config=cfg), flush, args.iters, args.warmup)
+    ops = {"dispatch": lambda: buf.dispatch(x, handle=h, config=cfg), "combine": lambda: buf.combine(y, h, config=cfg)}
+    for op, fn in ops.items():
+        out[f"{op}_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
     if args.kernel_times:
-        out["dispatch_kernels"] = _kernel_us(lambda: buf.dispatch(x, handle=h, config=cfg), flush, args.iters)
-        out["combine_kernels"] = _kernel_us(lambda: buf.combine(y, h, config=cfg), flush, args.iters)
-    if not args.no_nccl and 1 < R <= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+        for op, fn in ops.items():
+            out[f"{op}_kernels"] = _kernel_us(fn, flush, args.iters, align)
+    if not args.no_nccl and nccl_ok:
         send_rows = sum(send_to)
         send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
         recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
         out["nccl_dispatch_us"] = _time_op(
-            lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup)
+            lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align)
         back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
         back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
         out["nccl_combine_us"] = _time_op(
-            lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup)
+            lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup,
+            align)
     out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
                row_bytes=row_bytes, combine_row_bytes=2 * H)
     gathered: list[Any] = [None] * R

@@ -104,7 +104,7 @@ UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, CombineSmem* sm, in
     const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
     if (m > old) {  // this warp claimed the growth old -> m; every claim is disjoint, so adding them is exact
       int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
-      gpu::atomic_add_release_sys(head, m - old);  // release: our ring reads happen before the sender reuses them
+      gpu::atomic_add_relaxed_sys(head, m - old);  // the slots' values are summed already: no release needed
     }
   }
 }

@@ -134,8 +134,8 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
               gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_scales) + j2);
     }
     done = upto;
-    gpu::sync_warp();  // all lanes' slot reads are done before lane 0 hands the slots back
-    if (lane == 0) gpu::store_release_sys(head, base + done);  // pairs with the sender's acquire of head
+    gpu::sync_warp();  // every lane stored what it read from the slots before lane 0 hands them back
+    if (lane == 0) gpu::store_relaxed_sys(head, base + done);  // values already consumed: no release needed
   }
   if (lane == 0) meta_ptr(ctx.buffers[me], kOffRecvBase)[lane_idx * N + src] = base + count;
 }
