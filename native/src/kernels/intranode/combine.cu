@@ -2,7 +2,8 @@
 // each token there in float32, in rank order 0..N-1 (bitwise deterministic), plus optional biases and the
 // top-k weights. Grid = 2 * C blocks like dispatch and the same lanes (from the dispatch handle):
 //   sender block c, warp (dst, w): rows of lane l = c*W + w received from dst, pushed in order into ring
-//     (lane, me) at dst (they are contiguous in x: recv_lane_start / rank_prefix_matrix say where);
+//     (lane, me) at dst (they are contiguous in x: recv_lane_start / rank_prefix_matrix say where); the rows
+//     this rank received from itself are not pushed: its receiver reads them from x in place;
 //   receiver block c: G = warps / W warps per lane, each owning a 1/G slice of the hidden columns, walk the
 //     lane's tokens in order; send_head[t][r] is the slot position of token t's copy in ring (lane, r).
 // Heads: each receiver warp records how far it consumed each ring in shared memory; the minimum over the G
@@ -122,6 +123,9 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   const char* my_ring = lane < N ? lane_ring(ctx.buffers[ctx.rank], g, N, c, lane, lane_local) : nullptr;
   const int32_t* my_tail = meta_ptr(ctx.buffers[ctx.rank], kOffTail) + lane_idx * N + (lane < N ? lane : 0);
   const int32_t my_base = lane < N ? *recv_base_word(ctx, lane_idx, lane) : 0;
+  // Our own copies never went through a ring: lane `me` finds them in x (rows row0_self + p, as the sender of a
+  // remote copy would have read them).
+  const int me = ctx.rank;
   int32_t tail_seen = 0;
   const int num_16 = s.row_bytes / 16;
   const int per_warp = (num_16 + group - 1) / group;
@@ -137,7 +141,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const int32_t p = p_next;
     if (lane < N && t + 1 < end) p_next = a.send_head[static_cast<int64_t>(t + 1) * N + lane];
     // Wait until every rank holding a copy has published it.
-    bool need = p >= 0 && tail_seen <= p;
+    bool need = lane != me && p >= 0 && tail_seen <= p;
     if (gpu::ballot(need) != 0) {
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       since_publish = 0;
@@ -162,8 +166,15 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       }
     }
     // Sum the copies in rank order 0..N-1 (fixed, so the result does not depend on arrival order).
-    const char* slot_ptr =
-        (lane < N && p >= 0) ? my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes : nullptr;
+    int64_t self_row = 0;
+    const char* slot_ptr = nullptr;
+    if (lane == me && p >= 0) {
+      const int64_t r = self_row0(a, N, me, L, lane_idx) + p;  // L1-resident loads, not kept in registers
+      self_row = a.row_map != nullptr ? a.row_map[r] : r;
+      slot_ptr = static_cast<const char*>(a.x) + self_row * s.row_bytes;
+    } else if (lane < N && p >= 0) {
+      slot_ptr = my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes;
+    }
     const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
     // kColUnroll column groups x kNumRanks copies: all loads are issued before the first add, so each lane
     // keeps kColUnroll * kNumRanks 16-B loads in flight. The trip count is warp-uniform; `active` masks.
@@ -193,15 +204,17 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     }
     if (gw == 0 && a.out_topk_weights != nullptr) {
       float sum = 0.0f;
+      const int64_t own = gpu::shfl(self_row, me);
       for (int d = 0; d < N; ++d) {
         const char* src = reinterpret_cast<const char*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
         if (((have >> d) & 1) && lane < a.num_topk)
-          sum += __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(src + s.off_weights) + lane));
+          sum += d == me ? (a.topk_weights != nullptr ? a.topk_weights[own * a.num_topk + lane] : 0.0f)
+                         : __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(src + s.off_weights) + lane));
       }
       if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
     gpu::sync_warp();
-    if (lane < N && p >= 0) sm->consumed[my_warp][lane] = p + 1;
+    if (lane < N && lane != me && p >= 0) sm->consumed[my_warp][lane] = p + 1;
     if (++since_publish >= kPublishEvery) {
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       since_publish = 0;
@@ -220,7 +233,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int warp = gpu::warp_id();
   if (sender) {
     const int peer = warp / W, w = warp % W;
-    if (peer < ctx.num_ranks) combine_send(ctx, g, k, c, peer, w);
+    if (peer < ctx.num_ranks && peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: read in place
     return;
   }
   for (int i = threadIdx.x; i < kMaxWarpsSmem * kMaxLocalRanks; i += blockDim.x) {

@@ -1,8 +1,9 @@
 // dispatch_intranode_kernel: moves token rows (BF16 or FP8 + scales) and their top-k metadata to the ranks
 // that hold their experts. Grid = 2 * C blocks: block c < C is channel c's sender, block C + c its receiver.
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
-// (lane, me) at dst; receiver warp (src, w) copies ring (lane, src) out into recv_x in order. See
-// nvl_layout.hpp for the rings and the head/tail protocol.
+// (lane, me) at dst; receiver warp (src, w) copies ring (lane, src) out into recv_x in order. Rows a rank keeps
+// (dst == me) skip the ring: the sender writes them into the outputs itself. See nvl_layout.hpp for the rings
+// and the head/tail protocol.
 #include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -18,6 +19,10 @@ struct DispatchKernelArgs {
   SlotLayout slot;
 };
 
+/// Sender warp (dst, w). kDirect (dst == me): the rows stay on this GPU, so they go straight into the outputs
+/// (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second copy; the
+/// receiver warp of (lane, me) then has nothing to do.
+template <bool kDirect>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
                                       int dst, int w) {
   const DispatchArgs& a = k.a;
@@ -27,7 +32,8 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
   int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;         // at the receiver
   const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;   // written by dst
-  const int32_t base = gpu::shfl(meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst], 0);  // counts are relative
+  const int32_t base = kDirect ? 0 : gpu::shfl(meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst], 0);
+  const int64_t row0 = kDirect ? self_row0(a, N, me, L, lane_idx) : 0;
   const int experts_per_rank = a.num_experts / N;
   const int num_16 = s.row_bytes / 16;
   int begin, end;
@@ -43,6 +49,32 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
     while (mask != 0) {
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
+      const int4* src_row =
+          reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes);
+      const int32_t src_id = a.src_tag != nullptr ? a.src_tag[tok] : tok;
+      if constexpr (kDirect) {
+        const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
+        warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
+                                          src_row, num_16);
+        if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = src_id;
+        if (a.topk_idx != nullptr && a.recv_topk_idx != nullptr && lane < a.num_topk) {
+          const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
+          const int64_t local_e = e - static_cast<int64_t>(me) * experts_per_rank;
+          const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
+          a.recv_topk_idx[row * a.num_topk + lane] = mine ? local_e : -1;
+          if (a.recv_topk_weights != nullptr)
+            a.recv_topk_weights[row * a.num_topk + lane] =
+                mine && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane] : 0.0f;
+        }
+        if (a.x_scales != nullptr && a.recv_scales != nullptr) {
+          const int32_t* scales = static_cast<const int32_t*>(a.x_scales);
+          for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
+            static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j] =
+                scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
+        }
+        ++pos;
+        continue;
+      }
       if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
         // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
         if (published < pos) {
@@ -55,11 +87,8 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
           return;
       }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot),
-                                        reinterpret_cast<const int4*>(static_cast<const char*>(a.x) +
-                                                                      static_cast<int64_t>(tok) * s.row_bytes),
-                                        num_16);
-      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = a.src_tag != nullptr ? a.src_tag[tok] : tok;
+      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), src_row, num_16);
+      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = src_id;
       if (a.topk_idx != nullptr && lane < a.num_topk) {
         const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
         const int64_t local_e = e - static_cast<int64_t>(dst) * experts_per_rank;
@@ -83,11 +112,13 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
       }
     }
   }
-  if (published < pos) {
-    gpu::sync_warp();
-    if (lane == 0) gpu::store_release_sys(tail, base + pos);
+  if constexpr (!kDirect) {
+    if (published < pos) {
+      gpu::sync_warp();
+      if (lane == 0) gpu::store_release_sys(tail, base + pos);
+    }
+    if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
   }
-  if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
 }
 
 UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
@@ -161,10 +192,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int warp = gpu::warp_id();
   const int peer = warp / W, w = warp % W;
   if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
-  if (sender)
-    dispatch_send(ctx, g, k, c, peer, w);
-  else
+  if (sender) {
+    if (peer == ctx.rank)
+      dispatch_send<true>(ctx, g, k, c, peer, w);
+    else
+      dispatch_send<false>(ctx, g, k, c, peer, w);
+  } else if (peer != ctx.rank) {  // our own rows were written by the sender (direct path)
     dispatch_recv(ctx, g, k, c, peer, w);
+  }
 }
 
 }  // namespace

@@ -119,6 +119,14 @@ UCCL_DEVICE_INLINE void lane_token_range(int num_tokens, int num_lanes, int lane
   *end = min(num_tokens, *begin + per_lane);
 }
 
+/// First output row of this rank's own tokens in lane `lane_idx` (rows from rank `me` start at its rank-prefix
+/// offset, lanes at recv_lane_start): where the direct path writes and where combine finds its own copies.
+template <typename Args>
+UCCL_DEVICE_INLINE int64_t self_row0(const Args& a, int N, int me, int L, int lane_idx) {
+  const int64_t src_begin = me == 0 ? 0 : a.rank_prefix[(me - 1) * N + me];
+  return src_begin + a.recv_lane_start[me * L + lane_idx];
+}
+
 /// Ring of (channel, src) lane `w` inside `buffer` (the receiver's NVL buffer); g.lane_region_bytes apart.
 UCCL_DEVICE_INLINE char* lane_ring(void* buffer, const Geometry& g, int num_ranks, int channel, int src, int w) {
   const int64_t ring = (static_cast<int64_t>(channel) * num_ranks + src) * g.lanes_per_channel + w;
