@@ -18,6 +18,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--plain", action="store_true", help="only run --calls calls of each op (for ncu / nsys)")
     args = p.parse_args()
     torch.cuda.set_device(0)
     with tempfile.TemporaryDirectory() as d:
@@ -39,6 +40,15 @@ def main() -> None:
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=r.handle, config=cfg),
                "combine": lambda: buf.combine(y, r.handle, config=cfg)}
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        if args.plain:
+            for fn in ops.values():
+                for _ in range(args.calls):
+                    flush.zero_()
+                    fn()
+                torch.cuda.synchronize()
+            buf.destroy()
+            dist.destroy_process_group()
+            return
         for name, fn in ops.items():
             # The bench's loop (flush, events, call) under the profiler: what the GPU and the host did between the
             # flush and the end event, for the last two iterations.

@@ -311,6 +311,24 @@ UCCL_DEVICE_INLINE void atomic_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
 }
+/// Two floats -> packed bf16x2 (lo in bits 0-15), round to nearest even. One instruction on sm_80+; the
+/// combine reduction was issue-bound on the bit-twiddling version (ncu: math-pipe throttle, ~64 instructions per
+/// 16 output bytes).
+UCCL_DEVICE_INLINE uint32_t pack_bf16x2_rn(float lo, float hi) {
+#if defined(UCCL_MOE_HIP)
+  auto round = [](float f) -> uint32_t {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays a (quiet) NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return u >> 16;
+  };
+  return round(lo) | (round(hi) << 16);
+#else
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
 /// Block-scope fence (shared-memory progress words read by sibling warps).
 UCCL_DEVICE_INLINE void fence_block() { __threadfence_block(); }
 

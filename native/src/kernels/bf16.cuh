@@ -18,19 +18,13 @@ UCCL_DEVICE_INLINE void add_bf16x8(float* acc, const int4& v) {
     acc[2 * i + 1] += bf16_hi(w[i]);
   }
 }
-/// float -> bf16 bits, round to nearest even (NaN stays NaN).
-UCCL_DEVICE_INLINE uint32_t to_bf16_bits(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
+/// 8 floats -> 8 bf16 (round to nearest even), packed as the 16 bytes of one row chunk.
 UCCL_DEVICE_INLINE int4 pack_bf16x8(const float* acc) {
   int4 r;
-  r.x = static_cast<int>(to_bf16_bits(acc[0]) | (to_bf16_bits(acc[1]) << 16));
-  r.y = static_cast<int>(to_bf16_bits(acc[2]) | (to_bf16_bits(acc[3]) << 16));
-  r.z = static_cast<int>(to_bf16_bits(acc[4]) | (to_bf16_bits(acc[5]) << 16));
-  r.w = static_cast<int>(to_bf16_bits(acc[6]) | (to_bf16_bits(acc[7]) << 16));
+  r.x = static_cast<int>(gpu::pack_bf16x2_rn(acc[0], acc[1]));
+  r.y = static_cast<int>(gpu::pack_bf16x2_rn(acc[2], acc[3]));
+  r.z = static_cast<int>(gpu::pack_bf16x2_rn(acc[4], acc[5]));
+  r.w = static_cast<int>(gpu::pack_bf16x2_rn(acc[6], acc[7]));
   return r;
 }
 
