@@ -23,7 +23,6 @@ using kernels::add_bf16x8;
 using kernels::pack_bf16x8;
 constexpr int kSendUnroll = 8;
 constexpr int kPublishEvery = 4;  // tokens between two head publications of a receiver warp
-constexpr int kMaxWarpsSmem = kWarpsPerBlock;
 
 struct CombineKernelArgs {
   CombineArgs a;
@@ -82,37 +81,9 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   if (lane == 0) *base_word = base + count;  // the next round on this stream starts here
 }
 
-struct CombineSmem {
-  int32_t consumed[kMaxWarpsSmem][kMaxLocalRanks];   // per warp: ring positions consumed, per source rank
-  int32_t published[kMaxWarpsSmem][kMaxLocalRanks];  // per lane (indexed by its first warp): head published
-};
-
-/// Ring counters of combine receiver lane `lane_idx` for source rank `src`: the tail it polls (here), the head
-/// it publishes (at src) and the base both are relative to (here).
-UCCL_DEVICE_INLINE int32_t* recv_base_word(const NvlContext& ctx, int lane_idx, int src) {
-  return meta_ptr(ctx.buffers[ctx.rank], kOffRecvBase) + lane_idx * ctx.num_ranks + src;
-}
-
-/// Lane d < N of the warp: min over the lane's G warps of what they consumed from rank d; publishes it to rank
-/// d's head word if it grew. Called by all lanes.
-UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, CombineSmem* sm, int first_warp, int group, int lane_idx) {
-  const int lane = gpu::lane_id();
-  gpu::fence_block();
-  if (lane < ctx.num_ranks) {
-    int32_t m = INT32_MAX;
-    for (int gw = 0; gw < group; ++gw)
-      m = min(m, static_cast<int32_t>(*reinterpret_cast<volatile int32_t*>(&sm->consumed[first_warp + gw][lane])));
-    const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
-    if (m > old) {  // this warp claimed the growth old -> m; every claim is disjoint, so adding them is exact
-      int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
-      gpu::atomic_add_relaxed_sys(head, m - old);  // the slots' values are summed already: no release needed
-    }
-  }
-}
-
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
-                                     int lane_local, int gw, int group, CombineSmem* sm) {
+                                     int lane_local, int gw, int group, RecvSmem* sm) {
   const CombineArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, L = g.num_lanes, lane = gpu::lane_id();
@@ -226,7 +197,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
 template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     combine_intranode_kernel(NvlContext ctx, Geometry g, CombineKernelArgs k) {
-  __shared__ CombineSmem sm;
+  __shared__ RecvSmem sm;
   const int C = g.num_channels, W = g.lanes_per_channel;
   const bool sender = static_cast<int>(blockIdx.x) < C;
   const int c = sender ? blockIdx.x : blockIdx.x - C;
@@ -236,19 +207,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     if (peer < ctx.num_ranks && peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: read in place
     return;
   }
-  for (int i = threadIdx.x; i < kMaxWarpsSmem * kMaxLocalRanks; i += blockDim.x) {
-    (&sm.consumed[0][0])[i] = 0;
-    (&sm.published[0][0])[i] = 0;
-  }
-  __syncthreads();
+  sm.reset();
   const int group = kWarpsPerBlock / W;  // warps per lane
-  const int lane_local = warp / group, gw = warp % group, lane = gpu::lane_id();
+  const int lane_local = warp / group, gw = warp % group;
   if (lane_local < W) combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
-  __syncthreads();  // every warp of a lane published its last head: published[] is the lane's final count
-  if (lane_local < W && gw == 0 && lane < ctx.num_ranks) {
-    int32_t* base = recv_base_word(ctx, c * W + lane_local, lane);
-    *base += sm.published[lane_local * group][lane];  // the next round on this stream starts here
-  }
+  sm.finish(ctx, c, W, group);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // dispatch_intranode_kernel: moves token rows (BF16 or FP8 + scales) and their top-k metadata to the ranks
 // that hold their experts. Grid = 2 * C blocks: block c < C is channel c's sender, block C + c its receiver.
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
-// (lane, me) at dst; receiver warp (src, w) copies ring (lane, src) out into recv_x in order. Rows a rank keeps
+// (lane, me) at dst; the receiver block's warps, a group per lane, copy ring (lane, src) of every remote src out
+// into recv_x in order, each warp a slice of the columns. Rows a rank keeps
 // (dst == me) skip the ring: the sender writes them into the outputs itself. See nvl_layout.hpp for the rings
 // and the head/tail protocol.
 #include "intranode_device.cuh"
@@ -121,54 +122,90 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   }
 }
 
+/// Receiver lane `lane_local` of channel c, served by `group` warps (>= N): every warp copies its slice of the
+/// columns of every row from every remote source's ring (lane, src), so the warps that a per-source split would
+/// leave idle (our own rows never enter a ring) add loads in flight. Lane d < N of each warp tracks source d.
 UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
-                                      int src, int w) {
+                                      int lane_local, int gw, int group, RecvSmem* sm) {
   const DispatchArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
-  const int lane_idx = c * g.lanes_per_channel + w;
-  const char* ring = lane_ring(ctx.buffers[me], g, N, c, src, w);
-  const int32_t* tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + src;  // written by src
-  int32_t* head = meta_ptr(ctx.buffers[src], kOffHead) + lane_idx * N + me;        // at the sender
-  const int32_t base = gpu::shfl(meta_ptr(ctx.buffers[me], kOffRecvBase)[lane_idx * N + src], 0);
-  const int src_begin = src == 0 ? 0 : a.rank_prefix[(src - 1) * N + me];
-  const int src_end = a.rank_prefix[src * N + me];
-  const int start = a.recv_lane_start[src * L + lane_idx];
-  const int next = lane_idx + 1 < L ? a.recv_lane_start[src * L + lane_idx + 1] : src_end - src_begin;
-  const int count = next - start;
-  const int64_t row0 = src_begin + start;
-  const int num_16 = s.row_bytes / 16;
-  int done = 0;
-  while (done < count) {
-    int32_t avail;
-    if (!warp_wait_at_least(ctx, tail, base, done + 1, DiagPhase::kDispatchRecvTokens, kRoleReceiver, src, lane_idx,
-                            &avail))
-      return;
-    const int upto = min(avail, count);
-    for (int j = done; j < upto; ++j) {
-      const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
-      const int64_t row = a.row_map != nullptr ? a.row_map[row0 + j] : row0 + j;
-      warp_copy_row<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
-                                       reinterpret_cast<const int4*>(slot), num_16);
-      if (a.recv_src_idx != nullptr && lane == 0)
-        a.recv_src_idx[row] = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_src_idx));
-      if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
-        const int32_t e = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_topk_idx) + lane);
-        a.recv_topk_idx[row * a.num_topk + lane] = e;
-        if (a.recv_topk_weights != nullptr)
-          a.recv_topk_weights[row * a.num_topk + lane] =
-              __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_weights) + lane));
-      }
-      if (a.recv_scales != nullptr)
-        for (int j2 = lane; j2 < a.num_scales; j2 += gpu::kWarpSize)
-          static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j2] =
-              gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_scales) + j2);
-    }
-    done = upto;
-    gpu::sync_warp();  // every lane stored what it read from the slots before lane 0 hands them back
-    if (lane == 0) gpu::store_relaxed_sys(head, base + done);  // values already consumed: no release needed
+  const int lane_idx = c * g.lanes_per_channel + lane_local;
+  const int first_warp = lane_local * group, my_warp = first_warp + gw;
+  const bool remote = lane < N && lane != me;
+  const int32_t* tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + (lane < N ? lane : 0);
+  int32_t base = 0, count = 0, done = 0;
+  int64_t row0 = 0;
+  if (remote) {
+    base = *recv_base_word(ctx, lane_idx, lane);
+    const int src_begin = lane == 0 ? 0 : a.rank_prefix[(lane - 1) * N + me];
+    const int src_end = a.rank_prefix[lane * N + me];
+    const int start = a.recv_lane_start[lane * L + lane_idx];
+    const int next = lane_idx + 1 < L ? a.recv_lane_start[lane * L + lane_idx + 1] : src_end - src_begin;
+    count = next - start;
+    row0 = src_begin + start;
   }
-  if (lane == 0) meta_ptr(ctx.buffers[me], kOffRecvBase)[lane_idx * N + src] = base + count;
+  const int num_16 = s.row_bytes / 16;
+  const int per_warp = (num_16 + group - 1) / group;
+  const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
+  while (true) {
+    const bool pending = remote && done < count;
+    if (gpu::ballot(pending) == 0) break;
+    int32_t avail = pending ? min(count, ring_diff(gpu::load_acquire_sys(tail), base)) : done;
+    gpu::LaneMask ready = gpu::ballot(avail > done);
+    if (ready == 0) {
+      // Nothing new anywhere: hand back what we consumed (a sender may wait for it), then wait, bounded.
+      publish_heads(ctx, sm, first_warp, group, lane_idx);
+      DiagDeviceHandle diag = diag_of(ctx);
+      BoundedWait wait(diag);
+      while (gpu::ballot(pending && ring_diff(gpu::load_acquire_sys(tail), base) > done) == 0) {
+        if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
+          const int who = gpu::lowest_bit(gpu::ballot(pending));
+          const int32_t want = gpu::shfl(done, who) + 1;
+          const int32_t* who_tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + who;
+          const int32_t seen = ring_diff(gpu::load_acquire_sys(who_tail), gpu::shfl(base, who));
+          if (lane == 0)
+            report_timeout(diag, DiagPhase::kDispatchRecvTokens, kRoleReceiver, who, lane_idx, want, seen, 0,
+                           wait.waited_s());
+          return;
+        }
+      }
+      continue;
+    }
+    while (ready != 0) {
+      const int src = gpu::lowest_bit(ready);
+      ready &= ready - 1;
+      const char* ring = lane_ring(ctx.buffers[me], g, N, c, src, lane_local);
+      const int from = gpu::shfl(done, src), to = gpu::shfl(avail, src);
+      const int64_t r0 = gpu::shfl(row0, src);
+      for (int j = from; j < to; ++j) {
+        const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
+        const int64_t row = a.row_map != nullptr ? a.row_map[r0 + j] : r0 + j;
+        warp_copy_cols<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
+                                          reinterpret_cast<const int4*>(slot), col_begin, col_end);
+        if (gw == 0) {  // metadata: the group's first warp
+          if (a.recv_src_idx != nullptr && lane == 0)
+            a.recv_src_idx[row] = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_src_idx));
+          if (a.recv_topk_idx != nullptr && lane < a.num_topk) {
+            const int32_t e = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_topk_idx) + lane);
+            a.recv_topk_idx[row * a.num_topk + lane] = e;
+            if (a.recv_topk_weights != nullptr)
+              a.recv_topk_weights[row * a.num_topk + lane] =
+                  __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_weights) + lane));
+          }
+        }
+        if (a.recv_scales != nullptr)  // scales: split over the group's warps
+          for (int j2 = gw * gpu::kWarpSize + lane; j2 < a.num_scales; j2 += group * gpu::kWarpSize)
+            static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j2] =
+                gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_scales) + j2);
+      }
+    }
+    done = avail;
+    gpu::sync_warp();  // every lane stored what it read from the slots before the group hands them back
+    if (remote) sm->consumed[my_warp][lane] = done;
+    publish_heads(ctx, sm, first_warp, group, lane_idx);
+  }
+  publish_heads(ctx, sm, first_warp, group, lane_idx);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
@@ -190,16 +227,21 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     }
   }
   const int warp = gpu::warp_id();
-  const int peer = warp / W, w = warp % W;
-  if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
   if (sender) {
+    const int peer = warp / W, w = warp % W;
+    if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
     if (peer == ctx.rank)
-      dispatch_send<true>(ctx, g, k, c, peer, w);
+      dispatch_send<true>(ctx, g, k, c, peer, w);  // our own rows: straight into the outputs
     else
       dispatch_send<false>(ctx, g, k, c, peer, w);
-  } else if (peer != ctx.rank) {  // our own rows were written by the sender (direct path)
-    dispatch_recv(ctx, g, k, c, peer, w);
+    return;
   }
+  __shared__ RecvSmem sm;
+  sm.reset();
+  const int group = kWarpsPerBlock / W;  // warps per lane (>= N)
+  const int lane_local = warp / group, gw = warp % group;
+  if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
+  sm.finish(ctx, c, W, group);
 }
 
 }  // namespace

@@ -86,22 +86,74 @@ UCCL_DEVICE_INLINE bool warp_wait_at_least(const NvlContext& ctx, const int32_t*
   }
 }
 
-/// Copies `num_16` 16-byte words from src to dst with the whole warp, kUnroll words per lane in flight.
+/// Copies 16-byte words [begin, end) from src to dst with the whole warp, kUnroll words per lane in flight.
 /// `kSrcIsRing`: src was written by a peer in this launch (no non-coherent loads).
 template <int kUnroll, bool kSrcIsRing>
-UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
+UCCL_DEVICE_INLINE void warp_copy_cols(int4* __restrict__ dst, const int4* __restrict__ src, int begin, int end) {
   const int lane = gpu::lane_id();
-  for (int base = 0; base < num_16; base += kUnroll * gpu::kWarpSize) {
+  for (int base = begin; base < end; base += kUnroll * gpu::kWarpSize) {
     int4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * gpu::kWarpSize + lane;
-      if (i < num_16) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
+      if (i < end) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int i = base + u * gpu::kWarpSize + lane;
-      if (i < num_16) gpu::store_stream_128(dst + i, v[u]);
+      if (i < end) gpu::store_stream_128(dst + i, v[u]);
+    }
+  }
+}
+/// The whole row: `num_16` 16-byte words.
+template <int kUnroll, bool kSrcIsRing>
+UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
+  warp_copy_cols<kUnroll, kSrcIsRing>(dst, src, 0, num_16);
+}
+
+/// recv_base word of receiver lane `lane_idx` for source rank `src` (in our meta).
+UCCL_DEVICE_INLINE int32_t* recv_base_word(const NvlContext& ctx, int lane_idx, int src) {
+  return meta_ptr(ctx.buffers[ctx.rank], kOffRecvBase) + lane_idx * ctx.num_ranks + src;
+}
+
+/// Progress of a receiver block whose lanes are served by groups of G warps (each warp a slice of the columns):
+/// what each warp consumed from each source's ring, and what each lane handed back (the group minimum).
+struct RecvSmem {
+  int32_t consumed[kWarpsPerBlock][kMaxLocalRanks];   // per warp: ring positions consumed, per source rank
+  int32_t published[kWarpsPerBlock][kMaxLocalRanks];  // per lane (indexed by its first warp): head published
+
+  /// Zeroes both tables; all threads of the block call it.
+  UCCL_DEVICE_INLINE void reset() {
+    for (int i = threadIdx.x; i < kWarpsPerBlock * kMaxLocalRanks; i += blockDim.x) {
+      (&consumed[0][0])[i] = 0;
+      (&published[0][0])[i] = 0;
+    }
+    __syncthreads();
+  }
+  /// After every warp's last publication: the lane's final count moves its recv_base (the next round on this
+  /// stream starts there). All threads of the block call it.
+  UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int c, int W, int group) {
+    __syncthreads();
+    const int warp = gpu::warp_id(), lane = gpu::lane_id();
+    const int lane_local = warp / group;
+    if (lane_local < W && warp % group == 0 && lane < ctx.num_ranks)
+      *recv_base_word(ctx, c * W + lane_local, lane) += published[warp][lane];
+  }
+};
+
+/// Lane d < N of the warp: min over the lane's G warps of what they consumed from rank d; publishes it to rank
+/// d's head word if it grew. Called by all lanes.
+UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, RecvSmem* sm, int first_warp, int group, int lane_idx) {
+  const int lane = gpu::lane_id();
+  gpu::fence_block();
+  if (lane < ctx.num_ranks) {
+    int32_t m = INT32_MAX;
+    for (int gw = 0; gw < group; ++gw)
+      m = min(m, static_cast<int32_t>(*reinterpret_cast<volatile int32_t*>(&sm->consumed[first_warp + gw][lane])));
+    const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
+    if (m > old) {  // this warp claimed the growth old -> m; every claim is disjoint, so adding them is exact
+      int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
+      gpu::atomic_add_relaxed_sys(head, m - old);  // the slots' values are summed already: no release needed
     }
   }
 }
