@@ -110,9 +110,11 @@ class LayoutResult(NamedTuple):
 
 
 # Presets: (nvl_send, nvl_recv, rdma_send, rdma_recv); num_sms comes from Buffer.num_sms. Inside one NVLink domain
-# (<= 8 ranks) dispatch and combine share chunk 8 / ring 256: chunk 16 was slower for every EP2-4 case measured on
-# 4xH200 (docs/performance.md). Larger groups span nodes and take the internode presets.
+# (<= 8 ranks) dispatch and combine share ring 256 and chunk 8 (chunk 16 was slower for every EP2-4 case measured
+# on 4xH200); at EP2, whose lane rings hold 21 slots, chunk 4 was faster than 8 for FP8/BF16 dispatch and combine
+# in every 2xH200 run (docs/performance.md). Larger groups span nodes and take the internode presets.
 _INTRANODE_PRESET = (8, 256, 6, 128)
+_INTRANODE_PRESET_BY_RANKS = {2: (4, 256, 6, 128)}
 _MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
@@ -293,7 +295,10 @@ class Buffer:
     def _preset(num_ranks: int, internode: tuple[int, int, int, int]) -> Any:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
-        preset = _INTRANODE_PRESET if num_ranks <= _MAX_INTRANODE_RANKS else internode
+        if num_ranks > _MAX_INTRANODE_RANKS:
+            preset = internode
+        else:
+            preset = _INTRANODE_PRESET_BY_RANKS.get(num_ranks, _INTRANODE_PRESET)
         nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
 
