@@ -54,25 +54,12 @@ def main() -> None:
             # flush and the end event, for the last two iterations.
             from torch.profiler import ProfilerActivity, profile
 
-            ts = []
-            for _ in range(20):
-                flush.zero_()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) * 1e3)
-            print(f"--- {name}: event time, flushed, not profiled: median {sorted(ts)[10]:.1f} us; all {ts}")
+            from uccl_moe.bench._run import _time_op
 
+            med = _time_op(fn, flush, 20, 0)
+            print(f"--- {name}: event time, flushed, not profiled: median {med:.1f} us")
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(6):
-                    flush.zero_()
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    fn()
-                    e.record()
-                    e.synchronize()
+                _time_op(fn, flush, 6, 0)  # the same loop, traced
             evs = sorted(prof.events(), key=lambda ev: ev.time_range.start)
             marks = [ev for ev in evs if "Fill" in ev.name and ev.device_type.name == "CUDA"]
             t0 = marks[-2].time_range.start
