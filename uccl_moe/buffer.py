@@ -342,9 +342,11 @@ class Buffer:
             return
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(self._comm_stream)
-        else:
+        elif self._on_own_device():
             self._join_in.record(_current_stream())
             self._comm_stream.wait_event(self._join_in)
+        else:  # the caller's stream is on another device: a fresh event bound to it
+            self._comm_stream.wait_stream(torch.cuda.current_stream())
 
     def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
@@ -364,9 +366,16 @@ class Buffer:
                 if t.device.type == "cuda":
                     t.record_stream(self._comm_stream)
             return EventOverlap(EventHandle(self._comm_stream))
-        self._join_out.record(self._comm_stream)
-        compute.wait_event(self._join_out)
+        if self._on_own_device():
+            self._join_out.record(self._comm_stream)
+            compute.wait_event(self._join_out)
+        else:
+            compute.wait_stream(self._comm_stream)
         return EventOverlap(None)
+
+    def _on_own_device(self) -> bool:
+        """The caller's current device is this Buffer's (the fast paths below assume it)."""
+        return bool(torch.cuda.current_device() == self.device.index)
 
     @contextlib.contextmanager
     def _comm_context(self) -> Iterator[None]:
@@ -374,6 +383,10 @@ class Buffer:
         torch.cuda.stream() does the same but looks the device up through slow paths several times per call."""
         if self._comm_stream is None:
             yield
+            return
+        if not self._on_own_device():  # torch restores the current stream of both devices
+            with torch.cuda.stream(self._comm_stream):
+                yield
             return
         prev = _current_stream()
         torch.cuda.set_stream(self._comm_stream)

@@ -314,6 +314,9 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         ref.destroy()
         check.assert_none_failed()
         return
+    # Chained rounds first: after a graph capture the Buffer keeps the captured SM count (checked below).
+    check_chained_rounds(check, nat, iters)
+
     # CUDA graph: dispatch (num_worst_tokens, no host sync) + combine captured once, replayed.
     case = _Case(rank, R, 512, 2048, 16 * R, 8, False, "none", "random", 99)
     idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
@@ -339,10 +342,18 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         ok &= _eq(g_comb.combined_topk_weights, eager_c.combined_topk_weights)
     check("cuda graph dispatch+combine", ok)
     del graph
+    # Replays would re-lay the rings of another SM count behind the host's back: refused with the remedy.
+    from uccl_moe import InvalidUsageError
+
+    try:
+        _dispatch(nat, case, "cuda", config=Config(16, 6, 256, 6, 128))
+    except InvalidUsageError as e:
+        check("graph-captured Buffer refuses another num_sms", "CUDA graph" in str(e) and "num_sms=16" in str(e))
+    else:
+        check("graph-captured Buffer refuses another num_sms", False)
 
     # Back-to-back: non-cached dispatch + combine `iters` times; hashes must not move, memory must not grow.
     check_back_to_back(check, nat, cfg, 16, iters, cached=False)
-    check_chained_rounds(check, nat, iters)
 
     dist.barrier(group=gloo)
     nat.destroy()

@@ -30,6 +30,10 @@ inline const char* error_string(Error e) { return hipGetErrorString(e); }
 inline Error get_last_error() { return hipGetLastError(); }
 inline Error device_synchronize() { return hipDeviceSynchronize(); }
 inline Error stream_synchronize(Stream s) { return hipStreamSynchronize(s); }
+inline bool stream_capturing(Stream s) {
+  hipStreamCaptureStatus st = hipStreamCaptureStatusNone;
+  return hipStreamIsCapturing(s, &st) == hipSuccess && st != hipStreamCaptureStatusNone;
+}
 inline Error host_alloc_mapped(void** p, size_t bytes) { return hipHostMalloc(p, bytes, hipHostMallocMapped); }
 inline Error host_free(void* p) { return hipHostFree(p); }
 inline Error host_register_mapped(void* p, size_t bytes) {
@@ -81,6 +85,10 @@ inline const char* error_string(Error e) { return cudaGetErrorString(e); }
 inline Error get_last_error() { return cudaGetLastError(); }
 inline Error device_synchronize() { return cudaDeviceSynchronize(); }
 inline Error stream_synchronize(Stream s) { return cudaStreamSynchronize(s); }
+inline bool stream_capturing(Stream s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &st) == cudaSuccess && st != cudaStreamCaptureStatusNone;
+}
 inline Error host_alloc_mapped(void** p, size_t bytes) {
   return cudaHostAlloc(p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
 }
@@ -311,11 +319,12 @@ UCCL_DEVICE_INLINE void atomic_add_relaxed_sys(int32_t* p, int32_t v) {
   asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
 }
-/// Two floats -> packed bf16x2 (lo in bits 0-15), round to nearest even. One instruction on sm_80+; the
+/// Two floats -> packed bf16x2 (lo in bits 0-15), round to nearest even. One instruction on sm_80+ (a NaN becomes
+/// the canonical NaN there; the integer path below keeps its payload); the
 /// combine reduction was issue-bound on the bit-twiddling version (ncu: math-pipe throttle, ~64 instructions per
 /// 16 output bytes).
 UCCL_DEVICE_INLINE uint32_t pack_bf16x2_rn(float lo, float hi) {
-#if defined(UCCL_MOE_HIP)
+#if defined(UCCL_MOE_HIP) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800)
   auto round = [](float f) -> uint32_t {
     uint32_t u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;  // NaN stays a (quiet) NaN

@@ -184,7 +184,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       }
       if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
-    gpu::sync_warp();
+    gpu::sync_warp();  // the copies were summed and stored: the relaxed hand-back relies on it (see dispatch.cu)
     if (lane < N && lane != me && p >= 0) sm->consumed[my_warp][lane] = p + 1;
     if (++since_publish >= kPublishEvery) {
       publish_heads(ctx, sm, first_warp, group, lane_idx);
