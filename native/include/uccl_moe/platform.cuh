@@ -338,6 +338,82 @@ UCCL_DEVICE_INLINE uint32_t pack_bf16x2_rn(float lo, float hi) {
   return r;
 #endif
 }
+// ---- bulk asynchronous copies (the sm_90 copy engine in each SM, "TMA", 1-D form) --------------------
+// A thread moves a contiguous byte range global -> shared (completion counted on an mbarrier) and shared ->
+// global (completion tracked as bulk groups of the issuing thread), without holding the bytes in registers.
+// Only CUDA device code for sm_90+ has them: UCCL_MOE_BULK_COPY is defined there, and callers keep a
+// register-copy path for every other build (HIP, < sm_90, the host pass).
+#if defined(UCCL_MOE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define UCCL_MOE_BULK_COPY 1
+UCCL_DEVICE_INLINE uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+/// Initialises an mbarrier that completes a phase after `count` arrivals (and the expected bytes).
+UCCL_DEVICE_INLINE void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+/// After mbar_init, before the bulk-copy unit may signal the barrier.
+UCCL_DEVICE_INLINE void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+/// One arrival that also expects `bytes` of bulk-copy data before the phase completes.
+UCCL_DEVICE_INLINE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+/// True once the phase with parity `parity` of the barrier completed (the hardware may block a while first).
+UCCL_DEVICE_INLINE bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+/// global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned); completes on `bar`.
+UCCL_DEVICE_INLINE void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(smem_dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+/// shared -> global (local or peer memory), `bytes` as for bulk_load; part of the thread's next bulk group.
+UCCL_DEVICE_INLINE void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(smem_src)),
+               "r"(bytes)
+               : "memory");
+}
+UCCL_DEVICE_INLINE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+/// Waits until at most `pending` of this thread's newest bulk groups are unfinished: with kRead, until the older
+/// ones finished reading shared memory (the stage may be refilled); otherwise until their writes are performed.
+/// The PTX takes an immediate, so counts above 7 wait as for 7 (stricter, still correct).
+template <bool kRead>
+UCCL_DEVICE_INLINE void bulk_wait(int pending) {
+#define UCCL_MOE_BULK_WAIT_CASE(n)                                                   \
+  case n:                                                                          \
+    if constexpr (kRead)                                                           \
+      asm volatile("cp.async.bulk.wait_group.read " #n ";" ::: "memory");         \
+    else                                                                           \
+      asm volatile("cp.async.bulk.wait_group " #n ";" ::: "memory");              \
+    break;
+  switch (pending < 0 ? 0 : pending > 7 ? 7 : pending) {
+    UCCL_MOE_BULK_WAIT_CASE(0)
+    UCCL_MOE_BULK_WAIT_CASE(1)
+    UCCL_MOE_BULK_WAIT_CASE(2)
+    UCCL_MOE_BULK_WAIT_CASE(3)
+    UCCL_MOE_BULK_WAIT_CASE(4)
+    UCCL_MOE_BULK_WAIT_CASE(5)
+    UCCL_MOE_BULK_WAIT_CASE(6)
+    default: UCCL_MOE_BULK_WAIT_CASE(7)
+  }
+#undef UCCL_MOE_BULK_WAIT_CASE
+}
+/// Orders this thread's bulk-copy (async proxy) writes, already waited for, before its later ordinary accesses,
+/// e.g. the release store that publishes them.
+UCCL_DEVICE_INLINE void fence_proxy_async() { asm volatile("fence.proxy.async;" ::: "memory"); }
+#endif
+
 /// Block-scope fence (shared-memory progress words read by sibling warps).
 UCCL_DEVICE_INLINE void fence_block() { __threadfence_block(); }
 

@@ -5,27 +5,53 @@
 // into recv_x in order, each warp a slice of the columns. Rows a rank keeps
 // (dst == me) skip the ring: the sender writes them into the outputs itself. See nvl_layout.hpp for the rings
 // and the head/tail protocol.
-#include "intranode_device.cuh"
+#include "row_mover.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
 
 namespace {
 
-constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when pushing a row (8 KB per warp)
+constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a row we keep (4 KB per warp)
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
 struct DispatchKernelArgs {
   DispatchArgs a;
   SlotLayout slot;
+  BulkShape bulk;  // stages == 0: ring rows are copied through registers
 };
 
-/// Sender warp (dst, w). kDirect (dst == me): the rows stay on this GPU, so they go straight into the outputs
-/// (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second copy; the
-/// receiver warp of (lane, me) then has nothing to do.
-template <bool kDirect>
+/// Writes token `tok`'s metadata for destination rank `owner` (whose experts become local ids 0..E/N-1, others
+/// -1 with weight 0) where the pointers say: a ring slot (IdT = int32) or the output rows (IdT = int64). A null
+/// pointer skips its field. Warp-collective.
+template <typename IdT>
+UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int owner, int experts_per_rank, int32_t src_id,
+                                         int32_t* src_idx, IdT* topk_idx, float* weights, int32_t* scales) {
+  const int lane = gpu::lane_id();
+  if (src_idx != nullptr && lane == 0) *src_idx = src_id;
+  if (a.topk_idx != nullptr && topk_idx != nullptr && lane < a.num_topk) {
+    const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
+    const int64_t local_e = e - static_cast<int64_t>(owner) * experts_per_rank;
+    const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
+    topk_idx[lane] = mine ? static_cast<IdT>(local_e) : IdT{-1};
+    if (weights != nullptr)
+      weights[lane] = mine && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane]
+                                                        : 0.0f;
+  }
+  if (a.x_scales != nullptr && scales != nullptr) {
+    const int32_t* x_scales = static_cast<const int32_t*>(a.x_scales);
+    for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
+      scales[j] = x_scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
+  }
+}
+
+/// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
+/// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
+/// copy; the receiver warp of (lane, me) then has nothing to do. Otherwise `mover` copies the rows into ring
+/// (lane, me) at dst and says which are written before the tail publishes them.
+template <bool kDirect, typename Mover>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
-                                      int dst, int w) {
+                                      int dst, int w, Mover& mover) {
   const DispatchArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
@@ -36,9 +62,14 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const int32_t base = kDirect ? 0 : gpu::shfl(meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst], 0);
   const int64_t row0 = kDirect ? self_row0(a, N, me, L, lane_idx) : 0;
   const int experts_per_rank = a.num_experts / N;
-  const int num_16 = s.row_bytes / 16;
   int begin, end;
   lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
+  const auto publish = [&](int done, int* published) {  // rows [0, done) are written: release them
+    if (done <= *published) return;
+    gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
+    if (lane == 0) gpu::store_release_sys(tail, base + done);  // pairs with the receiver's acquire of tail
+    *published = done;
+  };
   // head_seen < 0: the previous round may still be draining; the first write waits for it (see nvl_layout.hpp).
   int pos = 0, published = 0, head_seen = -1;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
@@ -50,74 +81,42 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
     while (mask != 0) {
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
-      const int4* src_row =
-          reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes);
+      const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
       const int32_t src_id = a.src_tag != nullptr ? a.src_tag[tok] : tok;
       if constexpr (kDirect) {
         const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
         warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
-                                          src_row, num_16);
-        if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[row] = src_id;
-        if (a.topk_idx != nullptr && a.recv_topk_idx != nullptr && lane < a.num_topk) {
-          const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
-          const int64_t local_e = e - static_cast<int64_t>(me) * experts_per_rank;
-          const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
-          a.recv_topk_idx[row * a.num_topk + lane] = mine ? local_e : -1;
-          if (a.recv_topk_weights != nullptr)
-            a.recv_topk_weights[row * a.num_topk + lane] =
-                mine && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane] : 0.0f;
-        }
-        if (a.x_scales != nullptr && a.recv_scales != nullptr) {
-          const int32_t* scales = static_cast<const int32_t*>(a.x_scales);
-          for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
-            static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j] =
-                scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
-        }
+                                          reinterpret_cast<const int4*>(src_row), s.row_bytes / 16);
+        write_token_meta<int64_t>(
+            a, tok, me, experts_per_rank, src_id, a.recv_src_idx != nullptr ? a.recv_src_idx + row : nullptr,
+            a.recv_topk_idx != nullptr ? a.recv_topk_idx + row * a.num_topk : nullptr,
+            a.recv_topk_weights != nullptr ? a.recv_topk_weights + row * a.num_topk : nullptr,
+            a.recv_scales != nullptr ? static_cast<int32_t*>(a.recv_scales) + row * a.num_scales : nullptr);
         ++pos;
         continue;
       }
       if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-        // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
-        if (published < pos) {
-          gpu::sync_warp();
-          if (lane == 0) gpu::store_release_sys(tail, base + pos);
-          published = pos;
+        if (head_seen >= 0) head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);  // cheap re-poll
+        if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
+          // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
+          publish(mover.complete_all(), &published);
+          if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kDispatchSendRoom,
+                                  kRoleSender, dst, lane_idx, &head_seen))
+            return;
         }
-        if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kDispatchSendRoom,
-                                kRoleSender, dst, lane_idx, &head_seen))
-          return;
       }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), src_row, num_16);
-      if (lane == 0) *reinterpret_cast<int32_t*>(slot + s.off_src_idx) = src_id;
-      if (a.topk_idx != nullptr && lane < a.num_topk) {
-        const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
-        const int64_t local_e = e - static_cast<int64_t>(dst) * experts_per_rank;
-        const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
-        reinterpret_cast<int32_t*>(slot + s.off_topk_idx)[lane] = mine ? static_cast<int32_t>(local_e) : -1;
-        if (a.topk_weights != nullptr)
-          reinterpret_cast<float*>(slot + s.off_weights)[lane] =
-              mine ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane] : 0.0f;
-      }
-      if (a.x_scales != nullptr) {
-        const int32_t* scales = static_cast<const int32_t*>(a.x_scales);
-        for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
-          reinterpret_cast<int32_t*>(slot + s.off_scales)[j] =
-              scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
-      }
+      mover.push(slot, src_row, s.row_bytes);
+      write_token_meta<int32_t>(a, tok, dst, experts_per_rank, src_id, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
+                                reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
+                                reinterpret_cast<float*>(slot + s.off_weights),
+                                reinterpret_cast<int32_t*>(slot + s.off_scales));
       ++pos;
-      if (pos - published >= g.chunk_tokens) {
-        gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
-        if (lane == 0) gpu::store_release_sys(tail, base + pos);  // pairs with the receiver's acquire of tail
-        published = pos;
-      }
+      if (pos - published >= g.chunk_tokens) publish(mover.complete_lagging(), &published);
     }
   }
   if constexpr (!kDirect) {
-    if (published < pos) {
-      gpu::sync_warp();
-      if (lane == 0) gpu::store_release_sys(tail, base + pos);
-    }
+    publish(mover.complete_all(), &published);
     if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
   }
 }
@@ -232,10 +231,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   if (sender) {
     const int peer = warp / W, w = warp % W;
     if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
-    if (peer == ctx.rank)
-      dispatch_send<true>(ctx, g, k, c, peer, w);  // our own rows: straight into the outputs
-    else
-      dispatch_send<false>(ctx, g, k, c, peer, w);
+    if (peer == ctx.rank) {
+      WarpCopyMover direct;  // our own rows: straight into the outputs (the mover is not used)
+      dispatch_send<true>(ctx, g, k, c, peer, w, direct);
+    } else {
+      with_row_mover(k.bulk, mover_index(peer, ctx.rank, W, w), k.slot.row_bytes,
+                     [&](auto& mover) { dispatch_send<false>(ctx, g, k, c, peer, w, mover); });
+    }
     return;
   }
   __shared__ RecvSmem sm;
@@ -253,7 +255,9 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "element size)", a.row_bytes);
   UCCL_ASSERT(a.num_topk <= kMaxTopk, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   UCCL_ASSERT(a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds the warp width", a.num_topk);
-  DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales)};
+  const int movers = (ctx.num_ranks - 1) * g.lanes_per_channel;  // sender warps of remote peers
+  DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales),
+                       choose_bulk_shape(movers, a.row_bytes)};
   const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
   UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
               "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
@@ -264,7 +268,10 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
               "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
               ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
-  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
+  const int smem = bulk_smem_bytes(k.bulk, movers);
+  allow_bulk_smem(reinterpret_cast<const void*>(&dispatch_intranode_kernel), smem);
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, smem, static_cast<gpu::Stream>(stream)>>>(ctx, placed,
+                                                                                                              k);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
