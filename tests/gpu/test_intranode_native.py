@@ -368,13 +368,6 @@ def test_native_intranode_matches_reference(world: int) -> None:
     run_shared_gpu_ranks(_worker, world, big, iters, timeout_s=900)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_native_intranode_register_copies(world: int) -> None:
-    """The same checks with the senders' bulk-copy (TMA) path off: the register copy every other build uses."""
-    iters = min(200, int(os.environ.get("UMOE_TEST_ITERS", "1000")))
-    run_shared_gpu_ranks(_worker, world, False, iters, env={"UCCL_MOE_BULK_COPY": "0"}, timeout_s=900)
-
-
 # ------------------------------------------------------------------------------------------------ timeout
 def _skip_worker(rank: int, world: int, gloo) -> None:
     from uccl_moe import Buffer, CommTimeoutError, Config

@@ -77,11 +77,6 @@ void register_runtime(nb::module_& m) {
     return geometry_tuple(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv));
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a,
   "(num_channels, lanes_per_channel, channel_slots, lane_slots, chunk_tokens)");
-  m.def("intranode_bulk_shape", [](int movers, int row_bytes, int arch, bool enabled) {
-    const intranode::BulkShape b = intranode::bulk_shape_for(movers, row_bytes, arch, enabled);
-    return nb::make_tuple(b.stages, b.piece_bytes, b.warp_bytes);
-  }, "movers"_a, "row_bytes"_a, "arch"_a, "enabled"_a,
-  "(stages, piece_bytes, warp_bytes) of the senders' bulk-copy path; stages 0 = register copies");
   m.def("intranode_required_nvl_bytes", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int row_bytes,
                                            int num_topk, int num_scales) {
     return intranode::required_nvl_bytes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,

@@ -41,20 +41,3 @@ def test_runtime_need_fits_the_config_hint(ranks: int, hidden: int, elem: int, t
     scales = hidden // 128 if elem == 1 else 0
     need = _C.intranode_required_nvl_bytes(24, ranks, 8, 256, hidden * elem, topk, scales)
     assert need <= cfg.get_nvl_buffer_size_hint(hidden * max(elem, 2), ranks)
-
-
-@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
-@pytest.mark.parametrize("row_bytes", [7168 + 16, 14336, 2056 * 2, 32])
-def test_bulk_shape_fits_the_budget(ranks: int, row_bytes: int) -> None:
-    """The senders' bulk-copy path: every remote sender warp gets S stages of P bytes; all of them fit the
-    shared-memory budget, and a piece never exceeds a row (rounded up to 128 bytes)."""
-    movers = (ranks - 1) * _C.intranode_lanes_per_channel(ranks)
-    stages, piece, warp_bytes = _C.intranode_bulk_shape(movers, row_bytes, 90, True)
-    assert stages in (2, 4) and piece % 128 == 0 and 0 < piece <= -(-row_bytes // 128) * 128
-    assert warp_bytes == 128 + stages * piece and movers * warp_bytes <= 192 * 1024
-
-
-@pytest.mark.parametrize("movers, arch, enabled", [(12, 80, True), (12, 90, False), (0, 90, True)])
-def test_bulk_shape_off(movers: int, arch: int, enabled: bool) -> None:
-    """No engine before sm_90, UCCL_MOE_BULK_COPY=0, or no remote sender warps (one rank): register copies."""
-    assert _C.intranode_bulk_shape(movers, 14336, arch, enabled) == (0, 0, 0)

@@ -11,7 +11,7 @@
 // claimed in shared memory (so the head only moves forward whatever order the adds land in). A warp publishes
 // before it blocks and every kPublishEvery tokens, so a sender can never wait on slots that were consumed but
 // not handed back. Counters are relative to the round's bases (nvl_layout.hpp).
-#include "row_mover.cuh"
+#include "intranode_device.cuh"
 #include "../bf16.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -21,17 +21,16 @@ namespace {
 
 using kernels::add_bf16x8;
 using kernels::pack_bf16x8;
+constexpr int kSendUnroll = 8;
 constexpr int kPublishEvery = 4;  // tokens between two head publications of a receiver warp
 
 struct CombineKernelArgs {
   CombineArgs a;
   SlotLayout slot;  // row = hidden bf16; weights at off_weights
-  BulkShape bulk;   // stages == 0: rows are copied through registers
 };
 
-template <typename Mover>
 UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
-                                     int dst, int w, Mover& mover) {
+                                     int dst, int w) {
   const CombineArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
@@ -48,7 +47,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int next = lane_idx + 1 < L ? a.recv_lane_start[dst * L + lane_idx + 1] : dst_end - dst_begin;
   const int count = next - start;
   const int64_t row0 = dst_begin + start;
-  const auto publish = [&](int done, int* published) {  // rows [0, done) are written: release them
+  const auto publish = [&](int done, int* published) {  // rows [0, done) are stored: release them
     if (done <= *published) return;
     gpu::sync_warp();
     if (lane == 0) gpu::store_release_sys(tail, base + done);  // pairs with the receiver's acquire
@@ -59,7 +58,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
     if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
       if (head_seen >= 0) head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);  // cheap re-poll
       if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-        publish(mover.complete_all(), &published);
+        publish(pos, &published);
         if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kCombineSendRoom,
                                 kRoleSender, dst, lane_idx, &head_seen))
           return;
@@ -69,11 +68,13 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
     const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
     const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
     const float wgt = has_weight ? a.topk_weights[row * a.num_topk + lane] : 0.0f;  // loaded before the row
-    mover.push(slot, static_cast<const char*>(a.x) + row * s.row_bytes, s.row_bytes);
+    warp_copy_row<kSendUnroll, false>(
+        reinterpret_cast<int4*>(slot),
+        reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), s.row_bytes / 16);
     if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
-    if (pos + 1 - published >= g.chunk_tokens) publish(mover.complete_lagging(), &published);
+    if (pos + 1 - published >= g.chunk_tokens) publish(pos + 1, &published);
   }
-  publish(mover.complete_all(), &published);
+  publish(count, &published);
   if (lane == 0) *base_word = base + count;  // the next round on this stream starts here
 }
 
@@ -200,9 +201,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int warp = gpu::warp_id();
   if (sender) {
     const int peer = warp / W, w = warp % W;
-    if (peer < ctx.num_ranks && peer != ctx.rank)  // own rows: the receiver reads them in place
-      with_row_mover(k.bulk, mover_index(peer, ctx.rank, W, w), k.slot.row_bytes,
-                     [&](auto& mover) { combine_send(ctx, g, k, c, peer, w, mover); });
+    if (peer < ctx.num_ranks && peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: read in place
     return;
   }
   sm.reset();
@@ -218,8 +217,7 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
-  const int movers = (ctx.num_ranks - 1) * g.lanes_per_channel;  // sender warps of remote peers
-  CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0), choose_bulk_shape(movers, a.hidden * 2)};
+  CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0)};
   const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
   UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
               "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
@@ -231,10 +229,8 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
               static_cast<long long>(need), static_cast<long long>(ctx.num_nvl_bytes));
   const dim3 grid(2 * g.num_channels), block(kThreadsPerBlock);
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  const int smem = bulk_smem_bytes(k.bulk, movers);
   const auto launch = [&](void (*kernel)(NvlContext, Geometry, CombineKernelArgs)) {
-    allow_bulk_smem(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<grid, block, smem, st>>>(ctx, placed, k);
+    kernel<<<grid, block, 0, st>>>(ctx, placed, k);
   };
   // One instantiation per local rank count (the per-rank copies of a column live in registers).
   switch (ctx.num_ranks) {

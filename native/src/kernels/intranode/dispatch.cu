@@ -5,7 +5,7 @@
 // into recv_x in order, each warp a slice of the columns. Rows a rank keeps
 // (dst == me) skip the ring: the sender writes them into the outputs itself. See nvl_layout.hpp for the rings
 // and the head/tail protocol.
-#include "row_mover.cuh"
+#include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -18,7 +18,6 @@ constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a 
 struct DispatchKernelArgs {
   DispatchArgs a;
   SlotLayout slot;
-  BulkShape bulk;  // stages == 0: ring rows are copied through registers
 };
 
 /// Writes token `tok`'s metadata for destination rank `owner` (whose experts become local ids 0..E/N-1, others
@@ -47,11 +46,10 @@ UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int own
 
 /// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
 /// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy; the receiver warp of (lane, me) then has nothing to do. Otherwise `mover` copies the rows into ring
-/// (lane, me) at dst and says which are written before the tail publishes them.
-template <bool kDirect, typename Mover>
+/// copy; the receiver warp of (lane, me) then has nothing to do. Otherwise the rows go into ring (lane, me) at dst.
+template <bool kDirect>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
-                                      int dst, int w, Mover& mover) {
+                                      int dst, int w) {
   const DispatchArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
@@ -64,7 +62,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const int experts_per_rank = a.num_experts / N;
   int begin, end;
   lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
-  const auto publish = [&](int done, int* published) {  // rows [0, done) are written: release them
+  const auto publish = [&](int done, int* published) {  // rows [0, done) are stored: release them
     if (done <= *published) return;
     gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
     if (lane == 0) gpu::store_release_sys(tail, base + done);  // pairs with the receiver's acquire of tail
@@ -99,24 +97,25 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
         if (head_seen >= 0) head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);  // cheap re-poll
         if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
           // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
-          publish(mover.complete_all(), &published);
+          publish(pos, &published);
           if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kDispatchSendRoom,
                                   kRoleSender, dst, lane_idx, &head_seen))
             return;
         }
       }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-      mover.push(slot, src_row, s.row_bytes);
+      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(src_row),
+                                        s.row_bytes / 16);
       write_token_meta<int32_t>(a, tok, dst, experts_per_rank, src_id, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
                                 reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
                                 reinterpret_cast<float*>(slot + s.off_weights),
                                 reinterpret_cast<int32_t*>(slot + s.off_scales));
       ++pos;
-      if (pos - published >= g.chunk_tokens) publish(mover.complete_lagging(), &published);
+      if (pos - published >= g.chunk_tokens) publish(pos, &published);
     }
   }
   if constexpr (!kDirect) {
-    publish(mover.complete_all(), &published);
+    publish(pos, &published);
     if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
   }
 }
@@ -231,13 +230,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   if (sender) {
     const int peer = warp / W, w = warp % W;
     if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
-    if (peer == ctx.rank) {
-      WarpCopyMover direct;  // our own rows: straight into the outputs (the mover is not used)
-      dispatch_send<true>(ctx, g, k, c, peer, w, direct);
-    } else {
-      with_row_mover(k.bulk, mover_index(peer, ctx.rank, W, w), k.slot.row_bytes,
-                     [&](auto& mover) { dispatch_send<false>(ctx, g, k, c, peer, w, mover); });
-    }
+    if (peer == ctx.rank)
+      dispatch_send<true>(ctx, g, k, c, peer, w);  // our own rows: straight into the outputs
+    else
+      dispatch_send<false>(ctx, g, k, c, peer, w);
     return;
   }
   __shared__ RecvSmem sm;
@@ -255,9 +251,7 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "element size)", a.row_bytes);
   UCCL_ASSERT(a.num_topk <= kMaxTopk, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   UCCL_ASSERT(a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds the warp width", a.num_topk);
-  const int movers = (ctx.num_ranks - 1) * g.lanes_per_channel;  // sender warps of remote peers
-  DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales),
-                       choose_bulk_shape(movers, a.row_bytes)};
+  DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales)};
   const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
   UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
               "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
@@ -268,10 +262,7 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
               "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
               ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
-  const int smem = bulk_smem_bytes(k.bulk, movers);
-  allow_bulk_smem(reinterpret_cast<const void*>(&dispatch_intranode_kernel), smem);
-  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, smem, static_cast<gpu::Stream>(stream)>>>(ctx, placed,
-                                                                                                              k);
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -1,7 +1,5 @@
 // Lane geometry, NVL size check and the copy-engine peer copy (benchmark ceiling).
-#include "row_mover.cuh"
-#include "uccl_moe/device_query.hpp"
-#include "uccl_moe/env.hpp"
+#include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -40,40 +38,6 @@ int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int 
   const SlotLayout s = SlotLayout::make(row_bytes, num_topk, num_scales);
   return static_cast<int64_t>(kNvlMetaBytes) +
          static_cast<int64_t>(g.num_channels) * num_ranks * g.channel_slots * s.bytes;
-}
-
-BulkShape bulk_shape_for(int movers, int row_bytes, int arch, bool enabled) {
-  if (movers <= 0 || row_bytes <= 0 || !enabled || arch < 90) return BulkShape{0, 0, 0};
-  // Split the budget over the mover warps: S stages of P bytes each, P a multiple of 128 and no larger than a row.
-  const int per_warp = kBulkSmemBudget / movers - kBulkMetaBytes;
-  const int row_pad = static_cast<int>(align_up(static_cast<size_t>(row_bytes), 128));
-  for (int stages : {4, 2}) {
-    int piece = per_warp / stages / 128 * 128;
-    if (piece > row_pad) piece = row_pad;
-    if (piece >= kBulkMinPiece || (piece == row_pad && piece > 0))
-      return BulkShape{stages, piece, kBulkMetaBytes + stages * piece};
-  }
-  return BulkShape{0, 0, 0};
-}
-
-BulkShape choose_bulk_shape(int movers, int row_bytes) {
-#if defined(UCCL_MOE_CUDA)
-  if (movers <= 0 || !env::BULK_COPY()) return BulkShape{0, 0, 0};
-  int device = 0;
-  UCCL_CHECK_GPU(gpu::get_device(&device));
-  static int arch[64] = {};  // per device; 0 = not asked yet
-  if (device < 0 || device >= 64) return BulkShape{0, 0, 0};
-  if (arch[device] == 0) arch[device] = device_arch(device);
-  return bulk_shape_for(movers, row_bytes, arch[device], true);
-#else
-  (void)movers;
-  (void)row_bytes;
-  return BulkShape{0, 0, 0};  // HIP: the seam has no bulk-copy engine yet
-#endif
-}
-
-void allow_bulk_smem(const void* kernel, int bytes) {
-  if (bytes > 48 * 1024) UCCL_CHECK_GPU(gpu::func_set_max_dynamic_smem(kernel, bytes));  // above the default
 }
 
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream) {

@@ -57,23 +57,6 @@ Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes);
 /// whenever hidden_bytes was computed as hidden * max(element size, 2).
 int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales);
 
-/// Shape of a launch's bulk-copy row path (sender warps stream rows through shared memory with the SM's bulk-copy
-/// engine, native/src/kernels/intranode/row_mover.cuh); stages == 0 means warp register copies.
-struct BulkShape {
-  int32_t stages;       ///< S stages per mover warp (<= kMaxBulkStages)
-  int32_t piece_bytes;  ///< P, a multiple of 128, at most the row rounded up to 128
-  int32_t warp_bytes;   ///< dynamic shared memory per mover warp: kBulkMetaBytes + S * P
-};
-constexpr int kMaxBulkStages = 8;
-constexpr int kBulkMetaBytes = 128;           // S mbarriers (8 B) + S destination pointers (8 B)
-constexpr int kBulkSmemBudget = 192 * 1024;   // of the 227 KB a block may have; the rest stays L1
-constexpr int kBulkMinPiece = 1024;           // smaller pieces: the engine's per-copy cost dominates
-/// The shape for `movers` sender warps moving rows of `row_bytes` on a device of compute capability `arch`
-/// (major * 10 + minor; below 90 there is no bulk-copy engine), with the engine `enabled`. Pure (tested on CPU).
-BulkShape bulk_shape_for(int movers, int row_bytes, int arch, bool enabled);
-/// bulk_shape_for on the current device (CUDA builds; HIP has no engine in the seam) and UCCL_MOE_BULK_COPY.
-BulkShape choose_bulk_shape(int movers, int row_bytes);
-
 struct LayoutArgs {
   const int64_t* topk_idx;         ///< [T, K]; -1 = unused
   int32_t num_tokens, num_topk, num_experts, num_ranks, ranks_per_node;
