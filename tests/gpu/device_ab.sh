@@ -25,7 +25,7 @@ for v in ${AB_ORDER:-base new base new}; do
   i=$((i + 1)); cp "/tmp/ab_$v.so" "$SO"
   echo "== $v (run $i)" | tee -a "$L"
   timeout "${AB_TIMEOUT:-120}" $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1
-  grep -v "it/s\]" /tmp/ab_run.log | grep -A8 "disp_us" | tee -a "$L"
+  grep -v "it/s\]" /tmp/ab_run.log | grep -E -A8 "disp_us" | tee -a "$L"; grep "kernels us" /tmp/ab_run.log | tee -a "$L"
   if [ ! -s "/tmp/abj/ab${i}_$v.json" ]; then
     tail -15 /tmp/ab_run.log | tee -a "$L"
     [ -n "${AB_FALLBACK:-}" ] && { echo "falling back to: $AB_FALLBACK" | tee -a "$L"; B="$AB_FALLBACK"; AB_FALLBACK=; }
