@@ -292,7 +292,8 @@ def test_set_num_sms():
 def test_presets_follow_the_group_size():
     chunk = [Buffer.get_dispatch_config(r).num_max_nvl_chunked_send_tokens for r in (1, 2, 3, 4, 8)]
     assert chunk == [8, 4, 8, 8, 8]  # EP2's 21-slot lane rings take chunk 4 (measured, docs/performance.md)
-    assert Buffer.get_combine_config(2).num_max_nvl_chunked_send_tokens == 4
+    combine = [Buffer.get_combine_config(r).num_max_nvl_chunked_send_tokens for r in (1, 2, 3, 4, 8)]
+    assert combine == [8, 2, 8, 8, 8]  # EP2 combine: chunk 2 (measured, docs/performance.md)
     assert Buffer.get_dispatch_config(16).num_max_nvl_chunked_recv_tokens == 288  # across nodes
 
 

@@ -1,0 +1,85 @@
+// Byte layout of one rank's NVL buffer as the intranode kernels use it (the size math is
+// Config::get_nvl_buffer_size_hint in native/src/core/config.cc; its comment in config.hpp is the overview).
+//
+// Terms: N local ranks; C = num_sms / 2 channels (one sender and one receiver block each); a block has
+// kWarpsPerBlock warps; W = kWarpsPerBlock / N "lanes" per channel, so L = C * W lanes in all. A lane is one
+// sender warp's contiguous slice of this rank's tokens, for one destination. Every (lane, source rank) pair
+// has its own single-producer single-consumer ring at the receiver: Tl = T / W slots (T =
+// num_max_nvl_chunked_recv_tokens), so the rings of one channel use exactly the T slots per source that the
+// size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta); the receiver
+// warp copies slots out and publishes `head` (in the sender's meta). Both spin only on local memory.
+//
+// Rounds without a barrier: tail and head count slots since the last reset (notify_dispatch, or prepare_round
+// when the channel count changed), modulo 2^32, and are compared by wrapping difference. Each side keeps the
+// count it ended the previous round at in its own meta (send_base / recv_base), so a cached dispatch or a
+// combine needs no reset and no cross-rank barrier: positions inside a round are relative to the base, and a
+// sender's first write of a round waits until the receiver drained the ring (head == send_base), because a
+// round may lay out its slots differently (FP8 vs BF16 rows). A lane's ring sits at a fixed byte offset for
+// a given channel count (lane_region_bytes, from num_nvl_bytes), whatever the slot size of the round.
+// Meta region (first kNvlMetaBytes of the buffer), all int32:
+//   barrier_signal[kMaxLocalRanks]                 +1 by rank p for each barrier it enters (written by p)
+//   barrier_epoch                                  barriers this rank entered (local only)
+//   abort_flag                                     nonzero once a wait of this rank expired (local only)
+//   rank_counts[src][dst]      N x N               tokens src sends to dst (src writes its row into everyone)
+//   expert_counts[src][e]      N x kMaxExpertsPerRank  tokens src sends to my local expert e
+//   lane_prefix[src][lane]     N x kMaxLanes       inclusive prefix over lanes of tokens src sends me
+//   tail[lane][src]            kMaxLanes x N       slots src has published in ring (lane, src) here
+//   head[lane][dst]            kMaxLanes x N       slots dst has consumed from my ring (lane, me) there
+//   send_base[lane][dst]       kMaxLanes x N       tail I published to dst at the end of my last round (local)
+//   recv_base[lane][src]       kMaxLanes x N       head I published to src at the end of my last round (local)
+// Rings region (from kNvlMetaBytes): lane ring (channel c, src, w) starts at ((c * N + src) * W + w) *
+// lane_region_bytes and holds Tl slots of SlotLayout::bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "uccl_moe/config.hpp"
+
+namespace uccl_moe::intranode {
+
+constexpr int kThreadsPerBlock = 384;  // one block per SM; 24 warps (12 on 64-wide AMD), 80 registers each
+constexpr int kMaxLanes = 4096;         // C <= 128 channels x W <= 32 lanes
+
+constexpr size_t kOffBarrierSignal = 0;
+constexpr size_t kOffBarrierEpoch = kOffBarrierSignal + sizeof(int32_t) * kMaxLocalRanks;
+// Abort flag polled by every bounded wait. It lives in GPU memory, not in the host-mapped block: hundreds of
+// spinning warps reading host memory over PCIe every few polls made each ring hand-off cost ~100s of us
+// (measured on 4xH200: EP4 dispatch 0.9 ms, EP2/EP3 1.5-8 ms). The host learns of an abort from the
+// host-mapped DiagRecord instead. Never cleared: a Buffer whose wait expired stays unusable.
+constexpr size_t kOffAbortFlag = kOffBarrierEpoch + 16;
+constexpr size_t kOffRankCounts = 128;
+constexpr size_t kOffExpertCounts = kOffRankCounts + sizeof(int32_t) * kMaxLocalRanks * kMaxLocalRanks;
+constexpr size_t kOffLanePrefix =
+    align_up(kOffExpertCounts + sizeof(int32_t) * kMaxLocalRanks * kMaxExpertsPerRank, 4096);
+constexpr size_t kOffTail = kOffLanePrefix + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kOffHead = kOffTail + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kOffSendBase = kOffHead + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kOffRecvBase = kOffSendBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
+static_assert(kMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
+static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
+
+/// Where the fields of one ring slot sit (bytes from the slot start). Dispatch slots carry the token row plus
+/// its metadata; combine slots carry the row plus the top-k weights.
+struct SlotLayout {
+  int32_t row_bytes;      ///< x row (hidden * element size), a multiple of 16
+  int32_t off_src_idx;    ///< int32 source token index
+  int32_t off_topk_idx;   ///< int32 x num_topk local expert ids (-1 = not on this rank)
+  int32_t off_weights;    ///< float x num_topk
+  int32_t off_scales;     ///< 4-byte x num_scales (float or packed int scales, copied bit-exact)
+  int32_t bytes;          ///< slot stride, a multiple of 16
+
+  static SlotLayout make(int row_bytes, int num_topk, int num_scales) {
+    SlotLayout s{};
+    s.row_bytes = row_bytes;
+    s.off_src_idx = row_bytes;
+    s.off_topk_idx = s.off_src_idx + 4;
+    s.off_weights = s.off_topk_idx + 4 * num_topk;
+    s.off_scales = s.off_weights + 4 * num_topk;
+    s.bytes = static_cast<int32_t>(align_up(static_cast<size_t>(s.off_scales + 4 * num_scales), 16));
+    return s;
+  }
+};
+
+}  // namespace uccl_moe::intranode
