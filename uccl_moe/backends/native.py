@@ -1,9 +1,8 @@
 """The native backend: our NVLink/xGMI kernels inside a node (``native/src/kernels``, ``native/src/runtime``).
 
 Notation: T = tokens of this rank, H = hidden, K = top-k, E = experts, R = ranks (all in one node here),
-E_loc = E / R, T_recv = rows this rank receives, C = channels (``num_sms``: one block per SM, with sender and
-receiver warps), W = lanes per channel (``_C.intranode_lanes_per_channel(R)``: about half the warps / R),
-L = C * W lanes.
+E_loc = E / R, T_recv = rows this rank receives, C = channels (``num_sms / 2``), W = lanes per channel
+(``_C.intranode_lanes_per_channel(R)``: warps per block / R), L = C * W lanes.
 
 Handle (DeepEP-V1 positions; fields 1 and 2 are per *lane* here, not per channel):
     rank_prefix_matrix [R, R] int32: inclusive prefix over source ranks of the rows each rank receives.
@@ -81,6 +80,7 @@ class NativeBackend(Backend):
         self.R_all = ctx.num_ranks
         self.R = topo.ranks_per_node if topo.num_nodes > 1 else ctx.num_ranks  # ranks sharing the NVL buffers
         self.me = topo.local_rank if topo.num_nodes > 1 else ctx.rank
+        self.W = _C.intranode_lanes_per_channel(self.R)
         self._inter: Any = None
         self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
         self._rt.set_global_rank(ctx.rank)
@@ -117,9 +117,14 @@ class NativeBackend(Backend):
         raise CommTimeoutError(msg, rec)
 
     def _sms_of(self, handle: Any) -> int:
-        """num_sms the handle's lanes were laid out with (the kernels' geometry decides; see docs/intranode.md)."""
-        sms: int = _C.intranode_sms_of_lanes(int(handle[1].shape[1]), self.R)
-        return sms
+        """num_sms the handle's lanes were laid out with (2 * channels)."""
+        lanes = int(handle[1].shape[1])
+        if lanes % self.W:
+            raise InvalidUsageError(
+                f"handle has {lanes} lanes, not a multiple of {self.W} lanes per channel for {self.R} ranks; pass a "
+                f"handle produced by this Buffer's dispatch"
+            )
+        return 2 * (lanes // self.W)
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]

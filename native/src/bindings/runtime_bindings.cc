@@ -27,7 +27,7 @@ using runtime::NvlRuntime;
 /// Resets the ring counters (prepare_round: two barriers) before a dispatch or combine whose channel count
 /// differs from the one the counters were last reset for; rounds with an unchanged count chain without it.
 void ensure_rings(NvlRuntime& rt, const intranode::NvlContext& ctx, const Geometry& g, uintptr_t stream) {
-  rt.check_graph_sms(g.num_sms, stream_of(stream));
+  rt.check_graph_channels(g.num_channels, stream_of(stream));
   if (rt.ring_channels() == g.num_channels) return;
   intranode::launch_prepare_round(ctx, g, stream_of(stream));
   rt.set_ring_channels(g.num_channels);
@@ -77,8 +77,6 @@ void register_runtime(nb::module_& m) {
     return geometry_tuple(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv));
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a,
   "(num_channels, lanes_per_channel, channel_slots, lane_slots, chunk_tokens)");
-  m.def("intranode_sms_of_lanes", &intranode::sms_of_lanes, "num_lanes"_a, "num_ranks"_a,
-        "num_sms a dispatch handle with this many lanes was laid out with");
   m.def("intranode_required_nvl_bytes", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int row_bytes,
                                            int num_topk, int num_scales) {
     return intranode::required_nvl_bytes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,
@@ -107,7 +105,7 @@ void register_runtime(nb::module_& m) {
                             ptr<const int32_t>(num_tokens_per_expert), num_tokens, num_experts, expert_alignment,
                             write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
                             ptr<int32_t>(recv_lane_start), ptr<const int32_t>(num_tokens_ptr)};
-    rt.check_graph_sms(g.num_sms, stream_of(stream));
+    rt.check_graph_channels(g.num_channels, stream_of(stream));
     intranode::launch_notify_dispatch(ctx, g, a, stream_of(stream));
     rt.set_ring_channels(g.num_channels);  // notify resets the ring counters
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "is_token_in_rank"_a,
@@ -118,7 +116,7 @@ void register_runtime(nb::module_& m) {
   m.def("prepare_round", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t stream) {
     const auto ctx = rt.context();
     const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
-    rt.check_graph_sms(g.num_sms, stream_of(stream));
+    rt.check_graph_channels(g.num_channels, stream_of(stream));
     intranode::launch_prepare_round(ctx, g, stream_of(stream));
     rt.set_ring_channels(g.num_channels);
   }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "stream"_a);

@@ -52,10 +52,10 @@ class NvlRuntime {
   /// so every rank takes the same decision.
   int ring_channels() const { return ring_channels_; }
   void set_ring_channels(int c) { ring_channels_ = c; }
-  /// Before enqueueing an op with `num_sms` on `stream`: throws InvalidUsage if a CUDA graph was captured with
-  /// another SM count (replays would re-lay the rings behind the host's back), and remembers the count when
-  /// `stream` is capturing. Returns whether it is.
-  bool check_graph_sms(int num_sms, void* stream);
+  /// Before enqueueing an op with `channels` on `stream`: throws InvalidUsage if a CUDA graph was captured with
+  /// another channel count (replays would re-lay the rings behind the host's back), and remembers the count
+  /// when `stream` is capturing. Returns whether it is.
+  bool check_graph_channels(int channels, void* stream);
 
  private:
   int rank_, num_ranks_, device_;
@@ -66,7 +66,7 @@ class NvlRuntime {
   bool connected_ = false;
   bool destroyed_ = false;
   int ring_channels_ = -1;
-  int graph_sms_ = -1;  // num_sms of the ops captured in CUDA graphs (-1: none captured)
+  int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;
 };

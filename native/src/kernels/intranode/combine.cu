@@ -194,21 +194,21 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
 template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     combine_intranode_kernel(NvlContext ctx, Geometry g, CombineKernelArgs k) {
-  // Block c is channel c: warps [0, W * N) send (warp peer * W + w), the rest receive, G = rest / W per lane.
   __shared__ RecvSmem sm;
-  const int W = g.lanes_per_channel, N = ctx.num_ranks, c = blockIdx.x;
-  const int send_warps = W * N, group = (kWarpsPerBlock - send_warps) / W;
+  const int C = g.num_channels, W = g.lanes_per_channel;
+  const bool sender = static_cast<int>(blockIdx.x) < C;
+  const int c = sender ? blockIdx.x : blockIdx.x - C;
   const int warp = gpu::warp_id();
-  sm.reset();
-  if (warp < send_warps) {
+  if (sender) {
     const int peer = warp / W, w = warp % W;
-    if (peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: the receiver reads them in place
-  } else {
-    const int rw = warp - send_warps;
-    const int lane_local = rw / group, gw = rw % group;
-    if (lane_local < W) combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
+    if (peer < ctx.num_ranks && peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: read in place
+    return;
   }
-  sm.finish(ctx, c, W, group, send_warps);  // every warp of the block gets here (a block-wide barrier)
+  sm.reset();
+  const int group = kWarpsPerBlock / W;  // warps per lane
+  const int lane_local = warp / group, gw = warp % group;
+  if (lane_local < W) combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
+  sm.finish(ctx, c, W, group);
 }
 
 }  // namespace
@@ -227,7 +227,7 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
               "combine needs %lld NVL bytes but the Buffer has %lld: create it with num_nvl_bytes >= "
               "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
               static_cast<long long>(need), static_cast<long long>(ctx.num_nvl_bytes));
-  const dim3 grid(g.num_channels), block(kThreadsPerBlock);
+  const dim3 grid(2 * g.num_channels), block(kThreadsPerBlock);
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
   const auto launch = [&](void (*kernel)(NvlContext, Geometry, CombineKernelArgs)) {
     kernel<<<grid, block, 0, st>>>(ctx, placed, k);

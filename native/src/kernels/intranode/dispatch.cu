@@ -120,7 +120,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   }
 }
 
-/// Receiver lane `lane_local` of channel c, served by `group` warps: every warp copies its slice of the
+/// Receiver lane `lane_local` of channel c, served by `group` warps (>= N): every warp copies its slice of the
 /// columns of every row from every remote source's ring (lane, src), so the warps that a per-source split would
 /// leave idle (our own rows never enter a ring) add loads in flight. Lane d < N of each warp tracks source d.
 UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
@@ -210,40 +210,38 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_intranode_kernel(NvlContext ctx, Geometry g, DispatchKernelArgs k) {
-  // Block c is channel c: warps [0, W * N) send (warp peer * W + w), the rest receive, G = rest / W per lane.
-  __shared__ RecvSmem sm;
-  const int C = g.num_channels, W = g.lanes_per_channel, N = ctx.num_ranks, c = blockIdx.x;
-  const int send_warps = W * N, group = (kWarpsPerBlock - send_warps) / W;
+  const int C = g.num_channels, W = g.lanes_per_channel;
+  const bool sender = static_cast<int>(blockIdx.x) < C;
+  const int c = sender ? blockIdx.x : blockIdx.x - C;
+  if (!sender && k.a.recv_src_idx != nullptr) {
+    // num_worst_tokens: rows past the received ones carry no expert (-1), weight 0 and source -1.
+    const int received = k.a.rank_prefix[(ctx.num_ranks - 1) * ctx.num_ranks + ctx.rank];
+    const int K = k.a.recv_topk_idx != nullptr ? k.a.num_topk : 0;
+    const int64_t stride = static_cast<int64_t>(C) * blockDim.x;
+    for (int64_t row = received + c * blockDim.x + threadIdx.x; row < k.a.num_recv_rows; row += stride) {
+      k.a.recv_src_idx[row] = -1;
+      for (int j = 0; j < K; ++j) {
+        k.a.recv_topk_idx[row * K + j] = -1;
+        if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[row * K + j] = 0.0f;
+      }
+    }
+  }
   const int warp = gpu::warp_id();
-  sm.reset();
-  if (warp < send_warps) {
+  if (sender) {
     const int peer = warp / W, w = warp % W;
+    if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
     if (peer == ctx.rank)
       dispatch_send<true>(ctx, g, k, c, peer, w);  // our own rows: straight into the outputs
     else
       dispatch_send<false>(ctx, g, k, c, peer, w);
-  } else {
-    if (k.a.recv_src_idx != nullptr) {
-      // num_worst_tokens: rows past the received ones carry no expert (-1), weight 0 and source -1.
-      const int received = k.a.rank_prefix[(N - 1) * N + ctx.rank];
-      const int K = k.a.recv_topk_idx != nullptr ? k.a.num_topk : 0;
-      const int recv_threads = (kWarpsPerBlock - send_warps) * gpu::kWarpSize;
-      const int64_t stride = static_cast<int64_t>(C) * recv_threads;
-      const int me_thread = static_cast<int>(threadIdx.x) - send_warps * gpu::kWarpSize;
-      for (int64_t row = received + static_cast<int64_t>(c) * recv_threads + me_thread; row < k.a.num_recv_rows;
-           row += stride) {
-        k.a.recv_src_idx[row] = -1;
-        for (int j = 0; j < K; ++j) {
-          k.a.recv_topk_idx[row * K + j] = -1;
-          if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[row * K + j] = 0.0f;
-        }
-      }
-    }
-    const int rw = warp - send_warps;
-    const int lane_local = rw / group, gw = rw % group;
-    if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
+    return;
   }
-  sm.finish(ctx, c, W, group, send_warps);  // every warp of the block gets here (a block-wide barrier)
+  __shared__ RecvSmem sm;
+  sm.reset();
+  const int group = kWarpsPerBlock / W;  // warps per lane (>= N)
+  const int lane_local = warp / group, gw = warp % group;
+  if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
+  sm.finish(ctx, c, W, group);
 }
 
 }  // namespace
@@ -260,11 +258,11 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               g.lane_slots, k.slot.bytes);
   const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.row_bytes, a.num_topk, a.num_scales);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
-              "dispatch needs %lld NVL bytes (%d lanes x %d ranks x %d slots of %d bytes + meta) but the Buffer has "
+              "dispatch needs %lld NVL bytes (%d channels x %d ranks x %d slots of %d bytes + meta) but the Buffer has "
               "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
-              "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_lanes,
-              ctx.num_ranks, g.lane_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
-  dispatch_intranode_kernel<<<g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
+              "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
+              ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

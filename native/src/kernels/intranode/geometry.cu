@@ -6,37 +6,26 @@ namespace uccl_moe::intranode {
 
 int lanes_per_channel(int num_ranks) {
   UCCL_ASSERT(num_ranks >= 1 && num_ranks <= kMaxLocalRanks, "num_ranks=%d outside 1..%d", num_ranks, kMaxLocalRanks);
-  const int w = kWarpsPerBlock / 2 / num_ranks;  // about half the block sends, the rest receives
-  return w > 0 ? w : 1;
+  return kWarpsPerBlock / num_ranks;
 }
 
 Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens) {
   UCCL_ASSERT(num_sms >= 2 && num_sms % 2 == 0, "Config.num_sms=%d must be even and >= 2", num_sms);
   Geometry g{};
-  g.num_sms = num_sms;
-  g.num_channels = num_sms;  // one block per SM, each a channel with sender and receiver warps
+  g.num_channels = num_sms / 2;
   g.lanes_per_channel = lanes_per_channel(num_ranks);
   g.num_lanes = g.num_channels * g.lanes_per_channel;
   UCCL_ASSERT(g.num_lanes <= kMaxLanes, "Config.num_sms=%d gives %d lanes for %d ranks; at most %d are supported: "
               "lower num_sms", num_sms, g.num_lanes, num_ranks, kMaxLanes);
-  // Config's channel (a pair of SMs, DeepEP's unit) owns T slots per source: its two blocks' 2W lanes split them.
   g.channel_slots = nvl_recv_tokens;
-  g.lane_slots = nvl_recv_tokens / (2 * g.lanes_per_channel);
+  g.lane_slots = nvl_recv_tokens / g.lanes_per_channel;
   UCCL_ASSERT(g.lane_slots >= 2,
-              "Config.num_max_nvl_chunked_recv_tokens=%d leaves %d slots per lane with %d lanes per SM (%d ranks); "
+              "Config.num_max_nvl_chunked_recv_tokens=%d leaves %d slots per lane with %d lanes per channel (%d ranks); "
               "raise it to at least %d", nvl_recv_tokens, g.lane_slots, g.lanes_per_channel, num_ranks,
-              4 * g.lanes_per_channel);
+              2 * g.lanes_per_channel);
   UCCL_ASSERT(nvl_send_tokens >= 1, "Config.num_max_nvl_chunked_send_tokens=%d must be >= 1", nvl_send_tokens);
   g.chunk_tokens = nvl_send_tokens < g.lane_slots ? nvl_send_tokens : g.lane_slots;
   return g;
-}
-
-int sms_of_lanes(int num_lanes, int num_ranks) {
-  const int w = lanes_per_channel(num_ranks);
-  UCCL_ASSERT(num_lanes > 0 && num_lanes % w == 0,
-              "handle has %d lanes, not a multiple of %d lanes per SM for %d ranks; pass a handle produced by this "
-              "Buffer's dispatch", num_lanes, w, num_ranks);
-  return num_lanes / w;
 }
 
 Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {
@@ -48,7 +37,7 @@ Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {
 int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales) {
   const SlotLayout s = SlotLayout::make(row_bytes, num_topk, num_scales);
   return static_cast<int64_t>(kNvlMetaBytes) +
-         static_cast<int64_t>(g.num_lanes) * num_ranks * g.lane_slots * s.bytes;
+         static_cast<int64_t>(g.num_channels) * num_ranks * g.channel_slots * s.bytes;
 }
 
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream) {

@@ -37,20 +37,17 @@ struct NvlContext {
 
 /// Lane geometry of one dispatch (and of the combine / cached dispatch that reuse its handle).
 struct Geometry {
-  int32_t num_sms;            ///< Config.num_sms this geometry was made for
-  int32_t num_channels;       ///< C = num_sms: one block per SM, W * N sender warps and the rest receivers
-  int32_t lanes_per_channel;  ///< W = max(1, warps per block / 2 / num_ranks)
-  int32_t channel_slots;      ///< T = num_max_nvl_chunked_recv_tokens: slots per source of a Config channel (2 SMs)
-  int32_t lane_slots;         ///< Tl = T / (2 W): slots of one lane's ring
+  int32_t num_channels;       ///< C = num_sms / 2
+  int32_t lanes_per_channel;  ///< W = warps per block / num_ranks
+  int32_t channel_slots;      ///< T = num_max_nvl_chunked_recv_tokens: slots per (channel, source) ring
+  int32_t lane_slots;         ///< Tl = T / W: slots of one lane's ring
   int32_t chunk_tokens;       ///< tokens a sender writes between two tail publications
   int32_t num_lanes;          ///< L = num_channels * lanes_per_channel
   int64_t lane_region_bytes;  ///< byte stride of the lane rings (fixed per channel count; 0 until placed)
 };
 
-/// Lanes per channel (per SM) for `num_ranks` local ranks on this build: max(1, warps per block / 2 / ranks).
+/// Lanes per channel for `num_ranks` local ranks on this build (warps per block / ranks).
 int lanes_per_channel(int num_ranks);
-/// num_sms of a handle with `num_lanes` lanes (throws InvalidUsage if it cannot come from this geometry).
-int sms_of_lanes(int num_lanes, int num_ranks);
 /// Validated geometry (throws InvalidUsage naming the Config field to change).
 Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens);
 /// `g` with lane_region_bytes set for a buffer of `num_nvl_bytes` (the ring region split evenly over the

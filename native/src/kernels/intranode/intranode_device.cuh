@@ -131,12 +131,12 @@ struct RecvSmem {
     __syncthreads();
   }
   /// After every warp's last publication: the lane's final count moves its recv_base (the next round on this
-  /// stream starts there). All threads of the block call it; receiver warp r is block warp first_recv_warp + r.
-  UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int c, int W, int group, int first_recv_warp) {
+  /// stream starts there). All threads of the block call it.
+  UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int c, int W, int group) {
     __syncthreads();
-    const int warp = gpu::warp_id() - first_recv_warp, lane = gpu::lane_id();
+    const int warp = gpu::warp_id(), lane = gpu::lane_id();
     const int lane_local = warp / group;
-    if (warp >= 0 && lane_local < W && warp % group == 0 && lane < ctx.num_ranks)
+    if (lane_local < W && warp % group == 0 && lane < ctx.num_ranks)
       *recv_base_word(ctx, c * W + lane_local, lane) += published[warp][lane];
   }
 };

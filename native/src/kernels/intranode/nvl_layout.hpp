@@ -1,14 +1,12 @@
 // Byte layout of one rank's NVL buffer as the intranode kernels use it (the size math is
 // Config::get_nvl_buffer_size_hint in native/src/core/config.cc; its comment in config.hpp is the overview).
 //
-// Terms: N local ranks; C = num_sms channels, one block per SM; a block has kWarpsPerBlock warps, of which
-// W * N send (W = max(1, kWarpsPerBlock / 2 / N) "lanes" per channel) and the rest receive, so every SM both
-// pushes rows over NVLink and copies rows out (the remote stores of an SM, not of a warp, were the measured
-// limit: docs/performance.md, round 6). L = C * W lanes in all. A lane is one sender warp's contiguous slice of
-// this rank's tokens, for one destination. Every (lane, source rank) pair has its own single-producer
-// single-consumer ring at the receiver: Tl = T / (2 W) slots (T = num_max_nvl_chunked_recv_tokens per Config
-// channel, i.e. per pair of SMs as in DeepEP), so the rings use at most the T slots per source and Config
-// channel that the size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta); the receiver
+// Terms: N local ranks; C = num_sms / 2 channels (one sender and one receiver block each); a block has
+// kWarpsPerBlock warps; W = kWarpsPerBlock / N "lanes" per channel, so L = C * W lanes in all. A lane is one
+// sender warp's contiguous slice of this rank's tokens, for one destination. Every (lane, source rank) pair
+// has its own single-producer single-consumer ring at the receiver: Tl = T / W slots (T =
+// num_max_nvl_chunked_recv_tokens), so the rings of one channel use exactly the T slots per source that the
+// size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta); the receiver
 // warp copies slots out and publishes `head` (in the sender's meta). Both spin only on local memory.
 //
 // Rounds without a barrier: tail and head count slots since the last reset (notify_dispatch, or prepare_round
