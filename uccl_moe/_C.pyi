@@ -99,8 +99,6 @@ def notify_dispatch(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl
                     is_token_in_rank: int, num_tokens_per_rank: int, num_tokens_per_expert: int, num_tokens: int,
                     num_experts: int, expert_alignment: int, write_host_counters: bool, lane_prefix: int,
                     rank_prefix: int, recv_lane_start: int, stream: int, num_tokens_ptr: int = 0) -> None: ...
-def prepare_round(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int,
-                  stream: int) -> None: ...
 def dispatch_intranode(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int, x: int,
                        x_scales: int, topk_idx: int, topk_weights: int, is_token_in_rank: int, rank_prefix: int,
                        recv_lane_start: int, num_tokens: int, row_bytes: int, num_topk: int, num_scales: int,

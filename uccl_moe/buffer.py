@@ -345,11 +345,8 @@ class Buffer:
             return
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(self._comm_stream)
-        elif self._on_own_device():
-            self._join_in.record(_current_stream())
-            self._comm_stream.wait_event(self._join_in)
-        else:  # the caller's stream is on another device: a fresh event bound to it
-            self._comm_stream.wait_stream(torch.cuda.current_stream())
+        else:
+            self._join(self._comm_stream, _current_stream(), self._join_in)
 
     def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
@@ -369,12 +366,17 @@ class Buffer:
                 if t.device.type == "cuda":
                     t.record_stream(self._comm_stream)
             return EventOverlap(EventHandle(self._comm_stream))
-        if self._on_own_device():
-            self._join_out.record(self._comm_stream)
-            compute.wait_event(self._join_out)
-        else:
-            compute.wait_stream(self._comm_stream)
+        self._join(compute, self._comm_stream, self._join_out)
         return EventOverlap(None)
+
+    def _join(self, waiter: Any, stream: Any, event: Any) -> None:
+        """`waiter` waits for the work enqueued on `stream` so far: through the reused `event` when the caller is on
+        this Buffer's device, else through a fresh event bound to the caller's device (Stream.wait_stream)."""
+        if self._on_own_device():
+            event.record(stream)
+            waiter.wait_event(event)
+        else:
+            waiter.wait_stream(stream)
 
     def _on_own_device(self) -> bool:
         """The caller's current device is this Buffer's (the fast paths below assume it)."""

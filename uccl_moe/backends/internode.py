@@ -399,8 +399,6 @@ class InternodePath:
         b = self.backend
         x = x.contiguous()
         lay = self._stage(plan, x, x_scales, None, None, handle[4], self.R, barrier=True)
-        _C.prepare_round(runtime=b._rt, num_sms=plan.num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
-                         nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, stream=b._stream())
         rows = int(handle[3].shape[0])
         recv = b._alloc_recv(rows, x, x_scales, 0, False)
         assert plan.fwd_prefix is not None
@@ -434,8 +432,6 @@ class InternodePath:
         self._mark("start")
         _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
         self._mark("rail barrier")
-        _C.prepare_round(runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv,
-                         stream=stream)
         _C.combine_intranode(
             runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
             topk_weights=_ptr(tw), bias0=0, bias1=0, rank_prefix=_ptr(plan.fwd_prefix),

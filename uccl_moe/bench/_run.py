@@ -62,19 +62,12 @@ def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
 
 
 def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int, align: Callable[[], Any] | None) -> dict[str, float]:
-    """GPU time per call of each kernel fn() launches (torch.profiler; ranks aligned and L2 flushed before each
-    call like _time_op; the flush's and the alignment's kernels are left out): the kernel-only view next to the
-    event time of the whole Python call."""
-    import torch
+    """GPU time per call of each kernel fn() launches: _time_op's loop under torch.profiler (the flush's and the
+    alignment's kernels are left out), the kernel-only view next to the event time of the whole Python call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            if align is not None:
-                align()
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
+        _time_op(fn, flush, iters, 0, align)
     events = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type.name == "CUDA"]
     return kernel_table(events, iters, skip=("AllReduce",) if align is not None else ())
 

@@ -113,14 +113,6 @@ void register_runtime(nb::module_& m) {
   "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a,
   "num_tokens_ptr"_a = 0);
 
-  m.def("prepare_round", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t stream) {
-    const auto ctx = rt.context();
-    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
-    rt.check_graph_channels(g.num_channels, stream_of(stream));
-    intranode::launch_prepare_round(ctx, g, stream_of(stream));
-    rt.set_ring_channels(g.num_channels);
-  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "stream"_a);
-
   m.def("dispatch_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
                                  uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
                                  uintptr_t is_token_in_rank, uintptr_t rank_prefix, uintptr_t recv_lane_start,

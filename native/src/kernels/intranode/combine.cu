@@ -36,10 +36,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   const int lane_idx = c * g.lanes_per_channel + w;
   char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
-  int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;
-  const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;
-  int32_t* base_word = meta_ptr(ctx.buffers[me], kOffSendBase) + lane_idx * N + dst;
-  const int32_t base = gpu::shfl(*base_word, 0);
+  RingSender out(ctx, lane_idx, dst);
   // Rows we received from dst in this lane: contiguous in x.
   const int dst_begin = dst == 0 ? 0 : a.rank_prefix[(dst - 1) * N + me];
   const int dst_end = a.rank_prefix[dst * N + me];
@@ -47,23 +44,8 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int next = lane_idx + 1 < L ? a.recv_lane_start[dst * L + lane_idx + 1] : dst_end - dst_begin;
   const int count = next - start;
   const int64_t row0 = dst_begin + start;
-  const auto publish = [&](int done, int* published) {  // rows [0, done) are stored: release them
-    if (done <= *published) return;
-    gpu::sync_warp();
-    if (lane == 0) gpu::store_release_sys(tail, base + done);  // pairs with the receiver's acquire
-    *published = done;
-  };
-  int published = 0, head_seen = -1;  // < 0: the first write waits for the previous round to drain
   for (int pos = 0; pos < count; ++pos) {
-    if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-      if (head_seen >= 0) head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);  // cheap re-poll
-      if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-        publish(pos, &published);
-        if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kCombineSendRoom,
-                                kRoleSender, dst, lane_idx, &head_seen))
-          return;
-      }
-    }
+    if (!out.make_room(ctx, g, pos, DiagPhase::kCombineSendRoom, dst, lane_idx)) return;
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
     const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
@@ -72,10 +54,9 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
         reinterpret_cast<int4*>(slot),
         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), s.row_bytes / 16);
     if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
-    if (pos + 1 - published >= g.chunk_tokens) publish(pos + 1, &published);
+    if (pos + 1 - out.published >= g.chunk_tokens) out.publish(pos + 1);
   }
-  publish(count, &published);
-  if (lane == 0) *base_word = base + count;  // the next round on this stream starts here
+  out.finish(count);
 }
 
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>

@@ -55,21 +55,12 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   const int lane_idx = c * g.lanes_per_channel + w;
   char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
-  int32_t* tail = meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * N + me;         // at the receiver
-  const int32_t* head = meta_ptr(ctx.buffers[me], kOffHead) + lane_idx * N + dst;   // written by dst
-  const int32_t base = kDirect ? 0 : gpu::shfl(meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst], 0);
+  RingSender out(ctx, lane_idx, dst);  // unused when kDirect
   const int64_t row0 = kDirect ? self_row0(a, N, me, L, lane_idx) : 0;
   const int experts_per_rank = a.num_experts / N;
   int begin, end;
   lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
-  const auto publish = [&](int done, int* published) {  // rows [0, done) are stored: release them
-    if (done <= *published) return;
-    gpu::sync_warp();  // every lane's slot stores happen before lane 0's release
-    if (lane == 0) gpu::store_release_sys(tail, base + done);  // pairs with the receiver's acquire of tail
-    *published = done;
-  };
-  // head_seen < 0: the previous round may still be draining; the first write waits for it (see nvl_layout.hpp).
-  int pos = 0, published = 0, head_seen = -1;
+  int pos = 0;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
     const int t = chunk + lane;
     const bool selected = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
@@ -93,16 +84,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
         ++pos;
         continue;
       }
-      if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-        if (head_seen >= 0) head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);  // cheap re-poll
-        if (head_seen < 0 || pos - head_seen >= g.lane_slots) {
-          // Ring full: publish what we wrote (the receiver may be waiting for it), then wait for room.
-          publish(pos, &published);
-          if (!warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), DiagPhase::kDispatchSendRoom,
-                                  kRoleSender, dst, lane_idx, &head_seen))
-            return;
-        }
-      }
+      if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) return;
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
       warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(src_row),
                                         s.row_bytes / 16);
@@ -111,13 +93,10 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
                                 reinterpret_cast<float*>(slot + s.off_weights),
                                 reinterpret_cast<int32_t*>(slot + s.off_scales));
       ++pos;
-      if (pos - published >= g.chunk_tokens) publish(pos, &published);
+      if (pos - out.published >= g.chunk_tokens) out.publish(pos);
     }
   }
-  if constexpr (!kDirect) {
-    publish(pos, &published);
-    if (lane == 0) meta_ptr(ctx.buffers[me], kOffSendBase)[lane_idx * N + dst] = base + pos;  // next round starts here
-  }
+  if constexpr (!kDirect) out.finish(pos);
 }
 
 /// Receiver lane `lane_local` of channel c, served by `group` warps (>= N): every warp copies its slice of the

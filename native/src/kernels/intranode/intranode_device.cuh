@@ -111,6 +111,52 @@ UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __rest
   warp_copy_cols<kUnroll, kSrcIsRing>(dst, src, 0, num_16);
 }
 
+/// A sender warp's end of ring (lane, me) at rank dst, for one round: positions count from the round's base
+/// (our send_base word), `published` is the tail released so far, `head_seen` the head last read (< 0 before
+/// the first write, which waits until the receiver drained the previous round: see nvl_layout.hpp).
+/// Warp-collective; lane 0 does the stores.
+struct RingSender {
+  int32_t* tail;          ///< in dst's meta: what we published
+  const int32_t* head;    ///< in our meta: what dst consumed
+  int32_t* base_word;     ///< our send_base for (lane, dst)
+  int32_t base;
+  int published = 0, head_seen = -1;
+
+  UCCL_DEVICE_INLINE RingSender(const NvlContext& ctx, int lane_idx, int dst)
+      : tail(meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank),
+        head(meta_ptr(ctx.buffers[ctx.rank], kOffHead) + lane_idx * ctx.num_ranks + dst),
+        base_word(meta_ptr(ctx.buffers[ctx.rank], kOffSendBase) + lane_idx * ctx.num_ranks + dst),
+        base(gpu::shfl(*base_word, 0)) {}
+
+  /// Rows [0, done) are stored: release them (every lane's slot stores happen before lane 0's release, which
+  /// pairs with the receiver's acquire of the tail).
+  UCCL_DEVICE_INLINE void publish(int done) {
+    if (done <= published) return;
+    gpu::sync_warp();
+    if (gpu::lane_id() == 0) gpu::store_release_sys(tail, base + done);
+    published = done;
+  }
+  /// Before writing position `pos` of a ring of g.lane_slots: re-reads a head that looks full, and only if the
+  /// ring is still full publishes what was written (the receiver may wait for it) and waits, bounded. False
+  /// (warp-uniform) once the wait expired or the launch aborted.
+  UCCL_DEVICE_INLINE bool make_room(const NvlContext& ctx, const Geometry& g, int pos, DiagPhase phase, int dst,
+                                    int lane_idx) {
+    if (head_seen >= 0 && pos - head_seen < g.lane_slots) return true;
+    if (head_seen >= 0) {
+      head_seen = ring_diff(gpu::shfl(gpu::load_acquire_sys(head), 0), base);
+      if (pos - head_seen < g.lane_slots) return true;
+    }
+    publish(pos);
+    return warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), phase, kRoleSender, dst, lane_idx,
+                              &head_seen);
+  }
+  /// End of the round after `count` rows: publish them all; the next round on this stream starts there.
+  UCCL_DEVICE_INLINE void finish(int count) {
+    publish(count);
+    if (gpu::lane_id() == 0) *base_word = base + count;
+  }
+};
+
 /// recv_base word of receiver lane `lane_idx` for source rank `src` (in our meta).
 UCCL_DEVICE_INLINE int32_t* recv_base_word(const NvlContext& ctx, int lane_idx, int src) {
   return meta_ptr(ctx.buffers[ctx.rank], kOffRecvBase) + lane_idx * ctx.num_ranks + src;
