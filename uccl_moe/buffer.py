@@ -110,13 +110,16 @@ class LayoutResult(NamedTuple):
 
 
 # Presets: (nvl_send, nvl_recv, rdma_send, rdma_recv); num_sms comes from Buffer.num_sms. Inside one NVLink domain
-# (<= 8 ranks) dispatch and combine use ring 256 and chunk 8 (chunk 16 was slower for every EP2-4 case measured
-# on 4xH200). At EP2, whose lane rings hold 21 slots, dispatch takes chunk 4 (faster than 8 in every 2xH200 run) and
-# combine chunk 2 (322 us against 337 at chunk 4 and 366 at chunk 8, 4096 tokens; ring size 256-1024 changed
-# nothing). See docs/performance.md. Larger groups span nodes and take the internode presets.
-_INTRANODE_PRESET = (8, 256, 6, 128)
+# (<= 8 ranks) dispatch uses ring 256 and chunk 8 (chunk 16 was slower for every EP2-4 case measured on 4xH200);
+# at EP2, whose lane rings hold 21 slots, chunk 4 (faster than 8 in every 2xH200 run). Combine takes chunk 2 at
+# every size: its receiver waits for every copy of a token, so tails published early pay off; measured at EP2
+# (322 us against 337 at chunk 4 and 366 at chunk 8, 4096 tokens; ring size 256-1024 changed nothing) and at EP4
+# (4xH200, 24 SMs: 730-733 us against 794-901 at chunk 4 and 896-928 at chunk 8). See docs/performance.md.
+# Larger groups span nodes and take the internode presets.
+_INTRANODE_DISPATCH_PRESET = (8, 256, 6, 128)
+_INTRANODE_COMBINE_PRESET = (2, 256, 6, 128)
 _INTRANODE_DISPATCH_PRESET_BY_RANKS = {2: (4, 256, 6, 128)}
-_INTRANODE_COMBINE_PRESET_BY_RANKS = {2: (2, 256, 6, 128)}
+_INTRANODE_COMBINE_PRESET_BY_RANKS: dict[int, tuple[int, int, int, int]] = {}
 _MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
@@ -286,22 +289,24 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Any:
         """Tuned dispatch :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _INTRANODE_DISPATCH_PRESET_BY_RANKS, _INTERNODE_DISPATCH_PRESET)
+        return Buffer._preset(num_ranks, _INTRANODE_DISPATCH_PRESET, _INTRANODE_DISPATCH_PRESET_BY_RANKS,
+                              _INTERNODE_DISPATCH_PRESET)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
         """Tuned combine :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _INTRANODE_COMBINE_PRESET_BY_RANKS, _INTERNODE_COMBINE_PRESET)
+        return Buffer._preset(num_ranks, _INTRANODE_COMBINE_PRESET, _INTRANODE_COMBINE_PRESET_BY_RANKS,
+                              _INTERNODE_COMBINE_PRESET)
 
     @staticmethod
-    def _preset(num_ranks: int, intranode_by_ranks: dict[int, tuple[int, int, int, int]],
-                internode: tuple[int, int, int, int]) -> Any:
+    def _preset(num_ranks: int, intranode: tuple[int, int, int, int],
+                intranode_by_ranks: dict[int, tuple[int, int, int, int]], internode: tuple[int, int, int, int]) -> Any:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
         if num_ranks > _MAX_INTRANODE_RANKS:
             preset = internode
         else:
-            preset = intranode_by_ranks.get(num_ranks, _INTRANODE_PRESET)
+            preset = intranode_by_ranks.get(num_ranks, intranode)
         nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
 

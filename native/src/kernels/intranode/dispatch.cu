@@ -3,8 +3,11 @@
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
 // (lane, me) at dst; the receiver block's warps, a group per lane, copy ring (lane, src) of every remote src out
 // into recv_x in order, each warp a slice of the columns. Rows a rank keeps
-// (dst == me) skip the ring: the sender writes them into the outputs itself. See nvl_layout.hpp for the rings
-// and the head/tail protocol.
+// (dst == me) skip the ring and go straight into the outputs: the first half of each lane's tokens by the sender's
+// direct warp, the second half by the receiver group, which copies them while its rings are empty. An SM copies
+// about as many bytes per second to local as to peer memory (tools/nvlink_probe.cu: 40-45 GB/s per SM either
+// way on H200), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs (ring rows).
+// See nvl_layout.hpp for the rings and the head/tail protocol.
 #include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -14,6 +17,15 @@ namespace {
 
 constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a row we keep (4 KB per warp)
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
+
+/// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
+/// through the receiver group (KeptRows).
+UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 1) / 2; }
+
+/// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
+UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
+  return static_cast<const int32_t*>(a.x_scales)[tok * a.scale_token_stride + j * a.scale_hidden_stride];
+}
 
 struct DispatchKernelArgs {
   DispatchArgs a;
@@ -37,11 +49,8 @@ UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int own
       weights[lane] = mine && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane]
                                                         : 0.0f;
   }
-  if (a.x_scales != nullptr && scales != nullptr) {
-    const int32_t* x_scales = static_cast<const int32_t*>(a.x_scales);
-    for (int j = lane; j < a.num_scales; j += gpu::kWarpSize)
-      scales[j] = x_scales[tok * a.scale_token_stride + j * a.scale_hidden_stride];
-  }
+  if (a.x_scales != nullptr && scales != nullptr)
+    for (int j = lane; j < a.num_scales; j += gpu::kWarpSize) scales[j] = scale_at(a, tok, j);
 }
 
 /// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
@@ -60,6 +69,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   const int experts_per_rank = a.num_experts / N;
   int begin, end;
   lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
+  if constexpr (kDirect) end = kept_split(begin, end);  // the receiver group copies the rest (KeptRows)
   int pos = 0;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
     const int t = chunk + lane;
@@ -99,6 +109,58 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   if constexpr (!kDirect) out.finish(pos);
 }
 
+/// Receiver group's share of the rows this rank keeps: tokens [kept_split(begin, end), end) of the lane, walked in
+/// order by every warp of the group (each copies its column slice; the first warp also writes the metadata and
+/// send_head), one row per step() so that the receive loop can fill its waits with them. Warp-collective.
+struct KeptRows {
+  int chunk, end, pos = 0;      // next 32-token chunk, end of the range, output position of the next kept row
+  gpu::LaneMask mask = 0;       // kept tokens of the current chunk not yet copied
+  int64_t row0;
+
+  UCCL_DEVICE_INLINE KeptRows(const DispatchArgs& a, const Geometry& g, int N, int me, int lane_idx) {
+    int begin;
+    lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
+    chunk = kept_split(begin, end);
+    row0 = self_row0(a, N, me, g.num_lanes, lane_idx);
+    for (int t0 = begin; t0 < chunk; t0 += gpu::kWarpSize) {  // the sender's direct warp keeps these
+      const int t = t0 + gpu::lane_id();
+      pos += gpu::popcount(gpu::ballot(t < chunk && a.is_token_in_rank[static_cast<int64_t>(t) * N + me]));
+    }
+  }
+  UCCL_DEVICE_INLINE bool done() const { return mask == 0 && chunk >= end; }
+
+  /// Copies the next kept row (nothing once done()).
+  UCCL_DEVICE_INLINE void step(const DispatchArgs& a, const SlotLayout& s, int N, int me, int gw, int group,
+                               int col_begin, int col_end) {
+    const int lane = gpu::lane_id();
+    while (mask == 0 && chunk < end) {
+      const int t = chunk + lane;
+      const bool kept = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + me];
+      mask = gpu::ballot(kept);
+      if (gw == 0 && a.send_head != nullptr && t < end)
+        a.send_head[static_cast<int64_t>(t) * N + me] = kept ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
+      chunk += gpu::kWarpSize;
+    }
+    if (mask == 0) return;
+    const int tok = chunk - gpu::kWarpSize + gpu::lowest_bit(mask);
+    mask &= mask - 1;
+    const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
+    ++pos;
+    const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
+    warp_copy_cols<kRecvUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
+                                       reinterpret_cast<const int4*>(src_row), col_begin, col_end);
+    if (gw == 0)
+      write_token_meta<int64_t>(a, tok, me, a.num_experts / N, a.src_tag != nullptr ? a.src_tag[tok] : tok,
+                                a.recv_src_idx != nullptr ? a.recv_src_idx + row : nullptr,
+                                a.recv_topk_idx != nullptr ? a.recv_topk_idx + row * a.num_topk : nullptr,
+                                a.recv_topk_weights != nullptr ? a.recv_topk_weights + row * a.num_topk : nullptr,
+                                nullptr);
+    if (a.recv_scales != nullptr)  // scales: split over the group's warps
+      for (int j = gw * gpu::kWarpSize + lane; j < a.num_scales; j += group * gpu::kWarpSize)
+        static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j] = scale_at(a, tok, j);
+  }
+};
+
 /// Receiver lane `lane_local` of channel c, served by `group` warps (>= N): every warp copies its slice of the
 /// columns of every row from every remote source's ring (lane, src), so the warps that a per-source split would
 /// leave idle (our own rows never enter a ring) add loads in flight. Lane d < N of each warp tracks source d.
@@ -125,11 +187,16 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
   const int num_16 = s.row_bytes / 16;
   const int per_warp = (num_16 + group - 1) / group;
   const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
+  KeptRows kept(a, g, N, me, lane_idx);
   while (true) {
     const bool pending = remote && done < count;
     if (gpu::ballot(pending) == 0) break;
     int32_t avail = pending ? min(count, ring_diff(gpu::load_acquire_sys(tail), base)) : done;
     gpu::LaneMask ready = gpu::ballot(avail > done);
+    if (ready == 0 && !kept.done()) {  // nothing in the rings yet: copy a row we keep meanwhile
+      kept.step(a, s, N, me, gw, group, col_begin, col_end);
+      continue;
+    }
     if (ready == 0) {
       // Nothing new anywhere: hand back what we consumed (a sender may wait for it), then wait, bounded.
       publish_heads(ctx, sm, first_warp, group, lane_idx);
@@ -185,6 +252,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
     publish_heads(ctx, sm, first_warp, group, lane_idx);
   }
   publish_heads(ctx, sm, first_warp, group, lane_idx);
+  while (!kept.done()) kept.step(a, s, N, me, gw, group, col_begin, col_end);
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)

@@ -1,0 +1,197 @@
+// NVLink all-to-all probe: how fast can SM stores (push), SM loads (pull) and the copy engines move an
+// all-to-all between the GPUs of one host? Locates the ceiling the intranode kernels run against (issue 5).
+//
+//   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe tools/nvlink_probe.cu && /tmp/nvlink_probe [MB per peer] [reps]
+//
+// One process drives every visible GPU (peer access enabled). In one run each GPU moves `MB` MiB to every other
+// GPU at once; the time is the slowest GPU's (events on each), the figure is what one GPU sends per second
+// (egress, (N-1) * MB / time), the median of `reps` runs.
+//   push   kernel on the sender: loads its own rows, stores them into the peer's buffer (what dispatch does)
+//   pull   kernel on the receiver: loads the peer's rows over NVLink, stores them locally
+//   ce     cudaMemcpyPeerAsync to every peer (copy engines), one stream per peer
+//   local, mix, push_fenced: see a2a_kernel (local copies of the same bytes; half the warps push while the other
+//          half copy locally, the figure counts the pushed bytes; push in 14-KB rows with a release every 4 rows)
+// Kernels: `sms` blocks of `warps` warps; each warp copies a contiguous piece, `unroll` 16-B words per lane in
+// flight; blocks are spread over the peers round robin.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+constexpr int kMaxGpus = 8;
+struct Ptrs {
+  int4* p[kMaxGpus];
+};
+
+enum Mode { kPush, kPull, kLocal, kMix, kPushFenced };
+const char* const kModeNames[] = {"push", "pull", "local", "mix", "push_fenced"};
+constexpr int kRowWords = 896;     // kPushFenced: 14336-B rows (BF16 hidden 7168) ...
+constexpr int kRowsPerFence = 4;   // ... and a release (system fence + flag store) every 4 rows, as dispatch does
+
+// Block b serves peer (me + 1 + b % (n - 1)) % n; the peer's blocks split its words over their warps.
+//   kPush / kPushFenced: my slot `peer` of src -> slot `me` of the peer's dst
+//   kPull: slot `me` of the peer's src -> my slot `peer` of dst
+//   kLocal: my slot `peer` of src -> my slot `peer` of dst (no NVLink; the same bytes)
+//   kMix: the block's first half of warps push, the second half copy locally (a dispatch sender at EP2: remote
+//         rows and the rows a rank keeps share the SM); each half moves the whole slot, so 2x the bytes of kPush
+template <int kUnroll, int kMode>
+__global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_per_peer, Ptrs flags) {
+  const int peers = n - 1;
+  const int k = blockIdx.x % peers, blocks_of_peer = (gridDim.x - k + peers - 1) / peers;
+  const int peer = (me + 1 + k) % n, blk = blockIdx.x / peers;
+  int warps = blockDim.x / 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  bool remote = kMode != kLocal;
+  if (kMode == kMix) {
+    warps /= 2;
+    remote = warp < warps;
+    warp %= warps;
+  }
+  const long long total_warps = static_cast<long long>(blocks_of_peer) * warps;
+  const long long per_warp = (words_per_peer + total_warps - 1) / total_warps;
+  const long long w0 = (static_cast<long long>(blk) * warps + warp) * per_warp;
+  const long long w1 = w0 + per_warp < words_per_peer ? w0 + per_warp : words_per_peer;
+  const int4* s = kMode == kPull ? src.p[peer] + me * words_per_peer : src.p[me] + peer * words_per_peer;
+  int4* d = kMode == kPull || !remote ? dst.p[me] + peer * words_per_peer : dst.p[peer] + me * words_per_peer;
+  int rows = 0;
+  for (long long row = w0; row < w1; row += kRowWords) {
+    const long long row_end = kMode == kPushFenced && row + kRowWords < w1 ? row + kRowWords : w1;
+    for (long long base = row; base < row_end; base += kUnroll * 32) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = base + u * 32 + lane;
+        if (i < row_end) v[u] = __ldcs(s + i);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = base + u * 32 + lane;
+        if (i < row_end) __stcs(d + i, v[u]);
+      }
+    }
+    if (kMode != kPushFenced) break;  // one piece: the whole range
+    if (++rows % kRowsPerFence == 0 || row + kRowWords >= w1) {
+      __syncwarp();
+      if (lane == 0) {
+        int* flag = reinterpret_cast<int*>(flags.p[peer]) + me * 4096 + blockIdx.x * 32 + warp;  // tail at the peer
+        asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(flag), "r"(rows) : "memory");
+      }
+    }
+  }
+}
+
+int main(int argc, char** argv) {
+  const long long mb = argc > 1 ? std::atoll(argv[1]) : 48;
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 9;
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  n = std::min(n, kMaxGpus);
+  if (n < 2) {
+    std::fprintf(stderr, "needs >= 2 GPUs, found %d\n", n);
+    return 1;
+  }
+  const long long bytes_per_peer = mb << 20, words = bytes_per_peer / 16;
+  Ptrs src{}, dst{}, flags{};
+  std::vector<cudaStream_t> st(n * kMaxGpus);
+  std::vector<cudaEvent_t> e0(n), e1(n);
+  for (int g = 0; g < n; ++g) {
+    CK(cudaSetDevice(g));
+    for (int p = 0; p < n; ++p)
+      if (p != g) CK(cudaDeviceEnablePeerAccess(p, 0));
+    CK(cudaMalloc(&src.p[g], bytes_per_peer * n));
+    CK(cudaMalloc(&dst.p[g], bytes_per_peer * n));
+    CK(cudaMemset(src.p[g], g + 1, bytes_per_peer * n));
+    CK(cudaMalloc(&flags.p[g], 1 << 20));
+    for (int p = 0; p < n; ++p) CK(cudaStreamCreateWithFlags(&st[g * kMaxGpus + p], cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0[g]));
+    CK(cudaEventCreate(&e1[g]));
+  }
+  auto TS = [&](int g) { return st[g * kMaxGpus + g]; };  // the stream a GPU's run is timed on
+  auto sync_all = [&] {
+    for (int g = 0; g < n; ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaDeviceSynchronize());
+    }
+  };
+  // One run: every GPU starts when the host issues (all issued back to back), the slowest GPU's event time.
+  auto run = [&](auto&& launch_on) {
+    std::vector<float> t;
+    for (int r = 0; r < reps + 1; ++r) {
+      sync_all();
+      for (int g = 0; g < n; ++g) {
+        CK(cudaSetDevice(g));
+        CK(cudaEventRecord(e0[g], TS(g)));
+        launch_on(g);
+        CK(cudaEventRecord(e1[g], TS(g)));
+      }
+      sync_all();
+      float worst = 0;
+      for (int g = 0; g < n; ++g) {
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
+        worst = std::max(worst, ms);
+      }
+      if (r > 0) t.push_back(worst);  // first run warms up
+    }
+    std::sort(t.begin(), t.end());
+    const double ms = t[t.size() / 2];
+    return static_cast<double>(bytes_per_peer) * (n - 1) / (ms * 1e-3) / 1e9;
+  };
+  std::printf("nvlink_probe: %d GPUs, %lld MiB to each peer per GPU, median of %d; GB/s = one GPU's egress\n", n, mb,
+              reps);
+  // Copy engines: one stream per peer, joined into the timing stream.
+  const double ce = run([&](int g) {
+    cudaEvent_t ev;
+    CK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    CK(cudaEventRecord(ev, TS(g)));
+    for (int p = 0; p < n; ++p) {
+      if (p == g) continue;
+      cudaStream_t s = st[g * kMaxGpus + p];  // stream g of GPU g times the run; streams p != g carry the copies
+      CK(cudaStreamWaitEvent(s, ev, 0));
+      CK(cudaMemcpyPeerAsync(dst.p[p] + g * words, p, src.p[g] + p * words, g, bytes_per_peer, s));
+      cudaEvent_t done;
+      CK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      CK(cudaEventRecord(done, s));
+      CK(cudaStreamWaitEvent(TS(g), done, 0));
+      CK(cudaEventDestroy(done));
+    }
+    CK(cudaEventDestroy(ev));
+  });
+  std::printf("ce (copy engines, all peers at once): %.1f GB/s\n", ce);
+  std::printf("%6s %6s %6s", "SMs", "warps", "unroll");
+  for (const char* m : kModeNames) std::printf(" %12s", m);
+  std::printf("\n");
+  const int sm_list[] = {8, 12, 16, 24, 32, 64};
+  for (int warps : {24}) {
+    for (int sms : sm_list) {
+      for (int unroll : {4, 8}) {
+        std::printf("%6d %6d %6d", sms, warps, unroll);
+        for (int mode = 0; mode < 5; ++mode) {
+          const double gb = run([&](int g) {
+            using K = void (*)(Ptrs, Ptrs, int, int, long long, Ptrs);
+            static const K k4[] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>, a2a_kernel<4, 3>,
+                                   a2a_kernel<4, 4>};
+            static const K k8[] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>, a2a_kernel<8, 3>,
+                                   a2a_kernel<8, 4>};
+            (unroll == 4 ? k4 : k8)[mode]<<<sms, warps * 32, 0, TS(g)>>>(src, dst, g, n, words, flags);
+            CK(cudaGetLastError());
+          });
+          std::printf(" %12.1f", gb);  // kMix: GB/s of its remote half (it also copies as much locally)
+        }
+        std::printf("\n");
+      }
+    }
+  }
+  return 0;
+}
