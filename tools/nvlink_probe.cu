@@ -173,24 +173,21 @@ int main(int argc, char** argv) {
   for (const char* m : kModeNames) std::printf(" %12s", m);
   std::printf("\n");
   const int sm_list[] = {8, 12, 16, 24, 32, 64};
-  for (int warps : {24}) {
-    for (int sms : sm_list) {
-      for (int unroll : {4, 8}) {
-        std::printf("%6d %6d %6d", sms, warps, unroll);
-        for (int mode = 0; mode < 5; ++mode) {
-          const double gb = run([&](int g) {
-            using K = void (*)(Ptrs, Ptrs, int, int, long long, Ptrs);
-            static const K k4[] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>, a2a_kernel<4, 3>,
-                                   a2a_kernel<4, 4>};
-            static const K k8[] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>, a2a_kernel<8, 3>,
-                                   a2a_kernel<8, 4>};
-            (unroll == 4 ? k4 : k8)[mode]<<<sms, warps * 32, 0, TS(g)>>>(src, dst, g, n, words, flags);
-            CK(cudaGetLastError());
-          });
-          std::printf(" %12.1f", gb);  // kMix: GB/s of its remote half (it also copies as much locally)
-        }
-        std::printf("\n");
+  const int warps = 24;
+  using K = void (*)(Ptrs, Ptrs, int, int, long long, Ptrs);
+  const K k4[] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>, a2a_kernel<4, 3>, a2a_kernel<4, 4>};
+  const K k8[] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>, a2a_kernel<8, 3>, a2a_kernel<8, 4>};
+  for (int sms : sm_list) {
+    for (int unroll : {4, 8}) {
+      std::printf("%6d %6d %6d", sms, warps, unroll);
+      for (int mode = 0; mode < 5; ++mode) {
+        const double gb = run([&](int g) {
+          (unroll == 4 ? k4 : k8)[mode]<<<sms, warps * 32, 0, TS(g)>>>(src, dst, g, n, words, flags);
+          CK(cudaGetLastError());
+        });
+        std::printf(" %12.1f", gb);  // kMix: GB/s of its remote half (it also copies as much locally)
       }
+      std::printf("\n");
     }
   }
   return 0;

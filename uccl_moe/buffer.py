@@ -119,7 +119,6 @@ class LayoutResult(NamedTuple):
 _INTRANODE_DISPATCH_PRESET = (8, 256, 6, 128)
 _INTRANODE_COMBINE_PRESET = (2, 256, 6, 128)
 _INTRANODE_DISPATCH_PRESET_BY_RANKS = {2: (4, 256, 6, 128)}
-_INTRANODE_COMBINE_PRESET_BY_RANKS: dict[int, tuple[int, int, int, int]] = {}
 _MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
@@ -289,24 +288,23 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Any:
         """Tuned dispatch :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _INTRANODE_DISPATCH_PRESET, _INTRANODE_DISPATCH_PRESET_BY_RANKS,
-                              _INTERNODE_DISPATCH_PRESET)
+        return Buffer._preset(num_ranks, _INTRANODE_DISPATCH_PRESET, _INTERNODE_DISPATCH_PRESET,
+                              _INTRANODE_DISPATCH_PRESET_BY_RANKS)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
         """Tuned combine :class:`Config` for a group of `num_ranks` (any size >= 1)."""
-        return Buffer._preset(num_ranks, _INTRANODE_COMBINE_PRESET, _INTRANODE_COMBINE_PRESET_BY_RANKS,
-                              _INTERNODE_COMBINE_PRESET)
+        return Buffer._preset(num_ranks, _INTRANODE_COMBINE_PRESET, _INTERNODE_COMBINE_PRESET)
 
     @staticmethod
-    def _preset(num_ranks: int, intranode: tuple[int, int, int, int],
-                intranode_by_ranks: dict[int, tuple[int, int, int, int]], internode: tuple[int, int, int, int]) -> Any:
+    def _preset(num_ranks: int, intranode: tuple[int, int, int, int], internode: tuple[int, int, int, int],
+                intranode_by_ranks: Optional[dict[int, tuple[int, int, int, int]]] = None) -> Any:
         if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
         if num_ranks > _MAX_INTRANODE_RANKS:
             preset = internode
         else:
-            preset = intranode_by_ranks.get(num_ranks, intranode)
+            preset = (intranode_by_ranks or {}).get(num_ranks, intranode)
         nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
 

@@ -47,7 +47,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   for (int pos = 0; pos < count; ++pos) {
     if (!out.make_room(ctx, g, pos, DiagPhase::kCombineSendRoom, dst, lane_idx)) return;
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-    const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
+    const int64_t row = mapped_row(a, row0 + pos);
     const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
     const float wgt = has_weight ? a.topk_weights[row * a.num_topk + lane] : 0.0f;  // loaded before the row
     warp_copy_row<kSendUnroll, false>(
@@ -119,7 +119,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const char* slot_ptr = nullptr;
     if (lane == me && p >= 0) {
       const int64_t r = self_row0(a, N, me, L, lane_idx) + p;  // L1-resident loads, not kept in registers
-      self_row = a.row_map != nullptr ? a.row_map[r] : r;
+      self_row = mapped_row(a, r);
       slot_ptr = static_cast<const char*>(a.x) + self_row * s.row_bytes;
     } else if (lane < N && p >= 0) {
       slot_ptr = my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes;

@@ -27,6 +27,18 @@ UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
   return static_cast<const int32_t*>(a.x_scales)[tok * a.scale_token_stride + j * a.scale_hidden_stride];
 }
 
+/// The tokens of [chunk, chunk + warp width) below `end` that go to rank `dst`, as a lane mask. With `record`, also
+/// stores each token's position in the lane's stream to dst (from `pos` on; -1 if not sent) in send_head.
+UCCL_DEVICE_INLINE gpu::LaneMask select_tokens(const DispatchArgs& a, int N, int dst, int chunk, int end, int pos,
+                                               bool record) {
+  const int t = chunk + gpu::lane_id();
+  const bool selected = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
+  const gpu::LaneMask mask = gpu::ballot(selected);
+  if (record && a.send_head != nullptr && t < end)
+    a.send_head[static_cast<int64_t>(t) * N + dst] = selected ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
+  return mask;
+}
+
 struct DispatchKernelArgs {
   DispatchArgs a;
   SlotLayout slot;
@@ -36,10 +48,10 @@ struct DispatchKernelArgs {
 /// -1 with weight 0) where the pointers say: a ring slot (IdT = int32) or the output rows (IdT = int64). A null
 /// pointer skips its field. Warp-collective.
 template <typename IdT>
-UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int owner, int experts_per_rank, int32_t src_id,
+UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int owner, int experts_per_rank,
                                          int32_t* src_idx, IdT* topk_idx, float* weights, int32_t* scales) {
   const int lane = gpu::lane_id();
-  if (src_idx != nullptr && lane == 0) *src_idx = src_id;
+  if (src_idx != nullptr && lane == 0) *src_idx = a.src_tag != nullptr ? a.src_tag[tok] : tok;
   if (a.topk_idx != nullptr && topk_idx != nullptr && lane < a.num_topk) {
     const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
     const int64_t local_e = e - static_cast<int64_t>(owner) * experts_per_rank;
@@ -53,15 +65,26 @@ UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int own
     for (int j = lane; j < a.num_scales; j += gpu::kWarpSize) scales[j] = scale_at(a, tok, j);
 }
 
+/// write_token_meta into output row `row` of a token this rank keeps (scales too if `with_scales`).
+UCCL_DEVICE_INLINE void write_kept_meta(const DispatchArgs& a, int tok, int me, int experts_per_rank, int64_t row,
+                                        bool with_scales) {
+  write_token_meta<int64_t>(
+      a, tok, me, experts_per_rank, a.recv_src_idx != nullptr ? a.recv_src_idx + row : nullptr,
+      a.recv_topk_idx != nullptr ? a.recv_topk_idx + row * a.num_topk : nullptr,
+      a.recv_topk_weights != nullptr ? a.recv_topk_weights + row * a.num_topk : nullptr,
+      with_scales && a.recv_scales != nullptr ? static_cast<int32_t*>(a.recv_scales) + row * a.num_scales : nullptr);
+}
+
 /// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
 /// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy; the receiver warp of (lane, me) then has nothing to do. Otherwise the rows go into ring (lane, me) at dst.
+/// copy; this warp takes the first half of the lane's tokens, the receiver group the rest (KeptRows). Otherwise
+/// the rows go into ring (lane, me) at dst.
 template <bool kDirect>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
                                       int dst, int w) {
   const DispatchArgs& a = k.a;
   const SlotLayout& s = k.slot;
-  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes;
   const int lane_idx = c * g.lanes_per_channel + w;
   char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
   RingSender out(ctx, lane_idx, dst);  // unused when kDirect
@@ -72,25 +95,16 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
   if constexpr (kDirect) end = kept_split(begin, end);  // the receiver group copies the rest (KeptRows)
   int pos = 0;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
-    const int t = chunk + lane;
-    const bool selected = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + dst];
-    gpu::LaneMask mask = gpu::ballot(selected);
-    if (a.send_head != nullptr && t < end)
-      a.send_head[static_cast<int64_t>(t) * N + dst] = selected ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
+    gpu::LaneMask mask = select_tokens(a, N, dst, chunk, end, pos, true);
     while (mask != 0) {
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
       const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
-      const int32_t src_id = a.src_tag != nullptr ? a.src_tag[tok] : tok;
       if constexpr (kDirect) {
-        const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
+        const int64_t row = mapped_row(a, row0 + pos);
         warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                           reinterpret_cast<const int4*>(src_row), s.row_bytes / 16);
-        write_token_meta<int64_t>(
-            a, tok, me, experts_per_rank, src_id, a.recv_src_idx != nullptr ? a.recv_src_idx + row : nullptr,
-            a.recv_topk_idx != nullptr ? a.recv_topk_idx + row * a.num_topk : nullptr,
-            a.recv_topk_weights != nullptr ? a.recv_topk_weights + row * a.num_topk : nullptr,
-            a.recv_scales != nullptr ? static_cast<int32_t*>(a.recv_scales) + row * a.num_scales : nullptr);
+        write_kept_meta(a, tok, me, experts_per_rank, row, true);
         ++pos;
         continue;
       }
@@ -98,7 +112,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
       warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(src_row),
                                         s.row_bytes / 16);
-      write_token_meta<int32_t>(a, tok, dst, experts_per_rank, src_id, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
+      write_token_meta<int32_t>(a, tok, dst, experts_per_rank, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
                                 reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
                                 reinterpret_cast<float*>(slot + s.off_weights),
                                 reinterpret_cast<int32_t*>(slot + s.off_scales));
@@ -122,41 +136,29 @@ struct KeptRows {
     lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
     chunk = kept_split(begin, end);
     row0 = self_row0(a, N, me, g.num_lanes, lane_idx);
-    for (int t0 = begin; t0 < chunk; t0 += gpu::kWarpSize) {  // the sender's direct warp keeps these
-      const int t = t0 + gpu::lane_id();
-      pos += gpu::popcount(gpu::ballot(t < chunk && a.is_token_in_rank[static_cast<int64_t>(t) * N + me]));
-    }
+    for (int t0 = begin; t0 < chunk; t0 += gpu::kWarpSize)  // the sender's direct warp keeps these
+      pos += gpu::popcount(select_tokens(a, N, me, t0, chunk, 0, false));
   }
   UCCL_DEVICE_INLINE bool done() const { return mask == 0 && chunk >= end; }
 
   /// Copies the next kept row (nothing once done()).
   UCCL_DEVICE_INLINE void step(const DispatchArgs& a, const SlotLayout& s, int N, int me, int gw, int group,
                                int col_begin, int col_end) {
-    const int lane = gpu::lane_id();
     while (mask == 0 && chunk < end) {
-      const int t = chunk + lane;
-      const bool kept = t < end && a.is_token_in_rank[static_cast<int64_t>(t) * N + me];
-      mask = gpu::ballot(kept);
-      if (gw == 0 && a.send_head != nullptr && t < end)
-        a.send_head[static_cast<int64_t>(t) * N + me] = kept ? pos + gpu::popcount(mask & gpu::lanemask_lt()) : -1;
+      mask = select_tokens(a, N, me, chunk, end, pos, gw == 0);
       chunk += gpu::kWarpSize;
     }
     if (mask == 0) return;
     const int tok = chunk - gpu::kWarpSize + gpu::lowest_bit(mask);
     mask &= mask - 1;
-    const int64_t row = a.row_map != nullptr ? a.row_map[row0 + pos] : row0 + pos;
+    const int64_t row = mapped_row(a, row0 + pos);
     ++pos;
     const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
     warp_copy_cols<kRecvUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                        reinterpret_cast<const int4*>(src_row), col_begin, col_end);
-    if (gw == 0)
-      write_token_meta<int64_t>(a, tok, me, a.num_experts / N, a.src_tag != nullptr ? a.src_tag[tok] : tok,
-                                a.recv_src_idx != nullptr ? a.recv_src_idx + row : nullptr,
-                                a.recv_topk_idx != nullptr ? a.recv_topk_idx + row * a.num_topk : nullptr,
-                                a.recv_topk_weights != nullptr ? a.recv_topk_weights + row * a.num_topk : nullptr,
-                                nullptr);
+    if (gw == 0) write_kept_meta(a, tok, me, a.num_experts / N, row, false);  // scales: below, split
     if (a.recv_scales != nullptr)  // scales: split over the group's warps
-      for (int j = gw * gpu::kWarpSize + lane; j < a.num_scales; j += group * gpu::kWarpSize)
+      for (int j = gw * gpu::kWarpSize + gpu::lane_id(); j < a.num_scales; j += group * gpu::kWarpSize)
         static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j] = scale_at(a, tok, j);
   }
 };
@@ -224,7 +226,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
       const int64_t r0 = gpu::shfl(row0, src);
       for (int j = from; j < to; ++j) {
         const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
-        const int64_t row = a.row_map != nullptr ? a.row_map[r0 + j] : r0 + j;
+        const int64_t row = mapped_row(a, r0 + j);
         warp_copy_cols<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                           reinterpret_cast<const int4*>(slot), col_begin, col_end);
         if (gw == 0) {  // metadata: the group's first warp

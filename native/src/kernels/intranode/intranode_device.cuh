@@ -217,6 +217,12 @@ UCCL_DEVICE_INLINE void lane_token_range(int num_tokens, int num_lanes, int lane
   *end = min(num_tokens, *begin + per_lane);
 }
 
+/// Row `r` of the lane order as stored: through row_map where an internode forwarder passes one.
+template <typename Args>
+UCCL_DEVICE_INLINE int64_t mapped_row(const Args& a, int64_t r) {
+  return a.row_map != nullptr ? a.row_map[r] : r;
+}
+
 /// First output row of this rank's own tokens in lane `lane_idx` (rows from rank `me` start at its rank-prefix
 /// offset, lanes at recv_lane_start): where the direct path writes and where combine finds its own copies.
 template <typename Args>
