@@ -1,7 +1,7 @@
 // NVLink all-to-all probe: how fast can SM stores (push), SM loads (pull) and the copy engines move an
 // all-to-all between the GPUs of one host? Locates the ceiling the intranode kernels run against (issue 5).
 //
-//   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe tools/nvlink_probe.cu && /tmp/nvlink_probe [MB per peer] [reps]
+//   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe tools/nvlink_probe.cu && /tmp/nvlink_probe [MB per peer] [reps] [tma]
 //
 // One process drives every visible GPU (peer access enabled). In one run each GPU moves `MB` MiB to every other
 // GPU at once; the time is the slowest GPU's (events on each), the figure is what one GPU sends per second
@@ -11,13 +11,18 @@
 //   ce     cudaMemcpyPeerAsync to every peer (copy engines), one stream per peer
 //   local, mix, push_fenced: see a2a_kernel (local copies of the same bytes; half the warps push while the other
 //          half copy locally, the figure counts the pushed bytes; push in 14-KB rows with a release every 4 rows)
+//   tma_push, tma_local  the same bytes through the Hopper bulk-copy (TMA) unit instead of SM loads/stores: one
+//          thread per block streams 16-KB chunks global -> shared (mbarrier) -> global over an 8-stage ring
+//          (sm_90 only; the SM's load/store pipeline stays free)
 // Kernels: `sms` blocks of `warps` warps; each warp copies a contiguous piece, `unroll` 16-B words per lane in
 // flight; blocks are spread over the peers round robin.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #define CK(x)                                                                                     \
@@ -89,6 +94,69 @@ __global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
       }
     }
   }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PROBE_TMA 1
+#endif
+constexpr int kTmaChunk = 16384, kTmaStages = 8;
+constexpr int kTmaSmem = kTmaChunk * kTmaStages + 64;
+
+// Block b serves the same peer and range as a2a_kernel (kPush or kLocal), split into 16-KB chunks; thread 0
+// loads chunk j into stage j % S (completion on mbarrier j % S), stores it from there once loaded, and refills a
+// stage only after the store that read it finished reading shared memory.
+template <int kMode>
+__global__ void tma_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_per_peer) {
+#ifdef PROBE_TMA
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + kTmaChunk * kTmaStages);
+  if (threadIdx.x != 0) return;
+  const int peers = n - 1;
+  const int k = blockIdx.x % peers, blocks_of_peer = (gridDim.x - k + peers - 1) / peers;
+  const int peer = (me + 1 + k) % n, blk = blockIdx.x / peers;
+  const long long bytes = words_per_peer * 16, per_blk = (bytes / blocks_of_peer + 15) / 16 * 16;
+  const long long b0 = blk * per_blk, b1 = b0 + per_blk < bytes ? b0 + per_blk : bytes;
+  const char* s = reinterpret_cast<const char*>(src.p[me] + peer * words_per_peer);
+  char* d = reinterpret_cast<char*>(kMode == kLocal ? dst.p[me] + peer * words_per_peer : dst.p[peer] + me * words_per_peer);
+  const int chunks = b0 < b1 ? static_cast<int>((b1 - b0 + kTmaChunk - 1) / kTmaChunk) : 0;
+  for (int i = 0; i < kTmaStages; ++i) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + i));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  auto load = [&](int j) {
+    const int st = j % kTmaStages;
+    const long long off = b0 + static_cast<long long>(j) * kTmaChunk;
+    const unsigned len = static_cast<unsigned>(off + kTmaChunk <= b1 ? kTmaChunk : b1 - off);
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + st));
+    const unsigned sm = static_cast<unsigned>(__cvta_generic_to_shared(smem + st * kTmaChunk));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(len) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(sm), "l"(s + off), "r"(len), "r"(a) : "memory");
+  };
+  for (int j = 0; j < chunks && j < kTmaStages; ++j) load(j);
+  for (int j = 0; j < chunks; ++j) {
+    const int st = j % kTmaStages;
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + st));
+    const unsigned parity = (j / kTmaStages) & 1;
+    unsigned done = 0;
+    while (!done)
+      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                   : "=r"(done) : "r"(a), "r"(parity) : "memory");
+    const long long off = b0 + static_cast<long long>(j) * kTmaChunk;
+    const unsigned len = static_cast<unsigned>(off + kTmaChunk <= b1 ? kTmaChunk : b1 - off);
+    const unsigned sm = static_cast<unsigned>(__cvta_generic_to_shared(smem + st * kTmaChunk));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + off), "r"(sm), "r"(len)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    // The store of chunk j - 1 has finished reading its stage once at most one group (chunk j's) is pending.
+    if (j >= 1 && j - 1 + kTmaStages < chunks) {
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      load(j - 1 + kTmaStages);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
 }
 
 int main(int argc, char** argv) {
@@ -172,12 +240,14 @@ int main(int argc, char** argv) {
   std::printf("%6s %6s %6s", "SMs", "warps", "unroll");
   for (const char* m : kModeNames) std::printf(" %12s", m);
   std::printf("\n");
+  const bool sm_modes = !(argc > 3 && std::string(argv[3]) == "tma");  // "tma": only the bulk-copy table
   const int sm_list[] = {8, 12, 16, 24, 32, 64};
   const int warps = 24;
   using K = void (*)(Ptrs, Ptrs, int, int, long long, Ptrs);
   const K k4[] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>, a2a_kernel<4, 3>, a2a_kernel<4, 4>};
   const K k8[] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>, a2a_kernel<8, 3>, a2a_kernel<8, 4>};
   for (int sms : sm_list) {
+    if (!sm_modes) break;
     for (int unroll : {4, 8}) {
       std::printf("%6d %6d %6d", sms, warps, unroll);
       for (int mode = 0; mode < 5; ++mode) {
@@ -188,6 +258,37 @@ int main(int argc, char** argv) {
         std::printf(" %12.1f", gb);  // kMix: GB/s of its remote half (it also copies as much locally)
       }
       std::printf("\n");
+    }
+  }
+  // TMA: 1 block (one driving thread) per SM.
+  for (int g = 0; g < n; ++g) {  // per device
+    CK(cudaSetDevice(g));
+    CK(cudaFuncSetAttribute(tma_kernel<kPush>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmem));
+    CK(cudaFuncSetAttribute(tma_kernel<kLocal>, cudaFuncAttributeMaxDynamicSharedMemorySize, kTmaSmem));
+  }
+  std::printf("%6s %12s %12s\n", "SMs", "tma_local", "tma_push");
+  for (int sms : {1, 2, 4, 8, 12, 16, 24, 32}) {
+    std::printf("%6d", sms);
+    for (int mode : {static_cast<int>(kLocal), static_cast<int>(kPush)}) {  // push last: the check below reads it
+      const double gb = run([&](int g) {
+        (mode == kPush ? tma_kernel<kPush> : tma_kernel<kLocal>)<<<sms, 32, kTmaSmem, TS(g)>>>(src, dst, g, n, words);
+        CK(cudaGetLastError());
+      });
+      std::printf(" %12.1f", gb);
+    }
+    std::printf("\n");
+  }
+  // Check the bulk copies moved the bytes: dst slot `me` at each peer holds the sender's fill byte g + 1.
+  for (int g = 0; g < n; ++g) {
+    CK(cudaSetDevice(g));
+    const int from = (g + 1) % n;
+    unsigned char probe[2] = {0, 0};
+    CK(cudaMemcpy(&probe[0], reinterpret_cast<char*>(dst.p[g] + from * words), 1, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(&probe[1], reinterpret_cast<char*>(dst.p[g] + from * words) + bytes_per_peer - 1, 1,
+                  cudaMemcpyDeviceToHost));
+    if (probe[0] != from + 1 || probe[1] != from + 1) {
+      std::fprintf(stderr, "GPU %d: slot of %d holds %d/%d, expected %d\n", g, from, probe[0], probe[1], from + 1);
+      return 1;
     }
   }
   return 0;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call comparing baseline intranode kernels with this tree's, side by side in the same run.
-#   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tests/gpu/device_ab.sh
+#   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [ALT=<dir>] [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tests/gpu/device_ab.sh
 # Builds the baseline (the tree with BASE's kernel files swapped in), then this tree (incremental), runs the
 # benchmark alternately with each extension (AB_ORDER, default base new base new), then the GPU tests on the new build.
 # On a one-GPU machine use AB_RANKS=1 (one process: the kernels' SM-side cost; ranks sharing a GPU time-slice).
@@ -14,6 +14,11 @@ mkdir -p /tmp/ab_new && cp "$K"/*.cu "$K"/*.cuh "$K"/*.hpp /tmp/ab_new/
 cp "$BASE"/* "$K"/
 UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 SO=$(ls uccl_moe/_C*.so); cp "$SO" /tmp/ab_base.so
+if [ -n "${ALT:-}" ]; then  # a third variant: the tree with ALT's kernel files (run it with "alt" in AB_ORDER)
+  cp /tmp/ab_new/* "$K"/ && cp "$ALT"/* "$K"/
+  UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cp "$SO" /tmp/ab_alt.so
+fi
 cp /tmp/ab_new/* "$K"/
 UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 cp "$SO" /tmp/ab_new.so

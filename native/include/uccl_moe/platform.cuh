@@ -287,6 +287,16 @@ UCCL_DEVICE_INLINE int4 load_ring_128(const int4* p) {
   return v;
 #endif
 }
+/// Hint: start fetching [p, p + bytes) into L2 for loads that come later (p and bytes multiples of 16). No effect
+/// on results. sm_90: one bulk prefetch issued by the calling thread; elsewhere (and on HIP) nothing.
+UCCL_DEVICE_INLINE void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(UCCL_MOE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 /// 16-byte streaming store (local or peer memory); not kept in L1.
 UCCL_DEVICE_INLINE void store_stream_128(int4* p, const int4& v) {
 #if defined(UCCL_MOE_HIP)

@@ -86,9 +86,17 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   int since_publish = 0;
   // send_head of the next token is loaded one token ahead (its latency hides behind this token's sum).
   int32_t p_next = (lane < N && begin < end) ? a.send_head[static_cast<int64_t>(begin) * N + lane] : -1;
+  // Every copy of token t + 2 (this warp's columns) is prefetched into L2 at the end of token t, so the loads of
+  // the sum find L2 instead of HBM: lane d < N loads its send_head two tokens ahead. The sum is latency-bound (80
+  // registers per thread cap the loads in flight), so shorter loads are faster sums: EP2 combine on 2xH200, 24 SMs,
+  // A/B in one call: kernel 279-294 us against 322-326 without (docs/performance.md, round 8). Prefetching only
+  // our own copies (from x) gained less; the same prefetch in the dispatch receiver gained nothing.
+  const bool prefetch = a.row_map == nullptr && lane < N;
+  const int64_t own_row0 = prefetch && lane == me ? self_row0(a, N, me, L, lane_idx) : 0;
   for (int t = begin; t < end; ++t) {
     const int32_t p = p_next;
     if (lane < N && t + 1 < end) p_next = a.send_head[static_cast<int64_t>(t + 1) * N + lane];
+    const int32_t p_ahead = prefetch && t + 2 < end ? a.send_head[static_cast<int64_t>(t + 2) * N + lane] : -1;
     // Wait until every rank holding a copy has published it.
     bool need = lane != me && p >= 0 && tail_seen <= p;
     if (gpu::ballot(need) != 0) {
@@ -162,6 +170,10 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       }
       if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
+    if (p_ahead >= 0 && col_end > col_begin)
+      gpu::prefetch_l2((lane == me ? static_cast<const char*>(a.x) + (own_row0 + p_ahead) * s.row_bytes
+                                   : my_ring + static_cast<size_t>(p_ahead % g.lane_slots) * s.bytes) + col_begin * 16,
+                       static_cast<uint32_t>(col_end - col_begin) * 16);
     gpu::sync_warp();  // the copies were summed and stored: the relaxed hand-back relies on it (see dispatch.cu)
     if (lane < N && lane != me && p >= 0) sm->consumed[my_warp][lane] = p + 1;
     if (++since_publish >= kPublishEvery) {
