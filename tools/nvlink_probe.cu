@@ -50,11 +50,21 @@ constexpr int kRowsPerFence = 4;   // ... and a release (system fence + flag sto
 //   kLocal: my slot `peer` of src -> my slot `peer` of dst (no NVLink; the same bytes)
 //   kMix: the block's first half of warps push, the second half copy locally (a dispatch sender at EP2: remote
 //         rows and the rows a rank keeps share the SM); each half moves the whole slot, so 2x the bytes of kPush
+/// This block's peer, its index among the blocks serving that peer, and their count.
+struct BlockPeer {
+  int peer, blk, blocks_of_peer;
+  __device__ BlockPeer(int me, int n) {
+    const int peers = n - 1, k = blockIdx.x % peers;
+    peer = (me + 1 + k) % n;
+    blk = blockIdx.x / peers;
+    blocks_of_peer = (gridDim.x - k + peers - 1) / peers;
+  }
+};
+
 template <int kUnroll, int kMode>
 __global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_per_peer, Ptrs flags) {
-  const int peers = n - 1;
-  const int k = blockIdx.x % peers, blocks_of_peer = (gridDim.x - k + peers - 1) / peers;
-  const int peer = (me + 1 + k) % n, blk = blockIdx.x / peers;
+  const BlockPeer bp(me, n);
+  const int peer = bp.peer, blk = bp.blk, blocks_of_peer = bp.blocks_of_peer;
   int warps = blockDim.x / 32, warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   bool remote = kMode != kLocal;
@@ -111,11 +121,10 @@ __global__ void tma_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + kTmaChunk * kTmaStages);
   if (threadIdx.x != 0) return;
-  const int peers = n - 1;
-  const int k = blockIdx.x % peers, blocks_of_peer = (gridDim.x - k + peers - 1) / peers;
-  const int peer = (me + 1 + k) % n, blk = blockIdx.x / peers;
-  const long long bytes = words_per_peer * 16, per_blk = (bytes / blocks_of_peer + 15) / 16 * 16;
-  const long long b0 = blk * per_blk, b1 = b0 + per_blk < bytes ? b0 + per_blk : bytes;
+  const BlockPeer bp(me, n);
+  const int peer = bp.peer;
+  const long long bytes = words_per_peer * 16, per_blk = (bytes / bp.blocks_of_peer + 15) / 16 * 16;
+  const long long b0 = bp.blk * per_blk, b1 = b0 + per_blk < bytes ? b0 + per_blk : bytes;
   const char* s = reinterpret_cast<const char*>(src.p[me] + peer * words_per_peer);
   char* d = reinterpret_cast<char*>(kMode == kLocal ? dst.p[me] + peer * words_per_peer : dst.p[peer] + me * words_per_peer);
   const int chunks = b0 < b1 ? static_cast<int>((b1 - b0 + kTmaChunk - 1) / kTmaChunk) : 0;
@@ -124,29 +133,31 @@ __global__ void tma_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a));
   }
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  // Chunk j: its byte offset and length, and the shared-memory addresses of its stage and mbarrier.
+  const auto off_of = [&](int j) { return b0 + static_cast<long long>(j) * kTmaChunk; };
+  const auto len_of = [&](int j) {
+    return static_cast<unsigned>(off_of(j) + kTmaChunk <= b1 ? kTmaChunk : b1 - off_of(j));
+  };
+  const auto stage_of = [&](int j) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(smem + (j % kTmaStages) * kTmaChunk));
+  };
+  const auto bar_of = [&](int j) { return static_cast<unsigned>(__cvta_generic_to_shared(bar + j % kTmaStages)); };
   auto load = [&](int j) {
-    const int st = j % kTmaStages;
-    const long long off = b0 + static_cast<long long>(j) * kTmaChunk;
-    const unsigned len = static_cast<unsigned>(off + kTmaChunk <= b1 ? kTmaChunk : b1 - off);
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + st));
-    const unsigned sm = static_cast<unsigned>(__cvta_generic_to_shared(smem + st * kTmaChunk));
+    const long long off = off_of(j);
+    const unsigned len = len_of(j), a = bar_of(j), sm = stage_of(j);
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(len) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(sm), "l"(s + off), "r"(len), "r"(a) : "memory");
   };
   for (int j = 0; j < chunks && j < kTmaStages; ++j) load(j);
   for (int j = 0; j < chunks; ++j) {
-    const int st = j % kTmaStages;
-    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + st));
-    const unsigned parity = (j / kTmaStages) & 1;
+    const unsigned a = bar_of(j), parity = (j / kTmaStages) & 1;
     unsigned done = 0;
     while (!done)
       asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                    : "=r"(done) : "r"(a), "r"(parity) : "memory");
-    const long long off = b0 + static_cast<long long>(j) * kTmaChunk;
-    const unsigned len = static_cast<unsigned>(off + kTmaChunk <= b1 ? kTmaChunk : b1 - off);
-    const unsigned sm = static_cast<unsigned>(__cvta_generic_to_shared(smem + st * kTmaChunk));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + off), "r"(sm), "r"(len)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(d + off_of(j)), "r"(stage_of(j)),
+                 "r"(len_of(j))
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     // The store of chunk j - 1 has finished reading its stage once at most one group (chunk j's) is pending.

@@ -11,17 +11,17 @@ K=native/src/kernels/intranode
 L="$OUT/ab.log"; nvidia-smi -L > "$L" 2>&1
 t0=$(date +%s)
 mkdir -p /tmp/ab_new && cp "$K"/*.cu "$K"/*.cuh "$K"/*.hpp /tmp/ab_new/
-cp "$BASE"/* "$K"/
-UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-SO=$(ls uccl_moe/_C*.so); cp "$SO" /tmp/ab_base.so
-if [ -n "${ALT:-}" ]; then  # a third variant: the tree with ALT's kernel files (run it with "alt" in AB_ORDER)
-  cp /tmp/ab_new/* "$K"/ && cp "$ALT"/* "$K"/
-  UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  cp "$SO" /tmp/ab_alt.so
-fi
-cp /tmp/ab_new/* "$K"/
-UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-cp "$SO" /tmp/ab_new.so
+: > "$OUT/build.log"
+# build_variant NAME [DIR]: this tree's kernel files with DIR's laid over them, built into /tmp/ab_NAME.so.
+build_variant() {
+  cp /tmp/ab_new/* "$K"/ && { [ -z "${2:-}" ] || cp "$2"/* "$K"/; }
+  UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 >> "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  SO=$(ls uccl_moe/_C*.so); cp "$SO" "/tmp/ab_$1.so"
+}
+build_variant base "$BASE"
+[ -n "${ALT:-}" ] && build_variant alt "$ALT"  # a third variant (run it with "alt" in AB_ORDER)
+build_variant new
 grep -E "spill" "$OUT/build.log" | sort | uniq -c | head; echo "builds $(( $(date +%s) - t0 )) s" | tee -a "$L"
 # $B and $TESTS are word-split on purpose.
 B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 --sms 24 --nvl-recv 1024 --iters 30}"
