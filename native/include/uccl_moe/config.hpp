@@ -8,7 +8,7 @@
 //                                                  native/src/kernels/intranode/nvl_layout.hpp)
 //   [rings]  C * N * T * nvl_slot_bytes(hidden)    one ring per (channel, source rank), split evenly between the
 //                                                  channel's W = warps/N sender warps ("lanes", T/W slots each);
-//                                                  a slot holds one token: x row (hidden_bytes, 16-B aligned) +
+//                                                  a slot (kSlotAlignBytes-aligned) holds one token: x row +
 //                                                  slot tail (src idx, kMaxTopk local expert ids, kMaxTopk
 //                                                  weights, hidden/128 scales). The kernels' actual slot
 //                                                  (SlotLayout) never exceeds nvl_slot_bytes when hidden_bytes =
@@ -31,6 +31,11 @@ constexpr int kFp8ScaleBlock = 128;               // one float32 scale per 128 c
 constexpr size_t kNvlMetaBytes = 1u << 20;        // intranode meta is ~430 KB for N<=8 (static_assert in nvl_layout.hpp)
 constexpr size_t kRdmaMetaBytes = 1u << 20;
 constexpr size_t kBufferAlignBytes = 128;
+// Ring slots and lane rings start on 128-B lines, so a warp's 512-B store of a row covers whole lines and
+// 32-B sectors. With a 16-B-aligned stride (14416 B for a BF16 hidden-7168 dispatch slot) every odd slot sat
+// 16 B off a sector and 7 of 8 slots off a line: each warp store touched 17 sectors and 5 lines, partial at
+// both ends, across NVLink.
+constexpr size_t kSlotAlignBytes = 128;
 
 inline constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 inline constexpr size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }

@@ -10,6 +10,7 @@
 
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
 #include "../kernels/intranode/intranode.hpp"
+#include "../kernels/intranode/nvl_layout.hpp"
 #include "../runtime/nvl_runtime.hpp"
 #endif
 
@@ -83,6 +84,15 @@ void register_runtime(nb::module_& m) {
                                          row_bytes, num_topk, num_scales);
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "row_bytes"_a, "num_topk"_a,
   "num_scales"_a);
+
+  m.def("intranode_slot_placement", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int64_t num_nvl_bytes,
+                                       int row_bytes, int num_topk, int num_scales) {
+    const auto g = intranode::place_lanes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,
+                                          num_nvl_bytes);
+    const auto s = intranode::SlotLayout::make(row_bytes, num_topk, num_scales);
+    return nb::make_tuple(s.bytes, g.lane_region_bytes, static_cast<int64_t>(kNvlMetaBytes));
+  }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "num_nvl_bytes"_a, "row_bytes"_a,
+  "num_topk"_a, "num_scales"_a, "(slot_bytes, lane_region_bytes, meta_bytes): where the lane rings and slots sit");
 
   m.def("get_dispatch_layout", [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
                                   int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,

@@ -12,7 +12,7 @@ size_t nvl_slot_bytes(size_t hidden_bytes) {
                       + kMaxTopk * sizeof(int32_t)                       // local expert ids (-1 = elsewhere)
                       + kMaxTopk * sizeof(float)                         // top-k weights
                       + num_scales * sizeof(float);                      // FP8 scales
-  return align_up(hidden_bytes, 16) + align_up(tail, 16);
+  return align_up(align_up(hidden_bytes, 16) + tail, kSlotAlignBytes);
 }
 
 Config::Config(int num_sms_, int nvl_send, int nvl_recv, int rdma_send, int rdma_recv)

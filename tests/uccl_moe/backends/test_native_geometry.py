@@ -41,3 +41,20 @@ def test_runtime_need_fits_the_config_hint(ranks: int, hidden: int, elem: int, t
     scales = hidden // 128 if elem == 1 else 0
     need = _C.intranode_required_nvl_bytes(24, ranks, 8, 256, hidden * elem, topk, scales)
     assert need <= cfg.get_nvl_buffer_size_hint(hidden * max(elem, 2), ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 3, 4, 8])
+@pytest.mark.parametrize("hidden, elem, topk", [(7168, 2, 8), (7168, 1, 8), (2056, 2, 32), (4096, 4, 8), (16, 2, 1)])
+def test_ring_slots_start_on_128_byte_lines(ranks: int, hidden: int, elem: int, topk: int) -> None:
+    """Every lane ring and every slot in it starts on a 128-B line (a warp's row store then covers whole lines
+    and sectors), for a Buffer sized by the hint and for an odd num_nvl_bytes."""
+    scales = hidden // 128 if elem == 1 else 0
+    cfg = Config(24, 8, 256, 6, 128)
+    hint = cfg.get_nvl_buffer_size_hint(hidden * max(elem, 2), ranks)
+    for nvl_bytes in (hint, hint + 4 * 1024 * 1024 + 16 * 37):
+        slot, region, meta = _C.intranode_slot_placement(24, ranks, 8, 256, nvl_bytes, hidden * elem, topk, scales)
+        assert slot % 128 == 0 and region % 128 == 0 and meta % 128 == 0, (slot, region, meta)
+        assert slot >= hidden * elem + 4 + 8 * topk + 4 * scales  # row + src idx + ids + weights + scales
+        _, W, _, Tl, _ = _C.intranode_geometry(24, ranks, 8, 256)
+        assert region >= Tl * slot  # the hint leaves room for the aligned slots
+    assert _C.nvl_slot_bytes(hidden * max(elem, 2)) % 128 == 0

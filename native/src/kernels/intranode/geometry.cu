@@ -30,7 +30,7 @@ Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_
 
 Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {
   const int64_t rings = static_cast<int64_t>(g.num_lanes) * num_ranks;
-  g.lane_region_bytes = (num_nvl_bytes - static_cast<int64_t>(kNvlMetaBytes)) / rings / 16 * 16;
+  g.lane_region_bytes = (num_nvl_bytes - static_cast<int64_t>(kNvlMetaBytes)) / rings / kSlotAlignBytes * kSlotAlignBytes;
   return g;
 }
 

@@ -68,7 +68,7 @@ struct SlotLayout {
   int32_t off_topk_idx;   ///< int32 x num_topk local expert ids (-1 = not on this rank)
   int32_t off_weights;    ///< float x num_topk
   int32_t off_scales;     ///< 4-byte x num_scales (float or packed int scales, copied bit-exact)
-  int32_t bytes;          ///< slot stride, a multiple of 16
+  int32_t bytes;          ///< slot stride, a multiple of kSlotAlignBytes (128; config.hpp says why)
 
   static SlotLayout make(int row_bytes, int num_topk, int num_scales) {
     SlotLayout s{};
@@ -77,7 +77,7 @@ struct SlotLayout {
     s.off_topk_idx = s.off_src_idx + 4;
     s.off_weights = s.off_topk_idx + 4 * num_topk;
     s.off_scales = s.off_weights + 4 * num_topk;
-    s.bytes = static_cast<int32_t>(align_up(static_cast<size_t>(s.off_scales + 4 * num_scales), 16));
+    s.bytes = static_cast<int32_t>(align_up(static_cast<size_t>(s.off_scales + 4 * num_scales), kSlotAlignBytes));
     return s;
   }
 };
