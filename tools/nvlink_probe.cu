@@ -11,6 +11,8 @@
 //   ce     cudaMemcpyPeerAsync to every peer (copy engines), one stream per peer
 //   local, mix, push_fenced: see a2a_kernel (local copies of the same bytes; half the warps push while the other
 //          half copy locally, the figure counts the pushed bytes; push in 14-KB rows with a release every 4 rows)
+//   push_spread  push_fenced with the peers dealt out per warp instead of per block, so every SM stores into every
+//          peer at once, as the intranode kernels' sender blocks do (one warp per (lane, destination))
 //   tma_push, tma_local  the same bytes through the Hopper bulk-copy (TMA) unit instead of SM loads/stores: one
 //          thread per block streams 16-KB chunks global -> shared (mbarrier) -> global over an 8-stage ring
 //          (sm_90 only; the SM's load/store pipeline stays free)
@@ -39,8 +41,9 @@ struct Ptrs {
   int4* p[kMaxGpus];
 };
 
-enum Mode { kPush, kPull, kLocal, kMix, kPushFenced };
-const char* const kModeNames[] = {"push", "pull", "local", "mix", "push_fenced"};
+enum Mode { kPush, kPull, kLocal, kMix, kPushFenced, kPushSpread };
+constexpr int kNumModes = 6;
+const char* const kModeNames[kNumModes] = {"push", "pull", "local", "mix", "push_fenced", "push_spread"};
 constexpr int kRowWords = 896;     // kPushFenced: 14336-B rows (BF16 hidden 7168) ...
 constexpr int kRowsPerFence = 4;   // ... and a release (system fence + flag store) every 4 rows, as dispatch does
 
@@ -50,6 +53,7 @@ constexpr int kRowsPerFence = 4;   // ... and a release (system fence + flag sto
 //   kLocal: my slot `peer` of src -> my slot `peer` of dst (no NVLink; the same bytes)
 //   kMix: the block's first half of warps push, the second half copy locally (a dispatch sender at EP2: remote
 //         rows and the rows a rank keeps share the SM); each half moves the whole slot, so 2x the bytes of kPush
+//   kPushSpread: as kPushFenced, but global warp i serves peer (me + 1 + i % (n - 1)) % n
 /// This block's peer, its index among the blocks serving that peer, and their count.
 struct BlockPeer {
   int peer, blk, blocks_of_peer;
@@ -62,9 +66,9 @@ struct BlockPeer {
 };
 
 template <int kUnroll, int kMode>
-__global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_per_peer, Ptrs flags) {
+__global__ void __launch_bounds__(768, 1) a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_per_peer, Ptrs flags) {
   const BlockPeer bp(me, n);
-  const int peer = bp.peer, blk = bp.blk, blocks_of_peer = bp.blocks_of_peer;
+  int peer = bp.peer;
   int warps = blockDim.x / 32, warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   bool remote = kMode != kLocal;
@@ -73,15 +77,26 @@ __global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
     remote = warp < warps;
     warp %= warps;
   }
-  const long long total_warps = static_cast<long long>(blocks_of_peer) * warps;
+  // This warp's index among the warps serving `peer`, and their count.
+  long long idx = static_cast<long long>(bp.blk) * warps + warp;
+  long long total_warps = static_cast<long long>(bp.blocks_of_peer) * warps;
+  if (kMode == kPushSpread) {
+    const int peers = n - 1;
+    const long long g = static_cast<long long>(blockIdx.x) * warps + warp, all = static_cast<long long>(gridDim.x) * warps;
+    const int k = static_cast<int>(g % peers);
+    peer = (me + 1 + k) % n;
+    idx = g / peers;
+    total_warps = (all - k + peers - 1) / peers;
+  }
   const long long per_warp = (words_per_peer + total_warps - 1) / total_warps;
-  const long long w0 = (static_cast<long long>(blk) * warps + warp) * per_warp;
+  const long long w0 = idx * per_warp;
   const long long w1 = w0 + per_warp < words_per_peer ? w0 + per_warp : words_per_peer;
   const int4* s = kMode == kPull ? src.p[peer] + me * words_per_peer : src.p[me] + peer * words_per_peer;
   int4* d = kMode == kPull || !remote ? dst.p[me] + peer * words_per_peer : dst.p[peer] + me * words_per_peer;
   int rows = 0;
   for (long long row = w0; row < w1; row += kRowWords) {
-    const long long row_end = kMode == kPushFenced && row + kRowWords < w1 ? row + kRowWords : w1;
+    constexpr bool kRows = kMode == kPushFenced || kMode == kPushSpread;
+    const long long row_end = kRows && row + kRowWords < w1 ? row + kRowWords : w1;
     for (long long base = row; base < row_end; base += kUnroll * 32) {
       int4 v[kUnroll];
 #pragma unroll
@@ -95,7 +110,7 @@ __global__ void a2a_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
         if (i < row_end) __stcs(d + i, v[u]);
       }
     }
-    if (kMode != kPushFenced) break;  // one piece: the whole range
+    if (!kRows) break;  // one piece: the whole range
     if (++rows % kRowsPerFence == 0 || row + kRowWords >= w1) {
       __syncwarp();
       if (lane == 0) {
@@ -253,15 +268,17 @@ int main(int argc, char** argv) {
   std::printf("\n");
   const bool sm_modes = !(argc > 3 && std::string(argv[3]) == "tma");  // "tma": only the bulk-copy table
   const int sm_list[] = {8, 12, 16, 24, 32, 64};
-  const int warps = 24;
+  const int warps = 24;  // 768 threads: a2a_kernel's launch bound
   using K = void (*)(Ptrs, Ptrs, int, int, long long, Ptrs);
-  const K k4[] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>, a2a_kernel<4, 3>, a2a_kernel<4, 4>};
-  const K k8[] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>, a2a_kernel<8, 3>, a2a_kernel<8, 4>};
+  const K k4[kNumModes] = {a2a_kernel<4, 0>, a2a_kernel<4, 1>, a2a_kernel<4, 2>,
+                           a2a_kernel<4, 3>, a2a_kernel<4, 4>, a2a_kernel<4, 5>};
+  const K k8[kNumModes] = {a2a_kernel<8, 0>, a2a_kernel<8, 1>, a2a_kernel<8, 2>,
+                           a2a_kernel<8, 3>, a2a_kernel<8, 4>, a2a_kernel<8, 5>};
   for (int sms : sm_list) {
     if (!sm_modes) break;
     for (int unroll : {4, 8}) {
       std::printf("%6d %6d %6d", sms, warps, unroll);
-      for (int mode = 0; mode < 5; ++mode) {
+      for (int mode = 0; mode < kNumModes; ++mode) {
         const double gb = run([&](int g) {
           (unroll == 4 ? k4 : k8)[mode]<<<sms, warps * 32, 0, TS(g)>>>(src, dst, g, n, words, flags);
           CK(cudaGetLastError());

@@ -176,15 +176,13 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* 
   return true;
 }
 
-bool NvlRuntime::check_graph_channels(int channels, void* stream) {
+void NvlRuntime::check_graph_channels(int channels, void* stream) {
   if (graph_channels_ >= 0 && graph_channels_ != channels)
     UCCL_THROW(kInvalidUsage,
                "this Buffer has ops captured in a CUDA graph with num_sms=%d; a dispatch or combine with num_sms=%d "
                "would re-lay its NVL rings under the graph's replays. Use one num_sms for every op of a Buffer that "
                "is captured (Config.num_sms), or a second Buffer", 2 * graph_channels_, 2 * channels);
-  const bool capturing = gpu::stream_capturing(static_cast<gpu::Stream>(stream));
-  if (capturing) graph_channels_ = channels;
-  return capturing;
+  if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
 }
 
 }  // namespace uccl_moe::runtime

@@ -54,8 +54,8 @@ class NvlRuntime {
   void set_ring_channels(int c) { ring_channels_ = c; }
   /// Before enqueueing an op with `channels` on `stream`: throws InvalidUsage if a CUDA graph was captured with
   /// another channel count (replays would re-lay the rings behind the host's back), and remembers the count
-  /// when `stream` is capturing. Returns whether it is.
-  bool check_graph_channels(int channels, void* stream);
+  /// when `stream` is capturing.
+  void check_graph_channels(int channels, void* stream);
 
  private:
   int rank_, num_ranks_, device_;
