@@ -175,7 +175,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
                                    : my_ring + static_cast<size_t>(p_ahead % g.lane_slots) * s.bytes) + col_begin * 16,
                        static_cast<uint32_t>(col_end - col_begin) * 16);
     gpu::sync_warp();  // the copies were summed and stored: the relaxed hand-back relies on it (see dispatch.cu)
-    if (lane < N && lane != me && p >= 0) sm->consumed[my_warp][lane] = p + 1;
+    if (lane < N && lane != me && p >= 0) sm->set_consumed(my_warp, lane, p + 1);
     if (++since_publish >= kPublishEvery) {
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       since_publish = 0;

@@ -250,7 +250,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
     // Every slot word read above was already stored to an output: the relaxed hand-back relies on it (a value
     // loaded but not yet used could still be in flight when the sender overwrites the slot).
     gpu::sync_warp();
-    if (remote) sm->consumed[my_warp][lane] = done;
+    if (remote) sm->set_consumed(my_warp, lane, done);
     publish_heads(ctx, sm, first_warp, group, lane_idx);
   }
   publish_heads(ctx, sm, first_warp, group, lane_idx);

@@ -176,6 +176,11 @@ struct RecvSmem {
     }
     __syncthreads();
   }
+  /// What warp `warp` consumed from source `src` (set by that warp, read by the lane's other warps in
+  /// publish_heads). No barrier orders the two: a stale read only delays a hand-back, since counts only grow.
+  /// Both sides are shared-memory atomics so the sharing is explicit (compute-sanitizer racecheck: no hazard).
+  UCCL_DEVICE_INLINE void set_consumed(int warp, int src, int32_t count) { atomicExch(&consumed[warp][src], count); }
+  UCCL_DEVICE_INLINE int32_t consumed_by(int warp, int src) { return atomicAdd(&consumed[warp][src], 0); }
   /// After every warp's last publication: the lane's final count moves its recv_base (the next round on this
   /// stream starts there). All threads of the block call it.
   UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int c, int W, int group) {
@@ -195,7 +200,7 @@ UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, RecvSmem* sm, int f
   if (lane < ctx.num_ranks) {
     int32_t m = INT32_MAX;
     for (int gw = 0; gw < group; ++gw)
-      m = min(m, static_cast<int32_t>(*reinterpret_cast<volatile int32_t*>(&sm->consumed[first_warp + gw][lane])));
+      m = min(m, sm->consumed_by(first_warp + gw, lane));
     const int32_t old = atomicMax(&sm->published[first_warp][lane], m);
     if (m > old) {  // this warp claimed the growth old -> m; every claim is disjoint, so adding them is exact
       int32_t* head = meta_ptr(ctx.buffers[lane], kOffHead) + lane_idx * ctx.num_ranks + ctx.rank;
