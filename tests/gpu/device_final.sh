@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The 4-GPU device call: build, GPU tests (EP2/3/4), benchmarks (EP4 sweep of SMs/chunks, EP2, EP3, 128-token
-# latency), compute-sanitizer memcheck on a small EP2 case. Everything lands in $OUT (<= 8 files).
+# latency), compute-sanitizer memcheck and racecheck on a small EP2 case. Everything lands in $OUT (<= 8 files).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -22,9 +22,12 @@ timeout 90 $B --ranks 3 --tokens 128,4096 --experts 255 --dtypes fp8,bf16 --sms 
   --json "$OUT/ep3.json" --png "" 2>&1 | grep -v "it/s\]" >> "$L"
 echo "bench done $(( $(date +%s) - t0 )) s" | tee -a "$L"
 grep -A60 "uccl-moe bench on" "$L" | grep -v "^wrote" | cut -c1-220
-if [ "${SANITIZE:-1}" = 1 ]; then
-  UMOE_TEST_SMALL=1 timeout ${SAN_TIMEOUT:-100} compute-sanitizer --tool memcheck --target-processes all \
-    python3 -m pytest -q -s -p no:cacheprovider "$T::test_native_intranode_matches_reference[2]" > "$OUT/sanitizer.log" 2>&1
-  echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | head -5
+if [ "${SANITIZE:-1}" = 1 ]; then  # one small case, two iterations; both logs in one file
+  for tool in memcheck racecheck; do
+    UMOE_TEST_SMALL=1 UMOE_TEST_ITERS=2 UMOE_TEST_BIG=0 UCCL_MOE_TIMEOUT_S=100 timeout ${SAN_TIMEOUT:-100} \
+      compute-sanitizer --tool $tool --target-processes all python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+      "$T::test_native_intranode_matches_reference[2]" >> "$OUT/sanitizer.log" 2>&1
+    echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -2
+  done
 fi
 echo "total $(( $(date +%s) - t0 )) s"
