@@ -51,10 +51,10 @@ def test_ring_slots_start_on_128_byte_lines(ranks: int, hidden: int, elem: int, 
     scales = hidden // 128 if elem == 1 else 0
     cfg = Config(24, 8, 256, 6, 128)
     hint = cfg.get_nvl_buffer_size_hint(hidden * max(elem, 2), ranks)
+    Tl = _C.intranode_geometry(24, ranks, 8, 256)[3]
     for nvl_bytes in (hint, hint + 4 * 1024 * 1024 + 16 * 37):
         slot, region, meta = _C.intranode_slot_placement(24, ranks, 8, 256, nvl_bytes, hidden * elem, topk, scales)
         assert slot % 128 == 0 and region % 128 == 0 and meta % 128 == 0, (slot, region, meta)
         assert slot >= hidden * elem + 4 + 8 * topk + 4 * scales  # row + src idx + ids + weights + scales
-        _, W, _, Tl, _ = _C.intranode_geometry(24, ranks, 8, 256)
         assert region >= Tl * slot  # the hint leaves room for the aligned slots
     assert _C.nvl_slot_bytes(hidden * max(elem, 2)) % 128 == 0
