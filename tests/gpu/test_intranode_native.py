@@ -32,6 +32,8 @@ def _routing(gen: torch.Generator, T: int, E: int, K: int, R: int, kind: str) ->
     if kind == "empty_last":  # nobody routes to the last rank's experts
         scores[:, (R - 1) * per:] = -1.0
     idx = torch.topk(scores, K, dim=1).indices
+    if kind == "empty_last" and R == 1:  # the only rank is the last: every top-k entry is -1
+        idx[:] = -1
     if kind == "neg":
         idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
     if kind == "skew":  # 80% of tokens pick expert 0
@@ -366,6 +368,16 @@ def test_native_intranode_matches_reference(world: int) -> None:
     iters = int(os.environ.get("UMOE_TEST_ITERS", "1000"))
     big = os.environ.get("UMOE_TEST_BIG", "1") != "0"
     run_shared_gpu_ranks(_worker, world, big, iters, timeout_s=900)
+
+
+@pytest.mark.parametrize("world", [1, 5, 6, 7, 8])
+def test_native_intranode_other_local_rank_counts(world: int) -> None:
+    """The rest of 1..8 local ranks: one rank (no peer at all), 5 and 7 (the 24 sender warps do not divide: spare
+    warps), 6 and 8 (3-4 lanes per channel, the combine sum's widest instantiations). The same checks on the small
+    cases; ranks share the GPUs, so this is a correctness test of the rank-count paths, not of an 8-GPU machine.
+    Env: UMOE_TEST_WIDE_ITERS (back-to-back and chained iterations, default 30)."""
+    iters = int(os.environ.get("UMOE_TEST_WIDE_ITERS", "30"))
+    run_shared_gpu_ranks(_worker, world, False, iters, timeout_s=900)
 
 
 # ------------------------------------------------------------------------------------------------ timeout
