@@ -316,6 +316,23 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
         ref.destroy()
         check.assert_none_failed()
         return
+    # More SMs than the GPU has: refused before any kernel runs (the blocks must all be resident), with the
+    # remedy; the Buffer stays usable.
+    from uccl_moe import _C, InvalidUsageError
+
+    sms = _C.device_sm_count(torch.cuda.current_device())
+    too_many = sms + 2 - sms % 2
+    case = _Case(rank, R, 64, 2048, 4 * R, 4, False, "none", "random", 98)
+    try:
+        _dispatch(nat, case, "cuda", config=Config(too_many, 6, 256, 6, 128))
+    except InvalidUsageError as e:
+        check("num_sms above the GPU's SMs refused", f"num_sms={too_many} exceeds the {sms} SMs" in str(e))
+    else:
+        check("num_sms above the GPU's SMs refused", False)
+    _, res = _dispatch(nat, case, "cuda", config=cfg)
+    _, ref_res = _dispatch(ref, case, "cpu", config=cfg)
+    check("dispatch after the refused num_sms", _eq(res.recv_x, ref_res.recv_x))
+
     # Chained rounds first: after a graph capture the Buffer keeps the captured SM count (checked below).
     check_chained_rounds(check, nat, iters)
 
@@ -345,8 +362,6 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     check("cuda graph dispatch+combine", ok)
     del graph
     # Replays would re-lay the rings of another SM count behind the host's back: refused with the remedy.
-    from uccl_moe import InvalidUsageError
-
     try:
         _dispatch(nat, case, "cuda", config=Config(16, 6, 256, 6, 128))
     except InvalidUsageError as e:
@@ -378,6 +393,42 @@ def test_native_intranode_other_local_rank_counts(world: int) -> None:
     Env: UMOE_TEST_WIDE_ITERS (back-to-back and chained iterations, default 30)."""
     iters = int(os.environ.get("UMOE_TEST_WIDE_ITERS", "30"))
     run_shared_gpu_ranks(_worker, world, False, iters, timeout_s=900)
+
+
+def _geometry_worker(rank: int, world: int, gloo) -> None:
+    """Lane geometries away from the default: one channel with 2-slot lane rings and 1-token chunks (the
+    senders wrap their rings on nearly every token), Megatron's 20 SMs, more lanes than tokens (most lanes
+    empty), and all 132 SMs of an H100/H200."""
+    from uccl_moe import _C, Buffer, Config
+
+    R = world
+    W = _C.intranode_lanes_per_channel(R)
+    sms = _C.device_sm_count(torch.cuda.current_device())
+    configs = [Config(2, 1, 2 * W, 6, 128), Config(20, 3, 5 * W, 6, 128), Config(64, 8, 512, 6, 128),
+               Config(sms - sms % 2, 4, 256, 6, 128)]
+    nvl = max(c.get_nvl_buffer_size_hint(4096 * 2, R) for c in configs)
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
+    check = Checks(rank, R)
+    for ci, cfg in enumerate(configs):
+        for name, T, H, per_rank, K, fp8, smode, routing in [
+            ("bf16", 300 + 11 * rank, 2048, 8, 8, False, "none", "skew"),
+            ("fp8", 200, 4096, 8, 6, True, "col", "neg"),
+        ]:
+            E = per_rank * R
+            case = _Case(rank, R, T, H, E, K, fp8, smode, routing, 50 + ci)
+            lay_r = ref.get_dispatch_layout(case.idx, E)
+            check_case(check, f"num_sms={cfg.num_sms} {name}", nat, ref, case, cfg, lay_r, worst=400 * R,
+                       empty_rank=False, combine_close=_close_bf16, repeats=2)
+    dist.barrier(group=gloo)
+    nat.destroy()
+    ref.destroy()
+    check.assert_none_failed()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_native_intranode_lane_geometries(world: int) -> None:
+    run_shared_gpu_ranks(_geometry_worker, world, timeout_s=600)
 
 
 # ------------------------------------------------------------------------------------------------ timeout

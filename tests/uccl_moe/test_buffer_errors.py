@@ -191,6 +191,28 @@ def test_buffer_too_small(group):
     assert "num_nvl_bytes=1048576" in str(e)
 
 
+def test_backend_config_check_comes_before_the_size_check(group, monkeypatch):
+    """The native backend refuses more SMs than the GPU has (NvlRuntime::check_num_sms, GPU-tested); Buffer asks
+    the backend before its buffer-size check, on dispatch and combine, so that error is the one a user sees."""
+    b = Buffer(group, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1), backend="reference")
+    idx, ntr, nte, itr = _layout(b)
+    x = torch.randn((idx.shape[0], H)).bfloat16()
+    res = b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+                     topk_weights=torch.rand(idx.shape))
+    seen = []
+
+    def refuse(config):
+        seen.append(config.num_sms)
+        raise InvalidUsageError(f"num_sms={config.num_sms} refused by the backend")
+
+    monkeypatch.setattr(b._backend, "check_config", refuse)
+    huge = Config(256, 6, 4096, 6, 128)  # also far too big for this Buffer's NVL bytes
+    _raises(InvalidUsageError, "num_sms=256 refused", b.dispatch, x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+            num_tokens_per_expert=nte, config=huge)
+    _raises(InvalidUsageError, "num_sms=256 refused", b.combine, res[0], res[4], config=huge)
+    assert seen == [256, 256]
+
+
 def test_num_worst_tokens_too_small(buf):
     idx = torch.zeros((4, 1), dtype=torch.int64)
     ntr, _, nte, itr, _ = buf.get_dispatch_layout(idx, 2)

@@ -37,6 +37,9 @@ def test_gpu_backend_matches_build():
     assert _C.device_count() >= 0
     if _C.device_count() == 0:
         assert _C.can_access_peer(0, 1) is False and _C.device_arch(0) == -1
+        assert _C.device_sm_count(0) == 0  # unknown: the runtime then skips its num_sms check
+    else:
+        assert _C.device_sm_count(0) > 0 and _C.device_sm_count(_C.device_count()) == 0
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,10 @@ class Backend(abc.ABC):
         """Sum each token's rows back onto its source rank, in float32, in rank order 0..R-1 (deterministic),
         plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
 
+    def check_config(self, config: Any) -> None:
+        """Raise InvalidUsageError if this backend cannot run ops with `config` on its device (called before
+        the buffer-size check, so the more basic problem is named first). Default: anything goes."""
+
     def destroy(self) -> None:
         """Free native resources. Idempotent."""
 

@@ -43,6 +43,8 @@ void register_core(nb::module_& m) {
   m.def("device_count", &device_count);
   m.def("device_arch", &device_arch, "device"_a);
   m.def("device_name", &device_name, "device"_a);
+  m.def("device_sm_count", &device_sm_count, "device"_a,
+        "SMs (CUDA) or compute units (HIP) of the device; 0 without a GPU");
   m.def("can_access_peer", &can_access_peer, "device"_a, "peer"_a);
   m.def("has_intranode_kernels", []() {
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)

@@ -34,6 +34,12 @@ void ensure_rings(NvlRuntime& rt, const intranode::NvlContext& ctx, const Geomet
   rt.set_ring_channels(g.num_channels);
 }
 
+/// The lane geometry of an op on `rt`'s GPU (refuses more SMs than it has: NvlRuntime::check_num_sms).
+Geometry op_geometry(const NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv) {
+  rt.check_num_sms(num_sms);
+  return intranode::make_geometry(num_sms, rt.num_ranks(), nvl_send, nvl_recv);
+}
+
 nb::tuple geometry_tuple(const Geometry& g) {
   return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
 }
@@ -59,6 +65,8 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
       .def("set_global_rank", &NvlRuntime::set_global_rank, "rank"_a)
       .def("aborted", &NvlRuntime::aborted)
+      .def("check_num_sms", &NvlRuntime::check_num_sms, "num_sms"_a,
+           "Raises InvalidUsageError if the GPU has fewer SMs than num_sms (every block of an op must be resident)")
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts, double timeout_s) {
@@ -110,7 +118,7 @@ void register_runtime(nb::module_& m) {
                               uintptr_t rank_prefix, uintptr_t recv_lane_start, uintptr_t stream,
                               uintptr_t num_tokens_ptr) {
     const auto ctx = rt.context();
-    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
     intranode::NotifyArgs a{ptr<const bool>(is_token_in_rank), ptr<const int32_t>(num_tokens_per_rank),
                             ptr<const int32_t>(num_tokens_per_expert), num_tokens, num_experts, expert_alignment,
                             write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
@@ -132,7 +140,7 @@ void register_runtime(nb::module_& m) {
                                  uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
                                  uintptr_t stream, uintptr_t num_tokens_ptr, uintptr_t row_map, uintptr_t src_tag) {
     const auto ctx = rt.context();
-    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
     intranode::DispatchArgs a{};
     a.x = ptr<const void>(x);
     a.x_scales = ptr<const void>(x_scales);
@@ -172,7 +180,7 @@ void register_runtime(nb::module_& m) {
                                 int num_topk, uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream,
                                 uintptr_t num_tokens_ptr, uintptr_t row_map) {
     const auto ctx = rt.context();
-    const Geometry g = intranode::make_geometry(num_sms, ctx.num_ranks, nvl_send, nvl_recv);
+    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
     intranode::CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const void>(bias0),
                              ptr<const void>(bias1), ptr<const int32_t>(rank_prefix),
                              ptr<const int32_t>(recv_lane_start), ptr<const int32_t>(send_head), num_tokens, hidden,

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "uccl_moe/config.hpp"
+#include "uccl_moe/device_query.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
@@ -46,6 +47,7 @@ NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int devic
   reset_recv_counter();
   UCCL_CHECK_GPU(gpu::device_synchronize());
   peers_[rank_] = local_;
+  device_sms_ = device_sm_count(device);
   UCCL_LOG(INFO, MEM, "NVL buffer of %lld bytes at %p on device %d (local rank %d of %d)",
            static_cast<long long>(num_nvl_bytes), local_, device, rank, num_ranks);
 }
@@ -183,6 +185,15 @@ void NvlRuntime::check_graph_channels(int channels, void* stream) {
                "would re-lay its NVL rings under the graph's replays. Use one num_sms for every op of a Buffer that "
                "is captured (Config.num_sms), or a second Buffer", 2 * graph_channels_, 2 * channels);
   if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
+}
+
+void NvlRuntime::check_num_sms(int num_sms) const {
+  if (device_sms_ > 0 && num_sms > device_sms_)
+    UCCL_THROW(kInvalidUsage,
+               "Config.num_sms=%d exceeds the %d SMs of GPU %d (%s): a dispatch or combine runs num_sms blocks (a "
+               "sender and a receiver per channel) that must all be resident at once. Use an even num_sms <= %d "
+               "(Buffer.set_num_sms or the Config passed to the op)", num_sms, device_sms_, device_,
+               device_name(device_).c_str(), device_sms_ - device_sms_ % 2);
 }
 
 }  // namespace uccl_moe::runtime

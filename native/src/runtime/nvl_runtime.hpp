@@ -56,6 +56,10 @@ class NvlRuntime {
   /// another channel count (replays would re-lay the rings behind the host's back), and remembers the count
   /// when `stream` is capturing.
   void check_graph_channels(int channels, void* stream);
+  /// Before an op with `num_sms` blocks: throws InvalidUsage if the GPU has fewer SMs. Every block of a
+  /// dispatch or combine must be resident at once (a sender spins until its channel's receiver drains the ring),
+  /// so a larger grid would run some channels only after others finished, or time out.
+  void check_num_sms(int num_sms) const;
 
  private:
   int rank_, num_ranks_, device_;
@@ -66,7 +70,8 @@ class NvlRuntime {
   bool connected_ = false;
   bool destroyed_ = false;
   int ring_channels_ = -1;
-  int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
+  int graph_channels_ = -1;
+  int device_sms_ = 0;  // SMs / CUs of device_ (0: unknown, no check)  // channel count of the ops captured in CUDA graphs (-1: none captured)
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;
 };
