@@ -598,7 +598,8 @@ class Buffer:
             raise InvalidTypeError(f"the {self.backend_name} backend cannot dispatch {data.dtype}")
         hidden_bytes = self._hidden_bytes(data)
         config = self._check_config(config, Buffer.get_dispatch_config(self.group_size))
-        backend.check_config(config)
+        if handle is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
+            backend.check_config(config)
         self._check_buffer_size(hidden_bytes, config, "dispatch")
         for name, v in (("expert_alignment", expert_alignment), ("num_worst_tokens", num_worst_tokens)):
             if isinstance(v, bool) or not isinstance(v, int):
@@ -719,7 +720,6 @@ class Buffer:
             )
         hidden_bytes = self._hidden_bytes(x)
         config = self._check_config(config, Buffer.get_combine_config(self.group_size))
-        backend.check_config(config)
         self._check_buffer_size(hidden_bytes, config, "combine")
         num_tokens = h.is_token_in_rank.shape[0]
         if topk_weights is not None:

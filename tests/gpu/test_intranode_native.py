@@ -397,8 +397,8 @@ def test_native_intranode_other_local_rank_counts(world: int) -> None:
 
 def _geometry_worker(rank: int, world: int, gloo) -> None:
     """Lane geometries away from the default: one channel with 2-slot lane rings and 1-token chunks (the
-    senders wrap their rings on nearly every token), Megatron's 20 SMs, more lanes than tokens (most lanes
-    empty), and all 132 SMs of an H100/H200."""
+    senders wrap their rings on nearly every token), Megatron's 20 SMs, 64 SMs, and every SM of the GPU (132 on
+    H100 SXM and H200); from 20 SMs up, a case with fewer tokens than lanes, so most lanes carry none or one."""
     from uccl_moe import _C, Buffer, Config
 
     R = world
@@ -414,6 +414,7 @@ def _geometry_worker(rank: int, world: int, gloo) -> None:
         for name, T, H, per_rank, K, fp8, smode, routing in [
             ("bf16", 300 + 11 * rank, 2048, 8, 8, False, "none", "skew"),
             ("fp8", 200, 4096, 8, 6, True, "col", "neg"),
+            ("bf16-few", 40 + rank, 2048, 8, 8, False, "none", "random"),  # fewer tokens than lanes from 20 SMs up
         ]:
             E = per_rank * R
             case = _Case(rank, R, T, H, E, K, fp8, smode, routing, 50 + ci)

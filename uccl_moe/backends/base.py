@@ -117,8 +117,9 @@ class Backend(abc.ABC):
         plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
 
     def check_config(self, config: Any) -> None:
-        """Raise InvalidUsageError if this backend cannot run ops with `config` on its device (called before
-        the buffer-size check, so the more basic problem is named first). Default: anything goes."""
+        """Raise InvalidUsageError if this backend cannot lay out a dispatch with `config` on its device (called
+        by a dispatch without a handle, before the buffer-size check, so the more basic problem is named first;
+        cached dispatches and combines run on the handle's lanes). Default: anything goes."""
 
     def destroy(self) -> None:
         """Free native resources. Idempotent."""

@@ -70,8 +70,8 @@ class NvlRuntime {
   bool connected_ = false;
   bool destroyed_ = false;
   int ring_channels_ = -1;
-  int graph_channels_ = -1;
-  int device_sms_ = 0;  // SMs / CUs of device_ (0: unknown, no check)  // channel count of the ops captured in CUDA graphs (-1: none captured)
+  int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
+  int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;
 };
