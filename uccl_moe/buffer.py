@@ -52,6 +52,8 @@ Config = _C.Config
 MAX_TOPK = 32
 MAX_EXPERTS_PER_RANK = 1024
 FP8_SCALE_BLOCK = 128
+#: Attribute on a handle's first tensor: the Buffer key its layout is valid for (Buffer._handle_key).
+_HANDLE_KEY_ATTR = "_uccl_moe_handle_key"
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -249,7 +251,10 @@ class Buffer:
         # torch Event per join, as Stream.wait_stream makes, is a measurable part of a small call's host time.
         self._join_in: Any = torch.cuda.Event() if device.type == "cuda" else None
         self._join_out: Any = torch.cuda.Event() if device.type == "cuda" else None
-        self._handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
+        # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
+        # handles to the new Buffer in backward, as DeepEP allows.
+        self._handle_key = (choice, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
@@ -474,12 +479,19 @@ class Buffer:
     def _check_handle(self, handle: Any) -> DispatchHandle:
         if not isinstance(handle, tuple) or len(handle) != 6 or not isinstance(handle[0], torch.Tensor):
             raise InvalidTypeError(
-                f"handle must be the handle returned by this Buffer's dispatch, got {type(handle).__name__}"
+                f"handle must be the 6-tuple a dispatch returned, got {type(handle).__name__}"
             )
-        if self._handles.get(id(handle[0])) is not handle[0]:
+        key = getattr(handle[0], _HANDLE_KEY_ATTR, None)
+        if key is None:
             raise _err(
-                "handle does not belong to this Buffer: it came from another Buffer (or was rebuilt); pass the "
-                "handle returned by this Buffer's dispatch"
+                "handle was not returned by a uccl_moe Buffer's dispatch (a rebuilt or cloned handle loses its tag); "
+                "pass the handle the dispatch returned"
+            )
+        if key != self._handle_key:
+            raise _err(
+                f"handle was made by a Buffer over another group or backend ({key[0]}, ranks {list(key[1])}) than "
+                f"this one ({self._handle_key[0]}, ranks {list(self._handle_key[1])}); pass a handle from a dispatch "
+                f"on a Buffer over the same ranks"
             )
         return handle if isinstance(handle, DispatchHandle) else DispatchHandle(*handle)
 
@@ -673,7 +685,7 @@ class Buffer:
         with self._comm_context():
             recv_x, recv_scales, recv_idx, recv_w, counts, raw_handle = backend.dispatch(req)
         out_handle = DispatchHandle(*raw_handle)
-        self._handles[id(out_handle[0])] = out_handle[0]
+        setattr(out_handle[0], _HANDLE_KEY_ATTR, self._handle_key)
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         event = self._finish(async_finish,
                              [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -697,7 +709,8 @@ class Buffer:
         Args:
             x: [T_recv, H] bfloat16 (float16/float32 accepted by the reference backend), contiguous; row i belongs
                 to received token i of the dispatch that made `handle`.
-            handle: from this Buffer's dispatch.
+            handle: from a dispatch of this Buffer, or of another Buffer over the same ranks and backend (as
+                Megatron passes a forward's handle to the Buffer that replaced it).
             topk_weights: optional [T_recv, K] float32, summed the same way (the dispatch backward pass).
             bias: None, a [T, H] tensor, or a tuple of up to two (None entries allowed), added to the result.
         Returns:

@@ -332,6 +332,17 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     _, res = _dispatch(nat, case, "cuda", config=cfg)
     _, ref_res = _dispatch(ref, case, "cpu", config=cfg)
     check("dispatch after the refused num_sms", _eq(res.recv_x, ref_res.recv_x))
+    # A second Buffer over the same ranks runs this Buffer's handles (Megatron's fused_a2a replaces its Buffer when
+    # it needs a bigger one and passes the forward's handles to the new one in backward).
+    other = Buffer(dist.group.WORLD, 2 * nvl, backend="native", explicitly_destroy=True)
+    y = res.recv_x * 0.5
+    check("another Buffer's handle: combine", _eq(other.combine(y, res.handle, config=cfg).combined_x,
+                                                  nat.combine(y, res.handle, config=cfg).combined_x))
+    check("another Buffer's handle: cached dispatch", _eq(other.dispatch(case.xin("cuda"), handle=res.handle,
+                                                                         config=cfg).recv_x, res.recv_x))
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)  # every rank is done with the other Buffer's rings before any unmaps them
+    other.destroy()
 
     # Chained rounds first: after a graph capture the Buffer keeps the captured SM count (checked below).
     check_chained_rounds(check, nat, iters)

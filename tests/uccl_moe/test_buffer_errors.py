@@ -275,7 +275,7 @@ def test_handle_type(buf):
     x, idx, res = _dispatched(buf)
     _raises(InvalidTypeError, "handle must be", buf.combine, res.recv_x, handle=[1, 2])
     forged = tuple(t.clone() for t in res.handle)
-    _raises(InvalidUsageError, "does not belong to this Buffer", buf.combine, res.recv_x, forged)
+    _raises(InvalidUsageError, "not returned by a uccl_moe Buffer's dispatch", buf.combine, res.recv_x, forged)
 
 
 def test_combine_rows(buf):

@@ -195,18 +195,27 @@ def _two_buffers(rank: int, world: int) -> None:
 
     g = dist.group.WORLD
     nvl = Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(128 * 2, world)
-    a, b = Buffer(g, nvl), Buffer(g, nvl)
+    a, b = Buffer(g, nvl), Buffer(g, 2 * nvl)
     idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int64)
     ntr, _, nte, itr, _ = a.get_dispatch_layout(idx, 2 * world)
-    x = torch.ones((2, 128), dtype=torch.bfloat16)
+    x = torch.arange(2 * 128, dtype=torch.float32).reshape(2, 128).bfloat16()
     rx, _, _, _, h, _ = a.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte,
                                    topk_idx=idx, topk_weights=torch.ones(2, 2))
-    try:
-        b.combine(rx, h)
-    except InvalidUsageError as e:
-        assert "does not belong to this Buffer" in str(e)
-    else:
-        raise AssertionError("combine with another Buffer's handle must fail")
+    # Megatron's fused_a2a replaces its Buffer when it needs a bigger one and runs the forward's handles on the new
+    # one in backward: a Buffer over the same ranks takes them.
+    assert torch.equal(b.combine(rx, h)[0], a.combine(rx, h)[0])
+    assert torch.equal(b.dispatch(x, handle=h)[0], rx)
+    # a Buffer over other ranks does not
+    solo = dist.new_group([rank_ for rank_ in range(world) if rank_ != world - 1])  # collective: every rank calls
+    if rank != world - 1:
+        c = Buffer(solo, nvl)
+        try:
+            c.combine(rx, h)
+        except InvalidUsageError as e:
+            assert "another group or backend" in str(e) and f"ranks {list(range(world))}" in str(e), str(e)
+        else:
+            raise AssertionError("combine with the handle of a Buffer over other ranks must fail")
+        c.destroy()
     # a rank's wrong layout size is caught before any communication
     try:
         a.dispatch(x, num_tokens_per_rank=torch.zeros(world + 1, dtype=torch.int32), is_token_in_rank=itr,
@@ -218,7 +227,7 @@ def _two_buffers(rank: int, world: int) -> None:
 
 
 @pytest.mark.mp
-def test_handle_ownership_and_group_size_mismatch() -> None:
+def test_handle_portability_and_group_size_mismatch() -> None:
     run_ranks(_two_buffers, 2, env={"UCCL_MOE_BACKEND": "reference"})
 
 
