@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union
@@ -124,6 +125,17 @@ _INTRANODE_DISPATCH_PRESET_BY_RANKS = {2: (4, 256, 6, 128)}
 _MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
+
+
+def _as_int(v: Any) -> int | None:
+    """`v` as a Python int if it is an integer of any kind (int, numpy or 0-d torch integer), else None (bools
+    and floats included): DeepEP takes whatever behaves as an integer."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _err(msg: str) -> InvalidUsageError:
@@ -281,9 +293,10 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SM count used by HT kernels (class-wide, like DeepEP). Must be even (sender + receiver)."""
-        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+        n = _as_int(new_num_sms)
+        if n is None or n <= 0 or n % 2:
             raise _err(f"set_num_sms({new_num_sms!r}): the SM count must be a positive even int")
-        Buffer.num_sms = new_num_sms
+        Buffer.num_sms = n
 
     @staticmethod
     def capture() -> EventOverlap:
@@ -437,8 +450,10 @@ class Buffer:
         return bool(env.get("CHECK_INPUTS"))
 
     def _check_num_experts(self, num_experts: Any) -> int:
-        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
+        n = _as_int(num_experts)
+        if n is None or n <= 0:
             raise InvalidTypeError(f"num_experts must be a positive int, got {num_experts!r}")
+        num_experts = n
         if num_experts % self.group_size != 0:
             raise _err(
                 f"num_experts={num_experts} is not divisible by the group size {self.group_size}; every rank must "

@@ -100,6 +100,18 @@ def test_num_experts_divisibility(group):
             torch.zeros((1, 1), dtype=torch.int64), 4)
 
 
+def test_num_experts_any_integer_type(buf):
+    import numpy as np
+
+    idx = torch.randint(0, 4, (6, 2))
+    want = buf.get_dispatch_layout(idx, 4)
+    for n in (np.int32(4), torch.tensor(4)):
+        got = buf.get_dispatch_layout(idx, n)
+        assert all(torch.equal(a, b) for a, b in zip(got, want) if isinstance(a, torch.Tensor))
+    for bad in (4.0, True, "4"):
+        _raises(InvalidTypeError, "num_experts must be a positive int", buf.get_dispatch_layout, idx, bad)
+
+
 def test_too_many_topk(buf):
     _raises(InvalidUsageError, "supported: 1..32", buf.get_dispatch_layout, torch.zeros((1, 33), dtype=torch.int64), 64)
 
@@ -311,6 +323,14 @@ def test_set_num_sms():
         Buffer.set_num_sms(24)
         assert Buffer.num_sms == 24 and Buffer.get_dispatch_config(4).num_sms == 24
         _raises(InvalidUsageError, "positive even int", Buffer.set_num_sms, 23)
+        for bad in (True, 24.0, "24", None):
+            _raises(InvalidUsageError, "positive even int", Buffer.set_num_sms, bad)
+        # any integer type, as DeepEP (which only asserts evenness) takes: numpy and 0-d torch integers
+        import numpy as np
+
+        for n in (np.int64(26), torch.tensor(28)):
+            Buffer.set_num_sms(n)
+            assert type(Buffer.num_sms) is int and Buffer.num_sms == int(n)
     finally:
         Buffer.set_num_sms(old)
 
