@@ -453,17 +453,14 @@ class Buffer:
         n = _as_int(num_experts)
         if n is None or n <= 0:
             raise InvalidTypeError(f"num_experts must be a positive int, got {num_experts!r}")
-        num_experts = n
-        if num_experts % self.group_size != 0:
+        if n % self.group_size != 0:
             raise _err(
-                f"num_experts={num_experts} is not divisible by the group size {self.group_size}; every rank must "
-                f"hold the same number of experts"
+                f"num_experts={n} is not divisible by the group size {self.group_size}; every rank must hold the "
+                f"same number of experts"
             )
-        if num_experts // self.group_size > MAX_EXPERTS_PER_RANK:
-            raise _err(
-                f"{num_experts // self.group_size} experts per rank is more than the supported {MAX_EXPERTS_PER_RANK}"
-            )
-        return num_experts
+        if n // self.group_size > MAX_EXPERTS_PER_RANK:
+            raise _err(f"{n // self.group_size} experts per rank is more than the supported {MAX_EXPERTS_PER_RANK}")
+        return n
 
     def _check_config(self, config: Any, default: Any) -> Any:
         if config is None:
