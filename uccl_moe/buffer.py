@@ -266,7 +266,7 @@ class Buffer:
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
-        self._handle_key = (choice, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
+        self._handle_key = (self.backend_name, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)

@@ -127,8 +127,9 @@ class NativeBackend(Backend):
         return 2 * (lanes // self.W)
 
     def check_config(self, config: Any) -> None:
-        self._check_alive()
-        self._rt.check_num_sms(int(config.num_sms))
+        # dispatch() runs _check_alive next (a destroyed backend has no runtime and is refused there)
+        if self._rt is not None:
+            self._rt.check_num_sms(int(config.num_sms))
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]

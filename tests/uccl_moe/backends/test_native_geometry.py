@@ -58,3 +58,27 @@ def test_ring_slots_start_on_128_byte_lines(ranks: int, hidden: int, elem: int, 
         assert slot >= hidden * elem + 4 + 8 * topk + 4 * scales  # row + src idx + ids + weights + scales
         assert region >= Tl * slot  # the hint leaves room for the aligned slots
     assert _C.nvl_slot_bytes(hidden * max(elem, 2)) % 128 == 0
+
+
+def test_native_check_config_asks_the_runtime_once_alive():
+    """NativeBackend.check_config hands config.num_sms to the runtime's check (GPU-tested: NvlRuntime refuses more
+    SMs than the GPU has); a destroyed backend has no runtime and leaves the refusal to dispatch's liveness check."""
+    from uccl_moe.backends.native import NativeBackend
+
+    class FakeRuntime:
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def check_num_sms(self, num_sms: int) -> None:
+            self.asked.append(num_sms)
+            if num_sms > 132:
+                raise InvalidUsageError(f"Config.num_sms={num_sms} exceeds the 132 SMs")
+
+    backend = object.__new__(NativeBackend)  # no GPU here: only the runtime seam is exercised
+    backend._rt = FakeRuntime()
+    backend.check_config(Config(24, 8, 256, 6, 128))
+    with pytest.raises(InvalidUsageError, match="num_sms=134 exceeds"):
+        backend.check_config(Config(134, 8, 256, 6, 128))
+    assert backend._rt.asked == [24, 134]
+    backend._rt = None
+    backend.check_config(Config(134, 8, 256, 6, 128))  # destroyed: nothing to ask
