@@ -317,8 +317,10 @@ class Buffer:
     @staticmethod
     def _preset(num_ranks: int, intranode: tuple[int, int, int, int], internode: tuple[int, int, int, int],
                 intranode_by_ranks: Optional[dict[int, tuple[int, int, int, int]]] = None) -> Any:
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        n = _as_int(num_ranks)
+        if n is None or n < 1:
             raise _err(f"num_ranks must be a positive int, got {num_ranks!r}")
+        num_ranks = n
         if num_ranks > _MAX_INTRANODE_RANKS:
             preset = internode
         else:
@@ -469,13 +471,21 @@ class Buffer:
             raise InvalidTypeError(f"config must be a uccl_moe.Config, got {type(config).__name__}")
         return config
 
-    def _check_buffer_size(self, hidden_bytes: int, config: Any, op: str) -> None:
+    def _check_buffer_size(self, hidden_bytes: int, config: Any, op: str, handle: DispatchHandle | None = None) -> None:
+        """Raise if `op` with `config` does not fit this Buffer's buffers. With a handle (a cached dispatch or a
+        combine), the op runs on the handle's lanes: the SM count its dispatch laid them out with, not config's."""
         per_node = self.topology.ranks_per_node
+        ran_on = ""
+        sms = self._live().handle_num_sms(handle) if handle is not None else None
+        if sms is not None and sms != config.num_sms:
+            config = Config(sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+            ran_on = f" (num_sms={sms}: it runs on the lanes of the dispatch that made the handle)"
         need = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size, per_node)
         if need > self.num_nvl_bytes:
             raise _err(
-                f"{op} with hidden_bytes={hidden_bytes} and {config} needs {need} bytes of NVL buffer per rank, "
-                f"but the Buffer has num_nvl_bytes={self.num_nvl_bytes}; construct Buffer with num_nvl_bytes >= "
+                f"{op} with hidden_bytes={hidden_bytes} and {config}{ran_on} needs {need} bytes of NVL buffer per "
+                f"rank, but the Buffer has num_nvl_bytes={self.num_nvl_bytes}; construct Buffer with num_nvl_bytes >= "
                 f"{need} (config.get_nvl_buffer_size_hint(hidden_bytes, {self.group_size}))"
             )
         if self.topology.num_nodes > 1:
@@ -622,20 +632,24 @@ class Buffer:
             raise InvalidTypeError(f"the {self.backend_name} backend cannot dispatch {data.dtype}")
         hidden_bytes = self._hidden_bytes(data)
         config = self._check_config(config, Buffer.get_dispatch_config(self.group_size))
-        if handle is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
+        h = self._check_handle(handle) if handle is not None else None
+        if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)
-        self._check_buffer_size(hidden_bytes, config, "dispatch")
+        self._check_buffer_size(hidden_bytes, config, "dispatch", h)
+        ints = []
         for name, v in (("expert_alignment", expert_alignment), ("num_worst_tokens", num_worst_tokens)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            n = _as_int(v)
+            if n is None:
                 raise InvalidTypeError(f"{name} must be an int, got {v!r}")
+            ints.append(n)
+        expert_alignment, num_worst_tokens = ints
         if expert_alignment < 1:
             raise _err(f"expert_alignment={expert_alignment} must be >= 1")
         if num_worst_tokens < 0:
             raise _err(f"num_worst_tokens={num_worst_tokens} must be >= 0")
         num_tokens = data.shape[0]
 
-        if handle is not None:
-            h = self._check_handle(handle)
+        if h is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise _err("a cached dispatch (handle=...) reuses the layout: pass topk_idx=None and topk_weights=None")
             if num_tokens != h.is_token_in_rank.shape[0]:
@@ -745,7 +759,7 @@ class Buffer:
             )
         hidden_bytes = self._hidden_bytes(x)
         config = self._check_config(config, Buffer.get_combine_config(self.group_size))
-        self._check_buffer_size(hidden_bytes, config, "combine")
+        self._check_buffer_size(hidden_bytes, config, "combine", h)
         num_tokens = h.is_token_in_rank.shape[0]
         if topk_weights is not None:
             topk_weights = _check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2,

@@ -250,6 +250,49 @@ def test_expert_alignment(buf):
             num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, expert_alignment=0)
 
 
+def test_alignment_and_worst_tokens_take_any_integer_type(buf):
+    """As DeepEP, whatever behaves as an integer: numpy and 0-d torch integers give the same result as ints; bools,
+    floats and strings are refused."""
+    import numpy as np
+
+    idx, ntr, nte, itr = _layout(buf)
+    x = torch.randn((6, H)).bfloat16()
+    kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+              topk_weights=torch.rand(idx.shape))
+    want = buf.dispatch(x, **kw, expert_alignment=4, num_worst_tokens=16)
+    for align, worst in ((np.int32(4), np.int64(16)), (torch.tensor(4), torch.tensor(16))):
+        got = buf.dispatch(x, **kw, expert_alignment=align, num_worst_tokens=worst)
+        assert got[0].shape[0] == 16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name in ("expert_alignment", "num_worst_tokens"):
+        for bad in (True, 4.0, "4"):
+            _raises(InvalidTypeError, f"{name} must be an int", buf.dispatch, x, **kw, **{name: bad})
+
+
+def test_handle_ops_are_sized_by_the_handles_sms(group, monkeypatch):
+    """A cached dispatch or a combine runs on the lanes its handle's dispatch laid out (the native backend reports
+    their SM count through handle_num_sms), so Buffer's size check takes that count, not config.num_sms: a config
+    with more SMs than fit is fine on a handle laid out with few, and a handle laid out with more SMs than the
+    Buffer fits is refused whatever the config says, naming the count."""
+    narrow, wide = Config(8, 6, 64, 6, 128), Config(64, 6, 64, 6, 128)
+    need_narrow, need_wide = (c.get_nvl_buffer_size_hint(H * 2, 1) for c in (narrow, wide))
+    assert need_narrow < need_wide
+    b = Buffer(group, need_narrow, backend="reference")
+    idx, ntr, nte, itr = _layout(b)
+    x = torch.randn((idx.shape[0], H)).bfloat16()
+    res = b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
+                     topk_weights=torch.rand(idx.shape), config=narrow)
+    assert b._backend.handle_num_sms(res[4]) is None  # the reference backend follows the config
+    _raises(InvalidUsageError, f"needs {need_wide} bytes", b.combine, res[0], res[4], config=wide)
+    monkeypatch.setattr(b._backend, "handle_num_sms", lambda handle: 8)
+    assert torch.equal(b.combine(res[0], res[4], config=wide)[0], b.combine(res[0], res[4], config=narrow)[0])
+    assert torch.equal(b.dispatch(x, handle=res[4], config=wide)[0], res[0])
+    monkeypatch.setattr(b._backend, "handle_num_sms", lambda handle: 64)
+    for op in (lambda: b.combine(res[0], res[4], config=narrow), lambda: b.dispatch(x, handle=res[4], config=narrow)):
+        e = _raises(InvalidUsageError, f"num_sms=64: it runs on the lanes of the dispatch that made the handle.*"
+                    f"needs {need_wide} bytes", op)
+        assert f"num_nvl_bytes={need_narrow}" in str(e)
+
+
 def test_previous_event_type(buf):
     idx, ntr, nte, itr = _layout(buf)
     _raises(InvalidTypeError, "previous_event must be an EventOverlap", buf.get_dispatch_layout, idx, 4,
@@ -341,6 +384,13 @@ def test_presets_follow_the_group_size():
     combine = [Buffer.get_combine_config(r).num_max_nvl_chunked_send_tokens for r in (1, 2, 3, 4, 8)]
     assert combine == [2, 2, 2, 2, 2]  # combine: chunk 2 (measured at EP2 and EP4, docs/performance.md)
     assert Buffer.get_dispatch_config(16).num_max_nvl_chunked_recv_tokens == 288  # across nodes
+    import numpy as np
+
+    for n in (np.int64(2), torch.tensor(2)):  # any integer type, as for num_sms
+        assert Buffer.get_dispatch_config(n).num_max_nvl_chunked_send_tokens == 4
+        assert Buffer.get_combine_config(n).num_max_nvl_chunked_send_tokens == 2
+    for bad in (True, 2.0, "2", 0):
+        _raises(InvalidUsageError, "num_ranks must be a positive int", Buffer.get_dispatch_config, bad)
 
 
 def test_config_validation():

@@ -121,6 +121,11 @@ class Backend(abc.ABC):
         by a dispatch without a handle, before the buffer-size check, so the more basic problem is named first;
         cached dispatches and combines run on the handle's lanes). Default: anything goes."""
 
+    def handle_num_sms(self, handle: tuple[Any, ...]) -> int | None:
+        """The SM count that cached dispatches and combines with `handle` run on (the lanes its dispatch laid out),
+        or None where they follow the config's (Buffer sizes its buffer check with it). Default: None."""
+        return None
+
     def destroy(self) -> None:
         """Free native resources. Idempotent."""
 

@@ -393,6 +393,11 @@ class InternodePath:
             send_head=_ptr(send_head), stream=b._stream(), num_tokens_ptr=_ptr(plan.num_xp),
             row_map=_ptr(plan.row_map), src_tag=base + lay["off_src"] if with_meta else 0)
 
+    def handle_num_sms(self, handle: Any) -> int:
+        """The SM count the handle's plan runs its NVLink legs on."""
+        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        return plan.num_sms
+
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
                         config: Any) -> tuple[Any, Any]:
         plan: _Plan = getattr(handle[0], _PLAN_ATTR)

@@ -126,6 +126,11 @@ class NativeBackend(Backend):
             )
         return 2 * (lanes // self.W)
 
+    def handle_num_sms(self, handle: Any) -> int:
+        if self._inter is not None:
+            return int(self._inter.handle_num_sms(handle))
+        return self._sms_of(handle)
+
     def check_config(self, config: Any) -> None:
         # dispatch() runs _check_alive next (a destroyed backend has no runtime and is refused there)
         if self._rt is not None:

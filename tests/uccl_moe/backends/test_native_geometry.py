@@ -5,6 +5,7 @@ Skipped when the build has no intranode kernels (no nvcc/hipcc at build time).""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from uccl_moe import _C, Config
 from uccl_moe.errors import InvalidUsageError
@@ -82,3 +83,35 @@ def test_native_check_config_asks_the_runtime_once_alive():
     assert backend._rt.asked == [24, 134]
     backend._rt = None
     backend.check_config(Config(134, 8, 256, 6, 128))  # destroyed: nothing to ask
+
+
+def test_native_handle_num_sms_is_the_handles_lane_layout():
+    """Buffer sizes a combine or cached dispatch by NativeBackend.handle_num_sms: within a node, 2 x the channels of
+    the handle's lane matrix ([R, L], L = channels x lanes per channel); across nodes, the SM count of the handle's
+    plan. A lane count that is no multiple of the lanes per channel is refused."""
+    from uccl_moe.backends.native import NativeBackend
+
+    backend = object.__new__(NativeBackend)  # no GPU here: only the handle arithmetic is exercised
+    backend._inter = None
+    backend.R = 4
+    backend.W = _C.intranode_lanes_per_channel(4)
+    for sms in (2, 20, 24, 64):
+        lanes = torch.zeros((4, sms // 2 * backend.W), dtype=torch.int32)
+        assert backend.handle_num_sms((torch.zeros(16, dtype=torch.int32), lanes)) == sms
+    with pytest.raises(InvalidUsageError, match="not a multiple of"):
+        backend.handle_num_sms((None, torch.zeros((4, backend.W + 1), dtype=torch.int32)))
+
+    class FakeInternode:
+        def handle_num_sms(self, handle):
+            return 12
+
+    backend._inter = FakeInternode()
+    assert backend.handle_num_sms((None, torch.zeros((4, 5), dtype=torch.int32))) == 12
+    # the real internode path reads the plan its dispatch tagged onto the handle's rank prefix
+    from types import SimpleNamespace
+
+    from uccl_moe.backends.internode import _PLAN_ATTR, InternodePath
+
+    prefix = torch.zeros(16, dtype=torch.int32)
+    setattr(prefix, _PLAN_ATTR, SimpleNamespace(num_sms=20))
+    assert object.__new__(InternodePath).handle_num_sms((prefix, None)) == 20
