@@ -488,7 +488,7 @@ class Buffer:
                 f"rank, but the Buffer has num_nvl_bytes={self.num_nvl_bytes}; construct Buffer with num_nvl_bytes >= "
                 f"{need} (config.get_nvl_buffer_size_hint(hidden_bytes, {self.group_size}))"
             )
-        if self.topology.num_nodes > 1:
+        if self.topology.num_nodes > 1 and not self._live().checks_rdma_bytes_per_dispatch:
             need = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size, per_node)
             if need > self.num_rdma_bytes:
                 raise _err(

@@ -227,6 +227,31 @@ def _small_buffer_worker(rank: int, world: int, gloo) -> None:
     assert r.recv_x.shape[0] == int(r.handle[0][-1, rank])
     dist.barrier(group=gloo)
     nat.destroy()
+    # Sized by the staged rows (README: rdma_bytes_for), far below the ring hint: a batch that fits runs (dispatch
+    # checks the staging itself, so Buffer does not hold it to the hint), and one that does not is refused.
+    from uccl_moe.backends.internode import rdma_bytes_for
+
+    tight = rdma_bytes_for(64, 7168, 4, 2)
+    assert tight < rdma
+    nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, world), tight, backend="native",
+                 explicitly_destroy=True)
+    ref = Buffer(gloo, cfg.get_nvl_buffer_size_hint(7168 * 2, world), rdma, backend="reference",
+                 explicitly_destroy=True)
+    (_, r), (_, want) = _dispatch(nat, small, "cuda", config=cfg), _dispatch(ref, small, "cpu", config=cfg)
+    assert torch.equal(r.recv_x.cpu(), want.recv_x)
+    y = r.recv_x * 0.5
+    got = nat.combine(y, r.handle, config=cfg).combined_x
+    want_c = ref.combine(y.cpu(), want.handle, config=cfg).combined_x
+    assert _close(got, want_c, small.x.float().abs() * 4), "combine on the tight RDMA buffer"
+    try:
+        _dispatch(nat, _Case(rank, world, 200, 7168, 4 * world, 4, False, "none", "random", 11), "cuda", config=cfg)
+    except InvalidUsageError as e:
+        assert "num_rdma_bytes" in str(e) and "rows" in str(e), str(e)
+    else:
+        raise AssertionError("a dispatch that does not fit the tight RDMA buffer was accepted")
+    dist.barrier(group=gloo)
+    nat.destroy()
+    ref.destroy()
 
 
 def test_native_internode_rdma_buffer_too_small_raises() -> None:

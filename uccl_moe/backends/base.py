@@ -80,6 +80,10 @@ class Backend(abc.ABC):
     supported_dispatch_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+    #: True where the backend checks each dispatch across nodes against num_rdma_bytes itself (what it stages
+    #: depends on the tokens): Buffer then skips its check against DeepEP's ring-size hint, which would refuse a
+    #: Buffer sized for a small batch and accept one too small for a big batch.
+    checks_rdma_bytes_per_dispatch: ClassVar[bool] = False
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx

@@ -53,6 +53,7 @@ def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
 class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
+    checks_rdma_bytes_per_dispatch = True  # InternodePath: the staged rows against num_rdma_bytes, on every rank
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
