@@ -231,7 +231,7 @@ def _small_buffer_worker(rank: int, world: int, gloo) -> None:
     # checks the staging itself, so Buffer does not hold it to the hint), and one that does not is refused.
     from uccl_moe.backends.internode import rdma_bytes_for
 
-    tight = rdma_bytes_for(64, 7168, 4, 2)
+    tight = rdma_bytes_for(64, 7168, 4, 2)  # the runtime's 16 MiB floor: about 420 staged rows of hidden 7168
     assert tight < rdma
     nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, world), tight, backend="native",
                  explicitly_destroy=True)
@@ -244,7 +244,7 @@ def _small_buffer_worker(rank: int, world: int, gloo) -> None:
     want_c = ref.combine(y.cpu(), want.handle, config=cfg).combined_x
     assert _close(got, want_c, small.x.float().abs() * 4), "combine on the tight RDMA buffer"
     try:
-        _dispatch(nat, _Case(rank, world, 200, 7168, 4 * world, 4, False, "none", "random", 11), "cuda", config=cfg)
+        _dispatch(nat, _Case(rank, world, 1000, 7168, 4 * world, 4, False, "none", "random", 11), "cuda", config=cfg)
     except InvalidUsageError as e:
         assert "num_rdma_bytes" in str(e) and "rows" in str(e), str(e)
     else:

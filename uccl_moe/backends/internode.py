@@ -50,18 +50,20 @@ def _excl_cumsum(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
 
 
 _NOTIFY_RESERVE = 4 << 20  # native kernels/internode/internode.hpp kNotifyReserveBytes
+MIN_RDMA_BYTES = 4 * _NOTIFY_RESERVE  # the smallest num_rdma_bytes the RDMA runtime takes (rdma_runtime.cu)
 _AREA_SLACK = 16 * 256     # alignment of the arrays inside an area (6 arrays, 256-byte aligned) and the 16-row floor
 
 
 def rdma_bytes_for(max_tokens: int, hidden: int, num_topk: int, num_nodes: int, num_scales: int = 0) -> int:
     """num_rdma_bytes with room for any routing of up to `max_tokens` tokens per rank (BF16 rows of `hidden`, or
     smaller FP8 rows with `num_scales` scales): every area holds num_nodes x max_tokens rows (a forwarder's x' when
-    every rail peer sends it every token). A multiple of 4096."""
+    every rail peer sends it every token). A multiple of 4096, and at least the RDMA runtime's minimum
+    (MIN_RDMA_BYTES: four notify regions), which small batches would otherwise fall below."""
     rows = num_nodes * max(max_tokens, 1) + 16
     dispatch_row = 2 * hidden + 4 * num_scales + 12 * num_topk + 8
     combine_row = 2 * hidden + 4 * max(num_topk, 1)
     half = rows * max(dispatch_row, combine_row) + _AREA_SLACK
-    total = 2 * half + _NOTIFY_RESERVE
+    total = max(2 * half + _NOTIFY_RESERVE, MIN_RDMA_BYTES)
     return -(-total // 4096) * 4096
 
 
