@@ -114,14 +114,15 @@ class LayoutResult(NamedTuple):
 
 # Presets: (nvl_send, nvl_recv, rdma_send, rdma_recv); num_sms comes from Buffer.num_sms. Inside one NVLink domain
 # (<= 8 ranks) dispatch uses ring 256 and chunk 8 (chunk 16 was slower for every EP2-4 case measured on 4xH200);
-# at EP2, whose lane rings hold 21 slots, chunk 4 (faster than 8 in every 2xH200 run). Combine takes chunk 2 at
+# at EP2, chunk 2 since the lane's direct warp releases the tails (FP8/BF16 129.0/210.4 us against 132.5/218.3 at
+# chunk 4 on 2xH200; chunk 4 had beaten 8 and 2 before; EP3-4 not re-measured since). Combine takes chunk 2 at
 # every size: its receiver waits for every copy of a token, so tails published early pay off; measured at EP2
 # (322 us against 337 at chunk 4 and 366 at chunk 8, 4096 tokens; ring size 256-1024 changed nothing) and at EP4
 # (4xH200, 24 SMs: 730-733 us against 794-901 at chunk 4 and 896-928 at chunk 8). See docs/performance.md.
 # Larger groups span nodes and take the internode presets.
 _INTRANODE_DISPATCH_PRESET = (8, 256, 6, 128)
 _INTRANODE_COMBINE_PRESET = (2, 256, 6, 128)
-_INTRANODE_DISPATCH_PRESET_BY_RANKS = {2: (4, 256, 6, 128)}
+_INTRANODE_DISPATCH_PRESET_BY_RANKS = {2: (2, 256, 6, 128)}
 _MAX_INTRANODE_RANKS = 8
 _INTERNODE_DISPATCH_PRESET = (16, 288, 16, 128)
 _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)

@@ -81,13 +81,15 @@ UCCL_DEVICE_INLINE void write_kept_meta(const DispatchArgs& a, int tok, int me, 
 /// the rows go into ring (lane, me) at dst.
 template <bool kDirect>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
-                                      int dst, int w) {
+                                      int dst, int w, SendPosts* posts) {
   const DispatchArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes;
   const int lane_idx = c * g.lanes_per_channel + w;
   char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
   RingSender out(ctx, lane_idx, dst);  // unused when kDirect
+  if constexpr (!kDirect) out.post_to(posts, dst * g.lanes_per_channel + w);
+  TailPublisher pub(ctx, posts, g.lanes_per_channel, w, lane_idx, kDirect);
   const int64_t row0 = kDirect ? self_row0(a, N, me, L, lane_idx) : 0;
   const int experts_per_rank = a.num_experts / N;
   int begin, end;
@@ -106,9 +108,13 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
                                           reinterpret_cast<const int4*>(src_row), s.row_bytes / 16);
         write_kept_meta(a, tok, me, experts_per_rank, row, true);
         ++pos;
+        pub.poll();  // release what the lane's remote warps posted meanwhile
         continue;
       }
-      if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) return;
+      if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) {
+        out.give_up();
+        return;
+      }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
       warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(src_row),
                                         s.row_bytes / 16);
@@ -120,7 +126,10 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
       if (pos - out.published >= g.chunk_tokens) out.publish(pos);
     }
   }
-  if constexpr (!kDirect) out.finish(pos);
+  if constexpr (kDirect)
+    pub.drain(ctx, lane_idx);
+  else
+    out.finish(pos);
 }
 
 /// Receiver group's share of the rows this rank keeps: tokens [kept_split(begin, end), end) of the lane, walked in
@@ -277,12 +286,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   }
   const int warp = gpu::warp_id();
   if (sender) {
+    __shared__ SendPosts posts;
+    posts.reset();
     const int peer = warp / W, w = warp % W;
     if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
     if (peer == ctx.rank)
-      dispatch_send<true>(ctx, g, k, c, peer, w);  // our own rows: straight into the outputs
+      dispatch_send<true>(ctx, g, k, c, peer, w, &posts);  // our own rows, and the lane's tails
     else
-      dispatch_send<false>(ctx, g, k, c, peer, w);
+      dispatch_send<false>(ctx, g, k, c, peer, w, &posts);
     return;
   }
   __shared__ RecvSmem sm;

@@ -111,16 +111,32 @@ UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __rest
   warp_copy_cols<kUnroll, kSrcIsRing>(dst, src, 0, num_16);
 }
 
+/// Ring positions a sender block's remote warps hand to their lane's direct warp, which publishes them
+/// (TailPublisher): per sender warp, indexed by its warp id in the block.
+struct SendPosts {
+  int32_t written[kWarpsPerBlock];   // ring positions stored, posted with a block-scope release
+  int32_t finished[kWarpsPerBlock];  // 1 once the warp posted its last position (or gave up)
+
+  /// Zeroes both tables; all threads of the block call it.
+  UCCL_DEVICE_INLINE void reset() {
+    for (int i = threadIdx.x; i < kWarpsPerBlock; i += blockDim.x) written[i] = finished[i] = 0;
+    __syncthreads();
+  }
+};
+
 /// A sender warp's end of ring (lane, me) at rank dst, for one round: positions count from the round's base
 /// (our send_base word), `published` is the tail released so far, `head_seen` the head last read (< 0 before
 /// the first write, which waits until the receiver drained the previous round: see nvl_layout.hpp).
-/// Warp-collective; lane 0 does the stores.
+/// Warp-collective; lane 0 does the stores. With post_to(), the warp only posts its positions in shared memory and
+/// its lane's direct warp releases them to the tail and moves send_base at the end (TailPublisher).
 struct RingSender {
   int32_t* tail;          ///< in dst's meta: what we published
   const int32_t* head;    ///< in our meta: what dst consumed
   int32_t* base_word;     ///< our send_base for (lane, dst)
   int32_t base;
   int published = 0, head_seen = -1;
+  int32_t* post = nullptr;      ///< SendPosts::written of this warp, when posting
+  int32_t* finished = nullptr;  ///< SendPosts::finished of this warp, when posting
 
   UCCL_DEVICE_INLINE RingSender(const NvlContext& ctx, int lane_idx, int dst)
       : tail(meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank),
@@ -128,12 +144,23 @@ struct RingSender {
         base_word(meta_ptr(ctx.buffers[ctx.rank], kOffSendBase) + lane_idx * ctx.num_ranks + dst),
         base(gpu::shfl(*base_word, 0)) {}
 
+  /// Post positions to `posts` (entry `warp`) instead of releasing the tail.
+  UCCL_DEVICE_INLINE void post_to(SendPosts* posts, int warp) {
+    post = &posts->written[warp];
+    finished = &posts->finished[warp];
+  }
   /// Rows [0, done) are stored: release them (every lane's slot stores happen before lane 0's release, which
-  /// pairs with the receiver's acquire of the tail).
+  /// pairs with the receiver's acquire of the tail), or post them with a block-scope release, which the
+  /// publisher's system-scope release of the tail extends to the receiver.
   UCCL_DEVICE_INLINE void publish(int done) {
     if (done <= published) return;
     gpu::sync_warp();
-    if (gpu::lane_id() == 0) gpu::store_release_sys(tail, base + done);
+    if (gpu::lane_id() == 0) {
+      if (post != nullptr)
+        gpu::store_release_block(post, done);
+      else
+        gpu::store_release_sys(tail, base + done);
+    }
     published = done;
   }
   /// Before writing position `pos` of a ring of g.lane_slots: re-reads a head that looks full, and only if the
@@ -150,10 +177,75 @@ struct RingSender {
     return warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), phase, kRoleSender, dst, lane_idx,
                               &head_seen);
   }
-  /// End of the round after `count` rows: publish them all; the next round on this stream starts there.
+  /// End of the round after `count` rows: publish them all; the next round on this stream starts there (when
+  /// posting, the publisher moves send_base once it released them).
   UCCL_DEVICE_INLINE void finish(int count) {
     publish(count);
-    if (gpu::lane_id() == 0) *base_word = base + count;
+    if (post != nullptr)
+      give_up();
+    else if (gpu::lane_id() == 0)
+      *base_word = base + count;
+  }
+  /// When posting: tells the publisher this warp posts nothing more (its last post, or it left on a failed wait).
+  UCCL_DEVICE_INLINE void give_up() {
+    gpu::sync_warp();
+    if (post != nullptr && gpu::lane_id() == 0) gpu::store_release_block(finished, 1);
+  }
+};
+
+/// The direct warp (dst == me) of a dispatch lane publishes the lane's rings for the lane's remote sender warps,
+/// which only post their positions (RingSender::post_to): lane d < N of this warp serves ring (lane, me) at rank
+/// d != me. A system-scope release waits until the slot stores it covers crossed NVLink; here that wait stalls
+/// this warp, between the kept rows it copies, instead of the warps that push the rows.
+struct TailPublisher {
+  const int32_t* written = nullptr;
+  const int32_t* finished = nullptr;
+  int32_t* tail = nullptr;
+  int32_t* base_word = nullptr;
+  int32_t base = 0, published = 0;
+
+  /// Inactive (publishes nothing, done at once) unless `active`.
+  UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, const SendPosts* posts, int W, int w, int lane_idx,
+                                   bool active) {
+    const int d = gpu::lane_id();
+    if (active && d < ctx.num_ranks && d != ctx.rank) {
+      written = &posts->written[d * W + w];
+      finished = &posts->finished[d * W + w];
+      tail = meta_ptr(ctx.buffers[d], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank;
+      base_word = meta_ptr(ctx.buffers[ctx.rank], kOffSendBase) + lane_idx * ctx.num_ranks + d;
+      base = *base_word;
+    }
+  }
+  /// Releases what was posted since the last call. True (warp-uniform) once every ring's sender finished and
+  /// all it posted is released.
+  UCCL_DEVICE_INLINE bool poll() {
+    bool done = true;
+    if (written != nullptr) {
+      done = gpu::load_acquire_block(finished) != 0;  // first: a finished sender's count is final
+      const int32_t now = gpu::load_acquire_block(written);
+      if (now > published) {
+        gpu::store_release_sys(tail, base + now);
+        published = now;
+      }
+    }
+    return gpu::ballot(!done) == 0;
+  }
+  /// After the lane's own rows: releases until every sender finished (bounded), then moves send_base to where the
+  /// round ended (the next round on these rings starts there).
+  UCCL_DEVICE_INLINE void drain(const NvlContext& ctx, int lane_idx) {
+    if (!poll()) {
+      DiagDeviceHandle diag = diag_of(ctx);
+      BoundedWait wait(diag);
+      while (!poll()) {
+        if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
+          const int who = gpu::lowest_bit(gpu::ballot(written != nullptr && gpu::load_acquire_block(finished) == 0));
+          if (gpu::lane_id() == 0 && !wait.aborted_by_other())
+            report_timeout(diag, DiagPhase::kDispatchSendRoom, kRoleSender, who, lane_idx, 1, 0, 0, wait.waited_s());
+          return;
+        }
+      }
+    }
+    if (base_word != nullptr) *base_word = base + published;
   }
 };
 

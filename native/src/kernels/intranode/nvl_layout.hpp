@@ -6,8 +6,9 @@
 // sender warp's contiguous slice of this rank's tokens, for one destination. Every (lane, source rank) pair
 // has its own single-producer single-consumer ring at the receiver: Tl = T / W slots (T =
 // num_max_nvl_chunked_recv_tokens), so the rings of one channel use exactly the T slots per source that the
-// size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta); the receiver
-// warp copies slots out and publishes `head` (in the sender's meta). Both spin only on local memory.
+// size hint reserves. A sender warp pushes slots and publishes `tail` (in the receiver's meta; in dispatch the
+// lane's direct warp releases it for the sender: TailPublisher); the receiver warp copies slots out and publishes
+// `head` (in the sender's meta). Both spin only on local memory.
 //
 // Rounds without a barrier: tail and head count slots since the last reset (notify_dispatch, or prepare_round
 // when the channel count changed), modulo 2^32, and are compared by wrapping difference. Each side keeps the
