@@ -3,10 +3,11 @@
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
 // (lane, me) at dst; the receiver block's warps, a group per lane, copy ring (lane, src) of every remote src out
 // into recv_x in order, each warp a slice of the columns. Rows a rank keeps
-// (dst == me) skip the ring and go straight into the outputs: the first half of each lane's tokens by the sender's
-// direct warp, the second half by the receiver group, which copies them while its rings are empty. An SM copies
-// about as many bytes per second to local as to peer memory (tools/nvlink_probe.cu: 40-45 GB/s per SM either
-// way on H200), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs (ring rows).
+// (dst == me) skip the ring and go straight into the outputs: the first quarter of each lane's tokens by the
+// sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
+// copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
+// (tools/nvlink_probe.cu: 40-45 GB/s per SM either way on H200), so this balances the sender SMs (peer rows + kept
+// rows) against the receiver SMs (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
 #include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
@@ -19,8 +20,9 @@ constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a 
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
 /// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
-/// through the receiver group (KeptRows).
-UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 1) / 2; }
+/// through the receiver group (KeptRows). A quarter: the direct warp also releases the lane's tails (EP2 BF16
+/// dispatch 212.0 -> 199.6 us against a half, FP8 unchanged; docs/performance.md round 11).
+UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 3) / 4; }
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
 UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
@@ -77,7 +79,8 @@ UCCL_DEVICE_INLINE void write_kept_meta(const DispatchArgs& a, int tok, int me, 
 
 /// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
 /// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy; this warp takes the first half of the lane's tokens, the receiver group the rest (KeptRows). Otherwise
+/// copy; this warp takes the first quarter of the lane's tokens, the receiver group the rest (KeptRows), and releases
+/// the tails the lane's remote warps post (TailPublisher). Otherwise
 /// the rows go into ring (lane, me) at dst.
 template <bool kDirect>
 UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
