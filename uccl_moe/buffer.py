@@ -131,7 +131,7 @@ _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
 def _as_int(v: Any) -> int | None:
     """`v` as a Python int if it is an integer of any kind (int, numpy or 0-d torch integer), else None (bools
     and floats included): DeepEP takes whatever behaves as an integer."""
-    if isinstance(v, bool):
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
         return None
     try:
         return operator.index(v)

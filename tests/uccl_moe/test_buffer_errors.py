@@ -250,21 +250,32 @@ def test_expert_alignment(buf):
             num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, expert_alignment=0)
 
 
-def test_alignment_and_worst_tokens_take_any_integer_type(buf):
-    """As DeepEP, whatever behaves as an integer: numpy and 0-d torch integers give the same result as ints; bools,
-    floats and strings are refused."""
+def test_alignment_and_worst_tokens_take_any_integer_type(buf, monkeypatch):
+    """As DeepEP, whatever behaves as an integer: numpy and 0-d torch integers act as the same ints and reach the
+    backend as Python ints; bools (also 0-d bool tensors), floats and strings are refused."""
     import numpy as np
 
-    idx, ntr, nte, itr = _layout(buf)
-    x = torch.randn((6, H)).bfloat16()
+    idx, ntr, nte, itr = _layout(buf, T=24, E=4, K=2)
+    x = torch.randn((24, H)).bfloat16()
     kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
               topk_weights=torch.rand(idx.shape))
-    want = buf.dispatch(x, **kw, expert_alignment=4, num_worst_tokens=16)
-    for align, worst in ((np.int32(4), np.int64(16)), (torch.tensor(4), torch.tensor(16))):
+    seen = []
+    real = buf._backend.dispatch
+
+    def spy(req):
+        seen.append((req.expert_alignment, req.num_worst_tokens))
+        return real(req)
+
+    monkeypatch.setattr(buf._backend, "dispatch", spy)
+    want = buf.dispatch(x, **kw, expert_alignment=4)
+    assert all(c % 4 == 0 for c in want[3]) and want[3] != buf.dispatch(x, **kw)[3]  # the alignment shows
+    for align, worst in ((np.int32(4), np.int64(64)), (torch.tensor(4), torch.tensor(64))):
+        assert buf.dispatch(x, **kw, expert_alignment=align)[3] == want[3]
         got = buf.dispatch(x, **kw, expert_alignment=align, num_worst_tokens=worst)
-        assert got[0].shape[0] == 16 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].shape[0] == 64 and torch.equal(got[0][: want[0].shape[0]], want[0])
+    assert seen and all(type(a) is int and type(w) is int for a, w in seen)
     for name in ("expert_alignment", "num_worst_tokens"):
-        for bad in (True, 4.0, "4"):
+        for bad in (True, torch.tensor(True), 4.0, "4"):
             _raises(InvalidTypeError, f"{name} must be an int", buf.dispatch, x, **kw, **{name: bad})
 
 

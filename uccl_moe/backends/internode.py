@@ -54,6 +54,17 @@ MIN_RDMA_BYTES = 4 * _NOTIFY_RESERVE  # the smallest num_rdma_bytes the RDMA run
 _AREA_SLACK = 16 * 256     # alignment of the arrays inside an area (6 arrays, 256-byte aligned) and the 16-row floor
 
 
+def _plan_of(handle: Any) -> _Plan:
+    """The internode plan a dispatch tagged onto its handle's rank prefix."""
+    plan = getattr(handle[0], _PLAN_ATTR, None)
+    if plan is None:
+        raise InvalidUsageError(
+            "handle carries no internode plan: it was made by a dispatch inside one node (a Buffer whose group saw "
+            "another node layout); pass a handle from a dispatch on a Buffer with the same nodes"
+        )
+    return plan  # type: ignore[no-any-return]
+
+
 def rdma_bytes_for(max_tokens: int, hidden: int, num_topk: int, num_nodes: int, num_scales: int = 0) -> int:
     """num_rdma_bytes with room for any routing of up to `max_tokens` tokens per rank (BF16 rows of `hidden`, or
     smaller FP8 rows with `num_scales` scales): every area holds num_nodes x max_tokens rows (a forwarder's x' when
@@ -397,12 +408,12 @@ class InternodePath:
 
     def handle_num_sms(self, handle: Any) -> int:
         """The SM count the handle's plan runs its NVLink legs on."""
-        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        plan = _plan_of(handle)
         return plan.num_sms
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
                         config: Any) -> tuple[Any, Any]:
-        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        plan = _plan_of(handle)
         b = self.backend
         x = x.contiguous()
         lay = self._stage(plan, x, x_scales, None, None, handle[4], self.R, barrier=True)
@@ -417,7 +428,7 @@ class InternodePath:
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
                 config: Any) -> tuple[Any, Any]:
-        plan: _Plan = getattr(handle[0], _PLAN_ATTR)
+        plan = _plan_of(handle)
         b = self.backend
         stream = b._stream()
         nvl = b._rt

@@ -26,6 +26,7 @@ enum class DiagPhase : int32_t {
   kRdmaRecvTokens = 12,     ///< internode receiver waiting for tokens from a node
   kForwarder = 13,          ///< internode forwarder waiting for NVLink room / RDMA data
   kRdmaCapacity = 14,       ///< not a wait: an internode area needs more rows than the RDMA buffer holds
+  kDispatchPublish = 15,    ///< dispatch direct warp waiting for its lane's sender warps to finish (TailPublisher)
 };
 
 const char* diag_phase_name(DiagPhase phase);

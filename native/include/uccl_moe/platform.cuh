@@ -196,17 +196,19 @@ UCCL_DEVICE_INLINE int64_t load_acquire_sys(const int64_t* p) {
 // Block scope (shared memory words handed between warps of one block). With a later system-scope release by the
 // reading warp they chain: what a warp stored before its block-scope release is covered by the reader's release
 // (PTX causality order is transitive across morally strong pairs), so the writer never waits for its stores to
-// cross NVLink; only the reader's system-scope release does.
+// cross NVLink; only the reader's system-scope release does. On HIP both take agent scope: LLVM's AMDGPU backend
+// has not always made a workgroup-scope release followed by another wave's wider release cover the first wave's
+// global stores (no vmcnt wait at workgroup scope on some targets), and this has not been run on an AMD GPU yet.
 UCCL_DEVICE_INLINE void store_release_block(int32_t* p, int32_t v) {
 #if defined(UCCL_MOE_HIP)
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_WORKGROUP);
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
 #else
   asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
 }
 UCCL_DEVICE_INLINE int32_t load_acquire_block(const int32_t* p) {
 #if defined(UCCL_MOE_HIP)
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_WORKGROUP);
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
 #else
   int32_t v;
   asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

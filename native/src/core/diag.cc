@@ -21,6 +21,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kRdmaRecvTokens: return "rdma/recv-tokens";
     case DiagPhase::kForwarder: return "forwarder";
     case DiagPhase::kRdmaCapacity: return "rdma/capacity";
+    case DiagPhase::kDispatchPublish: return "dispatch/publish";
   }
   return "unknown";
 }

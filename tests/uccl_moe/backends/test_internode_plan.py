@@ -85,6 +85,18 @@ def test_offsets_route_every_pair_consistently(N: int, G: int, seed: int) -> Non
         assert int(plans[0]["send_need"][r]) == int(plans[r]["send_rows"].sum())
 
 
+def test_rdma_bytes_for_never_below_the_runtime_minimum() -> None:
+    """The RDMA runtime refuses num_rdma_bytes below four notify regions (rdma_runtime.cu); rdma_bytes_for must not
+    hand out less for small batches (no kernels needed to check the arithmetic)."""
+    from uccl_moe.backends.internode import _NOTIFY_RESERVE, MIN_RDMA_BYTES, rdma_bytes_for
+
+    assert MIN_RDMA_BYTES == 4 * _NOTIFY_RESERVE == 16 << 20
+    for T, H, K, N in ((1, 2048, 1, 2), (64, 7168, 4, 2), (128, 7168, 8, 4)):
+        b = rdma_bytes_for(T, H, K, N)
+        assert b >= MIN_RDMA_BYTES and b % 4096 == 0
+    assert rdma_bytes_for(4096, 7168, 8, 2) > MIN_RDMA_BYTES  # big batches are sized by their rows
+
+
 @pytest.mark.parametrize("T,H,K,N,scales", [(4096, 7168, 8, 2, 0), (4096, 7168, 8, 4, 56), (1, 2048, 1, 2, 0),
                                             (64, 7168, 4, 2, 0), (16384, 4096, 6, 8, 32)])
 def test_rdma_bytes_for_holds_the_worst_staging(T: int, H: int, K: int, N: int, scales: int) -> None:

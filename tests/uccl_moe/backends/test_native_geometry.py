@@ -91,6 +91,8 @@ def test_native_handle_num_sms_is_the_handles_lane_layout():
     plan. A lane count that is no multiple of the lanes per channel is refused."""
     from uccl_moe.backends.native import NativeBackend
 
+    # across nodes it checks each dispatch's staged rows itself, so Buffer skips DeepEP's ring-size hint
+    assert NativeBackend.checks_rdma_bytes_per_dispatch is True
     backend = object.__new__(NativeBackend)  # no GPU here: only the handle arithmetic is exercised
     backend._inter = None
     backend.R = 4
@@ -115,3 +117,5 @@ def test_native_handle_num_sms_is_the_handles_lane_layout():
     prefix = torch.zeros(16, dtype=torch.int32)
     setattr(prefix, _PLAN_ATTR, SimpleNamespace(num_sms=20))
     assert object.__new__(InternodePath).handle_num_sms((prefix, None)) == 20
+    with pytest.raises(InvalidUsageError, match="carries no internode plan"):
+        object.__new__(InternodePath).handle_num_sms((torch.zeros(16, dtype=torch.int32), None))

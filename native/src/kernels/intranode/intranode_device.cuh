@@ -203,6 +203,7 @@ struct TailPublisher {
   int32_t* tail = nullptr;
   int32_t* base_word = nullptr;
   int32_t base = 0, published = 0;
+  bool sender_done = true;  // false until this lane's sender finished (lanes that serve no ring: always true)
 
   /// Inactive (publishes nothing, done at once) unless `active`.
   UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, const SendPosts* posts, int W, int w, int lane_idx,
@@ -214,35 +215,42 @@ struct TailPublisher {
       tail = meta_ptr(ctx.buffers[d], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank;
       base_word = meta_ptr(ctx.buffers[ctx.rank], kOffSendBase) + lane_idx * ctx.num_ranks + d;
       base = *base_word;
+      sender_done = false;
     }
   }
   /// Releases what was posted since the last call. True (warp-uniform) once every ring's sender finished and
   /// all it posted is released.
   UCCL_DEVICE_INLINE bool poll() {
-    bool done = true;
     if (written != nullptr) {
-      done = gpu::load_acquire_block(finished) != 0;  // first: a finished sender's count is final
+      sender_done = gpu::load_acquire_block(finished) != 0;  // first: a finished sender's count is final
       const int32_t now = gpu::load_acquire_block(written);
       if (now > published) {
         gpu::store_release_sys(tail, base + now);
         published = now;
       }
     }
-    return gpu::ballot(!done) == 0;
+    return gpu::ballot(!sender_done) == 0;
   }
-  /// After the lane's own rows: releases until every sender finished (bounded), then moves send_base to where the
-  /// round ended (the next round on these rings starts there).
+  /// After the lane's own rows: releases until every sender finished, then moves send_base to where the round
+  /// ended (the next round on these rings starts there). Bounded like the senders' own waits: the limit restarts
+  /// whenever a sender posts or finishes, so only a lane that made no progress for UCCL_MOE_TIMEOUT_S gives up (a
+  /// stuck sender's own wait has expired by then and reported first).
   UCCL_DEVICE_INLINE void drain(const NvlContext& ctx, int lane_idx) {
-    if (!poll()) {
-      DiagDeviceHandle diag = diag_of(ctx);
-      BoundedWait wait(diag);
-      while (!poll()) {
-        if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
-          const int who = gpu::lowest_bit(gpu::ballot(written != nullptr && gpu::load_acquire_block(finished) == 0));
-          if (gpu::lane_id() == 0 && !wait.aborted_by_other())
-            report_timeout(diag, DiagPhase::kDispatchSendRoom, kRoleSender, who, lane_idx, 1, 0, 0, wait.waited_s());
-          return;
-        }
+    DiagDeviceHandle diag = diag_of(ctx);
+    BoundedWait wait(diag);
+    int32_t last = -1;  // this lane's progress when the limit last restarted
+    while (!poll()) {
+      const int32_t now = 2 * published + (sender_done ? 1 : 0);
+      if (gpu::ballot(now != last) != 0) {
+        last = now;
+        wait = BoundedWait(diag);
+        continue;
+      }
+      if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
+        const int who = gpu::lowest_bit(gpu::ballot(!sender_done));
+        if (gpu::lane_id() == 0 && !wait.aborted_by_other())
+          report_timeout(diag, DiagPhase::kDispatchPublish, kRoleSender, who, lane_idx, 1, 0, 0, wait.waited_s());
+        return;
       }
     }
     if (base_word != nullptr) *base_word = base + published;
