@@ -157,6 +157,10 @@ class _Plan:
     fwd_counts: torch.Tensor    # [G] int32 rows of x' each local GPU receives
     num_sms: int
     fwd_prefix: torch.Tensor | None = None  # [G, G] forwarding step's rank prefix matrix
+    # Host, the same on every rank: the most rows any rank stages per RDMA area (x' or send area) and the most x'
+    # rows of any rank; 0 where the dispatch did not learn them (num_worst_tokens: the device checks instead).
+    staged_need: int = 0
+    max_xp: int = 0
 
 
 class InternodePath:
@@ -266,11 +270,13 @@ class InternodePath:
             a = max(req.expert_alignment, 1)
             counts = [(int(c) + a - 1) // a * a for c in host[4:]]
             self._check_capacity(req, max(max_xp, max_send))
+        known = (0, 0) if worst else (max(max_xp, max_send), max_xp)  # num_worst_tokens: the device checks
         plan = _Plan(send_pos=o["send_pos"], pack_dst_row=o["pack_dst_row"], send_rows=o["send_rows"],
                      send_row0=o["send_row0"], peer_row0=o["peer_row0"], seg_rows=o["seg_rows"],
                      seg_row0=o["seg_row0"], back_row0=o["back_row0"], part_row0=o["part_row0"], num_xp=num_xp,
                      xp_rows=xp_rows, mask=torch.empty((0, G), dtype=torch.bool, device=dev),
-                     row_map=row_map_of(o, rows), fwd_counts=o["fwd_counts"], num_sms=num_sms)
+                     row_map=row_map_of(o, rows), fwd_counts=o["fwd_counts"], num_sms=num_sms,
+                     staged_need=known[0], max_xp=known[1])
         return plan, rank_prefix, counts, rows
 
     def _dispatch_layout(self, row_bytes: int, num_scales: int, num_topk: int) -> dict[str, int]:
@@ -283,6 +289,20 @@ class InternodePath:
         lay = self._dispatch_layout(x.shape[1] * x.element_size(), ns, K)
         comb = _C.internode_combine_layout(self.ctx.num_rdma_bytes, x.shape[1], max(K, 1))
         return int(min(lay["cap"], comb["cap"]))
+
+    def _check_cached(self, plan: _Plan, x: torch.Tensor, x_scales: torch.Tensor | None) -> None:
+        """A cached dispatch stages the rows of the dispatch that made the handle, now of x's width: refused on every
+        rank alike (staged_need is the same everywhere) when they no longer fit, e.g. float32 rows after BF16."""
+        if plan.staged_need == 0:
+            return
+        cap = int(self._dispatch_layout(x.shape[1] * x.element_size(), scale_layout(x_scales)[0], 0)["cap"])
+        if plan.staged_need > cap:
+            raise InvalidUsageError(
+                f"rank {self.me}: this cached dispatch stages up to {plan.staged_need} rows per RDMA area but "
+                f"num_rdma_bytes={self.ctx.num_rdma_bytes} holds {cap} rows of hidden={x.shape[1]} ({x.dtype}), wider "
+                f"than the dispatch that made the handle; create the Buffer with num_rdma_bytes >= "
+                f"{int(self.ctx.num_rdma_bytes * plan.staged_need / max(cap, 1)) + (1 << 20)}"
+            )
 
     def _check_capacity(self, req: DispatchRequest, need: int) -> None:
         cap = self._dispatch_cap(req)
@@ -414,6 +434,7 @@ class InternodePath:
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
                         config: Any) -> tuple[Any, Any]:
         plan = _plan_of(handle)
+        self._check_cached(plan, x, x_scales)
         b = self.backend
         x = x.contiguous()
         lay = self._stage(plan, x, x_scales, None, None, handle[4], self.R, barrier=True)
@@ -437,9 +458,10 @@ class InternodePath:
         K = topk_weights.shape[1] if topk_weights is not None else 0
         T = int(handle[4].shape[0])
         lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, H, max(K, 1)))
-        if plan.xp_rows > lay["cap"]:
+        need = max(plan.max_xp, plan.xp_rows)  # the largest of any rank where known, so every rank refuses alike
+        if need > lay["cap"]:
             raise InvalidUsageError(
-                f"rank {self.me}: combine stages {plan.xp_rows} rows but num_rdma_bytes={self.ctx.num_rdma_bytes} "
+                f"rank {self.me}: combine stages up to {need} rows but num_rdma_bytes={self.ctx.num_rdma_bytes} "
                 f"holds {lay['cap']} rows of hidden={H}; create the Buffer with a larger num_rdma_bytes"
             )
         base = self.rt.buffer

@@ -113,3 +113,29 @@ def test_rdma_bytes_for_holds_the_worst_staging(T: int, H: int, K: int, N: int, 
     assert b >= MIN_RDMA_BYTES, "below the RDMA runtime's minimum: Buffer would refuse it"
     assert b <= max(2 * (N * T + 16) * (2 * H + 12 * K + 4 * scales + 8) + (8 << 20), MIN_RDMA_BYTES), \
         "no gross over-allocation"
+
+
+def test_cached_dispatch_refuses_rows_wider_than_the_rdma_areas() -> None:
+    """A cached dispatch restages its handle's rows at x's width: where the dispatch knew the most rows any rank
+    stages (the same on every rank), rows that no longer fit (float32 after BF16) are refused on every rank before
+    anything is staged, with the size to use; where it did not (num_worst_tokens), the device check stays."""
+    from types import SimpleNamespace
+
+    from uccl_moe import _C
+    from uccl_moe.backends.internode import InternodePath, rdma_bytes_for
+    from uccl_moe.errors import InvalidUsageError
+
+    if not _C.has_internode_kernels():
+        pytest.skip("this build has no internode kernels (no GPU compiler at build time)")
+    path = object.__new__(InternodePath)  # only the host-side check: no runtime
+    path.ctx = SimpleNamespace(num_rdma_bytes=rdma_bytes_for(64, 7168, 4, 2))
+    path.G, path.me = 1, 0
+    bf16_cap = _C.internode_dispatch_layout(path.ctx.num_rdma_bytes, 7168 * 2, 0, 0, 1)["cap"]
+    f32_cap = _C.internode_dispatch_layout(path.ctx.num_rdma_bytes, 7168 * 4, 0, 0, 1)["cap"]
+    assert f32_cap < bf16_cap
+    plan = SimpleNamespace(staged_need=bf16_cap)
+    path._check_cached(plan, torch.empty((1, 7168), dtype=torch.bfloat16), None)  # the dispatch's own width fits
+    with pytest.raises(InvalidUsageError, match=f"stages up to {bf16_cap} rows.*holds {f32_cap} rows.*wider than"):
+        path._check_cached(plan, torch.empty((1, 7168), dtype=torch.float32), None)
+    plan.staged_need = 0  # not known on the host (num_worst_tokens)
+    path._check_cached(plan, torch.empty((1, 7168), dtype=torch.float32), None)
