@@ -443,6 +443,56 @@ def test_native_intranode_lane_geometries(world: int) -> None:
     run_shared_gpu_ranks(_geometry_worker, world, timeout_s=600)
 
 
+# ------------------------------------------------------------------------------------------------ ordering stress
+def _ordering_worker(rank: int, world: int, gloo, rounds: int, backend: str = "native", dev: str = "cuda") -> None:
+    """Ring hand-off ordering under stress. One layout is dispatched `rounds` more times from its handle, each round's
+    x the first round's plus the round number (small integers: exact in BF16). A row read before its bytes landed,
+    or from the slot's previous occupant, shows up as another round's value: every received element must be the
+    first round's plus r. A combine runs every 8 rounds (the same rings the other way) and must equal x times the
+    number of ranks each token went to. Geometries: 2-slot lane rings with 1-token chunks (a ring wraps on nearly
+    every token and every post is a hand-off), Megatron's 20 SMs at chunk 1, and the EP preset."""
+    from uccl_moe import _C, Buffer, Config
+
+    R = world
+    W = _C.intranode_lanes_per_channel(R)
+    configs = [Config(2, 1, 2 * W, 6, 128), Config(20, 1, 5 * W, 6, 128), Buffer.get_dispatch_config(R)]
+    H, T, E, K = 2048, 1024 + 37 * rank, 8 * R, 8
+    nvl = max(c.get_nvl_buffer_size_hint(H * 2, R) for c in configs)
+    buf = Buffer(dist.group.WORLD if backend == "native" else gloo, nvl, backend=backend, explicitly_destroy=True)
+    gen = torch.Generator().manual_seed(7 + rank)
+    failures = []
+    for cfg in configs:
+        idx = _routing(gen, T, E, K, R, "random").to(dev)
+        x0 = torch.randint(-60, 60, (T, H), generator=gen).bfloat16().to(dev)
+        lay = buf.get_dispatch_layout(idx, E)
+        first = buf.dispatch(x0, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                             num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx,
+                             topk_weights=torch.rand((T, K), generator=gen).to(dev), config=cfg)
+        copies = lay.is_token_in_rank.sum(1, dtype=torch.float32)[:, None]
+        bad_rows = torch.zeros((), dtype=torch.int64, device=dev)
+        bad_sums = torch.zeros((), dtype=torch.int64, device=dev)
+        for r in range(1, rounds + 1):
+            got = buf.dispatch(x0 + r, handle=first.handle, config=cfg).recv_x
+            bad_rows += (got != first.recv_x + r).any(1).sum()
+            if r % 8 == 0:
+                back = buf.combine(got, first.handle, config=cfg).combined_x
+                bad_sums += (back != ((x0.float() + r) * copies).bfloat16()).any(1).sum()
+        n_rows, n_sums = int(bad_rows), int(bad_sums)
+        if n_rows or n_sums:
+            failures.append(f"rank {rank} num_sms={cfg.num_sms} chunk={cfg.num_max_nvl_chunked_send_tokens}: "
+                            f"{n_rows} received rows of another round, {n_sums} wrong combined rows")
+    dist.barrier(group=gloo)
+    buf.destroy()
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_native_dispatch_ordering_stress(world: int) -> None:
+    """Env: UMOE_TEST_STRESS_ROUNDS (cached dispatches per geometry, default 128)."""
+    rounds = int(os.environ.get("UMOE_TEST_STRESS_ROUNDS", "128"))
+    run_shared_gpu_ranks(_ordering_worker, world, rounds, timeout_s=600)
+
+
 # ------------------------------------------------------------------------------------------------ timeout
 def _skip_worker(rank: int, world: int, gloo) -> None:
     from uccl_moe import Buffer, CommTimeoutError, Config
