@@ -139,6 +139,14 @@ def _as_int(v: Any) -> int | None:
         return None
 
 
+def _int_arg(name: str, v: Any) -> int:
+    """`v` as a Python int (_as_int), or InvalidTypeError naming the argument."""
+    n = _as_int(v)
+    if n is None:
+        raise InvalidTypeError(f"{name} must be an int, got {v!r}")
+    return n
+
+
 def _err(msg: str) -> InvalidUsageError:
     return InvalidUsageError(msg)
 
@@ -475,9 +483,10 @@ class Buffer:
     def _check_buffer_size(self, hidden_bytes: int, config: Any, op: str, handle: DispatchHandle | None = None) -> None:
         """Raise if `op` with `config` does not fit this Buffer's buffers. With a handle (a cached dispatch or a
         combine), the op runs on the handle's lanes: the SM count its dispatch laid them out with, not config's."""
+        backend = self._live()
         per_node = self.topology.ranks_per_node
         ran_on = ""
-        sms = self._live().handle_num_sms(handle) if handle is not None else None
+        sms = backend.handle_num_sms(handle) if handle is not None else None
         if sms is not None and sms != config.num_sms:
             config = Config(sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
                             config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
@@ -489,8 +498,8 @@ class Buffer:
                 f"rank, but the Buffer has num_nvl_bytes={self.num_nvl_bytes}; construct Buffer with num_nvl_bytes >= "
                 f"{need} (config.get_nvl_buffer_size_hint(hidden_bytes, {self.group_size}))"
             )
-        if self.topology.num_nodes > 1 and not self._live().checks_rdma_bytes_per_dispatch:
-            need = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size, per_node)
+        if self.topology.num_nodes > 1:
+            need = backend.required_rdma_bytes(config, hidden_bytes, self.group_size, per_node)
             if need > self.num_rdma_bytes:
                 raise _err(
                     f"{op} across {self.topology.num_nodes} nodes with hidden_bytes={hidden_bytes} needs {need} bytes "
@@ -637,13 +646,8 @@ class Buffer:
         if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)
         self._check_buffer_size(hidden_bytes, config, "dispatch", h)
-        ints = []
-        for name, v in (("expert_alignment", expert_alignment), ("num_worst_tokens", num_worst_tokens)):
-            n = _as_int(v)
-            if n is None:
-                raise InvalidTypeError(f"{name} must be an int, got {v!r}")
-            ints.append(n)
-        expert_alignment, num_worst_tokens = ints
+        expert_alignment = _int_arg("expert_alignment", expert_alignment)
+        num_worst_tokens = _int_arg("num_worst_tokens", num_worst_tokens)
         if expert_alignment < 1:
             raise _err(f"expert_alignment={expert_alignment} must be >= 1")
         if num_worst_tokens < 0:

@@ -80,10 +80,6 @@ class Backend(abc.ABC):
     supported_dispatch_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
-    #: True where the backend checks each dispatch across nodes against num_rdma_bytes itself (what it stages
-    #: depends on the tokens): Buffer then skips its check against DeepEP's ring-size hint, which would refuse a
-    #: Buffer sized for a small batch and accept one too small for a big batch.
-    checks_rdma_bytes_per_dispatch: ClassVar[bool] = False
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx
@@ -124,6 +120,12 @@ class Backend(abc.ABC):
         """Raise InvalidUsageError if this backend cannot lay out a dispatch with `config` on its device (called
         by a dispatch without a handle, before the buffer-size check, so the more basic problem is named first;
         cached dispatches and combines run on the handle's lanes). Default: anything goes."""
+
+    def required_rdma_bytes(self, config: Any, hidden_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
+        """RDMA bytes per rank an op with `config` needs across nodes, checked by Buffer before the op. Default:
+        DeepEP's ring-size hint (Config.get_rdma_buffer_size_hint). A backend whose staging depends on the tokens
+        returns 0 and checks each dispatch itself."""
+        return int(config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node))
 
     def handle_num_sms(self, handle: tuple[Any, ...]) -> int | None:
         """The SM count that cached dispatches and combines with `handle` run on (the lanes its dispatch laid out),

@@ -157,8 +157,9 @@ class _Plan:
     fwd_counts: torch.Tensor    # [G] int32 rows of x' each local GPU receives
     num_sms: int
     fwd_prefix: torch.Tensor | None = None  # [G, G] forwarding step's rank prefix matrix
-    # Host, the same on every rank: the most rows any rank stages per RDMA area (x' or send area) and the most x'
-    # rows of any rank; 0 where the dispatch did not learn them (num_worst_tokens: the device checks instead).
+    # Host, the same on every rank: the most rows any rank stages per RDMA area (x' or send area; 0 where the
+    # dispatch did not learn it: num_worst_tokens, whose staging the device checks) and the most x' rows of any rank
+    # (num_worst_tokens: xp_rows, the capacity).
     staged_need: int = 0
     max_xp: int = 0
 
@@ -260,7 +261,8 @@ class InternodePath:
         if worst:
             rows = req.num_worst_tokens
             cap = self._dispatch_cap(req)
-            xp_rows = cap
+            xp_rows = max_xp = cap
+            staged_need = 0  # the device checks the staging
         else:
             ex = experts[:, me * E_loc:(me + 1) * E_loc].sum(0)
             host = host_ints(torch.cat([num_recv.reshape(1), num_xp.to(torch.int64),
@@ -269,14 +271,14 @@ class InternodePath:
             rows, xp_rows, max_xp, max_send = int(host[0]), int(host[1]), int(host[2]), int(host[3])
             a = max(req.expert_alignment, 1)
             counts = [(int(c) + a - 1) // a * a for c in host[4:]]
-            self._check_capacity(req, max(max_xp, max_send))
-        known = (0, 0) if worst else (max(max_xp, max_send), max_xp)  # num_worst_tokens: the device checks
+            staged_need = max(max_xp, max_send)
+            self._check_capacity(req, staged_need)
         plan = _Plan(send_pos=o["send_pos"], pack_dst_row=o["pack_dst_row"], send_rows=o["send_rows"],
                      send_row0=o["send_row0"], peer_row0=o["peer_row0"], seg_rows=o["seg_rows"],
                      seg_row0=o["seg_row0"], back_row0=o["back_row0"], part_row0=o["part_row0"], num_xp=num_xp,
                      xp_rows=xp_rows, mask=torch.empty((0, G), dtype=torch.bool, device=dev),
                      row_map=row_map_of(o, rows), fwd_counts=o["fwd_counts"], num_sms=num_sms,
-                     staged_need=known[0], max_xp=known[1])
+                     staged_need=staged_need, max_xp=max_xp)
         return plan, rank_prefix, counts, rows
 
     def _dispatch_layout(self, row_bytes: int, num_scales: int, num_topk: int) -> dict[str, int]:
@@ -296,20 +298,18 @@ class InternodePath:
         if plan.staged_need == 0:
             return
         cap = int(self._dispatch_layout(x.shape[1] * x.element_size(), scale_layout(x_scales)[0], 0)["cap"])
-        if plan.staged_need > cap:
-            raise InvalidUsageError(
-                f"rank {self.me}: this cached dispatch stages up to {plan.staged_need} rows per RDMA area but "
-                f"num_rdma_bytes={self.ctx.num_rdma_bytes} holds {cap} rows of hidden={x.shape[1]} ({x.dtype}), wider "
-                f"than the dispatch that made the handle; create the Buffer with num_rdma_bytes >= "
-                f"{int(self.ctx.num_rdma_bytes * plan.staged_need / max(cap, 1)) + (1 << 20)}"
-            )
+        self._refuse_staging("cached dispatch", plan.staged_need, cap, x,
+                             ", wider than the dispatch that made the handle")
 
     def _check_capacity(self, req: DispatchRequest, need: int) -> None:
-        cap = self._dispatch_cap(req)
+        self._refuse_staging("dispatch", need, self._dispatch_cap(req), req.x)
+
+    def _refuse_staging(self, op: str, need: int, cap: int, x: torch.Tensor, why: str = "") -> None:
+        """InvalidUsageError naming the size to use if `need` rows per RDMA area exceed the `cap` that rows of x fit."""
         if need > cap:
             raise InvalidUsageError(
-                f"rank {self.me}: this dispatch stages up to {need} rows per RDMA area but num_rdma_bytes="
-                f"{self.ctx.num_rdma_bytes} holds {cap} rows of hidden={req.x.shape[1]} ({req.x.dtype}); create the "
+                f"rank {self.me}: this {op} stages up to {need} rows per RDMA area but num_rdma_bytes="
+                f"{self.ctx.num_rdma_bytes} holds {cap} rows of hidden={x.shape[1]} ({x.dtype}){why}; create the "
                 f"Buffer with num_rdma_bytes >= {int(self.ctx.num_rdma_bytes * need / max(cap, 1)) + (1 << 20)}"
             )
 
@@ -458,7 +458,7 @@ class InternodePath:
         K = topk_weights.shape[1] if topk_weights is not None else 0
         T = int(handle[4].shape[0])
         lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, H, max(K, 1)))
-        need = max(plan.max_xp, plan.xp_rows)  # the largest of any rank where known, so every rank refuses alike
+        need = plan.max_xp  # the largest x' of any rank, so every rank refuses alike
         if need > lay["cap"]:
             raise InvalidUsageError(
                 f"rank {self.me}: combine stages up to {need} rows but num_rdma_bytes={self.ctx.num_rdma_bytes} "

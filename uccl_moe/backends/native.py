@@ -53,7 +53,6 @@ def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
 class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
-    checks_rdma_bytes_per_dispatch = True  # InternodePath: the staged rows against num_rdma_bytes, on every rank
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -126,6 +125,11 @@ class NativeBackend(Backend):
                 f"handle produced by this Buffer's dispatch"
             )
         return 2 * (lanes // self.W)
+
+    def required_rdma_bytes(self, config: Any, hidden_bytes: int, num_ranks: int, ranks_per_node: int) -> int:
+        # InternodePath checks each dispatch's staged rows against num_rdma_bytes, on every rank alike: the ring
+        # hint would refuse a Buffer sized for small batches and accept one too small for big ones.
+        return 0
 
     def handle_num_sms(self, handle: Any) -> int:
         if self._inter is not None:

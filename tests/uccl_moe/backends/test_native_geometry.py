@@ -90,9 +90,14 @@ def test_native_handle_num_sms_is_the_handles_lane_layout():
     the handle's lane matrix ([R, L], L = channels x lanes per channel); across nodes, the SM count of the handle's
     plan. A lane count that is no multiple of the lanes per channel is refused."""
     from uccl_moe.backends.native import NativeBackend
+    from uccl_moe.backends.reference import ReferenceBackend
 
-    # across nodes it checks each dispatch's staged rows itself, so Buffer skips DeepEP's ring-size hint
-    assert NativeBackend.checks_rdma_bytes_per_dispatch is True
+    # across nodes it checks each dispatch's staged rows itself, so Buffer holds it to no ring-size hint up front;
+    # the default (the reference backend) is DeepEP's hint
+    cfg = Config(24, 8, 256, 6, 128)
+    assert object.__new__(NativeBackend).required_rdma_bytes(cfg, 7168 * 2, 16, 8) == 0
+    want = cfg.get_rdma_buffer_size_hint(7168 * 2, 16, 8)
+    assert want > 0 and object.__new__(ReferenceBackend).required_rdma_bytes(cfg, 7168 * 2, 16, 8) == want
     backend = object.__new__(NativeBackend)  # no GPU here: only the handle arithmetic is exercised
     backend._inter = None
     backend.R = 4
