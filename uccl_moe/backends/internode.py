@@ -301,6 +301,18 @@ class InternodePath:
         self._refuse_staging("cached dispatch", plan.staged_need, cap, x,
                              ", wider than the dispatch that made the handle")
 
+    def _combine_layout(self, plan: _Plan, hidden: int, num_topk: int) -> dict[str, int]:
+        """The RDMA layout of a combine of rows of `hidden`; refused on every rank alike (by the largest x' of any
+        rank) when its partials do not fit."""
+        lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, hidden, max(num_topk, 1)))
+        if plan.max_xp > lay["cap"]:
+            raise InvalidUsageError(
+                f"rank {self.me}: combine stages up to {plan.max_xp} rows but num_rdma_bytes="
+                f"{self.ctx.num_rdma_bytes} holds {lay['cap']} rows of hidden={hidden}; create the Buffer with a "
+                f"larger num_rdma_bytes"
+            )
+        return lay
+
     def _check_capacity(self, req: DispatchRequest, need: int) -> None:
         self._refuse_staging("dispatch", need, self._dispatch_cap(req), req.x)
 
@@ -457,13 +469,7 @@ class InternodePath:
         H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         T = int(handle[4].shape[0])
-        lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, H, max(K, 1)))
-        need = plan.max_xp  # the largest x' of any rank, so every rank refuses alike
-        if need > lay["cap"]:
-            raise InvalidUsageError(
-                f"rank {self.me}: combine stages up to {need} rows but num_rdma_bytes={self.ctx.num_rdma_bytes} "
-                f"holds {lay['cap']} rows of hidden={H}; create the Buffer with a larger num_rdma_bytes"
-            )
+        lay = self._combine_layout(plan, H, K)
         base = self.rt.buffer
         half = lay["half_bytes"]
         tw = topk_weights.contiguous() if topk_weights is not None else None

@@ -118,7 +118,8 @@ def test_rdma_bytes_for_holds_the_worst_staging(T: int, H: int, K: int, N: int, 
 def test_cached_dispatch_refuses_rows_wider_than_the_rdma_areas() -> None:
     """A cached dispatch restages its handle's rows at x's width: where the dispatch knew the most rows any rank
     stages (the same on every rank), rows that no longer fit (float32 after BF16) are refused on every rank before
-    anything is staged, with the size to use; where it did not (num_worst_tokens), the device check stays."""
+    anything is staged, with the size to use; where it did not (num_worst_tokens), the device check stays. A combine
+    is refused by the largest x' of any rank."""
     from types import SimpleNamespace
 
     from uccl_moe import _C
@@ -139,3 +140,10 @@ def test_cached_dispatch_refuses_rows_wider_than_the_rdma_areas() -> None:
         path._check_cached(plan, torch.empty((1, 7168), dtype=torch.float32), None)
     plan.staged_need = 0  # not known on the host (num_worst_tokens)
     path._check_cached(plan, torch.empty((1, 7168), dtype=torch.float32), None)
+    # combine: refused by the largest x' of any rank (the same everywhere), not this rank's own
+    comb_cap = _C.internode_combine_layout(path.ctx.num_rdma_bytes, 7168, 8)["cap"]
+    plan = SimpleNamespace(max_xp=comb_cap, xp_rows=1)
+    assert path._combine_layout(plan, 7168, 8)["cap"] == comb_cap
+    plan.max_xp = comb_cap + 1
+    with pytest.raises(InvalidUsageError, match=f"combine stages up to {comb_cap + 1} rows.*holds {comb_cap} rows"):
+        path._combine_layout(plan, 7168, 8)
