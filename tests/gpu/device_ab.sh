@@ -2,7 +2,8 @@
 # One device call comparing baseline intranode kernels with this tree's, side by side in the same run.
 #   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [ALT=<dir>] [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tests/gpu/device_ab.sh
 # Builds the baseline (the tree with BASE's kernel files swapped in), then this tree (incremental), runs the
-# benchmark alternately with each extension (AB_ORDER, default base new base new), then the GPU tests on the new build.
+# benchmark alternately with each extension (AB_ORDER, default base new base new; a run may set env for itself:
+# new@UCCL_MOE_COMBINE_SENDER_SMS=8), then the GPU tests on the new build.
 # On a one-GPU machine use AB_RANKS=1 (one process: the kernels' SM-side cost; ranks sharing a GPU time-slice).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,10 +27,11 @@ grep -E "spill" "$OUT/build.log" | sort | uniq -c | head; echo "builds $(( $(dat
 # $B and $TESTS are word-split on purpose.
 B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 --sms 24 --nvl-recv 1024 --iters 30}"
 i=0; mkdir -p /tmp/abj
-for v in ${AB_ORDER:-base new base new}; do
-  i=$((i + 1)); cp "/tmp/ab_$v.so" "$SO"
-  echo "== $v (run $i)" | tee -a "$L"
-  timeout "${AB_TIMEOUT:-120}" $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1
+for spec in ${AB_ORDER:-base new base new}; do   # a run is NAME or NAME@VAR=VAL[,VAR=VAL...] (env for that run)
+  v=${spec%%@*}; envs=(); [ "$spec" != "$v" ] && IFS=, read -r -a envs <<< "${spec#*@}"
+  i=$((i + 1)); cp "/tmp/ab_$v.so" "$SO"; v=${spec//[^A-Za-z0-9_]/_}
+  echo "== $spec (run $i)" | tee -a "$L"
+  env "${envs[@]}" timeout "${AB_TIMEOUT:-120}" $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1
   grep -v "it/s\]" /tmp/ab_run.log | grep -E -A8 "disp_us" | tee -a "$L"; grep "kernels us" /tmp/ab_run.log | tee -a "$L"
   if [ ! -s "/tmp/abj/ab${i}_$v.json" ]; then
     tail -15 /tmp/ab_run.log | tee -a "$L"

@@ -443,6 +443,50 @@ def test_native_intranode_lane_geometries(world: int) -> None:
     run_shared_gpu_ranks(_geometry_worker, world, timeout_s=600)
 
 
+# ------------------------------------------------------------------------------------------------ combine splits
+def _combine_split_worker(rank: int, world: int, gloo) -> None:
+    """Combine under every kind of block split UCCL_MOE_COMBINE_SENDER_SMS may choose: the fewest sender blocks
+    (every sender warp busy, the most receiver blocks, several lanes per block), the most (one receiver warp per
+    lane), one between, and the built-in split; at 24 SMs (the DeepSeek-V3 setting) and Megatron's 20 with 1-token
+    chunks. Each against the reference (with weights and biases, bitwise repeatable, through the worst handle),
+    with a rank that receives nothing and with skewed routing. The knob is re-read after each change."""
+    from uccl_moe import _C, Buffer, Config
+
+    R = world
+    W, warps = _C.intranode_lanes_per_channel(R), _C.intranode_lanes_per_channel(1)
+    configs = [Config(24, 2, 256, 6, 128), Config(20, 1, 5 * W, 6, 128)]
+    nvl = max(c.get_nvl_buffer_size_hint(4096 * 2, R) for c in configs)
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
+    check = Checks(rank, R)
+    try:
+        for ci, cfg in enumerate(configs):
+            lanes = cfg.num_sms // 2 * W
+            lo, hi = -(-lanes * (R - 1) // warps), cfg.num_sms - -(-lanes // warps)
+            for senders in sorted({lo, (lo + hi) // 2, hi}) + [0]:
+                os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(senders)
+                _C.env_reset_cache()
+                assert _C.intranode_combine_split(cfg.num_sms, R, senders)[0][0] == (senders or cfg.num_sms // 2)
+                for name, T, H, per_rank, K, routing in [("skew", 600 + 13 * rank, 4096, 8, 8, "skew"),
+                                                         ("empty-last", 300, 2048, 8, 6, "empty_last")]:
+                    case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 80 + ci)
+                    check_case(check, f"num_sms={cfg.num_sms} senders={senders} {name}", nat, ref, case, cfg,
+                               ref.get_dispatch_layout(case.idx, per_rank * R), worst=700 * R,
+                               empty_rank=routing == "empty_last", combine_close=_close_bf16, repeats=2)
+    finally:
+        os.environ.pop("UCCL_MOE_COMBINE_SENDER_SMS", None)
+        _C.env_reset_cache()
+    dist.barrier(group=gloo)
+    nat.destroy()
+    ref.destroy()
+    check.assert_none_failed()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_native_combine_block_splits(world: int) -> None:
+    run_shared_gpu_ranks(_combine_split_worker, world, timeout_s=600)
+
+
 # ------------------------------------------------------------------------------------------------ ordering stress
 def _ordering_worker(rank: int, world: int, gloo, rounds: int, backend: str = "native", dev: str = "cuda") -> None:
     """Ring hand-off ordering under stress. One layout is dispatched `rounds` more times from its handle, each round's

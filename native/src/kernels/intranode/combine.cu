@@ -1,11 +1,13 @@
 // combine_intranode_kernel: sends every received row back to the rank it came from and sums the copies of
 // each token there in float32, in rank order 0..N-1 (bitwise deterministic), plus optional biases and the
-// top-k weights. Grid = 2 * C blocks like dispatch and the same lanes (from the dispatch handle):
-//   sender block c, warp (dst, w): rows of lane l = c*W + w received from dst, pushed in order into ring
-//     (lane, me) at dst (they are contiguous in x: recv_lane_start / rank_prefix_matrix say where); the rows
-//     this rank received from itself are not pushed: its receiver reads them from x in place;
-//   receiver block c: G = warps / W warps per lane, each owning a 1/G slice of the hidden columns, walk the
-//     lane's tokens in order; send_head[t][r] is the slot position of token t's copy in ring (lane, r).
+// top-k weights. Grid = 2 * C blocks like dispatch and the same lanes (from the dispatch handle), split between
+// the roles by CombineSplit (intranode.hpp; S sender and R receiver blocks, S + R = 2 * C):
+//   a sender warp serves one remote pair (lane l, dst): the rows of lane l received from dst, pushed in order
+//     into ring (lane, me) at dst (they are contiguous in x: recv_lane_start / rank_prefix_matrix say where);
+//     the rows this rank received from itself are not pushed: its receiver reads them from x in place;
+//   a receiver block serves a run of lanes with G warps per lane, each owning a 1/G slice of the hidden columns;
+//     they walk the lane's tokens in order; send_head[t][r] is the slot position of token t's copy in ring
+//     (lane, r).
 // Heads: each receiver warp records how far it consumed each ring in shared memory; the minimum over the G
 // warps of a lane is handed to the sender as a system-scope atomic add of the growth the publishing warp
 // claimed in shared memory (so the head only moves forward whatever order the adds land in). A warp publishes
@@ -13,6 +15,7 @@
 // not handed back. Counters are relative to the round's bases (nvl_layout.hpp).
 #include "intranode_device.cuh"
 #include "../bf16.cuh"
+#include "uccl_moe/env.hpp"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -26,16 +29,16 @@ constexpr int kPublishEvery = 4;  // tokens between two head publications of a r
 
 struct CombineKernelArgs {
   CombineArgs a;
-  SlotLayout slot;  // row = hidden bf16; weights at off_weights
+  SlotLayout slot;     // row = hidden bf16; weights at off_weights
+  CombineSplit split;  // which block serves which lane
 };
 
-UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
-                                     int dst, int w) {
+UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k,
+                                     int lane_idx, int dst) {
   const CombineArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
-  const int lane_idx = c * g.lanes_per_channel + w;
-  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
+  char* ring = lane_ring_of(ctx.buffers[dst], g, N, lane_idx, me);
   RingSender out(ctx, lane_idx, dst);
   // Rows we received from dst in this lane: contiguous in x.
   const int dst_begin = dst == 0 ? 0 : a.rank_prefix[(dst - 1) * N + me];
@@ -60,16 +63,15 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
 }
 
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
-UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k, int c,
-                                     int lane_local, int gw, int group, RecvSmem* sm) {
+UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k,
+                                     int lane_idx, int lane_local, int gw, int group, RecvSmem* sm) {
   const CombineArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, L = g.num_lanes, lane = gpu::lane_id();
-  const int lane_idx = c * g.lanes_per_channel + lane_local;
   const int first_warp = lane_local * group;
   const int my_warp = first_warp + gw;
   // Lane d < N tracks ring (lane, d): its base, the tail seen, and what this warp consumed.
-  const char* my_ring = lane < N ? lane_ring(ctx.buffers[ctx.rank], g, N, c, lane, lane_local) : nullptr;
+  const char* my_ring = lane < N ? lane_ring_of(ctx.buffers[ctx.rank], g, N, lane_idx, lane) : nullptr;
   const int32_t* my_tail = meta_ptr(ctx.buffers[ctx.rank], kOffTail) + lane_idx * N + (lane < N ? lane : 0);
   const int32_t my_base = lane < N ? *recv_base_word(ctx, lane_idx, lane) : 0;
   // Our own copies never went through a ring: lane `me` finds them in x (rows row0_self + p, as the sender of a
@@ -188,20 +190,19 @@ template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     combine_intranode_kernel(NvlContext ctx, Geometry g, CombineKernelArgs k) {
   __shared__ RecvSmem sm;
-  const int C = g.num_channels, W = g.lanes_per_channel;
-  const bool sender = static_cast<int>(blockIdx.x) < C;
-  const int c = sender ? blockIdx.x : blockIdx.x - C;
-  const int warp = gpu::warp_id();
-  if (sender) {
-    const int peer = warp / W, w = warp % W;
-    if (peer < ctx.num_ranks && peer != ctx.rank) combine_send(ctx, g, k, c, peer, w);  // own rows: read in place
+  const CombineSplit& sp = k.split;
+  const int b = blockIdx.x, warp = gpu::warp_id();
+  if (b < sp.senders) {
+    const int pair = sp.pair_of(b, warp);  // own rows are not pushed: their receiver reads them in place
+    if (pair < sp.num_pairs()) combine_send(ctx, g, k, sp.pair_lane(pair), sp.pair_dst(pair, ctx.rank));
     return;
   }
+  const int r = b - sp.senders;
+  const int lane0 = sp.first_lane(r), lanes = sp.lanes_of(r), group = sp.group(r, kWarpsPerBlock);
   sm.reset();
-  const int group = kWarpsPerBlock / W;  // warps per lane
   const int lane_local = warp / group, gw = warp % group;
-  if (lane_local < W) combine_recv<kNumRanks>(ctx, g, k, c, lane_local, gw, group, &sm);
-  sm.finish(ctx, c, W, group);
+  if (lane_local < lanes) combine_recv<kNumRanks>(ctx, g, k, lane0 + lane_local, lane_local, gw, group, &sm);
+  sm.finish(ctx, lane0, lanes, group);
 }
 
 }  // namespace
@@ -210,7 +211,8 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
-  CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0)};
+  CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0),
+                      combine_split(g, ctx.num_ranks, static_cast<int>(env::COMBINE_SENDER_SMS()))};
   const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
   UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
               "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),

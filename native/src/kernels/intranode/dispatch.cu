@@ -115,7 +115,7 @@ UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, 
         continue;
       }
       if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) {
-        out.give_up();
+        out.mark_finished();
         return;
       }
       char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int group = kWarpsPerBlock / W;  // warps per lane (>= N)
   const int lane_local = warp / group, gw = warp % group;
   if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
-  sm.finish(ctx, c, W, group);
+  sm.finish(ctx, c * W, W, group);
 }
 
 }  // namespace

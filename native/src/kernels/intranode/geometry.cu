@@ -1,5 +1,6 @@
 // Lane geometry, NVL size check and the copy-engine peer copy (benchmark ceiling).
 #include "intranode_device.cuh"
+#include "uccl_moe/env.hpp"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -26,6 +27,25 @@ Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_
   UCCL_ASSERT(nvl_send_tokens >= 1, "Config.num_max_nvl_chunked_send_tokens=%d must be >= 1", nvl_send_tokens);
   g.chunk_tokens = nvl_send_tokens < g.lane_slots ? nvl_send_tokens : g.lane_slots;
   return g;
+}
+
+CombineSplit combine_split(const Geometry& g, int num_ranks, int senders) {
+  const int blocks = 2 * g.num_channels;
+  CombineSplit s{};
+  s.num_lanes = g.num_lanes;
+  s.peers = num_ranks - 1;
+  const int pairs = s.num_pairs();
+  const int min_senders = (pairs + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per pair
+  const int min_receivers = (g.num_lanes + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per lane
+  const int max_senders = blocks - min_receivers;
+  if (senders <= 0) senders = pairs == 0 ? 0 : g.num_channels;  // built-in: one block per channel each way
+  UCCL_ASSERT(senders >= min_senders && senders <= max_senders,
+              "UCCL_MOE_COMBINE_SENDER_SMS=%d: with Config.num_sms=%d and %d local ranks combine needs %d..%d sender "
+              "blocks (%d remote lane pairs at one warp each, %d lanes at one receiver warp each); unset it for the "
+              "built-in split", senders, blocks, num_ranks, min_senders, max_senders, pairs, g.num_lanes);
+  s.senders = senders;
+  s.receivers = blocks - senders;
+  return s;
 }
 
 Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {

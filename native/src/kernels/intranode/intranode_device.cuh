@@ -182,12 +182,12 @@ struct RingSender {
   UCCL_DEVICE_INLINE void finish(int count) {
     publish(count);
     if (post != nullptr)
-      give_up();
+      mark_finished();
     else if (gpu::lane_id() == 0)
       *base_word = base + count;
   }
   /// When posting: tells the publisher this warp posts nothing more (its last post, or it left on a failed wait).
-  UCCL_DEVICE_INLINE void give_up() {
+  UCCL_DEVICE_INLINE void mark_finished() {
     gpu::sync_warp();
     if (post != nullptr && gpu::lane_id() == 0) gpu::store_release_block(finished, 1);
   }
@@ -281,14 +281,14 @@ struct RecvSmem {
   /// Both sides are shared-memory atomics so the sharing is explicit (compute-sanitizer racecheck: no hazard).
   UCCL_DEVICE_INLINE void set_consumed(int warp, int src, int32_t count) { atomicExch(&consumed[warp][src], count); }
   UCCL_DEVICE_INLINE int32_t consumed_by(int warp, int src) { return atomicAdd(&consumed[warp][src], 0); }
-  /// After every warp's last publication: the lane's final count moves its recv_base (the next round on this
-  /// stream starts there). All threads of the block call it.
-  UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int c, int W, int group) {
+  /// After every warp's last publication: the final count of each of the block's lanes [lane0, lane0 + lanes)
+  /// moves its recv_base (the next round on this stream starts there). All threads of the block call it.
+  UCCL_DEVICE_INLINE void finish(const NvlContext& ctx, int lane0, int lanes, int group) {
     __syncthreads();
     const int warp = gpu::warp_id(), lane = gpu::lane_id();
     const int lane_local = warp / group;
-    if (lane_local < W && warp % group == 0 && lane < ctx.num_ranks)
-      *recv_base_word(ctx, c * W + lane_local, lane) += published[warp][lane];
+    if (lane_local < lanes && warp % group == 0 && lane < ctx.num_ranks)
+      *recv_base_word(ctx, lane0 + lane_local, lane) += published[warp][lane];
   }
 };
 
@@ -340,6 +340,10 @@ UCCL_DEVICE_INLINE int64_t self_row0(const Args& a, int N, int me, int L, int la
 UCCL_DEVICE_INLINE char* lane_ring(void* buffer, const Geometry& g, int num_ranks, int channel, int src, int w) {
   const int64_t ring = (static_cast<int64_t>(channel) * num_ranks + src) * g.lanes_per_channel + w;
   return static_cast<char*>(buffer) + kNvlMetaBytes + ring * g.lane_region_bytes;
+}
+/// The same ring named by its lane index (lane_idx = channel * W + w).
+UCCL_DEVICE_INLINE char* lane_ring_of(void* buffer, const Geometry& g, int num_ranks, int lane_idx, int src) {
+  return lane_ring(buffer, g, num_ranks, lane_idx / g.lanes_per_channel, src, lane_idx % g.lanes_per_channel);
 }
 
 }  // namespace uccl_moe::intranode
