@@ -29,6 +29,8 @@ B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---hidden 7
 i=0; mkdir -p /tmp/abj
 for spec in ${AB_ORDER:-base new base new}; do   # a run is NAME or NAME@VAR=VAL[,VAR=VAL...] (env for that run)
   v=${spec%%@*}; envs=(); [ "$spec" != "$v" ] && IFS=, read -r -a envs <<< "${spec#*@}"
+  for e in "${envs[@]}"; do [[ $e == [A-Za-z_]*=* ]] || { echo "AB_ORDER run '$spec': '$e' is not VAR=VALUE"; exit 2; }; done
+  [ -f "/tmp/ab_$v.so" ] || { echo "AB_ORDER run '$spec': no variant '$v' (base, new, or alt with ALT set)"; exit 2; }
   i=$((i + 1)); cp "/tmp/ab_$v.so" "$SO"; v=${spec//[^A-Za-z0-9_]/_}
   echo "== $spec (run $i)" | tee -a "$L"
   env "${envs[@]}" timeout "${AB_TIMEOUT:-120}" $B --json "/tmp/abj/ab${i}_$v.json" > /tmp/ab_run.log 2>&1

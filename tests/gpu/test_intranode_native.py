@@ -446,11 +446,13 @@ def test_native_intranode_lane_geometries(world: int) -> None:
 # ------------------------------------------------------------------------------------------------ combine splits
 def _combine_split_worker(rank: int, world: int, gloo) -> None:
     """Combine under every kind of block split UCCL_MOE_COMBINE_SENDER_SMS may choose: the fewest sender blocks
-    (every sender warp busy, the most receiver blocks, several lanes per block), the most (one receiver warp per
-    lane), one between, and the built-in split; at 24 SMs (the DeepSeek-V3 setting) and Megatron's 20 with 1-token
-    chunks. Each against the reference (with weights and biases, bitwise repeatable, through the worst handle),
-    with a rank that receives nothing and with skewed routing. The knob is re-read after each change."""
+    (every sender warp busy, the most receiver blocks, several lanes per block), one more (receiver blocks with
+    uneven lane runs), the most (one receiver warp per lane), and the built-in split; at 24 SMs (the DeepSeek-V3
+    setting) and Megatron's 20 with 1-token chunks. Each against the reference (with weights and biases, bitwise
+    repeatable, through the worst handle), with a rank that receives nothing and with skewed routing. The knob is
+    re-read after each change; a value out of range must make combine itself refuse, naming the knob."""
     from uccl_moe import _C, Buffer, Config
+    from uccl_moe.errors import InvalidUsageError
 
     R = world
     W, warps = _C.intranode_lanes_per_channel(R), _C.intranode_lanes_per_channel(1)
@@ -463,7 +465,7 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
         for ci, cfg in enumerate(configs):
             lanes = cfg.num_sms // 2 * W
             lo, hi = -(-lanes * (R - 1) // warps), cfg.num_sms - -(-lanes // warps)
-            for senders in sorted({lo, (lo + hi) // 2, hi}) + [0]:
+            for senders in sorted({lo, lo + 1, hi}) + [0]:
                 os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(senders)
                 _C.env_reset_cache()
                 assert _C.intranode_combine_split(cfg.num_sms, R, senders)[0][0] == (senders or cfg.num_sms // 2)
@@ -473,6 +475,15 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
                     check_case(check, f"num_sms={cfg.num_sms} senders={senders} {name}", nat, ref, case, cfg,
                                ref.get_dispatch_layout(case.idx, per_rank * R), worst=700 * R,
                                empty_rank=routing == "empty_last", combine_close=_close_bf16, repeats=2)
+            os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(hi + 1)  # every rank refuses before launching
+            _C.env_reset_cache()
+            _, res = _dispatch(nat, case, "cuda", config=cfg)
+            try:
+                nat.combine(res.recv_x, res.handle, config=cfg)
+            except InvalidUsageError as e:
+                check(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", f"COMBINE_SENDER_SMS={hi + 1}" in str(e))
+            else:
+                check(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", False)
     finally:
         os.environ.pop("UCCL_MOE_COMBINE_SENDER_SMS", None)
         _C.env_reset_cache()

@@ -1,4 +1,6 @@
 // Lane geometry, NVL size check and the copy-engine peer copy (benchmark ceiling).
+#include <algorithm>
+
 #include "intranode_device.cuh"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/gpu_check.cuh"
@@ -35,14 +37,16 @@ CombineSplit combine_split(const Geometry& g, int num_ranks, int senders) {
   s.num_lanes = g.num_lanes;
   s.peers = num_ranks - 1;
   const int pairs = s.num_pairs();
-  const int min_senders = (pairs + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per pair
+  // One warp per pair, and no receiver block without a lane (only possible where W = 1: 64-wide warps at EP7-8).
+  const int min_senders = std::max((pairs + kWarpsPerBlock - 1) / kWarpsPerBlock, blocks - g.num_lanes);
   const int min_receivers = (g.num_lanes + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per lane
   const int max_senders = blocks - min_receivers;
   if (senders <= 0) senders = pairs == 0 ? 0 : g.num_channels;  // built-in: one block per channel each way
   UCCL_ASSERT(senders >= min_senders && senders <= max_senders,
               "UCCL_MOE_COMBINE_SENDER_SMS=%d: with Config.num_sms=%d and %d local ranks combine needs %d..%d sender "
-              "blocks (%d remote lane pairs at one warp each, %d lanes at one receiver warp each); unset it for the "
-              "built-in split", senders, blocks, num_ranks, min_senders, max_senders, pairs, g.num_lanes);
+              "blocks (%d remote lane pairs at one warp each, %d lanes at one receiver warp each and at least one lane per "
+              "receiver block); unset it for the built-in split", senders, blocks, num_ranks, min_senders, max_senders,
+              pairs, g.num_lanes);
   s.senders = senders;
   s.receivers = blocks - senders;
   return s;
