@@ -445,11 +445,10 @@ def test_native_intranode_lane_geometries(world: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ combine splits
 def _combine_split_worker(rank: int, world: int, gloo) -> None:
-    """Combine under every kind of block split UCCL_MOE_COMBINE_SENDER_SMS / _RING_WRITERS may choose: the fewest
-    sender blocks (every sender warp busy, the most receiver blocks, several lanes per block), one more (receiver
-    blocks with uneven lane runs), the most (one receiver warp per lane) with two writers per ring, and the built-in
-    split with its own writer count and with one writer; at 24 SMs (the DeepSeek-V3 setting) and Megatron's 20 with
-    1-token chunks. Each against the reference (with weights and biases, bitwise
+    """Combine under every kind of block split UCCL_MOE_COMBINE_SENDER_SMS may choose: the fewest sender blocks
+    (every sender warp busy, the most receiver blocks, several lanes per block), one more (receiver blocks with
+    uneven lane runs), the most (one receiver warp per lane), and the built-in split; at 24 SMs (the DeepSeek-V3
+    setting) and Megatron's 20 with 1-token chunks. Each against the reference (with weights and biases, bitwise
     repeatable, through the worst handle), with a rank that receives nothing and with skewed routing. The knob is
     re-read after each change; a value out of range must make combine itself refuse, naming the knob."""
     from uccl_moe import _C, Buffer, Config
@@ -466,20 +465,17 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
         for ci, cfg in enumerate(configs):
             lanes = cfg.num_sms // 2 * W
             lo, hi = -(-lanes * (R - 1) // warps), cfg.num_sms - -(-lanes // warps)
-            for senders, writers in [(lo, 0), (lo + 1, 0), (hi, 2), (0, 0), (0, 1)]:
+            for senders in sorted({lo, lo + 1, hi}) + [0]:
                 os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(senders)
-                os.environ["UCCL_MOE_COMBINE_RING_WRITERS"] = str(writers)
                 _C.env_reset_cache()
-                split = _C.intranode_combine_split(cfg.num_sms, R, senders, writers)[0]
-                assert split[0] == (senders or cfg.num_sms // 2) and (writers == 0 or split[2] == writers), split
+                assert _C.intranode_combine_split(cfg.num_sms, R, senders)[0][0] == (senders or cfg.num_sms // 2)
                 for name, T, H, per_rank, K, routing in [("skew", 600 + 13 * rank, 4096, 8, 8, "skew"),
                                                          ("empty-last", 300, 2048, 8, 6, "empty_last")]:
                     case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 80 + ci)
-                    check_case(check, f"num_sms={cfg.num_sms} split={split} {name}", nat, ref, case, cfg,
+                    check_case(check, f"num_sms={cfg.num_sms} senders={senders} {name}", nat, ref, case, cfg,
                                ref.get_dispatch_layout(case.idx, per_rank * R), worst=700 * R,
                                empty_rank=routing == "empty_last", combine_close=_close_bf16, repeats=2)
             os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(hi + 1)  # every rank refuses before launching
-            os.environ["UCCL_MOE_COMBINE_RING_WRITERS"] = "0"
             _C.env_reset_cache()
             _, res = _dispatch(nat, case, "cuda", config=cfg)
             try:
@@ -490,7 +486,6 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
                 check(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", False)
     finally:
         os.environ.pop("UCCL_MOE_COMBINE_SENDER_SMS", None)
-        os.environ.pop("UCCL_MOE_COMBINE_RING_WRITERS", None)
         _C.env_reset_cache()
     dist.barrier(group=gloo)
     nat.destroy()

@@ -333,17 +333,6 @@ UCCL_DEVICE_INLINE void store_stream_128(int4* p, const int4& v) {
 /// 4-byte load of ring metadata written by a peer (same rule as load_ring_128).
 UCCL_DEVICE_INLINE int32_t load_ring_32(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
 
-/// Release system-scope atomic add: the writers of one ring each release their disjoint share of its progress. The
-/// adds commute, so the counter ends exact (modulo 2^32) in whatever order they land, and a consumer's acquire of
-/// any value observes every add before it in the counter's modification order (an RMW chain), each a release, so it
-/// covers every store those writers released.
-UCCL_DEVICE_INLINE void atomic_add_release_sys(int32_t* p, int32_t v) {
-#if defined(UCCL_MOE_HIP)
-  __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
-#else
-  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-#endif
-}
 /// Relaxed system-scope atomic add: a consumer handing ring slots back to their producer. No release: the slots'
 /// loads have returned (their values were already stored or summed), so nothing earlier needs to be ordered, and a
 /// release would be a system-wide fence waiting for the consumer's own output stores. For a counter several warps

@@ -93,26 +93,24 @@ void register_runtime(nb::module_& m) {
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "row_bytes"_a, "num_topk"_a,
   "num_scales"_a);
 
-  m.def("intranode_combine_split", [](int num_sms, int num_ranks, int senders, int writers, int me) {
-    // The split the combine kernel would use (senders / writers <= 0: the built-in choice), with every block's role
-    // spelled out by the same CombineSplit methods the kernel calls: ((S, R, writers per ring), [(block, warp, lane,
-    // dst, writer)] of the sender warps that serve a pair, [(block, first_lane, lanes, group)] of the receivers).
+  m.def("intranode_combine_split", [](int num_sms, int num_ranks, int senders, int me) {
+    // The split the combine kernel would use (senders <= 0: the built-in one), with every block's role spelled
+    // out by the same CombineSplit methods the kernel calls: ((S, R), [(block, warp, lane, dst)] of the sender
+    // warps that serve a pair, [(block, first_lane, lanes, group)] of the receiver blocks).
     const auto g = intranode::make_geometry(num_sms, num_ranks, 8, 256);
-    const auto s = intranode::combine_split(g, num_ranks, senders, writers);
+    const auto s = intranode::combine_split(g, num_ranks, senders);
     const int warps = intranode::lanes_per_channel(1);
     nb::list pairs, lanes;
     for (int b = 0; b < s.senders; ++b)
       for (int w = 0; w < warps; ++w) {
-        const int p = s.pair_of(b, w), j = s.writer_of(w);
-        if (p < s.num_pairs() && w - j + s.writers <= warps)  // the kernel's condition
-          pairs.append(nb::make_tuple(b, w, s.pair_lane(p), s.pair_dst(p, me), j));
+        const int p = s.pair_of(b, w);
+        if (p < s.num_pairs()) pairs.append(nb::make_tuple(b, w, s.pair_lane(p), s.pair_dst(p, me)));
       }
     for (int r = 0; r < s.receivers; ++r)
       lanes.append(nb::make_tuple(s.senders + r, s.first_lane(r), s.lanes_of(r), s.group(r, warps)));
-    return nb::make_tuple(nb::make_tuple(s.senders, s.receivers, s.writers), pairs, lanes);
-  }, "num_sms"_a, "num_ranks"_a, "senders"_a, "writers"_a = 0, "me"_a = 0,
-  "((senders, receivers, writers), sender warps (block, warp, lane, dst, writer), receiver blocks (block, first_lane, "
-  "lanes, group))");
+    return nb::make_tuple(nb::make_tuple(s.senders, s.receivers), pairs, lanes);
+  }, "num_sms"_a, "num_ranks"_a, "senders"_a, "me"_a = 0,
+  "((senders, receivers), sender pairs (block, warp, lane, dst), receiver blocks (block, first_lane, lanes, group))");
 
   m.def("intranode_slot_placement", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int64_t num_nvl_bytes,
                                        int row_bytes, int num_topk, int num_scales) {

@@ -126,74 +126,48 @@ def test_native_handle_num_sms_is_the_handles_lane_layout():
         object.__new__(InternodePath).handle_num_sms((torch.zeros(16, dtype=torch.int32), None))
 
 
-def _split_bounds(num_sms: int, ranks: int, writers: int = 1) -> tuple[int, int]:
-    """(fewest, most) combine sender blocks: `writers` warps of one block per remote (lane, dst) pair, one receiver
-    warp per lane and at least one lane per receiver block."""
+def _split_bounds(num_sms: int, ranks: int) -> tuple[int, int]:
+    """(fewest, most) combine sender blocks: one warp per remote (lane, dst) pair, one receiver warp per lane and at
+    least one lane per receiver block."""
     warps = _C.intranode_lanes_per_channel(1)
     lanes = num_sms // 2 * _C.intranode_lanes_per_channel(ranks)
-    return max(-(-lanes * (ranks - 1) // (warps // writers)), num_sms - lanes), num_sms - -(-lanes // warps)
+    return max(-(-lanes * (ranks - 1) // warps), num_sms - lanes), num_sms - -(-lanes // warps)
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("num_sms", [2, 20, 24, 132])
 def test_combine_split_serves_every_pair_and_lane_once(ranks: int, num_sms: int) -> None:
-    """Every split the knobs may choose, spelled out by the kernel's own CombineSplit methods: each remote (lane, dst)
-    pair has exactly its k writer warps, consecutive in one block, writers 0..k-1; each lane has exactly one receiver
-    block, whose lanes are a run and whose groups fit its warps. A mapping that dropped or doubled a pair's writer,
-    or sent to ourselves, would leave rows unpushed (a hang) or pushed twice (corruption)."""
+    """Every split the knob may choose, spelled out by the kernel's own CombineSplit methods: each remote (lane, dst)
+    pair has exactly one sender warp, inside its block; each lane has exactly one receiver block, whose lanes are a
+    run and whose groups fit its warps. A mapping that dropped or doubled a pair, or
+    sent to ourselves, would leave a ring unfed (a hang) or fed twice (corruption)."""
     warps = _C.intranode_lanes_per_channel(1)
     lanes = num_sms // 2 * _C.intranode_lanes_per_channel(ranks)
-    for writers in (0, 1, 2, 3, 4):  # 0: the built-in choice
-        lo, hi = _split_bounds(num_sms, ranks, max(writers, 1))
-        for senders in sorted({0, lo, lo + 1, hi, (lo + hi) // 2}):  # 0: the built-in split
-            if (senders and not lo <= senders <= hi) or (not senders and ranks > 1 and max(num_sms // 2, lo) > hi):
-                continue  # refused: the test below
-            for me in sorted({0, ranks - 1, ranks // 2}):
-                (S, R, k), pairs, recv = _C.intranode_combine_split(num_sms, ranks, senders, writers, me)
-                default = 0 if ranks == 1 else max(num_sms // 2, lo)
-                assert S + R == num_sms and S == (senders or default)
-                if writers:
-                    assert k == writers
-                else:  # two where the sender blocks have the warps
-                    assert k == (2 if ranks > 1 and warps // 2 * S >= lanes * (ranks - 1) else 1), (S, k)
-                by_pair: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-                for b, w, lane, d, j in pairs:
-                    by_pair.setdefault((lane, d), []).append((b, w, j))
-                want = {(lane, d) for lane in range(lanes) for d in range(ranks) if d != me}
-                assert set(by_pair) == want, (senders, writers, me)
-                for ws in by_pair.values():
-                    assert len(ws) == k and len({b for b, _, _ in ws}) == 1, ws
-                    assert sorted(j for _, _, j in ws) == list(range(k)), ws
-                    assert sorted(w for _, w, _ in ws) == list(range(ws[0][1] - ws[0][2], ws[0][1] - ws[0][2] + k)), ws
-                covered = []
-                for b, first, n, group in recv:
-                    assert n >= 1 and group >= 1 and n * group <= warps, (b, first, n, group)
-                    covered += range(first, first + n)
-                assert covered == list(range(lanes)), senders
+    lo, hi = _split_bounds(num_sms, ranks)
+    for senders in sorted({0, lo, hi, (lo + hi) // 2}):  # 0: the built-in split
+        for me in sorted({0, ranks - 1, ranks // 2}):
+            (S, R), pairs, recv = _C.intranode_combine_split(num_sms, ranks, senders, me)
+            assert S + R == num_sms and S == (senders if senders > 0 else (0 if ranks == 1 else num_sms // 2))
+            want = {(lane, d) for lane in range(lanes) for d in range(ranks) if d != me}
+            got = [(lane, d) for _, _, lane, d in pairs]
+            assert len(got) == len(want) and set(got) == want, (senders, me)
+            covered = []
+            for b, first, n, group in recv:
+                assert n >= 1 and group >= 1 and n * group <= warps, (b, first, n, group)
+                covered += range(first, first + n)
+            assert covered == list(range(lanes)), senders
 
 
-@pytest.mark.parametrize("ranks, num_sms, senders, writers",
-                         [(2, 24, 5, 0), (2, 24, 19, 0), (4, 24, 8, 0), (8, 2, 2, 0), (1, 24, 24, 0), (2, 24, 11, 2),
-                          (4, 24, 12, 2)])
-def test_combine_split_refuses_splits_that_leave_work_unserved(ranks: int, num_sms: int, senders: int,
-                                                                writers: int) -> None:
-    lo, hi = _split_bounds(num_sms, ranks, max(writers, 1))
+@pytest.mark.parametrize("ranks, num_sms, senders", [(2, 24, 5), (2, 24, 19), (4, 24, 8), (8, 2, 2), (1, 24, 24)])
+def test_combine_split_refuses_splits_that_leave_work_unserved(ranks: int, num_sms: int, senders: int) -> None:
+    lo, hi = _split_bounds(num_sms, ranks)
     assert not lo <= senders <= hi
     with pytest.raises(InvalidUsageError, match=rf"UCCL_MOE_COMBINE_SENDER_SMS={senders}.*needs {lo}\.\.{hi} sender"):
-        _C.intranode_combine_split(num_sms, ranks, senders, writers)
+        _C.intranode_combine_split(num_sms, ranks, senders)
 
 
-@pytest.mark.parametrize("writers", [-1, 5])
-def test_combine_split_refuses_writer_counts_out_of_range(writers: int) -> None:
-    with pytest.raises(InvalidUsageError, match=rf"UCCL_MOE_COMBINE_RING_WRITERS={writers}"):
-        _C.intranode_combine_split(24, 2, 0, writers)
-
-
-def test_combine_split_at_the_deepseek_setting() -> None:
-    """24 SMs: EP2's 144 remote pairs take all 24 warps of the 12 default sender blocks as two writers each; EP4's
-    216 pairs leave them one writer each. Fewest sender blocks: EP2 6 (one writer), EP4 9."""
+def test_combine_split_bounds_at_the_deepseek_setting() -> None:
+    """24 SMs: EP2's 144 remote pairs fill 6 sender blocks, so its receivers may get up to 18; EP4's 216 fill 9."""
     assert _split_bounds(24, 2) == (6, 18) and _split_bounds(24, 4) == (9, 21)
-    assert _C.intranode_combine_split(24, 2, 0)[0] == (12, 12, 2)
-    assert _C.intranode_combine_split(24, 4, 0)[0] == (12, 12, 1)
-    (S, R, k), _, recv = _C.intranode_combine_split(24, 2, 6)
-    assert (S, R, k) == (6, 18, 1) and {(n, g) for _, _, n, g in recv} == {(8, 3)}
+    (S, R), _, recv = _C.intranode_combine_split(24, 2, 6)
+    assert (S, R) == (6, 18) and {(n, g) for _, _, n, g in recv} == {(8, 3)}

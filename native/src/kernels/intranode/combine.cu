@@ -33,17 +33,13 @@ struct CombineKernelArgs {
   CombineSplit split;  // which block serves which lane
 };
 
-/// Writer `writer` of the `writers` warps (first_warp + [0, writers) of this block) that fill ring (lane, me) at dst:
-/// it pushes the rows at positions writer, writer + writers, ...
 UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, const CombineKernelArgs& k,
-                                     int lane_idx, int dst, int first_warp, int writers, int writer,
-                                     WriterPosts* posts) {
+                                     int lane_idx, int dst) {
   const CombineArgs& a = k.a;
   const SlotLayout& s = k.slot;
   const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, lane = gpu::lane_id();
   char* ring = lane_ring_of(ctx.buffers[dst], g, N, lane_idx, me);
   RingSender out(ctx, lane_idx, dst);
-  if (writers > 1) out.share(posts, first_warp, writers, writer);
   // Rows we received from dst in this lane: contiguous in x.
   const int dst_begin = dst == 0 ? 0 : a.rank_prefix[(dst - 1) * N + me];
   const int dst_end = a.rank_prefix[dst * N + me];
@@ -51,7 +47,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int next = lane_idx + 1 < L ? a.recv_lane_start[dst * L + lane_idx + 1] : dst_end - dst_begin;
   const int count = next - start;
   const int64_t row0 = dst_begin + start;
-  for (int pos = writer; pos < count; pos += writers) {
+  for (int pos = 0; pos < count; ++pos) {
     if (!out.make_room(ctx, g, pos, DiagPhase::kCombineSendRoom, dst, lane_idx)) return;
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     const int64_t row = mapped_row(a, row0 + pos);
@@ -61,7 +57,7 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
         reinterpret_cast<int4*>(slot),
         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), s.row_bytes / 16);
     if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
-    if (pos + writers - out.published >= g.chunk_tokens) out.publish(pos + writers);  // ours below it are stored
+    if (pos + 1 - out.published >= g.chunk_tokens) out.publish(pos + 1);
   }
   out.finish(count);
 }
@@ -197,12 +193,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const CombineSplit& sp = k.split;
   const int b = blockIdx.x, warp = gpu::warp_id();
   if (b < sp.senders) {
-    __shared__ WriterPosts posts;
-    posts.reset();
-    const int pair = sp.pair_of(b, warp), writer = sp.writer_of(warp);  // own rows are not pushed: read in place
-    if (pair < sp.num_pairs() && warp - writer + sp.writers <= kWarpsPerBlock)
-      combine_send(ctx, g, k, sp.pair_lane(pair), sp.pair_dst(pair, ctx.rank), warp - writer, sp.writers, writer,
-                   &posts);
+    const int pair = sp.pair_of(b, warp);  // own rows are not pushed: their receiver reads them in place
+    if (pair < sp.num_pairs()) combine_send(ctx, g, k, sp.pair_lane(pair), sp.pair_dst(pair, ctx.rank));
     return;
   }
   const int r = b - sp.senders;
@@ -220,8 +212,7 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0),
-                      combine_split(g, ctx.num_ranks, static_cast<int>(env::COMBINE_SENDER_SMS()),
-                                    static_cast<int>(env::COMBINE_RING_WRITERS()))};
+                      combine_split(g, ctx.num_ranks, static_cast<int>(env::COMBINE_SENDER_SMS()))};
   const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
   UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
               "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),

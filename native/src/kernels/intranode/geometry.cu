@@ -31,31 +31,24 @@ Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_
   return g;
 }
 
-CombineSplit combine_split(const Geometry& g, int num_ranks, int senders, int writers) {
+CombineSplit combine_split(const Geometry& g, int num_ranks, int senders) {
   const int blocks = 2 * g.num_channels;
   CombineSplit s{};
   s.num_lanes = g.num_lanes;
   s.peers = num_ranks - 1;
   const int pairs = s.num_pairs();
-  UCCL_ASSERT(writers >= 0 && writers <= kMaxRingWriters, "UCCL_MOE_COMBINE_RING_WRITERS=%d: expected 0 (built-in) "
-              "or 1..%d", writers, kMaxRingWriters);
-  const int min_writers = writers > 0 ? writers : 1;
-  // Every pair's writers (pairs whose writers would straddle two blocks are not allowed), and no receiver block
-  // without a lane (only possible where W = 1: 64-wide warps at EP7-8).
-  const int per_block = kWarpsPerBlock / min_writers;
-  const int min_senders = std::max((pairs + per_block - 1) / per_block, blocks - g.num_lanes);
+  // One warp per pair, and no receiver block without a lane (only possible where W = 1: 64-wide warps at EP7-8).
+  const int min_senders = std::max((pairs + kWarpsPerBlock - 1) / kWarpsPerBlock, blocks - g.num_lanes);
   const int min_receivers = (g.num_lanes + kWarpsPerBlock - 1) / kWarpsPerBlock;  // one warp per lane
   const int max_senders = blocks - min_receivers;
-  if (senders <= 0) senders = pairs == 0 ? 0 : std::max(g.num_channels, min_senders);  // one block per channel each way
+  if (senders <= 0) senders = pairs == 0 ? 0 : g.num_channels;  // built-in: one block per channel each way
   UCCL_ASSERT(senders >= min_senders && senders <= max_senders,
-              "UCCL_MOE_COMBINE_SENDER_SMS=%d: with Config.num_sms=%d, %d local ranks and %d writer(s) per ring "
-              "combine needs %d..%d sender blocks (%d remote lane pairs, %d lanes at one receiver warp each and at "
-              "least one lane per receiver block); unset it (and UCCL_MOE_COMBINE_RING_WRITERS) for the built-in "
-              "split", senders, blocks, num_ranks, min_writers, min_senders, max_senders, pairs, g.num_lanes);
-  if (writers <= 0) writers = pairs > 0 && kWarpsPerBlock / 2 * senders >= pairs ? 2 : 1;
+              "UCCL_MOE_COMBINE_SENDER_SMS=%d: with Config.num_sms=%d and %d local ranks combine needs %d..%d sender "
+              "blocks (%d remote lane pairs at one warp each, %d lanes at one receiver warp each and at least one lane per "
+              "receiver block); unset it for the built-in split", senders, blocks, num_ranks, min_senders, max_senders,
+              pairs, g.num_lanes);
   s.senders = senders;
   s.receivers = blocks - senders;
-  s.writers = writers;
   return s;
 }
 

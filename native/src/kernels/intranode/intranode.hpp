@@ -49,25 +49,21 @@ struct Geometry {
 
 /// Which block of a combine launch serves which lane. The lanes, their token ranges and their rings come from the
 /// dispatch handle (Geometry); only the assignment of blocks to the two roles is free. The first `senders` blocks
-/// push rows: each remote pair (lane, dst) of the L * (N - 1) gets `writers` consecutive warps of one sender block
-/// that fill its ring together, writer j every row at a position j mod writers. Warps [s * writers, (s + 1) *
-/// writers) of sender block b serve pair s * senders + b (lane pair / (N - 1), toward the (pair % (N - 1))-th rank
-/// other than us), so each block mixes lanes and destinations. The other `receivers` blocks sum: receiver block r
-/// serves lanes [first_lane(r), first_lane(r + 1)), spread evenly, with group(r) warps per lane, each a slice of the
-/// columns. Sender warps that a dispatch-shaped split leaves idle (one block per channel each way: the dst == me
-/// warps) thus become second writers: a ring's pushes are latency-bound per warp, so two warps fill it faster.
+/// push rows: warp w of sender block b serves remote pair p = w * senders + b of the L * (N - 1) pairs (lane
+/// p / (N - 1), toward the (p % (N - 1))-th rank other than us), so each block mixes lanes and destinations. The
+/// other `receivers` blocks sum: receiver block r serves lanes [first_lane(r), first_lane(r + 1)), the lanes
+/// spread evenly, with group(r) warps per lane, each a slice of the columns. Sender warps idle in a dispatch-shaped
+/// split (one block per channel each way leaves the dst == me warps idle) can thus be handed to the receivers,
+/// whose sum bounds combine (docs/performance.md, rounds 8 and 12).
 struct CombineSplit {
   int32_t senders;    ///< S sender blocks (0 when there is no peer)
   int32_t receivers;  ///< R receiver blocks; S + R = Config.num_sms
-  int32_t writers;    ///< sender warps per ring (1..kMaxRingWriters)
   int32_t num_lanes;  ///< L
   int32_t peers;      ///< N - 1
 
   UCCL_HOST_DEVICE_FN int32_t num_pairs() const { return num_lanes * peers; }
   /// Remote pair of sender block b, warp w (>= num_pairs(): that warp is idle).
-  UCCL_HOST_DEVICE_FN int32_t pair_of(int32_t b, int32_t w) const { return w / writers * senders + b; }
-  /// Which of its pair's writers warp w is.
-  UCCL_HOST_DEVICE_FN int32_t writer_of(int32_t w) const { return w % writers; }
+  UCCL_HOST_DEVICE_FN int32_t pair_of(int32_t b, int32_t w) const { return w * senders + b; }
   UCCL_HOST_DEVICE_FN int32_t pair_lane(int32_t pair) const { return pair / peers; }
   /// Destination rank of a pair, for local rank `me`.
   UCCL_HOST_DEVICE_FN int32_t pair_dst(int32_t pair, int32_t me) const {
@@ -79,13 +75,11 @@ struct CombineSplit {
   /// Warps per lane in receiver block r of `warps_per_block` warps.
   UCCL_HOST_DEVICE_FN int32_t group(int32_t r, int32_t warps_per_block) const { return warps_per_block / lanes_of(r); }
 };
-constexpr int kMaxRingWriters = 4;
 
 /// The combine split of `g` over N ranks: `senders` sender blocks when > 0 (UCCL_MOE_COMBINE_SENDER_SMS), else the
-/// built-in choice; `writers` warps per ring when > 0 (UCCL_MOE_COMBINE_RING_WRITERS), else 2 where the sender
-/// blocks have the warps, else 1. Throws InvalidUsage, naming the knob, when the senders' warps cannot give every
-/// pair its writers or the receivers' warps cannot cover every lane.
-CombineSplit combine_split(const Geometry& g, int num_ranks, int senders, int writers);
+/// built-in choice. Throws InvalidUsage, naming the knob, when the senders' warps cannot cover every pair or the
+/// receivers' warps every lane.
+CombineSplit combine_split(const Geometry& g, int num_ranks, int senders);
 
 /// Lanes per channel for `num_ranks` local ranks on this build (warps per block / ranks).
 int lanes_per_channel(int num_ranks);

@@ -124,28 +124,11 @@ struct SendPosts {
   }
 };
 
-/// Progress of the sender warps that fill one ring together (combine's ring writers, RingSender::share): per warp
-/// of the block the next ring position it will store (all of its positions below are stored), posted with a
-/// block-scope release; per pair (indexed by its first warp) how much of the tail the writers released so far,
-/// relative to the round's base.
-struct WriterPosts {
-  int32_t next[kWarpsPerBlock];
-  int32_t released[kWarpsPerBlock];
-
-  /// Zeroes both tables; all threads of the block call it.
-  UCCL_DEVICE_INLINE void reset() {
-    for (int i = threadIdx.x; i < kWarpsPerBlock; i += blockDim.x) next[i] = released[i] = 0;
-    __syncthreads();
-  }
-};
-
 /// A sender warp's end of ring (lane, me) at rank dst, for one round: positions count from the round's base
 /// (our send_base word), `published` is the tail released so far, `head_seen` the head last read (< 0 before
 /// the first write, which waits until the receiver drained the previous round: see nvl_layout.hpp).
 /// Warp-collective; lane 0 does the stores. With post_to(), the warp only posts its positions in shared memory and
-/// its lane's direct warp releases them to the tail and moves send_base at the end (TailPublisher). With share(),
-/// it is one of several warps filling the ring (each every k-th position): `published` is then what this warp
-/// posted, and the tail is their common prefix.
+/// its lane's direct warp releases them to the tail and moves send_base at the end (TailPublisher).
 struct RingSender {
   int32_t* tail;          ///< in dst's meta: what we published
   const int32_t* head;    ///< in our meta: what dst consumed
@@ -154,8 +137,6 @@ struct RingSender {
   int published = 0, head_seen = -1;
   int32_t* post = nullptr;      ///< SendPosts::written of this warp, when posting
   int32_t* finished = nullptr;  ///< SendPosts::finished of this warp, when posting
-  WriterPosts* writers = nullptr;  ///< when sharing the ring: the block's writer posts
-  int first_writer = 0, num_writers = 1, writer = 0;  ///< the ring's writers are warps first_writer + [0, num_writers)
 
   UCCL_DEVICE_INLINE RingSender(const NvlContext& ctx, int lane_idx, int dst)
       : tail(meta_ptr(ctx.buffers[dst], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank),
@@ -168,42 +149,17 @@ struct RingSender {
     post = &posts->written[warp];
     finished = &posts->finished[warp];
   }
-  /// Fill the ring with the other warps first_warp + [0, k) of this block (this one is `writer`): it stores the
-  /// positions writer, writer + k, ... and publish(d) means its positions below d are stored.
-  UCCL_DEVICE_INLINE void share(WriterPosts* posts, int first_warp, int k, int j) {
-    writers = posts;
-    first_writer = first_warp;
-    num_writers = k;
-    writer = j;
-  }
   /// Rows [0, done) are stored: release them (every lane's slot stores happen before lane 0's release, which
   /// pairs with the receiver's acquire of the tail), or post them with a block-scope release, which the
-  /// publisher's system-scope release of the tail extends to the receiver. Sharing the ring, this warp's rows
-  /// below `done` are stored: it posts that, takes the minimum over the ring's writers (every position below it is
-  /// stored, by the writers' block-scope releases, which this warp's acquires read), claims the growth of that
-  /// prefix in shared memory, and adds the claim to the tail with a system-scope release. Claims are disjoint and
-  /// adds commute, so the tail moves by exactly the prefix whatever order they land in.
+  /// publisher's system-scope release of the tail extends to the receiver.
   UCCL_DEVICE_INLINE void publish(int done) {
     if (done <= published) return;
     gpu::sync_warp();
     if (gpu::lane_id() == 0) {
-      if (post != nullptr) {
+      if (post != nullptr)
         gpu::store_release_block(post, done);
-      } else if (writers != nullptr) {
-        gpu::store_release_block(&writers->next[first_writer + writer], done);
-        // Sequentially consistent between the post and the reads (fence.sc.cta): of two writers posting at once, at
-        // least the later one sees the other's post, so the last writer to post before blocking claims the whole
-        // prefix. Without it both could read the other's old post (store buffering), claim too little and wait for
-        // room forever.
-        gpu::fence_block();
-        int32_t prefix = done;
-        for (int j = 0; j < num_writers; ++j)
-          if (j != writer) prefix = min(prefix, gpu::load_acquire_block(&writers->next[first_writer + j]));
-        const int32_t old = atomicMax(&writers->released[first_writer], prefix);
-        if (prefix > old) gpu::atomic_add_release_sys(tail, prefix - old);
-      } else {
+      else
         gpu::store_release_sys(tail, base + done);
-      }
     }
     published = done;
   }
@@ -227,7 +183,7 @@ struct RingSender {
     publish(count);
     if (post != nullptr)
       mark_finished();
-    else if (gpu::lane_id() == 0 && writer == 0)  // read only by the next launch: one writer moves it
+    else if (gpu::lane_id() == 0)
       *base_word = base + count;
   }
   /// When posting: tells the publisher this warp posts nothing more (its last post, or it left on a failed wait).
