@@ -52,9 +52,9 @@ struct Geometry {
 /// push rows: warp w of sender block b serves remote pair p = w * senders + b of the L * (N - 1) pairs (lane
 /// p / (N - 1), toward the (p % (N - 1))-th rank other than us), so each block mixes lanes and destinations. The
 /// other `receivers` blocks sum: receiver block r serves lanes [first_lane(r), first_lane(r + 1)), the lanes
-/// spread evenly, with group(r) warps per lane, each a slice of the columns. Sender warps idle in a dispatch-shaped
-/// split (one block per channel each way leaves the dst == me warps idle) can thus be handed to the receivers,
-/// whose sum bounds combine (docs/performance.md, rounds 8 and 12).
+/// spread evenly, with group(r) warps per lane, each a slice of the columns. SMs whose sender warps a
+/// dispatch-shaped split leaves idle (the dst == me warps) can thus be handed to the receivers; at EP2 on H200 no
+/// split measured faster than the built-in one, which stays (docs/performance.md, round 12).
 struct CombineSplit {
   int32_t senders;    ///< S sender blocks (0 when there is no peer)
   int32_t receivers;  ///< R receiver blocks; S + R = Config.num_sms
