@@ -298,30 +298,26 @@ class InternodePath:
         if plan.staged_need == 0:
             return
         cap = int(self._dispatch_layout(x.shape[1] * x.element_size(), scale_layout(x_scales)[0], 0)["cap"])
-        self._refuse_staging("cached dispatch", plan.staged_need, cap, x,
+        self._refuse_staging("cached dispatch", plan.staged_need, cap, x.shape[1], x.dtype,
                              ", wider than the dispatch that made the handle")
 
     def _combine_layout(self, plan: _Plan, hidden: int, num_topk: int) -> dict[str, int]:
         """The RDMA layout of a combine of rows of `hidden`; refused on every rank alike (by the largest x' of any
         rank) when its partials do not fit."""
         lay = dict(_C.internode_combine_layout(self.ctx.num_rdma_bytes, hidden, max(num_topk, 1)))
-        if plan.max_xp > lay["cap"]:
-            raise InvalidUsageError(
-                f"rank {self.me}: combine stages up to {plan.max_xp} rows but num_rdma_bytes="
-                f"{self.ctx.num_rdma_bytes} holds {lay['cap']} rows of hidden={hidden}; create the Buffer with a "
-                f"larger num_rdma_bytes"
-            )
+        self._refuse_staging("combine", plan.max_xp, lay["cap"], hidden, torch.bfloat16)
         return lay
 
     def _check_capacity(self, req: DispatchRequest, need: int) -> None:
-        self._refuse_staging("dispatch", need, self._dispatch_cap(req), req.x)
+        self._refuse_staging("dispatch", need, self._dispatch_cap(req), req.x.shape[1], req.x.dtype)
 
-    def _refuse_staging(self, op: str, need: int, cap: int, x: torch.Tensor, why: str = "") -> None:
-        """InvalidUsageError naming the size to use if `need` rows per RDMA area exceed the `cap` that rows of x fit."""
+    def _refuse_staging(self, op: str, need: int, cap: int, hidden: int, dtype: torch.dtype, why: str = "") -> None:
+        """InvalidUsageError naming the size to use if `need` rows per RDMA area exceed the `cap` that rows of
+        `hidden` x `dtype` fit."""
         if need > cap:
             raise InvalidUsageError(
                 f"rank {self.me}: this {op} stages up to {need} rows per RDMA area but num_rdma_bytes="
-                f"{self.ctx.num_rdma_bytes} holds {cap} rows of hidden={x.shape[1]} ({x.dtype}){why}; create the "
+                f"{self.ctx.num_rdma_bytes} holds {cap} rows of hidden={hidden} ({dtype}){why}; create the "
                 f"Buffer with num_rdma_bytes >= {int(self.ctx.num_rdma_bytes * need / max(cap, 1)) + (1 << 20)}"
             )
 
@@ -440,8 +436,7 @@ class InternodePath:
 
     def handle_num_sms(self, handle: Any) -> int:
         """The SM count the handle's plan runs its NVLink legs on."""
-        plan = _plan_of(handle)
-        return plan.num_sms
+        return _plan_of(handle).num_sms
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
                         config: Any) -> tuple[Any, Any]:
