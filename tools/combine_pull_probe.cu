@@ -1,0 +1,327 @@
+// Combine-shaped probe: how fast can a combine of BF16 rows run on this host's NVLink if the ring protocol goes,
+// and which side should cross the link? Decides the design of a ring-free combine (issue 5).
+//
+//   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/cpp tools/combine_pull_probe.cu && /tmp/cpp [tokens] [reps]
+//
+// One process drives every visible GPU (peer access on). Every GPU g owns `tokens` tokens; every token has one
+// BF16 row of hidden 7168 at every GPU (at EP2 with top-8 of 256 experts 99.6% of tokens do). GPU g's combine
+// input `xu[g]` holds, for each GPU p, the `tokens` rows it must give back to p (block p; block g are its own).
+// GPU g writes y[g][t] = sum over p of its copy of token t, in float32 in rank order, rounded once to BF16.
+// Modes (all end with a barrier: no GPU leaves while a peer still reads its memory):
+//   zero_copy  the inputs already sit in peer-visible memory: the receiver loads each peer's copy over NVLink,
+//              its own from xu (what a combine could do if the caller wrote x into the comm buffer)
+//   copy_pull  each GPU first copies the blocks its peers need into its own peer-visible buffer, in chunks,
+//              releasing a flag per chunk into every peer's memory; receivers pull each chunk once flagged
+//   push_sum   each GPU pushes the blocks into its peers' buffers over NVLink (whole-size landing zone, no ring,
+//              a flag per chunk); receivers sum from local memory (the current kernels' direction, without rings)
+//   local_sum  every copy read from local memory (no NVLink): what the SMs alone take for the sum
+//   pull_only  y = the peers' copies only, pulled (no own row): the link alone
+// Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CK(x)                                                                                \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
+constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
+enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kNumModes };
+const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only"};
+
+struct Args {
+  int4* xu[kMaxGpus];      // inputs, [n blocks][tokens][row]
+  int4* xb[kMaxGpus];      // peer-visible staging, same shape
+  int4* y[kMaxGpus];       // outputs, [tokens][row]
+  unsigned* ready[kMaxGpus];  // [n][chunks] chunk flags, then [n] start flags
+  unsigned* done[kMaxGpus];   // one counter: peer blocks finished with my memory
+  int me, tokens, chunk, chunks;
+  unsigned epoch;
+};
+
+__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void spin_until(const unsigned* p, unsigned target, const char* what) {
+  long long spins = 0;
+  while (static_cast<int>(ld_acquire_sys(p) - target) < 0)
+    if (++spins > (1ll << 30)) {
+      printf("probe: %s wait timed out (seen %u, want %u)\n", what, ld_acquire_sys(p), target);
+      __trap();
+    }
+}
+__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
+  const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
+                         static_cast<unsigned>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += __uint_as_float(w[i] << 16);
+    acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  unsigned w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    w[i] = *reinterpret_cast<unsigned*>(&h);
+  }
+  return make_int4(w[0], w[1], w[2], w[3]);
+}
+
+template <int N, int kMode>
+__global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
+  const int me = a.me, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long T = a.tokens, rw = kRowWords;
+  constexpr bool kStaged = kMode == kCopyPull || kMode == kPushSum;
+  constexpr bool kReadsPeers = kMode == kZeroCopy || kMode == kCopyPull || kMode == kPullOnly;
+  unsigned* start = a.ready[me] + N * a.chunks;
+  if (kMode == kZeroCopy || kMode == kPullOnly) {  // my inputs are written (stream order): tell the peers
+    if (blockIdx.x == 0 && threadIdx.x < N && threadIdx.x != me) {
+      __threadfence_system();
+      st_release_sys(a.ready[threadIdx.x] + N * a.chunks + me, a.epoch);
+    }
+    if (threadIdx.x < N && threadIdx.x != me) spin_until(start + threadIdx.x, a.epoch, "start");
+    __syncthreads();
+  }
+  // Moves my rows for every peer p, tokens of chunk c: into my staging (copy_pull) or p's (push_sum).
+  auto stage = [&](int c) {
+    const long long r0 = static_cast<long long>(c) * a.chunk, r1 = min(T, r0 + a.chunk), words = (r1 - r0) * rw;
+#pragma unroll 1
+    for (int p = 0; p < N; ++p) {
+      if (p == me) continue;
+      const int4* s = a.xu[me] + (p * T + r0) * rw;
+      int4* d = kMode == kPushSum ? a.xb[p] + (me * T + r0) * rw : a.xb[me] + (p * T + r0) * rw;
+      for (long long i = threadIdx.x; i < words; i += kThreads * kU) {
+        int4 v[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (i + u * kThreads < words) v[u] = __ldcs(s + i + u * kThreads);
+#pragma unroll
+        for (int u = 0; u < kU; ++u)
+          if (i + u * kThreads < words) __stcg(d + i + u * kThreads, v[u]);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < N && threadIdx.x != me) {
+      __threadfence_system();
+      st_release_sys(a.ready[threadIdx.x] + me * a.chunks + c, a.epoch);
+    }
+  };
+  auto sum = [&](int c) {
+    if (kStaged) {
+      if (threadIdx.x < N && threadIdx.x != me) spin_until(a.ready[me] + threadIdx.x * a.chunks + c, a.epoch, "chunk");
+      __syncthreads();
+    }
+    const long long r0 = static_cast<long long>(c) * a.chunk, r1 = min(T, r0 + a.chunk);
+    for (long long t = r0 + warp; t < r1; t += kWarps) {
+      const int4* src[N];
+#pragma unroll
+      for (int p = 0; p < N; ++p) {
+        if (kMode == kLocalSum) src[p] = a.xu[me] + (p * T + t) * rw;
+        else if (p == me) src[p] = a.xu[me] + (me * T + t) * rw;
+        else if (kMode == kPushSum) src[p] = a.xb[me] + (p * T + t) * rw;
+        else if (kMode == kCopyPull) src[p] = a.xb[p] + (me * T + t) * rw;
+        else src[p] = a.xu[p] + (me * T + t) * rw;
+      }
+      int4* dst = a.y[me] + t * rw;
+      constexpr int kSU = N <= 2 ? kU : kU / 2;  // 16-B loads per lane in flight: kSU * N
+#pragma unroll 1
+      for (int w = lane; w < rw; w += 32 * kSU) {
+        int4 v[N][kSU];
+#pragma unroll
+        for (int p = 0; p < N; ++p)
+#pragma unroll
+          for (int u = 0; u < kSU; ++u) {
+            if (kMode == kPullOnly && p == me) continue;
+            const bool remote = kReadsPeers && kMode != kLocalSum && p != me;
+            if (w + u * 32 < rw) v[p][u] = remote ? __ldcg(src[p] + w + u * 32) : __ldcs(src[p] + w + u * 32);
+          }
+#pragma unroll
+        for (int u = 0; u < kSU; ++u) {
+          if (w + u * 32 >= rw) continue;
+          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+          for (int p = 0; p < N; ++p)
+            if (!(kMode == kPullOnly && p == me)) add_bf16x8(acc, v[p][u]);
+          __stcs(dst + w + u * 32, pack_bf16x8(acc));
+        }
+      }
+    }
+  };
+  int c = blockIdx.x;
+  if (kStaged && c < a.chunks) stage(c);
+  for (; c < a.chunks; c += gridDim.x) {
+    if (kStaged && c + static_cast<int>(gridDim.x) < a.chunks) stage(c + gridDim.x);
+    sum(c);
+  }
+  if (kMode != kLocalSum) {  // nobody may reuse memory a peer still reads or writes
+    __syncthreads();
+    if (threadIdx.x < N && threadIdx.x != me) atomicAdd_system(a.done[threadIdx.x], 1u);
+    if (threadIdx.x == 0) spin_until(a.done[me], gridDim.x * (N - 1), "done");
+  }
+}
+
+// value of column `col` of token t in block `blk` of GPU g's input: exact in BF16, sums of 8 stay exact
+__host__ __device__ inline float input_value(int g, int blk, long long t, int col) {
+  return static_cast<float>((g * 7 + blk * 3 + t * 5 + col) % 17) * 0.125f;
+}
+__global__ void fill(int4* x, int g, int n, long long T) {
+  const long long words = n * T * kRowWords;
+  for (long long i = blockIdx.x * 1ll * blockDim.x + threadIdx.x; i < words; i += 1ll * gridDim.x * blockDim.x) {
+    const int blk = static_cast<int>(i / (T * kRowWords));
+    const long long t = (i / kRowWords) % T;
+    const int col0 = static_cast<int>(i % kRowWords) * 8;
+    float v[8];
+    for (int k = 0; k < 8; ++k) v[k] = input_value(g, blk, t, col0 + k);
+    x[i] = pack_bf16x8(v);
+  }
+}
+
+template <int N>
+void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
+  switch (mode) {
+    case kZeroCopy: combine_probe<N, kZeroCopy><<<grid, kThreads, 0, s>>>(a); break;
+    case kCopyPull: combine_probe<N, kCopyPull><<<grid, kThreads, 0, s>>>(a); break;
+    case kPushSum: combine_probe<N, kPushSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kLocalSum: combine_probe<N, kLocalSum><<<grid, kThreads, 0, s>>>(a); break;
+    default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
+  }
+  CK(cudaGetLastError());
+}
+
+int main(int argc, char** argv) {
+  const long long T = argc > 1 ? std::atoll(argv[1]) : 4096;
+  const int reps = argc > 2 ? std::atoi(argv[2]) : 15;
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  n = std::min(n, kMaxGpus);
+  if (n != 2 && n != 4) {
+    std::fprintf(stderr, "runs on 2 or 4 GPUs, found %d\n", n);
+    return 1;
+  }
+  const long long row_bytes = kRowWords * 16ll, block_bytes = T * row_bytes;
+  const int max_chunks = 4096;
+  Args a{};
+  std::vector<cudaStream_t> st(n);
+  std::vector<cudaEvent_t> e0(n), e1(n);
+  std::vector<void*> flush(n);
+  const size_t flush_bytes = 256 << 20;
+  for (int g = 0; g < n; ++g) {
+    CK(cudaSetDevice(g));
+    for (int p = 0; p < n; ++p)
+      if (p != g) CK(cudaDeviceEnablePeerAccess(p, 0));
+    CK(cudaMalloc(&a.xu[g], block_bytes * n));
+    CK(cudaMalloc(&a.xb[g], block_bytes * n));
+    CK(cudaMalloc(&a.y[g], block_bytes));
+    CK(cudaMalloc(&a.ready[g], sizeof(unsigned) * (n * max_chunks + n)));
+    CK(cudaMemset(a.ready[g], 0, sizeof(unsigned) * (n * max_chunks + n)));
+    CK(cudaMalloc(&a.done[g], sizeof(unsigned)));
+    CK(cudaMalloc(&flush[g], flush_bytes));
+    fill<<<264, 512>>>(a.xu[g], g, n, T);
+    CK(cudaGetLastError());
+    CK(cudaStreamCreateWithFlags(&st[g], cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0[g]));
+    CK(cudaEventCreate(&e1[g]));
+  }
+  auto sync_all = [&] {
+    for (int g = 0; g < n; ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaDeviceSynchronize());
+    }
+  };
+  sync_all();
+  unsigned epoch = 0;
+  auto once = [&](int mode, int sms, int chunk) {  // one launch on every GPU; the slowest GPU's kernel time
+    ++epoch;
+    for (int g = 0; g < n; ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaMemset(a.done[g], 0, sizeof(unsigned)));
+      CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));  // L2 flush
+    }
+    sync_all();
+    for (int g = 0; g < n; ++g) {
+      CK(cudaSetDevice(g));
+      Args ag = a;
+      ag.me = g;
+      ag.tokens = static_cast<int>(T);
+      ag.chunk = chunk;
+      ag.chunks = static_cast<int>((T + chunk - 1) / chunk);
+      ag.epoch = epoch;
+      CK(cudaEventRecord(e0[g], st[g]));
+      (n == 2 ? launch<2> : launch<4>)(mode, dim3(sms), st[g], ag);
+      CK(cudaEventRecord(e1[g], st[g]));
+    }
+    sync_all();
+    float worst = 0;
+    for (int g = 0; g < n; ++g) {
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
+      worst = std::max(worst, ms);
+    }
+    return worst * 1e3f;
+  };
+  auto check = [&](int mode) {  // rows 0, T/2 and T-1 of every GPU's output
+    std::vector<uint16_t> row(kRowWords * 8);
+    for (int g = 0; g < n; ++g)
+      for (long long t : {0ll, T / 2, T - 1}) {
+        CK(cudaSetDevice(g));
+        CK(cudaMemcpy(row.data(), a.y[g] + t * kRowWords, row_bytes, cudaMemcpyDeviceToHost));
+        for (int col = 0; col < kRowWords * 8; ++col) {
+          float want = 0;
+          for (int p = 0; p < n; ++p) {
+            if (mode == kPullOnly && p == g) continue;
+            want += mode == kLocalSum ? input_value(g, p, t, col) : input_value(p, g, t, col);
+          }
+          const unsigned bits = static_cast<unsigned>(row[col]) << 16;
+          float got;
+          std::memcpy(&got, &bits, 4);
+          if (got != want) {
+            std::fprintf(stderr, "%s: GPU %d token %lld col %d: %g, want %g\n", kModeNames[mode], g, t, col, got, want);
+            std::exit(1);
+          }
+        }
+      }
+  };
+  std::printf("combine_pull_probe: %d GPUs, %lld tokens per GPU, rows of %lld B, median of %d (kernel us, slowest "
+              "GPU); GB/s = rows received from peers per GPU\n",
+              n, T, row_bytes, reps);
+  std::printf("%-10s %5s %6s %10s %10s %10s\n", "mode", "SMs", "chunk", "us", "min us", "GB/s");
+  const double remote_bytes = static_cast<double>(block_bytes) * (n - 1);
+  for (int mode = 0; mode < kNumModes; ++mode)
+    for (int sms : {16, 24, 32})
+      for (int chunk : {24, 48, 96}) {
+        if (!(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
+        std::vector<float> t;
+        CK(cudaSetDevice(0));
+        for (int g = 0; g < n; ++g) {
+          CK(cudaSetDevice(g));
+          CK(cudaMemset(a.y[g], 0xff, block_bytes));
+        }
+        once(mode, sms, chunk);  // warm-up, then checked
+        check(mode);
+        for (int r = 0; r < reps; ++r) t.push_back(once(mode, sms, chunk));
+        std::sort(t.begin(), t.end());
+        const double med = t[t.size() / 2];
+        std::printf("%-10s %5d %6d %10.1f %10.1f %10.1f\n", kModeNames[mode], sms, chunk, med, t[0],
+                    remote_bytes / (med * 1e-6) / 1e9);
+      }
+  return 0;
+}
