@@ -276,6 +276,10 @@ class Buffer:
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
         self._handle_key = (self.backend_name, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
+        # dispatch/combine calls so far, and (data_ptr, calls then) of the last get_combine_buffer view: a view that
+        # another call overwrote (its ring slots) is refused by combine instead of summing garbage.
+        self._op_seq = 0
+        self._combine_view: tuple[int, int] | None = None
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
@@ -353,6 +357,40 @@ class Buffer:
         out: torch.Tensor = fn(dtype, size, offset, use_rdma_buffer)
         return out
 
+    def get_combine_buffer(self, handle: tuple[Any, ...], hidden: int,
+                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """A [T_recv, hidden] tensor to write a combine's input rows into (uccl-moe extension; DeepEP's HT API has
+        none). ``combine(x=<this tensor>, handle)`` then reads each row where it lies, over NVLink, instead of
+        pushing it through the rings: one NVLink load per remote row, no ring hand-offs (EP2 on 2 x H200: 1.3x the
+        ring combine and faster than NCCL's all-to-all; docs/performance.md, round 13).
+
+        The tensor is this rank's NVL buffer itself (the memory the rings use), so:
+        - write it after the dispatch that made `handle` completed, and call combine before any other dispatch or
+          combine of this Buffer (they overwrite it; combine refuses a view that another call ran over);
+        - every rank of the group must combine from its view for the same call (a rank that passes a tensor of its
+          own while the others pass their views ends in a ``CommTimeoutError`` naming it, never a hang);
+        - it stays valid while the Buffer lives; rows past the received ones (``num_worst_tokens``) may be
+          overwritten by the combine's staged ``topk_weights``.
+        Needs ``num_nvl_bytes >= 1 MiB + T_recv * hidden * 2`` (plus ``T_recv * K * 4`` with topk_weights); a
+        smaller Buffer raises ``InvalidUsageError``. Backends without the path (reference, across nodes) return a
+        fresh tensor, so code that uses this runs everywhere.
+        """
+        backend = self._live()
+        h = self._check_handle(handle)
+        hidden = _int_arg("hidden", hidden)
+        if hidden <= 0 or (hidden * 2) % 16 != 0:
+            raise _err(f"hidden={hidden}: must be positive with hidden * 2 bytes a multiple of 16")
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidTypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        rows = int(h.recv_src_idx.shape[0])
+        fn = getattr(backend, "combine_buffer", None)
+        view: torch.Tensor | None = fn(h, hidden, dtype) if fn is not None else None
+        if view is None:
+            self._combine_view = None
+            return torch.empty((rows, hidden), dtype=dtype, device=self.device)
+        self._combine_view = (int(view.data_ptr()), self._op_seq)
+        return view
+
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")
 
@@ -368,11 +406,14 @@ class Buffer:
             raise _err("this Buffer was destroyed; create a new one")
         return self._backend
 
-    def _begin(self, previous_event: Any) -> None:
+    def _begin(self, previous_event: Any, uses_nvl_buffer: bool = True) -> None:
+        """Join the comm stream to the caller's (or `previous_event`); count the call if it writes the NVL buffer."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise InvalidTypeError(
                 f"previous_event must be an EventOverlap (e.g. Buffer.capture()), got {type(previous_event).__name__}"
             )
+        if uses_nvl_buffer:  # get_dispatch_layout and a combine from the view do not write it
+            self._op_seq += 1
         if self._comm_stream is None:
             return
         if previous_event is not None and previous_event.event is not None:
@@ -592,7 +633,7 @@ class Buffer:
         num_experts = self._check_num_experts(num_experts)
         self._check_async(async_finish, allocate_on_comm_stream)
         topk_idx = self._check_topk_idx(topk_idx, num_experts)
-        self._begin(previous_event)
+        self._begin(previous_event, uses_nvl_buffer=False)
         with self._comm_context():
             out = backend.get_dispatch_layout(topk_idx, num_experts)
         event = self._finish(async_finish, [topk_idx], out)
@@ -785,7 +826,15 @@ class Buffer:
                 _check_tensor(f"bias[{i}]", b, dtypes=(x.dtype,), ndim=2, device=self.device)
                 if tuple(b.shape) != (num_tokens, x.shape[1]):
                     raise _err(f"bias[{i}] has shape {tuple(b.shape)}, expected [{num_tokens}, {x.shape[1]}] (T, H)")
-        self._begin(previous_event)
+        view = self._combine_view
+        from_view = view is not None and x.data_ptr() == view[0]
+        if from_view and view is not None and view[1] != self._op_seq:
+            raise _err(
+                f"combine: x is the tensor get_combine_buffer returned, but {self._op_seq - view[1]} dispatch/combine "
+                f"call(s) of this Buffer ran since and overwrote it; write the rows after the last dispatch, right "
+                f"before this combine"
+            )
+        self._begin(previous_event, uses_nvl_buffer=not from_view)  # a combine from the view leaves it intact
         with self._comm_context():
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
         event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w])

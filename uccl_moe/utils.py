@@ -89,6 +89,26 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
+_SAME_SIZE_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+class _DeviceMemory:
+    """``__cuda_array_interface__`` (v3) of `nbytes` at device pointer `ptr`, for ``torch.as_tensor``."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3}
+
+
+def tensor_at(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous tensor of `shape` and `dtype` over device memory at `ptr` that torch does not own (no copy, no
+    free): valid only while the memory is. Built through an integer type of the same size (the interface has no
+    bfloat16), then viewed as `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = torch.as_tensor(_DeviceMemory(int(ptr), tuple(int(s) for s in shape), _SAME_SIZE_TYPESTR[size]),
+                          device=device)
+    return raw.view(dtype)
+
+
 def host_ints(t: torch.Tensor) -> list[int]:
     """The values of integer tensor `t` (any device) as Python ints, read without a pageable device-to-host copy.
 

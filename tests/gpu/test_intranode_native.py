@@ -610,3 +610,186 @@ def _skip_combine_worker(rank: int, world: int, gloo) -> None:
 
 def test_native_timeout_when_a_rank_skips_a_combine() -> None:
     run_shared_gpu_ranks(_skip_combine_worker, 3, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
+
+
+# -------------------------------------------------------------------------------------------- combine from the buffer
+def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
+    """Combine from the buffer (get_combine_buffer + combine_pull.cu) against the ring combine and the reference.
+    The same rows, weights and biases go through both paths: the sums must be bitwise equal (same rank order), and
+    close to the reference. Cases: random, -1 entries with a different token count per rank, skewed routing, a rank
+    that receives nothing, an odd hidden (257 x 16 B), one token, hidden 7168; combine SM counts 24, 20 and 3 (the
+    pull's SM count is free of the handle's); the worst-case handle; bitwise repeats; a CUDA-graph capture; pull,
+    ring and cached dispatch interleaved on one Buffer; and the refusals (a slice of the view, a view a dispatch ran
+    over, a Buffer too small, a wrong dtype)."""
+    from uccl_moe import Buffer, Config, InvalidTypeError, InvalidUsageError
+
+    R = world
+    cfg = Config(24, 8, 256, 6, 128)
+    worst_T = 1100
+    rows_max = worst_T * R
+    nvl = max(cfg.get_nvl_buffer_size_hint(7168 * 2, R), (1 << 20) + rows_max * 7168 * 2 + rows_max * 8 * 4 + 4096)
+    nvl = -(-nvl // 4096) * 4096
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
+    check = Checks(rank, R)
+    pull_cfgs = [cfg, Config(20, 8, 256, 6, 128), Config(3, 8, 256, 6, 128)]
+
+    def pull(res, y, **kw):
+        view = nat.get_combine_buffer(res.handle, y.shape[1])
+        view.copy_(y)
+        return view, nat.combine(view, res.handle, **kw)
+
+    cases = [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
+             ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
+             ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
+             ("7168", 1024, 7168, 64, 8, "random")]
+    for seed, (name, T, H, per_rank, K, routing) in enumerate(cases):
+        case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 200 + seed)
+        _, rn = _dispatch(nat, case, "cuda", config=cfg)
+        _, rr = _dispatch(ref, case, "cpu", config=cfg)
+        n = rn.recv_x.shape[0]
+        y = torch.randn((n, H), generator=case.gen).bfloat16()
+        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
+        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
+        yc, b0c, b1c = y.cuda(), b0.cuda(), b1.cuda()
+        ring = nat.combine(yc, rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
+        ring_plain = nat.combine(yc, rn.handle, config=cfg).combined_x
+        want = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
+        for pc in pull_cfgs:
+            tag = f"{name} num_sms={pc.num_sms}"
+            view, got = pull(rn, yc, topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=pc)
+            check(f"{tag}: view is the NVL buffer",
+                  view.data_ptr() == nat._backend._rt.local_buffer + (1 << 20) and tuple(view.shape) == (n, H))
+            check(f"{tag}: pull == ring (bitwise)", torch.equal(got.combined_x, ring.combined_x))
+            check(f"{tag}: pull weights == ring", torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+            check(f"{tag}: pull vs reference", _close_bf16(got.combined_x, want.combined_x, None))
+            check(f"{tag}: pull without extras", torch.equal(pull(rn, yc, config=pc)[1].combined_x, ring_plain))
+        same = all(torch.equal(pull(rn, yc, topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)[1]
+                               .combined_x, ring.combined_x) for _ in range(3))
+        check(f"{name}: pull bitwise identical x3", same)
+        # through the num_worst_tokens handle: padding rows are ignored (and may take the staged weights)
+        _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst_T * R)
+        yw = torch.cat([yc, torch.randn((worst_T * R - n, H), device="cuda").bfloat16()])
+        _, got = pull(wn, yw, topk_weights=wn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
+        check(f"{name}: pull via worst handle", torch.equal(got.combined_x, ring.combined_x)
+              and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+
+    # Interleaved on one Buffer: ring, pull, cached dispatch, pull, ring, 40 pulls back to back.
+    case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 300)
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    y = (rn.recv_x.float() * 0.5).bfloat16()
+    ring = nat.combine(y, rn.handle, config=cfg).combined_x
+    ok = torch.equal(pull(rn, y, config=cfg)[1].combined_x, ring)
+    ok &= _eq(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x, rn.recv_x)
+    ok &= torch.equal(pull(rn, y, config=cfg)[1].combined_x, ring)
+    ok &= torch.equal(nat.combine(y, rn.handle, config=cfg).combined_x, ring)
+    outs = [pull(rn, y, config=pull_cfgs[i % 3])[1].combined_x for i in range(40)]
+    ok &= all(torch.equal(o, ring) for o in outs)
+    check("pull / ring / cached dispatch interleaved", ok)
+
+    # CUDA graph: the rows' copy into the view and the pull captured once, replayed with new rows.
+    view = nat.get_combine_buffer(rn.handle, 4096)
+    src = y.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        view.copy_(src)
+        g_out = nat.combine(view, rn.handle, config=cfg).combined_x
+    ok = True
+    for k in range(3):
+        src.copy_((y.float() * (k + 1)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        ok &= torch.equal(g_out, nat.combine(src, rn.handle, config=cfg).combined_x)
+    check("cuda graph pull", ok)
+    del graph
+
+    # Refusals (on every rank alike, before anything launches).
+    from uccl_moe.utils import tensor_at
+
+    shifted = tensor_at(nat._backend._rt.local_buffer + (1 << 20) + 4096 * 2, tuple(y.shape), torch.bfloat16,
+                        y.device)  # in the buffer, one row off
+    try:
+        nat.combine(shifted, rn.handle, config=cfg)
+    except InvalidUsageError as e:
+        check("refuses buffer memory that is not the view", "not the tensor get_combine_buffer" in str(e))
+    else:
+        check("refuses buffer memory that is not the view", False)
+    try:
+        nat.get_combine_buffer(rn.handle, 4096, dtype=torch.float32)
+    except InvalidTypeError as e:
+        check("refuses float32 views", "bfloat16" in str(e))
+    else:
+        check("refuses float32 views", False)
+    view = nat.get_combine_buffer(rn.handle, 4096)
+    view.copy_(y)
+    nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
+    try:
+        nat.combine(view, rn.handle, config=cfg)
+    except InvalidUsageError as e:
+        check("refuses a view a dispatch ran over", "overwrote it" in str(e))
+    else:
+        check("refuses a view a dispatch ran over", False)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)
+    small = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend="native",
+                   explicitly_destroy=True)
+    big_case = _Case(rank, R, 4096, 7168, 16 * R, 8, False, "none", "random", 301)
+    _, bn = _dispatch(small, big_case, "cuda", config=cfg)
+    need = (1 << 20) + bn.recv_x.shape[0] * 7168 * 2
+    check("the small Buffer is too small for the view", need > small.num_nvl_bytes)
+    if need > small.num_nvl_bytes:
+        try:
+            small.get_combine_buffer(bn.handle, 7168)
+        except InvalidUsageError as e:
+            check("a Buffer too small refuses the view", f"num_nvl_bytes >= {need}" in str(e))
+        else:
+            check("a Buffer too small refuses the view", False)
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)
+    small.destroy()
+    nat.destroy()
+    ref.destroy()
+    check.assert_none_failed()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_native_combine_from_buffer(world: int) -> None:
+    run_shared_gpu_ranks(_combine_from_buffer_worker, world, timeout_s=600)
+
+
+def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
+    """A rank that skips a combine from the buffer (`skip`), or combines from a tensor of its own while its peers
+    combine from their views (`mixed`): the others are named in a bounded combine/pull-start wait, never a hang."""
+    from uccl_moe import Buffer, CommTimeoutError, Config
+
+    cfg = Config(24, 8, 256, 6, 128)
+    nvl = cfg.get_nvl_buffer_size_hint(2048 * 2, world)
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 3)
+    _, res = _dispatch(nat, case, "cuda", config=cfg)
+    torch.cuda.synchronize()
+    odd = world - 1
+    view = nat.get_combine_buffer(res.handle, 2048)
+    view.copy_(res.recv_x)
+    if rank != odd or mode == "mixed":
+        try:
+            nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
+        except CommTimeoutError as e:
+            rec = e.record or {}
+            if rank != odd:
+                assert rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
+                assert rec.get("rank") == rank and f"peer {odd}" in str(e), str(e)
+            else:  # the ring path starves for the peers' pushes
+                assert str(rec.get("phase")).startswith("combine/"), rec
+        else:
+            raise AssertionError("combine returned although a peer did not combine from its buffer")
+    dist.barrier(group=gloo)
+    nat.destroy()
+
+
+@pytest.mark.parametrize("mode", ["skip", "mixed"])
+def test_native_combine_from_buffer_timeout(mode: str) -> None:
+    run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)

@@ -255,6 +255,7 @@ def test_alignment_and_worst_tokens_take_any_integer_type(buf, monkeypatch):
     backend as Python ints; bools (also 0-d bool tensors), floats and strings are refused."""
     import numpy as np
 
+    torch.manual_seed(0)  # routing whose per-expert counts are not all multiples of 4 already (else flaky, ~2%)
     idx, ntr, nte, itr = _layout(buf, T=24, E=4, K=2)
     x = torch.randn((24, H)).bfloat16()
     kw = dict(num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
@@ -361,6 +362,51 @@ def test_combine_topk_weights_shape(buf):
     x, idx, res = _dispatched(buf)
     _raises(InvalidUsageError, "topk_weights has shape", buf.combine, res.recv_x, res.handle,
             topk_weights=torch.ones((1, 2)))
+
+
+# ---- combine from the buffer (get_combine_buffer) ---------------------------------------------------------------
+def test_get_combine_buffer_without_the_path_is_a_fresh_tensor(buf):
+    """The reference backend has no buffer path: the caller gets a tensor of its own, and combine from it is the
+    ordinary combine."""
+    x, idx, res = _dispatched(buf)
+    view = buf.get_combine_buffer(res.handle, H)
+    assert view.shape == res.recv_x.shape and view.dtype == torch.bfloat16
+    view.copy_(res.recv_x * 2)
+    want = buf.combine((res.recv_x * 2).contiguous(), res.handle).combined_x
+    assert torch.equal(buf.combine(view, res.handle).combined_x, want)
+    assert buf.get_combine_buffer(res.handle, H, dtype=torch.float32).dtype == torch.float32
+
+
+def test_get_combine_buffer_bad_arguments(buf):
+    x, idx, res = _dispatched(buf)
+    _raises(InvalidUsageError, "hidden=0", buf.get_combine_buffer, res.handle, 0)
+    _raises(InvalidUsageError, "multiple of 16", buf.get_combine_buffer, res.handle, 12)
+    _raises(InvalidTypeError, "dtype must be a torch.dtype", buf.get_combine_buffer, res.handle, H, "bf16")
+    _raises(InvalidTypeError, "handle must be", buf.get_combine_buffer, [1, 2], H)
+
+
+def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
+    """A backend whose view is buffer memory (native): a dispatch, or a combine from another tensor, between
+    get_combine_buffer and the combine ran over the rows, so combine refuses; layout calls and combines from the view
+    do not count, and a fresh view is accepted."""
+    x, idx, res = _dispatched(buf)
+    memory = torch.zeros_like(res.recv_x)  # stands in for the NVL buffer
+    monkeypatch.setattr(buf._backend, "combine_buffer", lambda h, hidden, dtype: memory, raising=False)
+    view = buf.get_combine_buffer(res.handle, H)
+    assert view.data_ptr() == memory.data_ptr()
+    view.copy_(res.recv_x)
+    buf.get_dispatch_layout(idx, 4)  # does not touch the NVL buffer
+    assert torch.equal(buf.combine(view, res.handle).combined_x, buf.combine(res.recv_x, res.handle).combined_x)
+    view = buf.get_combine_buffer(res.handle, H)
+    buf.dispatch(x, handle=res.handle)
+    _raises(InvalidUsageError, "1 dispatch/combine call\\(s\\) of this Buffer ran since", buf.combine, view,
+            res.handle)
+    view = buf.get_combine_buffer(res.handle, H)
+    view.copy_(res.recv_x)
+    first = buf.combine(view, res.handle).combined_x
+    assert torch.equal(buf.combine(view, res.handle).combined_x, first)  # a combine from the view leaves it intact
+    buf.combine(res.recv_x, res.handle)  # a combine from another tensor runs through the rings
+    _raises(InvalidUsageError, "overwrote it", buf.combine, view, res.handle)
 
 
 def test_destroyed_buffer(group):

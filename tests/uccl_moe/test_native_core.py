@@ -147,10 +147,13 @@ def test_diag_message_names_rank_peer_channel_phase():
                  "0x2a", "UCCL_MOE_TIMEOUT_S"):
         assert part in msg, (part, msg)
     assert d["phase"] == "dispatch/recv-tokens"
-    # every phase a kernel reports has a name (the dispatch tail publisher's is the newest)
+    # every phase a kernel reports has a name (combine-from-the-buffer's two are the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(16)]
-    assert "unknown" not in names and len(set(names)) == 16 and names[15] == "dispatch/publish"
+                            waited_s=1.0)["phase"] for p in range(18)]
+    assert "unknown" not in names and len(set(names)) == 18
+    assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=18, role=1, expected=1, seen=0, command=0,
+                          waited_s=1.0)["phase"] == "unknown"
 
 
 def test_error_tree():

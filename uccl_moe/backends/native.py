@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, env
-from ..errors import CommTimeoutError, InvalidUsageError
-from ..utils import current_raw_stream
+from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
+from ..utils import current_raw_stream, tensor_at
 from .base import Backend, BufferContext, DispatchRequest, register_backend
 
 
@@ -259,6 +259,8 @@ class NativeBackend(Backend):
         self._check_alive()
         if self._inter is not None:
             return self._inter.combine(x, handle, topk_weights, bias, config)
+        if self._in_buffer(x):
+            return self._combine_from_buffer(x, handle, topk_weights, bias, config)
         x = x.contiguous()
         num_sms = self._sms_of(handle)
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
@@ -275,6 +277,64 @@ class NativeBackend(Backend):
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),
             recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=T, hidden=H, num_topk=K,
             out=_ptr(out), out_topk_weights=_ptr(out_w), stream=self._stream())
+        return out, out_w
+
+    # ---------------------------------------------------------------- combine from the buffer
+    def combine_buffer(self, handle: Any, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [T_recv, hidden] view of this rank's NVL buffer that a combine from the buffer reads, or None where
+        that path does not exist (across nodes: the caller gets a tensor of its own)."""
+        self._check_alive()
+        if self._inter is not None:
+            return None
+        if dtype not in self.supported_combine_dtypes:
+            raise InvalidTypeError(f"the native backend combines bfloat16 rows, got get_combine_buffer(dtype={dtype})")
+        rows = int(handle[3].shape[0])
+        offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
+        if end > self.ctx.num_nvl_bytes:
+            raise InvalidUsageError(
+                f"get_combine_buffer: {rows} rows of hidden {hidden} need {end} bytes of NVL buffer per rank, but the "
+                f"Buffer has num_nvl_bytes={self.ctx.num_nvl_bytes}; construct the Buffer with num_nvl_bytes >= {end}, "
+                f"or combine from a tensor of your own (the ring path)"
+            )
+        # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
+        # takes the same path as its peers.
+        return tensor_at(self._rt.local_buffer + offset, (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
+
+    def _in_buffer(self, x: torch.Tensor) -> bool:
+        """True if x's memory lies in this rank's NVL buffer (where only a get_combine_buffer view may come from)."""
+        lo = int(self._rt.local_buffer)
+        hi = lo + int(self.ctx.num_nvl_bytes)
+        start = int(x.data_ptr())
+        return start < hi and start + max(x.numel() * x.element_size(), 1) > lo
+
+    def _combine_from_buffer(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
+                             config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's rows already lie in its buffer: each rank pulls its tokens' copies (combine_pull.cu)."""
+        rows, H = int(x.shape[0]), int(x.shape[1])
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        offset, end = _C.intranode_combine_input_layout(rows, H, K)
+        if not x.is_contiguous() or int(x.data_ptr()) != self._rt.local_buffer + offset:
+            raise InvalidUsageError(
+                "combine: x lies inside this Buffer's NVL buffer but is not the tensor get_combine_buffer(handle, "
+                "hidden) returned (a slice or a strided view of it?); pass that tensor itself, or a tensor of your own"
+            )
+        if end > self.ctx.num_nvl_bytes:
+            raise InvalidUsageError(
+                f"combine from the buffer with topk_weights of {K} per row needs {end} bytes of NVL buffer per rank "
+                f"(rows, then the staged weights), but the Buffer has num_nvl_bytes={self.ctx.num_nvl_bytes}; "
+                f"construct it with num_nvl_bytes >= {end}, or combine from a tensor of your own"
+            )
+        T = int(handle[4].shape[0])
+        tw = topk_weights.contiguous() if topk_weights is not None else None
+        b0 = bias[0].contiguous() if bias[0] is not None else None
+        b1 = bias[1].contiguous() if bias[1] is not None else None
+        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
+        _C.combine_pull_intranode(
+            runtime=self._rt, num_sms=int(config.num_sms), num_rows=rows, topk_weights=_ptr(tw), bias0=_ptr(b0),
+            bias1=_ptr(b1), rank_prefix=_ptr(handle[0]), lane_prefix=_ptr(handle[1]), send_head=_ptr(handle[5]),
+            num_tokens=T, hidden=H, num_topk=K, num_lanes=int(handle[1].shape[1]), out=_ptr(out),
+            out_topk_weights=_ptr(out_w), stream=self._stream())
         return out, out_w
 
     # ---------------------------------------------------------------- benchmark helpers and lifecycle

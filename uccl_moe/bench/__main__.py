@@ -2,7 +2,9 @@
 
 For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x chunk) it times, in one run:
   - ``dispatch``: our cached-handle dispatch (BF16 or FP8 + float32 scales),
-  - ``combine``: our combine of BF16 rows,
+  - ``combine``: our combine of BF16 rows (``comb_*``), from a tensor of the caller's (the ring path) and from the
+    Buffer's own memory (``combv_*``: ``get_combine_buffer``, where Megatron's unpermute writes the rows; checked
+    to give the same bits),
   - ``nccl_a2a``: NCCL ``all_to_all_single`` moving exactly the same, already packed rows (dispatch direction;
     for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
 and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
@@ -94,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"uccl-moe bench on {R} x {dev}; peer copy ceiling (one way, copy engine) "
           f"{result['peer_copy_GBps']:.1f} GB/s; {time.time() - t0:.0f} s")
     print(_table(rows))
+    for r in rows:
+        if r.get("combine_view_equal") is False:  # a correctness check, not a timing: say it loudly
+            print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: combine from the buffer differs from "
+                  f"combine", file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
     if args.json:

@@ -128,11 +128,29 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
             dist.all_reduce(token)
 
     out: dict[str, Any] = {}
-    ops = {"dispatch": lambda: buf.dispatch(x, handle=h, config=cfg), "combine": lambda: buf.combine(y, h, config=cfg)}
-    for op, fn in ops.items():
+    # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
+    # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
+    # rings run over it.
+    view = buf.get_combine_buffer(h, H)
+
+    def fill_view() -> None:
+        view.copy_(y)
+
+    ops: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
+        "dispatch": (lambda: buf.dispatch(x, handle=h, config=cfg), None),
+        "combine": (lambda: buf.combine(y, h, config=cfg), None),
+        "combine_view": (lambda: buf.combine(view, h, config=cfg), fill_view)}
+    for op, (fn, prep) in ops.items():
+        if prep is not None:
+            prep()
         out[f"{op}_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
+    fill_view()
+    out["combine_view_equal"] = bool(torch.equal(buf.combine(view, h, config=cfg).combined_x,
+                                                 buf.combine(y, h, config=cfg).combined_x))
     if args.kernel_times:
-        for op, fn in ops.items():
+        for op, (fn, prep) in ops.items():
+            if prep is not None:
+                prep()
             out[f"{op}_kernels"] = _kernel_us(fn, flush, args.iters, align)
     if not args.no_nccl and nccl_ok:
         send_rows = sum(send_to)
@@ -158,6 +176,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for op, recv_key, remote_key, bytes_key in (
             ("dispatch", "n_recv", "n_remote", "row_bytes"),
             ("combine", "n_sent", "n_sent_remote", "combine_row_bytes"),
+            ("combine_view", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("nccl_dispatch", "n_recv", "n_remote", "row_bytes"),
             ("nccl_combine", "n_sent", "n_sent_remote", "combine_row_bytes")):
         key = f"{op}_us"
@@ -168,7 +187,9 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = round(t, 1)
         row[f"{op}_logical_GBps"] = round(slowest[recv_key] * slowest[bytes_key] / (t * 1e3), 1)
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
-    for op in ("dispatch", "combine"):
+    if "combine_view_equal" in per_rank[0]:
+        row["combine_view_equal"] = all(d["combine_view_equal"] for d in per_rank)
+    for op in ("dispatch", "combine", "combine_view"):
         key = f"{op}_kernels"
         if key in per_rank[0]:  # slowest rank per kernel
             names = sorted({n for d in per_rank for n in d[key]})
@@ -207,6 +228,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
                                     args.nvl_send, args.nvl_recv))
     nvl = max(Config(s, min(ns, nr - 1), nr, 6, 128).get_nvl_buffer_size_hint(h * 2, R)
               for _, h, _, _, s, ns, nr in points)
+    # room for combine_view's rows too: every rank's tokens may come here (1 MiB of meta first)
+    nvl = max(nvl, -(-((1 << 20) + max(t * R * h * 2 for t, h, *_ in points)) // 4096) * 4096)
     buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ceiling = _peer_copy_ceiling(buf, rank, R, gloo, min(1 << 30, nvl - (2 << 20)) // 2, args)
     bar: Any = None
@@ -245,6 +268,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("dispatch_nvlink_GBps", "disp_nvl"), ("dispatch_logical_GBps", "disp_log"),
             ("nccl_dispatch_us", "nccl_us"), ("nccl_dispatch_nvlink_GBps", "nccl_nvl"),
             ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
+            ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
             ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
@@ -258,7 +282,7 @@ def _kernel_lines(rows: list[dict[str, Any]]) -> str:
     """One line per row and op: GPU kernel us per call (slowest rank), e.g. for --kernel-times."""
     lines = []
     for r in rows:
-        for op in ("dispatch", "combine"):
+        for op in ("dispatch", "combine", "combine_view"):
             ks = r.get(f"{op}_kernels")
             if ks:
                 body = ", ".join(f"{n} {us:.1f}" for n, us in ks.items())
@@ -283,6 +307,9 @@ def _plot(rows: list[dict[str, Any]], path: str) -> bool:
         lab = f"H={key[0]} E={key[1]} {key[2]} sms={key[3]} chunk={key[4]}"
         ax.plot([r["tokens"] for r in sel], [r["dispatch_nvlink_GBps"] for r in sel], "o-", label=f"dispatch {lab}")
         ax.plot([r["tokens"] for r in sel], [r["combine_nvlink_GBps"] for r in sel], "s--", label=f"combine {lab}")
+        if "combine_view_nvlink_GBps" in sel[0]:
+            ax.plot([r["tokens"] for r in sel], [r["combine_view_nvlink_GBps"] for r in sel], "d-.",
+                    label=f"combine from the buffer {lab}")
         if "nccl_dispatch_nvlink_GBps" in sel[0]:
             ax.plot([r["tokens"] for r in sel], [r["nccl_dispatch_nvlink_GBps"] for r in sel], "x:",
                     label=f"NCCL a2a {lab}")

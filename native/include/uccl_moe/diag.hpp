@@ -27,6 +27,8 @@ enum class DiagPhase : int32_t {
   kForwarder = 13,          ///< internode forwarder waiting for NVLink room / RDMA data
   kRdmaCapacity = 14,       ///< not a wait: an internode area needs more rows than the RDMA buffer holds
   kDispatchPublish = 15,    ///< dispatch direct warp waiting for its lane's sender warps to finish (TailPublisher)
+  kCombinePullStart = 16,   ///< combine from the buffer: waiting for a peer's inputs (its start release)
+  kCombinePullDone = 17,    ///< combine from the buffer: waiting for a peer to stop reading our buffer
 };
 
 const char* diag_phase_name(DiagPhase phase);

@@ -211,6 +211,27 @@ void register_runtime(nb::module_& m) {
   "bias1"_a, "rank_prefix"_a, "recv_lane_start"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "out"_a,
   "out_topk_weights"_a, "stream"_a, "num_tokens_ptr"_a = 0, "row_map"_a = 0);
 
+  m.def("combine_pull_intranode", [](NvlRuntime& rt, int num_sms, int64_t num_rows, uintptr_t topk_weights,
+                                     uintptr_t bias0, uintptr_t bias1, uintptr_t rank_prefix, uintptr_t lane_prefix,
+                                     uintptr_t send_head, int num_tokens, int hidden, int num_topk, int num_lanes,
+                                     uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream) {
+    // No ring is used, so the ring counters need no reset (ensure_rings) and the op's SM count is free.
+    rt.check_num_sms(num_sms);
+    intranode::CombinePullArgs a{ptr<const float>(topk_weights), ptr<const void>(bias0), ptr<const void>(bias1),
+                                 ptr<const int32_t>(rank_prefix), ptr<const int32_t>(lane_prefix),
+                                 ptr<const int32_t>(send_head), num_tokens, hidden, num_topk, num_lanes,
+                                 ptr<void>(out), ptr<float>(out_topk_weights)};
+    intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "num_rows"_a, "topk_weights"_a, "bias0"_a, "bias1"_a, "rank_prefix"_a,
+  "lane_prefix"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "num_lanes"_a, "out"_a,
+  "out_topk_weights"_a, "stream"_a);
+
+  m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
+    return nb::make_tuple(intranode::combine_input_offset(), intranode::combine_input_bytes(rows, hidden, num_topk));
+  }, "rows"_a, "hidden"_a, "num_topk"_a,
+  "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
+  "bytes it needs from the buffer's start with num_topk staged weights per row");
+
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
   }, "runtime"_a, "peer"_a, "bytes"_a, "stream"_a,

@@ -22,6 +22,8 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kForwarder: return "forwarder";
     case DiagPhase::kRdmaCapacity: return "rdma/capacity";
     case DiagPhase::kDispatchPublish: return "dispatch/publish";
+    case DiagPhase::kCombinePullStart: return "combine/pull-start";
+    case DiagPhase::kCombinePullDone: return "combine/pull-done";
   }
   return "unknown";
 }

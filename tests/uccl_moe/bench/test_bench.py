@@ -49,3 +49,17 @@ def test_kernel_times_per_call_and_slowest_rank() -> None:
     row.update(ranks=2, tokens=64, dtype="bf16", num_sms=24, nvl_send=8, nvl_recv=256)
     lines = _kernel_lines([row]).splitlines()
     assert len(lines) == 2 and "k 12.0" in lines[0] and lines[1].endswith("kernels us: c 3.0, p 1.0")
+
+
+def test_combine_from_the_buffer_columns_and_equality_flag() -> None:
+    """combine_view (combine from get_combine_buffer) is summarised like combine, gets its table columns, and its
+    bitwise check against combine is false if any rank saw a difference."""
+    a = {**_rank(100.0, 400, 300), "combine_view_us": 150.0, "combine_view_equal": True}
+    b = {**_rank(90.0, 400, 300), "combine_view_us": 170.0, "combine_view_equal": False}
+    row = _summarise([a, b])
+    assert row["combine_view_us"] == 170.0 and row["combine_view_nvlink_GBps"] == round(300 * 2000 / 170e3, 1)
+    assert row["combine_view_equal"] is False
+    assert _summarise([a, a])["combine_view_equal"] is True
+    row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8)
+    header = _table([row]).splitlines()[0].split()
+    assert header.index("comb_us") < header.index("combv_us") < header.index("combv_nvl")

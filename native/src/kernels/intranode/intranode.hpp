@@ -159,6 +159,29 @@ struct CombineArgs {
 };
 void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream);
 
+/// Combine from the buffer (combine_pull.cu): every rank's input rows already sit in its own NVL buffer at
+/// combine_input_offset() (the caller wrote them there: Buffer.get_combine_buffer), so each rank loads the copies of
+/// its tokens where they lie instead of having them pushed through rings. Same sum order and bits as the ring
+/// combine. Every local rank must take this path for the same call.
+struct CombinePullArgs {
+  const float* topk_weights;     ///< [rows, K] or null (staged by the launch next to the rows; peers read them)
+  const void* bias0;             ///< [T, hidden] bf16 or null
+  const void* bias1;
+  const int32_t* rank_prefix;    ///< [R, R]
+  const int32_t* lane_prefix;    ///< [R, L] sender side: where this rank's tokens sit among each peer's rows
+  const int32_t* send_head;      ///< [T, R]
+  int32_t num_tokens, hidden, num_topk;
+  int32_t num_lanes;             ///< L of the handle
+  void* out;                     ///< [T, hidden] bf16
+  float* out_topk_weights;       ///< [T, K] or null (only with topk_weights)
+};
+/// Byte offset of the input rows in the NVL buffer, and the bytes a combine from the buffer of `rows` rows (plus
+/// their staged weights when num_topk > 0) needs from the buffer's start.
+int64_t combine_input_offset();
+int64_t combine_input_bytes(int64_t rows, int hidden, int num_topk);
+/// `num_sms` blocks; `num_rows` = rows of the caller's input (>= rows received), checked against the buffer.
+void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream);
+
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);
 

@@ -28,6 +28,7 @@
 //   head[lane][dst]            kMaxLanes x N       slots dst has consumed from my ring (lane, me) there
 //   send_base[lane][dst]       kMaxLanes x N       tail I published to dst at the end of my last round (local)
 //   recv_base[lane][src]       kMaxLanes x N       head I published to src at the end of my last round (local)
+//   pull_*                                         combine from the buffer (below)
 // Rings region (from kNvlMetaBytes): lane ring (channel c, src, w) starts at ((c * N + src) * W + w) *
 // lane_region_bytes and holds Tl slots of SlotLayout::bytes.
 #pragma once
@@ -35,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "uccl_moe/compiler.hpp"
 #include "uccl_moe/config.hpp"
 
 namespace uccl_moe::intranode {
@@ -58,7 +60,25 @@ constexpr size_t kOffHead = kOffTail + sizeof(int32_t) * kMaxLocalRanks * kMaxLa
 constexpr size_t kOffSendBase = kOffHead + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 constexpr size_t kOffRecvBase = kOffSendBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
 constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kMaxLanes;
-static_assert(kMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
+// Combine from the buffer (combine_pull.cu): words of the start / end hand-shakes, after the ring meta.
+//   pull_start[src]  kMaxLocalRanks   round number src released once its inputs were in its buffer (written by src)
+//   pull_done[src]   kMaxLocalRanks   round number src released once it stopped reading every buffer (written by src)
+//   pull_round       1                rounds this rank completed (local)
+//   pull_arrive      1                blocks of this launch that staged their share (local; reset by the last)
+//   pull_leave       1                blocks of this launch that finished reading (local; reset by the last)
+constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
+constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
+constexpr size_t kOffPullRound = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
+constexpr size_t kOffPullArrive = kOffPullRound + sizeof(int32_t);
+constexpr size_t kOffPullLeave = kOffPullArrive + sizeof(int32_t);
+constexpr size_t kPullMetaEnd = kOffPullLeave + sizeof(int32_t);
+static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
+/// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
+/// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
+constexpr size_t kOffCombineInput = kNvlMetaBytes;
+UCCL_HOST_DEVICE_FN constexpr size_t combine_input_weights_offset(int64_t rows, int64_t row_bytes) {
+  return (kOffCombineInput + static_cast<size_t>(rows * row_bytes) + 127) / 128 * 128;
+}
 static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
 /// Where the fields of one ring slot sit (bytes from the slot start). Dispatch slots carry the token row plus

@@ -1,0 +1,221 @@
+// combine_pull_kernel: combine from the buffer. When the caller wrote the combine's input rows into its own NVL
+// buffer (Buffer.get_combine_buffer), no rank pushes anything: each rank loads every copy of each of its tokens
+// straight from the buffer that holds it (peers' over NVLink, its own locally) and sums them in float32 in rank
+// order 0..N-1, then bias0, then bias1, rounded once to BF16: the same order, so the same bits, as the ring combine
+// (combine.cu). No ring, no chunk hand-offs: one start and one end hand-shake per launch.
+//
+// Why: the ring combine moves every remote row twice through memory (the sender's load and NVLink store into the
+// ring, the receiver's load from the ring) and pays a hand-off per chunk. Pulling the rows where they already lie
+// leaves one NVLink load per remote row. tools/combine_pull_probe.cu on 2 x H200 (EP2, 4096 tokens, hidden 7168,
+// 24 SMs): pull from the buffer 203 us, the link alone (pulling without the sum) 204 us, a ring-free push into a
+// whole-size landing zone 242 us, copy-into-the-buffer-then-pull 245 us (docs/performance.md, round 13).
+//
+// Where rank d holds our token t: its rows from source `me` start at rank_prefix[me - 1][d], the rows of our lane l
+// at lane_prefix[d][l - 1] inside them (the same exclusive prefix d's recv_lane_start holds), and t is send_head
+// [t][d] rows further (its position in the lane's stream to d). Rows live at kOffCombineInput of the buffer; the
+// top-k weights (when given) are staged by the launch itself after each rank's received rows
+// (combine_input_weights_offset), since peers read them too.
+//
+// Hand-shakes (words in nvl_layout.hpp), for round r = pull_round + 1:
+//   start: every block stages its share of the weights and counts itself in pull_arrive; the last one releases r
+//     into pull_start[me] of every peer (a system fence first: the rows were written by earlier kernels, the
+//     weights by this launch). Every block then waits until each peer's pull_start[d] in our meta reached r.
+//   end: every block counts itself in pull_leave once its loads returned; the last one releases r into
+//     pull_done[me] of every peer, waits until every peer released r into ours (nobody reads our buffer any
+//     more, so the next op may write it: the caller's next rows or a dispatch's ring slots) and sets pull_round.
+// All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
+// its own while its peers pass the buffer's, is named in a combine/pull-start timeout.
+#include "intranode_device.cuh"
+#include "../bf16.cuh"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::intranode {
+
+namespace {
+
+using kernels::add_bf16x8;
+using kernels::pack_bf16x8;
+
+struct PullSmem {
+  int last;    // this block is the last to count itself (last_block)
+  int failed;  // a wait of this block expired (wait_peers)
+};
+
+/// Called by every thread of every block: counts the block in `counter` (after a GPU-scope fence over the block's
+/// earlier writes) and returns true, block-uniform, in the block that completed the count, which also resets it for
+/// the next launch.
+UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    gpu::fence_gpu();
+    const bool last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) atomicExch(counter, 0);
+    sm->last = last ? 1 : 0;
+  }
+  __syncthreads();
+  return sm->last != 0;
+}
+
+/// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta.
+UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round) {
+  const int d = static_cast<int>(threadIdx.x);
+  if (d < ctx.num_ranks && d != ctx.rank) {
+    gpu::fence_sys();
+    gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
+  }
+}
+
+/// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
+/// `round` (wrapping compare). Returns false, block-uniform, if a wait expired or the launch was aborted.
+UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm) {
+  if (threadIdx.x == 0) sm->failed = 0;
+  __syncthreads();
+  const int d = static_cast<int>(threadIdx.x);
+  if (d < ctx.num_ranks && d != ctx.rank) {
+    const int32_t* word = meta_ptr(ctx.buffers[ctx.rank], off) + d;
+    int32_t seen = gpu::load_acquire_sys(word);  // released by rank d (release_to_peers)
+    if (ring_diff(seen, round) < 0) {
+      DiagDeviceHandle diag = diag_of(ctx);
+      BoundedWait wait(diag);
+      while (ring_diff(seen = gpu::load_acquire_sys(word), round) < 0) {
+        if (wait.expired()) {
+          report_timeout(diag, phase, kRoleReceiver, d, -1, round, seen, 0, wait.waited_s());
+          sm->failed = 1;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return sm->failed == 0;
+}
+
+/// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
+/// copy (or -1 when the token did not go to d).
+template <int kNumRanks, int kColUnroll>
+UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a) {
+  const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id(), L = a.num_lanes, T = a.num_tokens;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int num_16 = static_cast<int>(row_bytes / 16);
+  const int per_lane = (T + L - 1) / L;
+  // Per lane d < N: rank d's rows and staged weights, and where its rows from us start.
+  const char* rows_d = lane < N ? static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput : nullptr;
+  const float* weights_d = nullptr;
+  if (lane < N && a.topk_weights != nullptr)
+    weights_d = reinterpret_cast<const float*>(static_cast<const char*>(ctx.buffers[lane]) +
+                                               combine_input_weights_offset(a.rank_prefix[(N - 1) * N + lane], row_bytes));
+  const int64_t from_me_d = lane < N && me > 0 ? a.rank_prefix[(me - 1) * N + lane] : 0;
+  const int4* bias0 = static_cast<const int4*>(a.bias0);
+  const int4* bias1 = static_cast<const int4*>(a.bias1);
+  const int stride = static_cast<int>(gridDim.x) * kWarpsPerBlock;
+  int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+  int32_t p_next = lane < N && t < T ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
+  for (; t < T; t += stride) {
+    const int32_t p = p_next;  // the next token's entry loads while this one sums
+    if (lane < N && t + stride < T) p_next = a.send_head[static_cast<int64_t>(t + stride) * N + lane];
+    const int l = t / per_lane;
+    int64_t row = -1;
+    if (lane < N && p >= 0) row = from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p;
+    const char* src = row >= 0 ? rows_d + row * row_bytes : nullptr;
+    const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
+    for (int col_base = 0; col_base < num_16; col_base += kColUnroll * gpu::kWarpSize) {
+      int4 v[kColUnroll][kNumRanks];
+#pragma unroll
+      for (int d = 0; d < kNumRanks; ++d) {
+        const int4* r = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(src), d));
+#pragma unroll
+        for (int u = 0; u < kColUnroll; ++u) {
+          const int col = col_base + u * gpu::kWarpSize + lane;
+          if (((have >> d) & 1) && col < num_16)  // our own rows are not written during the launch
+            v[u][d] = d == me ? gpu::load_stream_128(r + col) : gpu::load_ring_128(r + col);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        const int col = col_base + u * gpu::kWarpSize + lane;
+        if (col >= num_16) continue;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int d = 0; d < kNumRanks; ++d)
+          if ((have >> d) & 1) add_bf16x8(acc, v[u][d]);
+        if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
+        if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
+        reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
+      }
+    }
+    if (a.out_topk_weights != nullptr) {  // the weights' sum, in the same rank order (warp-uniform branch)
+      float sum = 0.0f;
+      for (int d = 0; d < N; ++d) {
+        const long long r = gpu::shfl(static_cast<long long>(row), d);
+        const float* w = reinterpret_cast<const float*>(gpu::shfl(reinterpret_cast<unsigned long long>(weights_d), d));
+        if (((have >> d) & 1) && lane < a.num_topk)
+          sum += d == me ? a.topk_weights[r * a.num_topk + lane]
+                         : __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(w + r * a.num_topk + lane)));
+      }
+      if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+    }
+  }
+}
+
+template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlContext ctx, CombinePullArgs a) {
+  __shared__ PullSmem sm;
+  const int N = kNumRanks, me = ctx.rank;
+  void* local = ctx.buffers[me];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
+  if (a.topk_weights != nullptr) {  // stage our weights where the peers look for them
+    const int64_t n = static_cast<int64_t>(a.rank_prefix[(N - 1) * N + me]) * a.num_topk;
+    float* staged = reinterpret_cast<float*>(static_cast<char*>(local) +
+                                             combine_input_weights_offset(a.rank_prefix[(N - 1) * N + me],
+                                                                          static_cast<int64_t>(a.hidden) * 2));
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      staged[i] = a.topk_weights[i];
+  }
+  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round);
+  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm)) pull_sum<kNumRanks, kColUnroll>(ctx, a);
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    release_to_peers(ctx, kOffPullDone, round);
+    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
+    if (threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+  }
+}
+
+}  // namespace
+
+int64_t combine_input_bytes(int64_t rows, int hidden, int num_topk) {
+  const int64_t row_bytes = static_cast<int64_t>(hidden) * 2;
+  return static_cast<int64_t>(combine_input_weights_offset(rows, row_bytes)) + rows * num_topk * 4;
+}
+
+int64_t combine_input_offset() { return static_cast<int64_t>(kOffCombineInput); }
+
+void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream) {
+  UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
+              a.hidden);
+  UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  UCCL_ASSERT(num_sms > 0 && a.num_lanes > 0, "combine from the buffer needs num_sms > 0 and a handle with lanes");
+  UCCL_ASSERT(a.out_topk_weights == nullptr || a.topk_weights != nullptr,
+              "combine from the buffer: out_topk_weights needs topk_weights");
+  const int64_t need = combine_input_bytes(num_rows, a.hidden, a.topk_weights != nullptr ? a.num_topk : 0);
+  UCCL_ASSERT(need <= ctx.num_nvl_bytes,
+              "combine from the buffer needs %lld NVL bytes for %lld rows but the Buffer has %lld",
+              static_cast<long long>(need), static_cast<long long>(num_rows), static_cast<long long>(ctx.num_nvl_bytes));
+  const dim3 grid(num_sms), block(kThreadsPerBlock);
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  const auto launch = [&](void (*kernel)(NvlContext, CombinePullArgs)) { kernel<<<grid, block, 0, st>>>(ctx, a); };
+  switch (ctx.num_ranks) {
+    case 1: launch(combine_pull_kernel<1>); break;
+    case 2: launch(combine_pull_kernel<2>); break;
+    case 3: launch(combine_pull_kernel<3>); break;
+    case 4: launch(combine_pull_kernel<4>); break;
+    case 5: launch(combine_pull_kernel<5>); break;
+    case 6: launch(combine_pull_kernel<6>); break;
+    case 7: launch(combine_pull_kernel<7>); break;
+    case 8: launch(combine_pull_kernel<8>); break;
+    default: UCCL_THROW(kInvalidUsage, "combine supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", ctx.num_ranks);
+  }
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+}  // namespace uccl_moe::intranode
