@@ -276,8 +276,8 @@ class Buffer:
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
         self._handle_key = (self.backend_name, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
-        # dispatch/combine calls so far, and (data_ptr, calls then) of the last get_combine_buffer view: a view that
-        # another call overwrote (its ring slots) is refused by combine instead of summing garbage.
+        # dispatch/combine calls so far, and (storage address, calls then) of the last get_combine_buffer view: a view
+        # that another call overwrote (its ring slots) is refused by combine instead of summing garbage.
         self._op_seq = 0
         self._combine_view: tuple[int, int] | None = None
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
@@ -388,7 +388,8 @@ class Buffer:
         if view is None:
             self._combine_view = None
             return torch.empty((rows, hidden), dtype=dtype, device=self.device)
-        self._combine_view = (int(view.data_ptr()), self._op_seq)
+        # the storage's address: a view of no rows (a rank that receives nothing) has data_ptr() 0
+        self._combine_view = (int(view.untyped_storage().data_ptr()), self._op_seq)
         return view
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
@@ -827,7 +828,7 @@ class Buffer:
                 if tuple(b.shape) != (num_tokens, x.shape[1]):
                     raise _err(f"bias[{i}] has shape {tuple(b.shape)}, expected [{num_tokens}, {x.shape[1]}] (T, H)")
         view = self._combine_view
-        from_view = view is not None and x.data_ptr() == view[0]
+        from_view = view is not None and x.untyped_storage().data_ptr() == view[0]
         if from_view and view is not None and view[1] != self._op_seq:
             raise _err(
                 f"combine: x is the tensor get_combine_buffer returned, but {self._op_seq - view[1]} dispatch/combine "

@@ -301,11 +301,13 @@ class NativeBackend(Backend):
         return tensor_at(self._rt.local_buffer + offset, (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
 
     def _in_buffer(self, x: torch.Tensor) -> bool:
-        """True if x's memory lies in this rank's NVL buffer (where only a get_combine_buffer view may come from)."""
+        """True if x's storage lies in this rank's NVL buffer (where only a get_combine_buffer view may come from).
+        The storage, not x.data_ptr(): a view with no rows (a rank that receives nothing) has data_ptr() 0."""
         lo = int(self._rt.local_buffer)
         hi = lo + int(self.ctx.num_nvl_bytes)
-        start = int(x.data_ptr())
-        return start < hi and start + max(x.numel() * x.element_size(), 1) > lo
+        storage = x.untyped_storage()
+        start = int(storage.data_ptr())
+        return start != 0 and start < hi and start + max(int(storage.nbytes()), 1) > lo
 
     def _combine_from_buffer(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
                              config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -313,7 +315,7 @@ class NativeBackend(Backend):
         rows, H = int(x.shape[0]), int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
         offset, end = _C.intranode_combine_input_layout(rows, H, K)
-        if not x.is_contiguous() or int(x.data_ptr()) != self._rt.local_buffer + offset:
+        if not x.is_contiguous() or (rows > 0 and int(x.data_ptr()) != self._rt.local_buffer + offset):
             raise InvalidUsageError(
                 "combine: x lies inside this Buffer's NVL buffer but is not the tensor get_combine_buffer(handle, "
                 "hidden) returned (a slice or a strided view of it?); pass that tensor itself, or a tensor of your own"

@@ -131,22 +131,23 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
     # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
     # rings run over it.
-    view = buf.get_combine_buffer(h, H)
+    view = [buf.get_combine_buffer(h, H)]
 
     def fill_view() -> None:
-        view.copy_(y)
+        view[0] = buf.get_combine_buffer(h, H)  # the API's contract: taken after the last dispatch/combine
+        view[0].copy_(y)
 
     ops: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
         "dispatch": (lambda: buf.dispatch(x, handle=h, config=cfg), None),
         "combine": (lambda: buf.combine(y, h, config=cfg), None),
-        "combine_view": (lambda: buf.combine(view, h, config=cfg), fill_view)}
+        "combine_view": (lambda: buf.combine(view[0], h, config=cfg), fill_view)}
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
         out[f"{op}_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
     fill_view()
-    out["combine_view_equal"] = bool(torch.equal(buf.combine(view, h, config=cfg).combined_x,
-                                                 buf.combine(y, h, config=cfg).combined_x))
+    from_view = buf.combine(view[0], h, config=cfg).combined_x
+    out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=cfg).combined_x))
     if args.kernel_times:
         for op, (fn, prep) in ops.items():
             if prep is not None:

@@ -100,8 +100,10 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   const int per_lane = (T + L - 1) / L;
   // Per lane d < N: rank d's rows and staged weights, and where its rows from us start.
   const char* rows_d = lane < N ? static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput : nullptr;
+  // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
+  // topk_weights pointer is null because it received no rows.
   const float* weights_d = nullptr;
-  if (lane < N && a.topk_weights != nullptr)
+  if (lane < N && a.out_topk_weights != nullptr)
     weights_d = reinterpret_cast<const float*>(static_cast<const char*>(ctx.buffers[lane]) +
                                                combine_input_weights_offset(a.rank_prefix[(N - 1) * N + lane], row_bytes));
   const int64_t from_me_d = lane < N && me > 0 ? a.rank_prefix[(me - 1) * N + lane] : 0;
@@ -148,7 +150,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
       for (int d = 0; d < N; ++d) {
         const long long r = gpu::shfl(static_cast<long long>(row), d);
         const float* w = reinterpret_cast<const float*>(gpu::shfl(reinterpret_cast<unsigned long long>(weights_d), d));
-        if (((have >> d) & 1) && lane < a.num_topk)
+        if (((have >> d) & 1) && lane < a.num_topk)  // our own copy exists, so our topk_weights is not null
           sum += d == me ? a.topk_weights[r * a.num_topk + lane]
                          : __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(w + r * a.num_topk + lane)));
       }
@@ -195,8 +197,6 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   UCCL_ASSERT(num_sms > 0 && a.num_lanes > 0, "combine from the buffer needs num_sms > 0 and a handle with lanes");
-  UCCL_ASSERT(a.out_topk_weights == nullptr || a.topk_weights != nullptr,
-              "combine from the buffer: out_topk_weights needs topk_weights");
   const int64_t need = combine_input_bytes(num_rows, a.hidden, a.topk_weights != nullptr ? a.num_topk : 0);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
               "combine from the buffer needs %lld NVL bytes for %lld rows but the Buffer has %lld",

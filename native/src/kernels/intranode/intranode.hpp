@@ -173,7 +173,8 @@ struct CombinePullArgs {
   int32_t num_tokens, hidden, num_topk;
   int32_t num_lanes;             ///< L of the handle
   void* out;                     ///< [T, hidden] bf16
-  float* out_topk_weights;       ///< [T, K] or null (only with topk_weights)
+  float* out_topk_weights;       ///< [T, K] or null; given on every rank alike (topk_weights is null on a rank
+                                 ///< that received no rows)
 };
 /// Byte offset of the input rows in the NVL buffer, and the bytes a combine from the buffer of `rows` rows (plus
 /// their staged weights when num_topk > 0) needs from the buffer's start.
