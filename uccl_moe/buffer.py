@@ -55,6 +55,7 @@ MAX_EXPERTS_PER_RANK = 1024
 FP8_SCALE_BLOCK = 128
 #: Attribute on a handle's first tensor: the Buffer key its layout is valid for (Buffer._handle_key).
 _HANDLE_KEY_ATTR = "_uccl_moe_handle_key"
+_NVL_META_BYTES = 1 << 20  # kNvlMetaBytes (native/include/uccl_moe/config.hpp): the rings start after it
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -340,6 +341,19 @@ class Buffer:
             preset = (intranode_by_ranks or {}).get(num_ranks, intranode)
         nvl_send, nvl_recv, rdma_send, rdma_recv = preset
         return Config(Buffer.num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)
+
+    @staticmethod
+    def get_combine_buffer_size_hint(num_rows: int, hidden: int, num_topk: int = 0) -> int:
+        """``num_nvl_bytes`` that :meth:`get_combine_buffer` needs for `num_rows` rows of `hidden` BF16 values (plus
+        `num_topk` staged weights per row when combine gets ``topk_weights``): 1 MiB of meta, then the rows, then the
+        weights; a multiple of 4096. Take the largest of it and the dispatch/combine configs' size hints."""
+        num_rows, hidden, num_topk = _int_arg("num_rows", num_rows), _int_arg("hidden", hidden), \
+            _int_arg("num_topk", num_topk)
+        if num_rows < 0 or hidden <= 0 or num_topk < 0:
+            raise _err(f"get_combine_buffer_size_hint({num_rows}, {hidden}, {num_topk}): need rows >= 0, hidden > 0, "
+                       f"num_topk >= 0")
+        rows_end = -(-(_NVL_META_BYTES + num_rows * hidden * 2) // 128) * 128
+        return -(-(rows_end + num_rows * num_topk * 4) // 4096) * 4096
 
     @staticmethod
     def get_low_latency_rdma_size_hint(*args: Any, **kwargs: Any) -> int:

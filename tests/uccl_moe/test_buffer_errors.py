@@ -409,6 +409,23 @@ def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
     _raises(InvalidUsageError, "overwrote it", buf.combine, view, res.handle)
 
 
+def test_combine_buffer_size_hint_matches_the_kernels_layout():
+    """1 MiB of meta, the rows on 128-B lines, then the weights; rounded up to 4096. The same bytes the binding
+    the native backend checks against says (when this build has the kernels)."""
+    from uccl_moe import _C
+
+    assert Buffer.get_combine_buffer_size_hint(0, 16) == 1 << 20
+    assert Buffer.get_combine_buffer_size_hint(8192, 7168) == (1 << 20) + 8192 * 7168 * 2
+    assert Buffer.get_combine_buffer_size_hint(3, 8, 2) == (1 << 20) + 4096
+    if hasattr(_C, "intranode_combine_input_layout"):
+        for rows, hidden, k in ((0, 16, 0), (1, 8, 3), (333, 2056, 3), (8192, 7168, 8)):
+            offset, end = _C.intranode_combine_input_layout(rows, hidden, k)
+            hint = Buffer.get_combine_buffer_size_hint(rows, hidden, k)
+            assert offset == 1 << 20 and end <= hint < end + 4096, (rows, hidden, k, end, hint)
+    _raises(InvalidUsageError, "hidden > 0", Buffer.get_combine_buffer_size_hint, 4, 0)
+    _raises(InvalidTypeError, "must be", Buffer.get_combine_buffer_size_hint, 4.0, 16)
+
+
 def test_destroyed_buffer(group):
     b = Buffer(group, 0, explicitly_destroy=True, backend="reference")
     b.destroy()

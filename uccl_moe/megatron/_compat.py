@@ -78,6 +78,19 @@ def unpermute(
     return mc_unpermute(tokens, sorted_indices, restore_shape=restore_shape, routing_map=routing_map, fused=fused)
 
 
+def unpermute_into(out: torch.Tensor, tokens: torch.Tensor, sorted_indices: torch.Tensor) -> torch.Tensor:
+    """Megatron's unfused ``moe_utils.unpermute`` without probs (the experts applied them), summing the rows of each
+    token into `out` ([N, H], e.g. the Buffer's combine input) instead of a new tensor: the same ops in the same order
+    (zeros, then ``index_add_`` under deterministic algorithms, else ``scatter_add_``), so the same values and
+    gradient."""
+    out.zero_()
+    if torch.are_deterministic_algorithms_enabled():
+        out.index_add_(0, sorted_indices, tokens)
+    else:
+        out.scatter_add_(0, sorted_indices.unsqueeze(1).expand(-1, out.shape[1]), tokens)
+    return out
+
+
 def shared_expert_wait_current_stream(shared_experts: Any) -> None:
     """``SharedExpertMLP.wait_current_stream()`` where it exists (0.18+); older ones wait in pre_forward_comm."""
     fn = getattr(shared_experts, "wait_current_stream", None)

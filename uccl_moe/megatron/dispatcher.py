@@ -114,10 +114,11 @@ def backend_for(knob: str, dtype: torch.dtype) -> str:
 
 
 def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0,
-               backend: Optional[str] = None) -> Any:
+               backend: Optional[str] = None, combine_tokens: int = 0) -> Any:
     """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`, `backend`), created on first use;
     `max_tokens` (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans
-    nodes. `backend` defaults to the knob (see :func:`backend_for`)."""
+    nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive, for combine
+    from the buffer (unless the nvl_bytes knob is set). `backend` defaults to the knob (see :func:`backend_for`)."""
     from uccl_moe import Buffer
 
     backend = knobs.backend if backend is None else backend
@@ -132,6 +133,8 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
         topology = detect(group, dist.get_rank(group), size)
         nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node,
                                  max_tokens, num_topk)
+        if knobs.nvl_bytes is None and combine_tokens > 0 and topology.num_nodes == 1:
+            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * combine_tokens, hidden_bytes // 2))
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,
@@ -383,7 +386,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             tokens = x.numel() // max(int(x.size(-1)), 1)
             self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens,
                                       int(getattr(self.config, "moe_router_topk", 0) or 0),
-                                      backend=backend_for(self.knobs.backend, x.dtype))
+                                      backend=backend_for(self.knobs.backend, x.dtype),
+                                      combine_tokens=tokens if self._combine_from_buffer() else 0)
             self._buffer_key = (hb, x.dtype)
         return self._buffer
 
@@ -392,6 +396,28 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if self._state.event is not None:
             self._state.event.current_stream_wait()
             self._state.event = None
+
+    def _combine_from_buffer(self) -> bool:
+        """Whether forward combines read the expert outputs from the Buffer's memory (knob on, unfused unpermute)."""
+        return bool(self.knobs.combine_from_buffer) and not bool(self.config.moe_permute_fusion)
+
+    def _combine_input(self, hidden: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Where combine_preprocess writes its [N, H] rows: the Buffer's own memory (get_combine_buffer), or None
+        for a tensor of Megatron's (the ring combine). The choice must be the same on every rank of the group (they
+        all pull or all push), so it rests on the group size and this rank's token count, which Megatron keeps equal
+        across the group, never on the rows this rank happened to receive."""
+        buf, state = self._buffer, self._state
+        if not self._combine_from_buffer() or buf is None or state is None or state.handle is None:
+            return None
+        from uccl_moe import Buffer
+
+        tokens = 1
+        for d in self.hidden_shape[:-1]:
+            tokens *= int(d)
+        if Buffer.get_combine_buffer_size_hint(buf.group_size * tokens, hidden) > buf.num_nvl_bytes:
+            return None  # a batch larger than the one the Buffer was sized for
+        view: torch.Tensor = buf.get_combine_buffer(state.handle, hidden, dtype=dtype)
+        return view
 
     def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
         """No zero-copy expert buffers: experts get fresh permuted tensors (Megatron 0.19 asks every forward)."""
@@ -480,13 +506,17 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         """Expert outputs [sum(tokens_per_expert), H] -> [N, H]: one row per received token, local experts summed."""
         if self._reversed_mapping is None or self._routing_map is None:
             raise InvalidUsageError("combine_preprocess called before dispatch_postprocess on UCCLTokenDispatcher")
-        out = _compat.unpermute(
-            hidden_states,
-            self._reversed_mapping,
-            restore_shape=self._hidden_shape_before_permute,
-            routing_map=self._routing_map,
-            fused=bool(self.config.moe_permute_fusion),
-        )
+        view = self._combine_input(int(hidden_states.shape[-1]), hidden_states.dtype)
+        if view is not None:  # combine from the buffer: the rows are summed where combine reads them
+            out = _compat.unpermute_into(view, hidden_states, self._reversed_mapping)
+        else:
+            out = _compat.unpermute(
+                hidden_states,
+                self._reversed_mapping,
+                restore_shape=self._hidden_shape_before_permute,
+                routing_map=self._routing_map,
+                fused=bool(self.config.moe_permute_fusion),
+            )
         self._reversed_mapping = None
         self._routing_map = None
         return out

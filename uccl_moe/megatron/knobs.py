@@ -17,6 +17,17 @@ from ..errors import InvalidUsageError
 from . import _compat
 
 BACKENDS = ("auto", "native", "reference")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(text: Any) -> bool:
+    """A boolean knob's value: a bool, or one of 1/true/yes/on and 0/false/no/off (any case)."""
+    if isinstance(text, bool):
+        return text
+    word = str(text).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise InvalidUsageError(f"{text!r} is not a boolean: give one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +71,15 @@ KNOBS: tuple[KnobSpec, ...] = (
         "uccl Buffer backend: auto (native kernels on GPUs, the torch.distributed reference elsewhere), "
         "native, or reference (all_to_all on NCCL/gloo; the correctness oracle)",
     ),
+    KnobSpec(
+        "moe_uccl_combine_from_buffer",
+        parse_bool,
+        True,
+        "forward combine reads the expert outputs from the Buffer's own memory: the unpermute writes them there "
+        "(Buffer.get_combine_buffer) and each rank pulls its tokens' rows over NVLink, no rings; the NVL buffer "
+        "grows to hold every row a rank may receive (group size x tokens x hidden x 2 bytes + 1 MiB). Inside one "
+        "node, unfused permutes only (--moe-permute-fusion keeps the ring combine); true/false",
+    ),
 )
 
 
@@ -71,6 +91,7 @@ class UCCLKnobs:
     nvl_bytes: Optional[int]
     rdma_bytes: Optional[int]
     backend: str
+    combine_from_buffer: bool = True
 
 
 def resolve(config: Any) -> UCCLKnobs:
@@ -82,7 +103,7 @@ def resolve(config: Any) -> UCCLKnobs:
         if v is None and args is not None:
             v = getattr(args, spec.name, None)
         values[spec.name] = spec.default if v is None else v
-    num_sms, nvl, rdma, backend = (values[s.name] for s in KNOBS)
+    num_sms, nvl, rdma, backend, from_buffer = (values[s.name] for s in KNOBS)
     if num_sms is not None and (not isinstance(num_sms, int) or num_sms <= 0 or num_sms % 2):
         raise InvalidUsageError(f"moe_uccl_num_sms={num_sms!r} is invalid: give a positive even integer (e.g. 20, 24)")
     for name, v in (("moe_uccl_nvl_bytes", nvl), ("moe_uccl_rdma_bytes", rdma)):
@@ -92,7 +113,12 @@ def resolve(config: Any) -> UCCLKnobs:
             )
     if backend not in BACKENDS:
         raise InvalidUsageError(f"moe_uccl_backend={backend!r} is invalid: choose one of {', '.join(BACKENDS)}")
-    return UCCLKnobs(num_sms=num_sms, nvl_bytes=nvl, rdma_bytes=rdma, backend=str(backend))
+    try:
+        from_buffer = parse_bool(from_buffer)
+    except InvalidUsageError as e:
+        raise InvalidUsageError(f"moe_uccl_combine_from_buffer: {e}") from None
+    return UCCLKnobs(num_sms=num_sms, nvl_bytes=nvl, rdma_bytes=rdma, backend=str(backend),
+                     combine_from_buffer=from_buffer)
 
 
 def add_arguments(parser: Any) -> None:

@@ -31,6 +31,7 @@ class Case:
     aux_loss: bool = True
     backend: str = "reference"  # uccl Buffer backend (moe_uccl_backend)
     dtype: str = "fp32"  # model dtype: "fp32", or "bf16" (what the native kernels move)
+    combine_from_buffer: Optional[bool] = None  # moe_uccl_combine_from_buffer; None = the knob's default (on)
 
     @property
     def id(self) -> str:
@@ -43,6 +44,8 @@ class Case:
             s += f"-{self.dtype}"
         if self.backend != "reference":
             s += f"-{self.backend}"
+        if self.combine_from_buffer is False:
+            s += "-ringcombine"
         return s
 
     @property
@@ -95,6 +98,8 @@ def make_config(case: Case, dispatcher: str, **overrides: Any) -> Any:
     config = TransformerConfig(**kw)
     if dispatcher == "uccl":
         config.moe_uccl_backend = case.backend
+        if case.combine_from_buffer is not None:
+            config.moe_uccl_combine_from_buffer = case.combine_from_buffer
     return config
 
 
@@ -142,7 +147,20 @@ def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
     # Sequence parallel: TP ranks hold different token shards, as in a real model.
     ref = forward_backward(ref_layer, x, g)
     clear_aux_losses_tracker()
-    got = forward_backward(uccl_layer, x, g)
+    from uccl_moe import Buffer
+
+    views, real = [], Buffer.get_combine_buffer  # which combine ran: from the Buffer's memory, or the ring path
+
+    def spy(self: Any, *a: Any, **k: Any) -> Any:
+        out = real(self, *a, **k)
+        views.append(bool(self._combine_view is not None))  # True: the view is the NVL buffer (native)
+        return out
+
+    Buffer.get_combine_buffer = spy  # type: ignore[method-assign]
+    try:
+        got = forward_backward(uccl_layer, x, g)
+    finally:
+        Buffer.get_combine_buffer = real  # type: ignore[method-assign]
     clear_aux_losses_tracker()
     diffs, scales = {}, {}
     for k, v in ref.items():
@@ -157,6 +175,7 @@ def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
         "dispatcher": type(uccl_layer.token_dispatcher).__name__,
         "ref_dispatcher": type(ref_layer.token_dispatcher).__name__,
         "tokens": int(x.shape[0] * x.shape[1]),
+        "combine_views": views,
         "grad_names": sorted(k for k in ref if k.startswith("grad/")),
     }
 

@@ -29,6 +29,7 @@ CASES_2 = [
     Case(ep=2, topk=2),
     Case(ep=2, topk=1, capacity_factor=0.5),
     Case(ep=2, topk=2, shared_expert=True),
+    Case(ep=2, topk=2, combine_from_buffer=False),
 ]
 CASES_4 = [
     Case(ep=4, topk=1),
@@ -64,6 +65,13 @@ def _check(results, case: Case) -> None:
         assert any("local_experts" in n or "weight1" in n for n in names), names
         if case.shared_expert:
             assert any(n.startswith("grad/shared_experts.") for n in names), names
+        # The forward combine takes its rows from get_combine_buffer unless the knob is off; on the native backend
+        # inside one node that is the NVL buffer itself (combine from the buffer), elsewhere a fresh tensor.
+        views = res["combine_views"]
+        if case.combine_from_buffer is False:
+            assert views == [], views
+        else:
+            assert len(views) == 1 and views[0] == (res["backend"] == "NativeBackend"), (views, res["backend"])
         for name in ("output", "input_grad", *names):
             tol = ATOL if case.dtype == "fp32" else BF16_RTOL * res["scales"][name] + 1e-3
             assert res["diffs"][name] <= tol, (

@@ -38,6 +38,7 @@ def _cases(world: int) -> list[Case]:
         Case(ep=2, topk=2, backend=BACKEND, dtype=dtype),
         Case(ep=2, topk=1, capacity_factor=0.5, backend=BACKEND, dtype=dtype),
         Case(ep=2, topk=2, shared_expert=True, shared_expert_overlap=True, backend=BACKEND, dtype=dtype),
+        Case(ep=2, topk=2, backend=BACKEND, dtype=dtype, combine_from_buffer=False),  # the ring combine
     ]
     if world == 4:
         cases += [

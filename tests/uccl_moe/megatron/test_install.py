@@ -88,8 +88,13 @@ def test_knobs_validation():
     c.moe_uccl_num_sms, c.moe_uccl_nvl_bytes, c.moe_uccl_backend = 24, 1 << 20, "reference"
     k = knobs.resolve(c)
     assert (k.num_sms, k.nvl_bytes, k.backend) == (24, 1 << 20, "reference")
+    assert k.combine_from_buffer is True  # on by default
+    for text, want in (("false", False), ("OFF", False), ("0", False), (False, False), ("yes", True), (True, True)):
+        c.moe_uccl_combine_from_buffer = text
+        assert knobs.resolve(c).combine_from_buffer is want, text
     for name, bad, msg in [("moe_uccl_num_sms", 23, "even"), ("moe_uccl_nvl_bytes", -1, "byte count"),
-                           ("moe_uccl_backend", "fast", "choose one of")]:
+                           ("moe_uccl_backend", "fast", "choose one of"),
+                           ("moe_uccl_combine_from_buffer", "maybe", "moe_uccl_combine_from_buffer: 'maybe' is not a")]:
         c2 = C()
         setattr(c2, name, bad)
         with pytest.raises(InvalidUsageError, match=msg):
@@ -105,8 +110,9 @@ def test_widen_parser_megatron_015_style():
     um.widen_parser(p)
     um.widen_parser(p)  # twice: no duplicate flags
     a = p.parse_args(["--moe-token-dispatcher-type", "uccl", "--moe-uccl-num-sms", "24", "--moe-uccl-backend",
-                      "reference"])
+                      "reference", "--moe-uccl-combine-from-buffer", "false"])
     assert (a.moe_token_dispatcher_type, a.moe_uccl_num_sms, a.moe_uccl_backend) == ("uccl", 24, "reference")
+    assert a.moe_uccl_combine_from_buffer is False
     with pytest.raises(SystemExit):
         p.parse_args(["--moe-token-dispatcher-type", "bogus"])
 
