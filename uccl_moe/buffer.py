@@ -379,12 +379,16 @@ class Buffer:
         ring combine and faster than NCCL's all-to-all; docs/performance.md, round 13).
 
         The tensor is this rank's NVL buffer itself (the memory the rings use), so:
-        - write it after the dispatch that made `handle` completed, and call combine before any other dispatch or
-          combine of this Buffer (they overwrite it; combine refuses a view that another call ran over);
+        - take it (and write it) after the dispatch that made `handle`, and call combine before any other dispatch
+          or combine of this Buffer (they overwrite it; combine refuses a view taken before another call ran); the
+          caller's stream waits here for any op still running on the comm stream;
         - every rank of the group must combine from its view for the same call (a rank that passes a tensor of its
           own while the others pass their views ends in a ``CommTimeoutError`` naming it, never a hang);
-        - it stays valid while the Buffer lives; rows past the received ones (``num_worst_tokens``) may be
-          overwritten by the combine's staged ``topk_weights``.
+        - it stays valid while the Buffer lives (like DeepEP's ``get_local_buffer_tensor``); rows past the received
+          ones (``num_worst_tokens``) may be overwritten by the combine's staged ``topk_weights``;
+        - a combine from it runs on ``config.num_sms`` blocks (any count up to the GPU's SMs), not on the handle's
+          channels, and every rank must pass ``topk_weights`` of the same shape, or none (else every rank raises
+          ``InvalidUsageError`` and the Buffer is unusable).
         Needs ``num_nvl_bytes >= 1 MiB + T_recv * hidden * 2`` (plus ``T_recv * K * 4`` with topk_weights); a
         smaller Buffer raises ``InvalidUsageError``. Backends without the path (reference, across nodes) return a
         fresh tensor, so code that uses this runs everywhere.
@@ -392,8 +396,8 @@ class Buffer:
         backend = self._live()
         h = self._check_handle(handle)
         hidden = _int_arg("hidden", hidden)
-        if hidden <= 0 or (hidden * 2) % 16 != 0:
-            raise _err(f"hidden={hidden}: must be positive with hidden * 2 bytes a multiple of 16")
+        if hidden <= 0:
+            raise _err(f"hidden={hidden}: must be positive")
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         rows = int(h.recv_src_idx.shape[0])
@@ -404,6 +408,8 @@ class Buffer:
             return torch.empty((rows, hidden), dtype=dtype, device=self.device)
         # the storage's address: a view of no rows (a rank that receives nothing) has data_ptr() 0
         self._combine_view = (int(view.untyped_storage().data_ptr()), self._op_seq)
+        if self._comm_stream is not None:  # writes into the view wait for any op still running on the comm stream
+            self._join(_current_stream(), self._comm_stream, self._join_out)
         return view
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
@@ -846,8 +852,8 @@ class Buffer:
         if from_view and view is not None and view[1] != self._op_seq:
             raise _err(
                 f"combine: x is the tensor get_combine_buffer returned, but {self._op_seq - view[1]} dispatch/combine "
-                f"call(s) of this Buffer ran since and overwrote it; write the rows after the last dispatch, right "
-                f"before this combine"
+                f"call(s) of this Buffer ran since and overwrote it; call get_combine_buffer again after the last "
+                f"dispatch or combine and write the rows into that, right before this combine"
             )
         self._begin(previous_event, uses_nvl_buffer=not from_view)  # a combine from the view leaves it intact
         with self._comm_context():

@@ -613,14 +613,15 @@ def test_native_timeout_when_a_rank_skips_a_combine() -> None:
 
 
 # -------------------------------------------------------------------------------------------- combine from the buffer
-def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
+def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False) -> None:
     """Combine from the buffer (get_combine_buffer + combine_pull.cu) against the ring combine and the reference.
     The same rows, weights and biases go through both paths: the sums must be bitwise equal (same rank order), and
     close to the reference. Cases: random, -1 entries with a different token count per rank, skewed routing, a rank
     that receives nothing, an odd hidden (257 x 16 B), one token, hidden 7168; combine SM counts 24, 20 and 2 (the
     pull's SM count is free of the handle's); the worst-case handle; bitwise repeats; a CUDA-graph capture; pull,
     ring and cached dispatch interleaved on one Buffer; and the refusals (a slice of the view, a view a dispatch ran
-    over, a Buffer too small, a wrong dtype)."""
+    over, a Buffer too small, a wrong dtype, a row that is not 16-byte aligned). `small` (5-8 ranks): two cases and
+    the back-to-back pulls only."""
     from uccl_moe import Buffer, Config, InvalidTypeError, InvalidUsageError
 
     R = world
@@ -643,6 +644,8 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
              ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
              ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
              ("7168", 1024, 7168, 64, 8, "random")]
+    if small:
+        cases, pull_cfgs = cases[:2], pull_cfgs[:1]
     for seed, (name, T, H, per_rank, K, routing) in enumerate(cases):
         case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 200 + seed)
         _, rn = _dispatch(nat, case, "cuda", config=cfg)
@@ -684,9 +687,25 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
     ok &= _eq(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x, rn.recv_x)
     ok &= torch.equal(pull(rn, y, config=cfg)[1].combined_x, ring)
     ok &= torch.equal(nat.combine(y, rn.handle, config=cfg).combined_x, ring)
-    outs = [pull(rn, y, config=pull_cfgs[i % 3])[1].combined_x for i in range(40)]
-    ok &= all(torch.equal(o, ring) for o in outs)
     check("pull / ring / cached dispatch interleaved", ok)
+    # Back to back with other rows each time and rank 0 late to every call: a rank that wrote its next rows while a
+    # peer still read the previous ones (no end hand-shake) would corrupt that peer's sum.
+    ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
+    wants = [nat.combine(yi, rn.handle, config=cfg).combined_x for yi in ys]
+    outs = []
+    for i, yi in enumerate(ys):
+        if rank == 0:
+            torch.cuda._sleep(200_000)
+        outs.append(pull(rn, yi, config=pull_cfgs[i % len(pull_cfgs)])[1].combined_x)
+    check("24 pulls back to back, other rows each, one rank late",
+          all(torch.equal(o, w) for o, w in zip(outs, wants)))
+    if small:
+        torch.cuda.synchronize()
+        dist.barrier(group=gloo)
+        nat.destroy()
+        ref.destroy()
+        check.assert_none_failed()
+        return
 
     # CUDA graph: the rows' copy into the view and the pull captured once, replayed with new rows.
     view = nat.get_combine_buffer(rn.handle, 4096)
@@ -708,29 +727,27 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
     # Refusals (on every rank alike, before anything launches).
     from uccl_moe.utils import tensor_at
 
+    def refuses(name: str, exc: type, text: str, fn, *args, **kw) -> None:
+        try:
+            fn(*args, **kw)
+        except exc as e:
+            check(name, text in str(e))
+        else:
+            check(name, False)
+
     shifted = tensor_at(nat._backend._rt.local_buffer + (1 << 20) + 4096 * 2, tuple(y.shape), torch.bfloat16,
                         y.device)  # in the buffer, one row off
-    try:
-        nat.combine(shifted, rn.handle, config=cfg)
-    except InvalidUsageError as e:
-        check("refuses buffer memory that is not the view", "not the tensor get_combine_buffer" in str(e))
-    else:
-        check("refuses buffer memory that is not the view", False)
-    try:
-        nat.get_combine_buffer(rn.handle, 4096, dtype=torch.float32)
-    except InvalidTypeError as e:
-        check("refuses float32 views", "bfloat16" in str(e))
-    else:
-        check("refuses float32 views", False)
+    refuses("refuses buffer memory that is not the view", InvalidUsageError, "not the tensor get_combine_buffer",
+            nat.combine, shifted, rn.handle, config=cfg)
+    refuses("refuses float32 views", InvalidTypeError, "bfloat16", nat.get_combine_buffer, rn.handle, 4096,
+            dtype=torch.float32)
+    refuses("refuses rows that are not 16-byte multiples", InvalidUsageError, "multiple of 16",
+            nat.get_combine_buffer, rn.handle, 12)
     view = nat.get_combine_buffer(rn.handle, 4096)
     view.copy_(y)
     nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
-    try:
-        nat.combine(view, rn.handle, config=cfg)
-    except InvalidUsageError as e:
-        check("refuses a view a dispatch ran over", "overwrote it" in str(e))
-    else:
-        check("refuses a view a dispatch ran over", False)
+    refuses("refuses a view a dispatch ran over", InvalidUsageError, "overwrote it", nat.combine, view, rn.handle,
+            config=cfg)
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     small = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend="native",
@@ -739,13 +756,8 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo) -> None:
     _, bn = _dispatch(small, big_case, "cuda", config=cfg)
     need = (1 << 20) + bn.recv_x.shape[0] * 7168 * 2
     check("the small Buffer is too small for the view", need > small.num_nvl_bytes)
-    if need > small.num_nvl_bytes:
-        try:
-            small.get_combine_buffer(bn.handle, 7168)
-        except InvalidUsageError as e:
-            check("a Buffer too small refuses the view", f"num_nvl_bytes >= {need}" in str(e))
-        else:
-            check("a Buffer too small refuses the view", False)
+    refuses("a Buffer too small refuses the view", InvalidUsageError, f"num_nvl_bytes >= {need}",
+            small.get_combine_buffer, bn.handle, 7168)
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     small.destroy()
@@ -759,13 +771,30 @@ def test_native_combine_from_buffer(world: int) -> None:
     run_shared_gpu_ranks(_combine_from_buffer_worker, world, timeout_s=600)
 
 
+@pytest.mark.parametrize("world", [6, 8])
+def test_native_combine_from_buffer_more_ranks(world: int) -> None:
+    run_shared_gpu_ranks(_combine_from_buffer_worker, world, True, timeout_s=600)
+
+
 def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     """A rank that skips a combine from the buffer (`skip`), or combines from a tensor of its own while its peers
-    combine from their views (`mixed`): the others are named in a bounded combine/pull-start wait, never a hang."""
-    from uccl_moe import Buffer, CommTimeoutError, Config
+    combine from their views (`mixed`): the others are named in a bounded combine/pull-start wait, never a hang.
+    `weights`: one rank passes no topk_weights while its peers do: every rank raises InvalidUsageError naming the
+    mismatch (combine/pull-args), before anyone reads weights that were not staged. `sizes`: ranks that create their
+    Buffers with different num_nvl_bytes are all refused."""
+    from uccl_moe import Buffer, CommTimeoutError, Config, InvalidUsageError
 
     cfg = Config(24, 8, 256, 6, 128)
     nvl = cfg.get_nvl_buffer_size_hint(2048 * 2, world)
+    if mode == "sizes":
+        try:
+            Buffer(dist.group.WORLD, nvl + 4096 * (rank == 1), backend="native", explicitly_destroy=True)
+        except InvalidUsageError as e:
+            assert "num_nvl_bytes differs between the ranks" in str(e) and f"rank 1: {nvl + 4096}" in str(e), str(e)
+        else:
+            raise AssertionError("Buffers of different num_nvl_bytes were accepted")
+        dist.barrier(group=gloo)
+        return
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 3)
     _, res = _dispatch(nat, case, "cuda", config=cfg)
@@ -773,7 +802,16 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     odd = world - 1
     view = nat.get_combine_buffer(res.handle, 2048)
     view.copy_(res.recv_x)
-    if rank != odd or mode == "mixed":
+    if mode == "weights":
+        try:
+            nat.combine(view, res.handle, topk_weights=None if rank == odd else res.recv_topk_weights, config=cfg)
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
+        except InvalidUsageError as e:
+            assert "top-k weights per row" in str(e) and "same shape" in str(e), str(e)
+        else:
+            raise AssertionError("combine accepted topk_weights on some ranks only")
+    elif rank != odd or mode == "mixed":
         try:
             nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
             torch.cuda.synchronize()
@@ -791,6 +829,6 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     nat.destroy()
 
 
-@pytest.mark.parametrize("mode", ["skip", "mixed"])
+@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)

@@ -380,7 +380,8 @@ def test_get_combine_buffer_without_the_path_is_a_fresh_tensor(buf):
 def test_get_combine_buffer_bad_arguments(buf):
     x, idx, res = _dispatched(buf)
     _raises(InvalidUsageError, "hidden=0", buf.get_combine_buffer, res.handle, 0)
-    _raises(InvalidUsageError, "multiple of 16", buf.get_combine_buffer, res.handle, 12)
+    # the 16-byte row rule is the native kernels' (checked there); a plain tensor takes any width
+    assert buf.get_combine_buffer(res.handle, 12, dtype=torch.float32).shape == (res.recv_x.shape[0], 12)
     _raises(InvalidTypeError, "dtype must be a torch.dtype", buf.get_combine_buffer, res.handle, H, "bf16")
     _raises(InvalidTypeError, "handle must be", buf.get_combine_buffer, [1, 2], H)
 
@@ -399,8 +400,8 @@ def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
     assert torch.equal(buf.combine(view, res.handle).combined_x, buf.combine(res.recv_x, res.handle).combined_x)
     view = buf.get_combine_buffer(res.handle, H)
     buf.dispatch(x, handle=res.handle)
-    _raises(InvalidUsageError, "1 dispatch/combine call\\(s\\) of this Buffer ran since", buf.combine, view,
-            res.handle)
+    _raises(InvalidUsageError, "1 dispatch/combine call\\(s\\) of this Buffer ran since.*call get_combine_buffer again",
+            buf.combine, view, res.handle)
     view = buf.get_combine_buffer(res.handle, H)
     view.copy_(res.recv_x)
     first = buf.combine(view, res.handle).combined_x

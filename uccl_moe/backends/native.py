@@ -41,6 +41,22 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
+_Opt = torch.Tensor | None
+
+
+def _combine_operands(
+    x: torch.Tensor, T: int, topk_weights: _Opt, bias: Any
+) -> tuple[_Opt, _Opt, _Opt, torch.Tensor, _Opt]:
+    """(top-k weights, bias0, bias1) made contiguous, and the outputs ([T, H] rows in x's dtype, [T, K] float32
+    weights or None) of a combine."""
+    tw = topk_weights.contiguous() if topk_weights is not None else None
+    b0 = bias[0].contiguous() if bias[0] is not None else None
+    b1 = bias[1].contiguous() if bias[1] is not None else None
+    out = torch.empty((T, x.shape[1]), dtype=x.dtype, device=x.device)
+    out_w = torch.empty((T, tw.shape[1]), dtype=torch.float32, device=x.device) if tw is not None else None
+    return tw, b0, b1, out, out_w
+
+
 def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
     """(scales per token, token stride, hidden stride) of FP8 scales as the kernels index them; (0, 0, 0) if none."""
     if x_scales is None:
@@ -85,8 +101,18 @@ class NativeBackend(Backend):
         self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
         self._rt.set_global_rank(ctx.rank)
         handles: list[Any] = [None] * self.R_all
-        dist.all_gather_object(handles, (topo.node, self._rt.ipc_handle()), group=ctx.group)
-        self._rt.connect([h for node, h in handles if node == topo.node])
+        dist.all_gather_object(handles, (topo.node, self._rt.ipc_handle(), ctx.num_nvl_bytes), group=ctx.group)
+        sizes = {r: n for r, (node, _, n) in enumerate(handles) if node == topo.node}
+        if len(set(sizes.values())) > 1:  # every rank raises: the lane rings sit at offsets computed from the size
+            self._rt.destroy()
+            self._rt = None
+            raise InvalidUsageError(
+                f"num_nvl_bytes differs between the ranks of a node "
+                f"({', '.join(f'rank {r}: {n}' for r, n in sizes.items())}); "
+                f"every rank must create its Buffer with the same num_nvl_bytes (ring offsets in a peer's buffer are "
+                f"computed from one's own size)"
+            )
+        self._rt.connect([h for node, h, _ in handles if node == topo.node])
         # Every rank has opened every peer before anyone launches a kernel that writes into peers.
         dist.barrier(group=ctx.group)
         if topo.num_nodes > 1:
@@ -108,7 +134,7 @@ class NativeBackend(Backend):
 
     def _raise_timeout(self) -> None:
         rec = self._rt.diag()
-        if rec.get("phase") == "rdma/capacity":
+        if rec.get("phase") in ("rdma/capacity", "combine/pull-args"):  # a wrong argument, not a timeout
             raise InvalidUsageError(rec["message"] + " (this Buffer is unusable now; create a new one)")
         msg = rec["message"]
         proxy = self._inter.proxy_error() if self._inter is not None else None
@@ -267,11 +293,7 @@ class NativeBackend(Backend):
         T = int(handle[4].shape[0])
         H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
-        tw = topk_weights.contiguous() if topk_weights is not None else None
-        b0 = bias[0].contiguous() if bias[0] is not None else None
-        b1 = bias[1].contiguous() if bias[1] is not None else None
-        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
+        tw, b0, b1, out, out_w = _combine_operands(x, T, topk_weights, bias)
         _C.combine_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),
@@ -288,6 +310,8 @@ class NativeBackend(Backend):
             return None
         if dtype not in self.supported_combine_dtypes:
             raise InvalidTypeError(f"the native backend combines bfloat16 rows, got get_combine_buffer(dtype={dtype})")
+        if (hidden * 2) % 16 != 0:
+            raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
         rows = int(handle[3].shape[0])
         offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
         if end > self.ctx.num_nvl_bytes:
@@ -327,11 +351,7 @@ class NativeBackend(Backend):
                 f"construct it with num_nvl_bytes >= {end}, or combine from a tensor of your own"
             )
         T = int(handle[4].shape[0])
-        tw = topk_weights.contiguous() if topk_weights is not None else None
-        b0 = bias[0].contiguous() if bias[0] is not None else None
-        b1 = bias[1].contiguous() if bias[1] is not None else None
-        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
+        tw, b0, b1, out, out_w = _combine_operands(x, T, topk_weights, bias)
         _C.combine_pull_intranode(
             runtime=self._rt, num_sms=int(config.num_sms), num_rows=rows, topk_weights=_ptr(tw), bias0=_ptr(b0),
             bias1=_ptr(b1), rank_prefix=_ptr(handle[0]), lane_prefix=_ptr(handle[1]), send_head=_ptr(handle[5]),

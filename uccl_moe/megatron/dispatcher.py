@@ -134,7 +134,11 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
         nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node,
                                  max_tokens, num_topk)
         if knobs.nvl_bytes is None and combine_tokens > 0 and topology.num_nodes == 1:
-            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * combine_tokens, hidden_bytes // 2))
+            # Every rank's NVL buffer must have the same size (ring offsets in a peer's buffer are computed from
+            # one's own), so the size comes from the largest token count of the group, not this rank's.
+            counts: list[Any] = [None] * size
+            dist.all_gather_object(counts, int(combine_tokens), group=group)
+            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * max(counts), hidden_bytes // 2))
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,

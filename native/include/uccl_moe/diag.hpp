@@ -29,6 +29,7 @@ enum class DiagPhase : int32_t {
   kDispatchPublish = 15,    ///< dispatch direct warp waiting for its lane's sender warps to finish (TailPublisher)
   kCombinePullStart = 16,   ///< combine from the buffer: waiting for a peer's inputs (its start release)
   kCombinePullDone = 17,    ///< combine from the buffer: waiting for a peer to stop reading our buffer
+  kCombinePullArgs = 18,    ///< not a wait: a peer's combine from the buffer staged another number of top-k weights
 };
 
 const char* diag_phase_name(DiagPhase phase);

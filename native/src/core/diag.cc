@@ -24,6 +24,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kDispatchPublish: return "dispatch/publish";
     case DiagPhase::kCombinePullStart: return "combine/pull-start";
     case DiagPhase::kCombinePullDone: return "combine/pull-done";
+    case DiagPhase::kCombinePullArgs: return "combine/pull-args";
   }
   return "unknown";
 }
@@ -41,6 +42,11 @@ std::string format_diag(const DiagRecord& r) {
         "rank %d: an internode area needs %lld rows but the RDMA buffer holds %lld per area (num_rdma_bytes too small "
         "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
         r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
+  if (r.phase == static_cast<int32_t>(DiagPhase::kCombinePullArgs))
+    return detail::format(
+        "rank %d: combine from the buffer: peer %d staged %lld top-k weights per row, this rank expected %lld; every "
+        "rank must pass topk_weights of the same shape (or none) to the same combine",
+        r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
   return detail::format(

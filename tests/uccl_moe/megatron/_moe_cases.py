@@ -148,19 +148,29 @@ def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
     ref = forward_backward(ref_layer, x, g)
     clear_aux_losses_tracker()
     from uccl_moe import Buffer
+    from uccl_moe.backends.native import NativeBackend
 
-    views, real = [], Buffer.get_combine_buffer  # which combine ran: from the Buffer's memory, or the ring path
+    # Which combine ran: get_combine_buffer handing out the NVL buffer (True) or a plain tensor (False), and the
+    # native backend's pull kernel actually launched (combine from the buffer).
+    views, pulls = [], []
+    real_view, real_pull = Buffer.get_combine_buffer, NativeBackend._combine_from_buffer
 
-    def spy(self: Any, *a: Any, **k: Any) -> Any:
-        out = real(self, *a, **k)
-        views.append(bool(self._combine_view is not None))  # True: the view is the NVL buffer (native)
+    def spy_view(self: Any, *a: Any, **k: Any) -> Any:
+        out = real_view(self, *a, **k)
+        views.append(bool(self._combine_view is not None))
         return out
 
-    Buffer.get_combine_buffer = spy  # type: ignore[method-assign]
+    def spy_pull(self: Any, *a: Any, **k: Any) -> Any:
+        pulls.append(1)
+        return real_pull(self, *a, **k)
+
+    Buffer.get_combine_buffer = spy_view  # type: ignore[method-assign]
+    NativeBackend._combine_from_buffer = spy_pull  # type: ignore[method-assign]
     try:
         got = forward_backward(uccl_layer, x, g)
     finally:
-        Buffer.get_combine_buffer = real  # type: ignore[method-assign]
+        Buffer.get_combine_buffer = real_view  # type: ignore[method-assign]
+        NativeBackend._combine_from_buffer = real_pull  # type: ignore[method-assign]
     clear_aux_losses_tracker()
     diffs, scales = {}, {}
     for k, v in ref.items():
@@ -176,6 +186,7 @@ def compare_case(rank: int, case: Case, device: torch.device) -> dict[str, Any]:
         "ref_dispatcher": type(ref_layer.token_dispatcher).__name__,
         "tokens": int(x.shape[0] * x.shape[1]),
         "combine_views": views,
+        "combine_pulls": len(pulls),
         "grad_names": sorted(k for k in ref if k.startswith("grad/")),
     }
 

@@ -67,11 +67,12 @@ def _check(results, case: Case) -> None:
             assert any(n.startswith("grad/shared_experts.") for n in names), names
         # The forward combine takes its rows from get_combine_buffer unless the knob is off; on the native backend
         # inside one node that is the NVL buffer itself (combine from the buffer), elsewhere a fresh tensor.
-        views = res["combine_views"]
+        views, native = res["combine_views"], res["backend"] == "NativeBackend"
         if case.combine_from_buffer is False:
-            assert views == [], views
-        else:
-            assert len(views) == 1 and views[0] == (res["backend"] == "NativeBackend"), (views, res["backend"])
+            assert views == [] and res["combine_pulls"] == 0, (views, res["combine_pulls"])
+        else:  # one forward combine from the buffer; the backward combine (dispatch's backward) takes the rings
+            assert len(views) == 1 and views[0] == native, (views, res["backend"])
+            assert res["combine_pulls"] == (1 if native else 0), (res["combine_pulls"], res["backend"])
         for name in ("output", "input_grad", *names):
             tol = ATOL if case.dtype == "fp32" else BF16_RTOL * res["scales"][name] + 1e-3
             assert res["diffs"][name] <= tol, (

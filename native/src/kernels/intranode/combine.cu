@@ -13,8 +13,7 @@
 // claimed in shared memory (so the head only moves forward whatever order the adds land in). A warp publishes
 // before it blocks and every kPublishEvery tokens, so a sender can never wait on slots that were consumed but
 // not handed back. Counters are relative to the round's bases (nvl_layout.hpp).
-#include "intranode_device.cuh"
-#include "../bf16.cuh"
+#include "combine_sum.cuh"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -22,8 +21,6 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-using kernels::add_bf16x8;
-using kernels::pack_bf16x8;
 constexpr int kSendUnroll = 8;
 constexpr int kPublishEvery = 4;  // tokens between two head publications of a receiver warp
 
@@ -135,32 +132,8 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       slot_ptr = my_ring + static_cast<size_t>(p % g.lane_slots) * s.bytes;
     }
     const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
-    // kColUnroll column groups x kNumRanks copies: all loads are issued before the first add, so each lane
-    // keeps kColUnroll * kNumRanks 16-B loads in flight. The trip count is warp-uniform; `active` masks.
-    for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
-      int4 v[kColUnroll][kNumRanks];
-#pragma unroll
-      for (int d = 0; d < kNumRanks; ++d) {
-        const int4* row = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(slot_ptr), d));
-#pragma unroll
-        for (int u = 0; u < kColUnroll; ++u) {
-          const int col = col_base + u * gpu::kWarpSize + lane;
-          if (((have >> d) & 1) && col < col_end) v[u][d] = gpu::load_ring_128(row + col);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kColUnroll; ++u) {
-        const int col = col_base + u * gpu::kWarpSize + lane;
-        if (col >= col_end) continue;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int d = 0; d < kNumRanks; ++d)
-          if ((have >> d) & 1) add_bf16x8(acc, v[u][d]);
-        if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
-        if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
-        reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
-      }
-    }
+    sum_token_copies<kNumRanks, kColUnroll>(slot_ptr, have, -1, col_begin, col_end, bias0, bias1, t, num_16,
+                                            static_cast<int4*>(a.out));
     if (gw == 0 && a.out_topk_weights != nullptr) {
       float sum = 0.0f;
       const int64_t own = gpu::shfl(self_row, me);
@@ -224,21 +197,10 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
               static_cast<long long>(need), static_cast<long long>(ctx.num_nvl_bytes));
   const dim3 grid(2 * g.num_channels), block(kThreadsPerBlock);
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  const auto launch = [&](void (*kernel)(NvlContext, Geometry, CombineKernelArgs)) {
-    kernel<<<grid, block, 0, st>>>(ctx, placed, k);
-  };
   // One instantiation per local rank count (the per-rank copies of a column live in registers).
-  switch (ctx.num_ranks) {
-    case 1: launch(combine_intranode_kernel<1>); break;
-    case 2: launch(combine_intranode_kernel<2>); break;
-    case 3: launch(combine_intranode_kernel<3>); break;
-    case 4: launch(combine_intranode_kernel<4>); break;
-    case 5: launch(combine_intranode_kernel<5>); break;
-    case 6: launch(combine_intranode_kernel<6>); break;
-    case 7: launch(combine_intranode_kernel<7>); break;
-    case 8: launch(combine_intranode_kernel<8>); break;
-    default: UCCL_THROW(kInvalidUsage, "combine supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", ctx.num_ranks);
-  }
+  with_num_ranks(ctx.num_ranks, "combine", [&](auto n) {
+    combine_intranode_kernel<decltype(n)::value><<<grid, block, 0, st>>>(ctx, placed, k);
+  });
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

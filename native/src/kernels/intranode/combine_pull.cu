@@ -25,16 +25,13 @@
 //     more, so the next op may write it: the caller's next rows or a dispatch's ring slots) and sets pull_round.
 // All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
 // its own while its peers pass the buffer's, is named in a combine/pull-start timeout.
-#include "intranode_device.cuh"
-#include "../bf16.cuh"
+#include "combine_sum.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
 
 namespace {
 
-using kernels::add_bf16x8;
-using kernels::pack_bf16x8;
 
 struct PullSmem {
   int last;    // this block is the last to count itself (last_block)
@@ -49,31 +46,40 @@ UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
   if (threadIdx.x == 0) {
     gpu::fence_gpu();
     const bool last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-    if (last) atomicExch(counter, 0);
+    if (last) {
+      gpu::fence_gpu();  // acquire side of the count: the other blocks' writes before theirs
+      atomicExch(counter, 0);
+    }
     sm->last = last ? 1 : 0;
   }
   __syncthreads();
   return sm->last != 0;
 }
 
-/// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta.
-UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round) {
+/// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
+/// `topk` >= 0 it first stores it into d's pull_topk[me] (the release covers it).
+UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t topk = -1) {
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {
+    if (topk >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = topk;
     gpu::fence_sys();
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
   }
 }
 
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
-/// `round` (wrapping compare). Returns false, block-uniform, if a wait expired or the launch was aborted.
-UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm) {
+/// `round` (wrapping compare); with `topk` >= 0 it then checks that rank d staged as many top-k weights per row
+/// (else it reports kCombinePullArgs: reading weights d did not stage could leave d's buffer). Returns false,
+/// block-uniform, if a wait expired, the launch was aborted or the weights disagree.
+UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
+                                   int32_t topk = -1) {
   if (threadIdx.x == 0) sm->failed = 0;
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {
     const int32_t* word = meta_ptr(ctx.buffers[ctx.rank], off) + d;
     int32_t seen = gpu::load_acquire_sys(word);  // released by rank d (release_to_peers)
+    bool arrived = true;
     if (ring_diff(seen, round) < 0) {
       DiagDeviceHandle diag = diag_of(ctx);
       BoundedWait wait(diag);
@@ -81,8 +87,16 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
         if (wait.expired()) {
           report_timeout(diag, phase, kRoleReceiver, d, -1, round, seen, 0, wait.waited_s());
           sm->failed = 1;
+          arrived = false;
           break;
         }
+      }
+    }
+    if (topk >= 0 && arrived) {
+      const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
+      if (theirs != topk) {
+        report_timeout(diag_of(ctx), DiagPhase::kCombinePullArgs, kRoleReceiver, d, -1, topk, theirs, 0, 0.0);
+        sm->failed = 1;
       }
     }
   }
@@ -120,31 +134,9 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     if (lane < N && p >= 0) row = from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p;
     const char* src = row >= 0 ? rows_d + row * row_bytes : nullptr;
     const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
-    for (int col_base = 0; col_base < num_16; col_base += kColUnroll * gpu::kWarpSize) {
-      int4 v[kColUnroll][kNumRanks];
-#pragma unroll
-      for (int d = 0; d < kNumRanks; ++d) {
-        const int4* r = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(src), d));
-#pragma unroll
-        for (int u = 0; u < kColUnroll; ++u) {
-          const int col = col_base + u * gpu::kWarpSize + lane;
-          if (((have >> d) & 1) && col < num_16)  // our own rows are not written during the launch
-            v[u][d] = d == me ? gpu::load_stream_128(r + col) : gpu::load_ring_128(r + col);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kColUnroll; ++u) {
-        const int col = col_base + u * gpu::kWarpSize + lane;
-        if (col >= num_16) continue;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-        for (int d = 0; d < kNumRanks; ++d)
-          if ((have >> d) & 1) add_bf16x8(acc, v[u][d]);
-        if (bias0 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias0 + static_cast<int64_t>(t) * num_16 + col));
-        if (bias1 != nullptr) add_bf16x8(acc, gpu::load_stream_128(bias1 + static_cast<int64_t>(t) * num_16 + col));
-        reinterpret_cast<int4*>(a.out)[static_cast<int64_t>(t) * num_16 + col] = pack_bf16x8(acc);
-      }
-    }
+    // our own rows are not written during the launch: they may take non-coherent loads
+    sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
+                                            static_cast<int4*>(a.out));
     if (a.out_topk_weights != nullptr) {  // the weights' sum, in the same rank order (warp-uniform branch)
       float sum = 0.0f;
       for (int d = 0; d < N; ++d) {
@@ -174,8 +166,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       staged[i] = a.topk_weights[i];
   }
-  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round);
-  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm)) pull_sum<kNumRanks, kColUnroll>(ctx, a);
+  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them.
+  const int32_t topk = a.out_topk_weights != nullptr ? a.num_topk : 0;
+  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
+  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk))
+    pull_sum<kNumRanks, kColUnroll>(ctx, a);
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     release_to_peers(ctx, kOffPullDone, round);
     wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
@@ -203,18 +198,9 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
               static_cast<long long>(need), static_cast<long long>(num_rows), static_cast<long long>(ctx.num_nvl_bytes));
   const dim3 grid(num_sms), block(kThreadsPerBlock);
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  const auto launch = [&](void (*kernel)(NvlContext, CombinePullArgs)) { kernel<<<grid, block, 0, st>>>(ctx, a); };
-  switch (ctx.num_ranks) {
-    case 1: launch(combine_pull_kernel<1>); break;
-    case 2: launch(combine_pull_kernel<2>); break;
-    case 3: launch(combine_pull_kernel<3>); break;
-    case 4: launch(combine_pull_kernel<4>); break;
-    case 5: launch(combine_pull_kernel<5>); break;
-    case 6: launch(combine_pull_kernel<6>); break;
-    case 7: launch(combine_pull_kernel<7>); break;
-    case 8: launch(combine_pull_kernel<8>); break;
-    default: UCCL_THROW(kInvalidUsage, "combine supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", ctx.num_ranks);
-  }
+  with_num_ranks(ctx.num_ranks, "combine", [&](auto n) {
+    combine_pull_kernel<decltype(n)::value><<<grid, block, 0, st>>>(ctx, a);
+  });
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -2,14 +2,34 @@
 // ring counters, and the warp row copy. Include only from .cu files.
 #pragma once
 
+#include <type_traits>
+
 #include "intranode.hpp"
 #include "nvl_layout.hpp"
 #include "uccl_moe/diag_device.cuh"
+#include "uccl_moe/error.hpp"
 #include "uccl_moe/platform.cuh"
 
 namespace uccl_moe::intranode {
 
 constexpr int kWarpsPerBlock = kThreadsPerBlock / gpu::kWarpSize;
+
+/// Calls f(std::integral_constant<int, N>{}) for N = num_ranks in 1..8 (kernels keep one register copy per rank,
+/// so each rank count is its own instantiation); throws InvalidUsage naming `op` otherwise.
+template <typename F>
+void with_num_ranks(int num_ranks, const char* op, F&& f) {
+  switch (num_ranks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    default: UCCL_THROW(kInvalidUsage, "%s supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", op, num_ranks);
+  }
+}
 constexpr int kRoleSender = 1, kRoleReceiver = 2, kRoleCoordinator = 4;  // DiagRecord::role
 
 UCCL_DEVICE_INLINE DiagDeviceHandle diag_of(const NvlContext& ctx) {

@@ -66,9 +66,11 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   pull_round       1                rounds this rank completed (local)
 //   pull_arrive      1                blocks of this launch that staged their share (local; reset by the last)
 //   pull_leave       1                blocks of this launch that finished reading (local; reset by the last)
+//   pull_topk[src]   kMaxLocalRanks   top-k weights per row src staged for the round (written by src before start)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
-constexpr size_t kOffPullRound = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
+constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
+constexpr size_t kOffPullRound = kOffPullTopk + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullArrive = kOffPullRound + sizeof(int32_t);
 constexpr size_t kOffPullLeave = kOffPullArrive + sizeof(int32_t);
 constexpr size_t kPullMetaEnd = kOffPullLeave + sizeof(int32_t);
