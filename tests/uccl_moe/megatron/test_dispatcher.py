@@ -123,3 +123,73 @@ def test_backend_for_model_dtype(caplog):
     assert len(said) == 1 and "float16" in said[0] and "--bf16" in said[0], said
     with pytest.raises(InvalidTypeError, match=r"moe_uccl_backend=native moves BF16.*float32.*--bf16"):
         d.backend_for("native", torch.float32)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_unpermute_into_matches_megatron_unpermute(deterministic):
+    """The forward combine's rows summed into the Buffer's memory equal Megatron's own unpermute (the same ops in the
+    same order), values and gradients, in both of its branches (scatter_add_, and index_add_ under deterministic
+    algorithms)."""
+    from megatron.core.transformer.moe.moe_utils import unpermute
+
+    from uccl_moe.megatron import _compat
+
+    gen = torch.Generator().manual_seed(3)
+    N, H, E = 12, 16, 4
+    routing_map = torch.rand((N, E), generator=gen) < 0.5
+    routing_map[0] = False  # a row no local expert took: stays zero
+    sorted_indices = torch.arange(N).unsqueeze(0).expand(E, -1).masked_select(routing_map.T.contiguous())
+    tokens = torch.randn((int(routing_map.sum()), H), generator=gen).bfloat16()
+    grad = torch.randn((N, H), generator=gen).bfloat16()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        a = tokens.clone().requires_grad_(True)
+        want = unpermute(a, sorted_indices, restore_shape=torch.Size((N, H)), routing_map=routing_map, fused=False)
+        want.backward(grad)
+        b = tokens.clone().requires_grad_(True)
+        memory = torch.full((N, H), 7.0, dtype=torch.bfloat16)  # stands in for the NVL buffer: stale contents
+        got = _compat.unpermute_into(memory, b, sorted_indices)
+        got.backward(grad)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert got.data_ptr() == memory.data_ptr()
+    assert torch.equal(got.detach(), want.detach()) and bool((got[0] == 0).all())
+    assert torch.equal(b.grad, a.grad)
+
+
+def test_combine_input_choice():
+    """Where combine_preprocess writes its rows: the Buffer's view only with the knob on, no fused permute, a handle,
+    and room for group size x this rank's tokens; otherwise None (Megatron's unpermute, the ring combine)."""
+    import types
+
+    from uccl_moe import Buffer
+    from uccl_moe.megatron import dispatcher as d
+    from uccl_moe.megatron import knobs
+
+    class FakeBuffer:
+        group_size = 4
+
+        def __init__(self, nvl):
+            self.num_nvl_bytes, self.asked = nvl, []
+
+        def get_combine_buffer(self, handle, hidden, dtype):
+            self.asked.append((handle, hidden, dtype))
+            return torch.empty((3, hidden), dtype=dtype)
+
+    need = Buffer.get_combine_buffer_size_hint(4 * 32, 16)
+
+    def make(nvl=need, from_buffer=True, fused=False, handle="h"):
+        disp = object.__new__(d.UCCLTokenDispatcher)
+        disp.knobs = knobs.UCCLKnobs(None, None, None, "auto", combine_from_buffer=from_buffer)
+        disp.config = types.SimpleNamespace(moe_permute_fusion=fused)
+        disp._buffer = FakeBuffer(nvl)
+        disp._state = types.SimpleNamespace(handle=handle)
+        disp.hidden_shape = torch.Size((8, 4, 16))  # 32 tokens
+        return disp
+
+    disp = make()
+    view = disp._combine_input(16, torch.bfloat16)
+    assert view is not None and disp._buffer.asked == [("h", 16, torch.bfloat16)]
+    for disp in (make(from_buffer=False), make(fused=True), make(handle=None), make(nvl=need - 4096)):
+        assert disp._combine_input(16, torch.bfloat16) is None and disp._buffer.asked == []
