@@ -131,7 +131,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
     # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
     # rings run over it.
-    view = [buf.get_combine_buffer(h, H)]
+    view: list[Any] = [None]  # taken by fill_view before each use
 
     def fill_view() -> None:
         view[0] = buf.get_combine_buffer(h, H)  # the API's contract: taken after the last dispatch/combine
@@ -229,8 +229,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
                                     args.nvl_send, args.nvl_recv))
     nvl = max(Config(s, min(ns, nr - 1), nr, 6, 128).get_nvl_buffer_size_hint(h * 2, R)
               for _, h, _, _, s, ns, nr in points)
-    # room for combine_view's rows too: every rank's tokens may come here (1 MiB of meta first)
-    nvl = max(nvl, -(-((1 << 20) + max(t * R * h * 2 for t, h, *_ in points)) // 4096) * 4096)
+    # room for combine_view's rows too: every rank's tokens may come here
+    nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
     buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ceiling = _peer_copy_ceiling(buf, rank, R, gloo, min(1 << 30, nvl - (2 << 20)) // 2, args)
     bar: Any = None
