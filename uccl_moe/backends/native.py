@@ -313,16 +313,22 @@ class NativeBackend(Backend):
         if (hidden * 2) % 16 != 0:
             raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
         rows = int(handle[3].shape[0])
-        offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
-        if end > self.ctx.num_nvl_bytes:
-            raise InvalidUsageError(
-                f"get_combine_buffer: {rows} rows of hidden {hidden} need {end} bytes of NVL buffer per rank, but the "
-                f"Buffer has num_nvl_bytes={self.ctx.num_nvl_bytes}; construct the Buffer with num_nvl_bytes >= {end}, "
-                f"or combine from a tensor of your own (the ring path)"
-            )
+        offset = self._combine_input_offset(rows, hidden, 0, f"get_combine_buffer: {rows} rows of hidden {hidden}")
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
         # takes the same path as its peers.
         return tensor_at(self._rt.local_buffer + offset, (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
+
+    def _combine_input_offset(self, rows: int, hidden: int, num_topk: int, what: str) -> int:
+        """Where a combine from the buffer keeps `rows` input rows (and `num_topk` staged weights per row) in the NVL
+        buffer; InvalidUsageError naming `what` and the size to use if they do not fit."""
+        offset, end = _C.intranode_combine_input_layout(rows, hidden, num_topk)
+        if end > self.ctx.num_nvl_bytes:
+            raise InvalidUsageError(
+                f"{what} needs {end} bytes of NVL buffer per rank, but the Buffer has num_nvl_bytes="
+                f"{self.ctx.num_nvl_bytes}; construct the Buffer with num_nvl_bytes >= {end}, or combine from a "
+                f"tensor of your own (the ring path)"
+            )
+        return int(offset)
 
     def _in_buffer(self, x: torch.Tensor) -> bool:
         """True if x's storage lies in this rank's NVL buffer (where only a get_combine_buffer view may come from).
@@ -338,18 +344,14 @@ class NativeBackend(Backend):
         """Every rank's rows already lie in its buffer: each rank pulls its tokens' copies (combine_pull.cu)."""
         rows, H = int(x.shape[0]), int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
-        offset, end = _C.intranode_combine_input_layout(rows, H, K)
+        offset = int(_C.intranode_combine_input_layout(rows, H, K)[0])
         if not x.is_contiguous() or (rows > 0 and int(x.data_ptr()) != self._rt.local_buffer + offset):
             raise InvalidUsageError(
                 "combine: x lies inside this Buffer's NVL buffer but is not the tensor get_combine_buffer(handle, "
                 "hidden) returned (a slice or a strided view of it?); pass that tensor itself, or a tensor of your own"
             )
-        if end > self.ctx.num_nvl_bytes:
-            raise InvalidUsageError(
-                f"combine from the buffer with topk_weights of {K} per row needs {end} bytes of NVL buffer per rank "
-                f"(rows, then the staged weights), but the Buffer has num_nvl_bytes={self.ctx.num_nvl_bytes}; "
-                f"construct it with num_nvl_bytes >= {end}, or combine from a tensor of your own"
-            )
+        self._combine_input_offset(rows, H, K, f"combine from the buffer with topk_weights of {K} per row "
+                                                 f"(rows, then the staged weights)")
         T = int(handle[4].shape[0])
         tw, b0, b1, out, out_w = _combine_operands(x, T, topk_weights, bias)
         _C.combine_pull_intranode(

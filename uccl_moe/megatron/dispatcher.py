@@ -28,6 +28,7 @@ On CPU (gloo) the same code runs; events are already complete there.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any, Optional
 
@@ -415,9 +416,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             return None
         from uccl_moe import Buffer
 
-        tokens = 1
-        for d in self.hidden_shape[:-1]:
-            tokens *= int(d)
+        tokens = math.prod(int(d) for d in self.hidden_shape[:-1])
         if Buffer.get_combine_buffer_size_hint(buf.group_size * tokens, hidden) > buf.num_nvl_bytes:
             return None  # a batch larger than the one the Buffer was sized for
         view: torch.Tensor = buf.get_combine_buffer(state.handle, hidden, dtype=dtype)
