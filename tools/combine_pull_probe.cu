@@ -1,7 +1,7 @@
 // Combine-shaped probe: how fast can a combine of BF16 rows run on this host's NVLink if the ring protocol goes,
 // and which side should cross the link? Decides the design of a ring-free combine (issue 5).
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -o /tmp/cpp tools/combine_pull_probe.cu && /tmp/cpp [tokens] [reps]
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/cpp tools/combine_pull_probe.cu && /tmp/cpp [tokens] [reps]
 //
 // One process drives every visible GPU (peer access on). Every GPU g owns `tokens` tokens; every token has one
 // BF16 row of hidden 7168 at every GPU (at EP2 with top-8 of 256 experts 99.6% of tokens do). GPU g's combine
@@ -17,7 +17,6 @@
 //   local_sum  every copy read from local memory (no NVLink): what the SMs alone take for the sum
 //   pull_only  y = the peers' copies only, pulled (no own row): the link alone
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,14 +26,12 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                                \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#include "../native/src/kernels/bf16.cuh"  // the kernels' own BF16 sum and rounding
+#include "probe_common.cuh"
+
+using namespace uccl_moe;
+using kernels::add_bf16x8;
+using kernels::pack_bf16x8;
 
 constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
@@ -45,58 +42,31 @@ struct Args {
   int4* xu[kMaxGpus];      // inputs, [n blocks][tokens][row]
   int4* xb[kMaxGpus];      // peer-visible staging, same shape
   int4* y[kMaxGpus];       // outputs, [tokens][row]
-  unsigned* ready[kMaxGpus];  // [n][chunks] chunk flags, then [n] start flags
-  unsigned* done[kMaxGpus];   // one counter: peer blocks finished with my memory
+  int32_t* ready[kMaxGpus];  // [n][chunks] chunk flags, then [n] start flags
+  int32_t* done[kMaxGpus];   // one counter: peer blocks finished with my memory
   int me, tokens, chunk, chunks;
-  unsigned epoch;
+  int32_t epoch;
 };
 
-__device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void spin_until(const unsigned* p, unsigned target, const char* what) {
+__device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, const char* what) {
   long long spins = 0;
-  while (static_cast<int>(ld_acquire_sys(p) - target) < 0)
+  while (static_cast<int32_t>(static_cast<uint32_t>(gpu::load_acquire_sys(p)) - static_cast<uint32_t>(target)) < 0)
     if (++spins > (1ll << 30)) {
-      printf("probe: %s wait timed out (seen %u, want %u)\n", what, ld_acquire_sys(p), target);
+      printf("probe: %s wait timed out (seen %d, want %d)\n", what, gpu::load_acquire_sys(p), target);
       __trap();
     }
 }
-__device__ __forceinline__ void add_bf16x8(float* acc, const int4& v) {
-  const unsigned w[4] = {static_cast<unsigned>(v.x), static_cast<unsigned>(v.y), static_cast<unsigned>(v.z),
-                         static_cast<unsigned>(v.w)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    acc[2 * i] += __uint_as_float(w[i] << 16);
-    acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
-  unsigned w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    w[i] = *reinterpret_cast<unsigned*>(&h);
-  }
-  return make_int4(w[0], w[1], w[2], w[3]);
-}
-
 template <int N, int kMode>
 __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
   const int me = a.me, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long T = a.tokens, rw = kRowWords;
   constexpr bool kStaged = kMode == kCopyPull || kMode == kPushSum;
   constexpr bool kReadsPeers = kMode == kZeroCopy || kMode == kCopyPull || kMode == kPullOnly;
-  unsigned* start = a.ready[me] + N * a.chunks;
+  int32_t* start = a.ready[me] + N * a.chunks;
   if (kMode == kZeroCopy || kMode == kPullOnly) {  // my inputs are written (stream order): tell the peers
     if (blockIdx.x == 0 && threadIdx.x < N && threadIdx.x != me) {
       __threadfence_system();
-      st_release_sys(a.ready[threadIdx.x] + N * a.chunks + me, a.epoch);
+      gpu::store_release_sys(a.ready[threadIdx.x] + N * a.chunks + me, a.epoch);
     }
     if (threadIdx.x < N && threadIdx.x != me) spin_until(start + threadIdx.x, a.epoch, "start");
     __syncthreads();
@@ -122,7 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
     __syncthreads();
     if (threadIdx.x < N && threadIdx.x != me) {
       __threadfence_system();
-      st_release_sys(a.ready[threadIdx.x] + me * a.chunks + c, a.epoch);
+      gpu::store_release_sys(a.ready[threadIdx.x] + me * a.chunks + c, a.epoch);
     }
   };
   auto sum = [&](int c) {
@@ -174,8 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
   }
   if (kMode != kLocalSum) {  // nobody may reuse memory a peer still reads or writes
     __syncthreads();
-    if (threadIdx.x < N && threadIdx.x != me) atomicAdd_system(a.done[threadIdx.x], 1u);
-    if (threadIdx.x == 0) spin_until(a.done[me], gridDim.x * (N - 1), "done");
+    if (threadIdx.x < N && threadIdx.x != me) atomicAdd_system(a.done[threadIdx.x], 1);
+    if (threadIdx.x == 0) spin_until(a.done[me], static_cast<int32_t>(gridDim.x) * (N - 1), "done");
   }
 }
 
@@ -225,15 +195,13 @@ int main(int argc, char** argv) {
   std::vector<void*> flush(n);
   const size_t flush_bytes = 256 << 20;
   for (int g = 0; g < n; ++g) {
-    CK(cudaSetDevice(g));
-    for (int p = 0; p < n; ++p)
-      if (p != g) CK(cudaDeviceEnablePeerAccess(p, 0));
+    enable_peer_access(g, n);
     CK(cudaMalloc(&a.xu[g], block_bytes * n));
     CK(cudaMalloc(&a.xb[g], block_bytes * n));
     CK(cudaMalloc(&a.y[g], block_bytes));
-    CK(cudaMalloc(&a.ready[g], sizeof(unsigned) * (n * max_chunks + n)));
-    CK(cudaMemset(a.ready[g], 0, sizeof(unsigned) * (n * max_chunks + n)));
-    CK(cudaMalloc(&a.done[g], sizeof(unsigned)));
+    CK(cudaMalloc(&a.ready[g], sizeof(int32_t) * (n * max_chunks + n)));
+    CK(cudaMemset(a.ready[g], 0, sizeof(int32_t) * (n * max_chunks + n)));
+    CK(cudaMalloc(&a.done[g], sizeof(int32_t)));
     CK(cudaMalloc(&flush[g], flush_bytes));
     fill<<<264, 512>>>(a.xu[g], g, n, T);
     CK(cudaGetLastError());
@@ -241,22 +209,16 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e0[g]));
     CK(cudaEventCreate(&e1[g]));
   }
-  auto sync_all = [&] {
-    for (int g = 0; g < n; ++g) {
-      CK(cudaSetDevice(g));
-      CK(cudaDeviceSynchronize());
-    }
-  };
-  sync_all();
-  unsigned epoch = 0;
+  sync_all(n);
+  int32_t epoch = 0;
   auto once = [&](int mode, int sms, int chunk) {  // one launch on every GPU; the slowest GPU's kernel time
     ++epoch;
     for (int g = 0; g < n; ++g) {
       CK(cudaSetDevice(g));
-      CK(cudaMemset(a.done[g], 0, sizeof(unsigned)));
+      CK(cudaMemset(a.done[g], 0, sizeof(int32_t)));
       CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));  // L2 flush
     }
-    sync_all();
+    sync_all(n);
     for (int g = 0; g < n; ++g) {
       CK(cudaSetDevice(g));
       Args ag = a;
@@ -269,7 +231,7 @@ int main(int argc, char** argv) {
       (n == 2 ? launch<2> : launch<4>)(mode, dim3(sms), st[g], ag);
       CK(cudaEventRecord(e1[g], st[g]));
     }
-    sync_all();
+    sync_all(n);
     float worst = 0;
     for (int g = 0; g < n; ++g) {
       float ms = 0;

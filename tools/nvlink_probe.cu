@@ -27,14 +27,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                     \
-  do {                                                                                            \
-    cudaError_t e_ = (x);                                                                         \
-    if (e_ != cudaSuccess) {                                                                      \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
+#include "probe_common.cuh"
 
 constexpr int kMaxGpus = 8;
 struct Ptrs {
@@ -200,9 +193,7 @@ int main(int argc, char** argv) {
   std::vector<cudaStream_t> st(n * kMaxGpus);
   std::vector<cudaEvent_t> e0(n), e1(n);
   for (int g = 0; g < n; ++g) {
-    CK(cudaSetDevice(g));
-    for (int p = 0; p < n; ++p)
-      if (p != g) CK(cudaDeviceEnablePeerAccess(p, 0));
+    enable_peer_access(g, n);
     CK(cudaMalloc(&src.p[g], bytes_per_peer * n));
     CK(cudaMalloc(&dst.p[g], bytes_per_peer * n));
     CK(cudaMemset(src.p[g], g + 1, bytes_per_peer * n));
@@ -212,24 +203,18 @@ int main(int argc, char** argv) {
     CK(cudaEventCreate(&e1[g]));
   }
   auto TS = [&](int g) { return st[g * kMaxGpus + g]; };  // the stream a GPU's run is timed on
-  auto sync_all = [&] {
-    for (int g = 0; g < n; ++g) {
-      CK(cudaSetDevice(g));
-      CK(cudaDeviceSynchronize());
-    }
-  };
   // One run: every GPU starts when the host issues (all issued back to back), the slowest GPU's event time.
   auto run = [&](auto&& launch_on) {
     std::vector<float> t;
     for (int r = 0; r < reps + 1; ++r) {
-      sync_all();
+      sync_all(n);
       for (int g = 0; g < n; ++g) {
         CK(cudaSetDevice(g));
         CK(cudaEventRecord(e0[g], TS(g)));
         launch_on(g);
         CK(cudaEventRecord(e1[g], TS(g)));
       }
-      sync_all();
+      sync_all(n);
       float worst = 0;
       for (int g = 0; g < n; ++g) {
         float ms = 0;

@@ -1,0 +1,32 @@
+// What the standalone probes in tools/ share: the CUDA error check and the per-GPU set-up and synchronisation of a
+// one-process, every-GPU run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#define CK(x)                                                                                     \
+  do {                                                                                            \
+    cudaError_t e_ = (x);                                                                         \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+/// Makes GPU g current and lets it access the memory of every other of the n GPUs.
+inline void enable_peer_access(int g, int n) {
+  CK(cudaSetDevice(g));
+  for (int p = 0; p < n; ++p)
+    if (p != g) CK(cudaDeviceEnablePeerAccess(p, 0));
+}
+
+/// Waits until every one of the n GPUs is idle.
+inline void sync_all(int n) {
+  for (int g = 0; g < n; ++g) {
+    CK(cudaSetDevice(g));
+    CK(cudaDeviceSynchronize());
+  }
+}
