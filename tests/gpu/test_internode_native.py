@@ -114,10 +114,7 @@ def _worker(rank: int, world: int, gloo, nodes: int, iters: int, host_staged: bo
         print(f"rank {rank}: proxy counters {stats}", flush=True)
     check("proxy carried the traffic", stats["writes"] > 0 and stats["applied_updates"] > 0)
 
-    dist.barrier(group=gloo)
-    nat.destroy()
-    ref.destroy()
-    check.assert_none_failed()
+    check.finish(gloo, nat, ref)
 
 
 _BASE_ENV = {"UCCL_MOE_PROXY_THREADS": "2", "UCCL_MOE_TIMEOUT_S": "60"}

@@ -198,6 +198,23 @@ class Checks:
     def assert_none_failed(self) -> None:
         assert not self.failures, f"rank {self.rank}: {len(self.failures)} checks failed: {self.failures}"
 
+    def refuses(self, name: str, exc: type, text: str | tuple[str, ...], fn, *args, **kw) -> None:
+        """Checks that fn(*args, **kw) raises `exc` with `text` (each of them, for a tuple) in its message."""
+        try:
+            fn(*args, **kw)
+        except exc as e:
+            self(name, all(t in str(e) for t in ((text,) if isinstance(text, str) else text)))
+        else:
+            self(name, False)
+
+    def finish(self, gloo, *buffers) -> None:
+        """End of a worker: every rank is done with the peers' buffers before any unmaps its own, then the
+        Buffers go and the failed checks, if any, fail the test."""
+        dist.barrier(group=gloo)
+        for b in buffers:
+            b.destroy()
+        self.assert_none_failed()
+
 
 def check_back_to_back(check: Checks, nat, cfg, experts_per_rank: int, iters: int, cached: bool) -> None:
     """Non-cached dispatch + combine (+ a cached dispatch of the combined rows when `cached`) `iters` times on one
@@ -311,10 +328,7 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
                    combine_close=_close_bf16, repeats=10)
 
     if small:
-        dist.barrier(group=gloo)
-        nat.destroy()
-        ref.destroy()
-        check.assert_none_failed()
+        check.finish(gloo, nat, ref)
         return
     # More SMs than the GPU has: refused before any kernel runs (the blocks must all be resident), with the
     # remedy; the Buffer stays usable.
@@ -323,12 +337,8 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     sms = _C.device_sm_count(torch.cuda.current_device())
     too_many = sms + 2 - sms % 2
     case = _Case(rank, R, 64, 2048, 4 * R, 4, False, "none", "random", 98)
-    try:
-        _dispatch(nat, case, "cuda", config=Config(too_many, 6, 256, 6, 128))
-    except InvalidUsageError as e:
-        check("num_sms above the GPU's SMs refused", f"num_sms={too_many} exceeds the {sms} SMs" in str(e))
-    else:
-        check("num_sms above the GPU's SMs refused", False)
+    check.refuses("num_sms above the GPU's SMs refused", InvalidUsageError, f"num_sms={too_many} exceeds the {sms} SMs",
+                  _dispatch, nat, case, "cuda", config=Config(too_many, 6, 256, 6, 128))
     _, res = _dispatch(nat, case, "cuda", config=cfg)
     _, ref_res = _dispatch(ref, case, "cpu", config=cfg)
     check("dispatch after the refused num_sms", _eq(res.recv_x, ref_res.recv_x))
@@ -373,20 +383,13 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     check("cuda graph dispatch+combine", ok)
     del graph
     # Replays would re-lay the rings of another SM count behind the host's back: refused with the remedy.
-    try:
-        _dispatch(nat, case, "cuda", config=Config(16, 6, 256, 6, 128))
-    except InvalidUsageError as e:
-        check("graph-captured Buffer refuses another num_sms", "CUDA graph" in str(e) and "num_sms=16" in str(e))
-    else:
-        check("graph-captured Buffer refuses another num_sms", False)
+    check.refuses("graph-captured Buffer refuses another num_sms", InvalidUsageError, ("CUDA graph", "num_sms=16"),
+                  _dispatch, nat, case, "cuda", config=Config(16, 6, 256, 6, 128))
 
     # Back-to-back: non-cached dispatch + combine `iters` times; hashes must not move, memory must not grow.
     check_back_to_back(check, nat, cfg, 16, iters, cached=False)
 
-    dist.barrier(group=gloo)
-    nat.destroy()
-    ref.destroy()
-    check.assert_none_failed()
+    check.finish(gloo, nat, ref)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -432,10 +435,7 @@ def _geometry_worker(rank: int, world: int, gloo) -> None:
             lay_r = ref.get_dispatch_layout(case.idx, E)
             check_case(check, f"num_sms={cfg.num_sms} {name}", nat, ref, case, cfg, lay_r, worst=400 * R,
                        empty_rank=False, combine_close=_close_bf16, repeats=2)
-    dist.barrier(group=gloo)
-    nat.destroy()
-    ref.destroy()
-    check.assert_none_failed()
+    check.finish(gloo, nat, ref)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -478,19 +478,12 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
             os.environ["UCCL_MOE_COMBINE_SENDER_SMS"] = str(hi + 1)  # every rank refuses before launching
             _C.env_reset_cache()
             _, res = _dispatch(nat, case, "cuda", config=cfg)
-            try:
-                nat.combine(res.recv_x, res.handle, config=cfg)
-            except InvalidUsageError as e:
-                check(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", f"COMBINE_SENDER_SMS={hi + 1}" in str(e))
-            else:
-                check(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", False)
+            check.refuses(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", InvalidUsageError,
+                          f"COMBINE_SENDER_SMS={hi + 1}", nat.combine, res.recv_x, res.handle, config=cfg)
     finally:
         os.environ.pop("UCCL_MOE_COMBINE_SENDER_SMS", None)
         _C.env_reset_cache()
-    dist.barrier(group=gloo)
-    nat.destroy()
-    ref.destroy()
-    check.assert_none_failed()
+    check.finish(gloo, nat, ref)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -701,10 +694,7 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
     if small:
         torch.cuda.synchronize()
-        dist.barrier(group=gloo)
-        nat.destroy()
-        ref.destroy()
-        check.assert_none_failed()
+        check.finish(gloo, nat, ref)
         return
 
     # CUDA graph: the rows' copy into the view and the pull captured once, replayed with new rows.
@@ -727,26 +717,18 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
     # Refusals (on every rank alike, before anything launches).
     from uccl_moe.utils import tensor_at
 
-    def refuses(name: str, exc: type, text: str, fn, *args, **kw) -> None:
-        try:
-            fn(*args, **kw)
-        except exc as e:
-            check(name, text in str(e))
-        else:
-            check(name, False)
-
     shifted = tensor_at(nat._backend._rt.local_buffer + (1 << 20) + 4096 * 2, tuple(y.shape), torch.bfloat16,
                         y.device)  # in the buffer, one row off
-    refuses("refuses buffer memory that is not the view", InvalidUsageError, "not the tensor get_combine_buffer",
+    check.refuses("refuses buffer memory that is not the view", InvalidUsageError, "not the tensor get_combine_buffer",
             nat.combine, shifted, rn.handle, config=cfg)
-    refuses("refuses float32 views", InvalidTypeError, "bfloat16", nat.get_combine_buffer, rn.handle, 4096,
+    check.refuses("refuses float32 views", InvalidTypeError, "bfloat16", nat.get_combine_buffer, rn.handle, 4096,
             dtype=torch.float32)
-    refuses("refuses rows that are not 16-byte multiples", InvalidUsageError, "multiple of 16",
+    check.refuses("refuses rows that are not 16-byte multiples", InvalidUsageError, "multiple of 16",
             nat.get_combine_buffer, rn.handle, 12)
     view = nat.get_combine_buffer(rn.handle, 4096)
     view.copy_(y)
     nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg)
-    refuses("refuses a view a dispatch ran over", InvalidUsageError, "overwrote it", nat.combine, view, rn.handle,
+    check.refuses("refuses a view a dispatch ran over", InvalidUsageError, "overwrote it", nat.combine, view, rn.handle,
             config=cfg)
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
@@ -756,14 +738,10 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
     _, bn = _dispatch(small, big_case, "cuda", config=cfg)
     need = (1 << 20) + bn.recv_x.shape[0] * 7168 * 2
     check("the small Buffer is too small for the view", need > small.num_nvl_bytes)
-    refuses("a Buffer too small refuses the view", InvalidUsageError, f"num_nvl_bytes >= {need}",
+    check.refuses("a Buffer too small refuses the view", InvalidUsageError, f"num_nvl_bytes >= {need}",
             small.get_combine_buffer, bn.handle, 7168)
     torch.cuda.synchronize()
-    dist.barrier(group=gloo)
-    small.destroy()
-    nat.destroy()
-    ref.destroy()
-    check.assert_none_failed()
+    check.finish(gloo, small, nat, ref)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
