@@ -180,9 +180,7 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
 int main(int argc, char** argv) {
   const long long T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 15;
-  int n = 0;
-  CK(cudaGetDeviceCount(&n));
-  n = std::min(n, kMaxGpus);
+  const int n = visible_gpus(kMaxGpus);
   if (n != 2 && n != 4) {
     std::fprintf(stderr, "runs on 2 or 4 GPUs, found %d\n", n);
     return 1;

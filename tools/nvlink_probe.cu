@@ -181,9 +181,7 @@ __global__ void tma_kernel(Ptrs src, Ptrs dst, int me, int n, long long words_pe
 int main(int argc, char** argv) {
   const long long mb = argc > 1 ? std::atoll(argv[1]) : 48;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 9;
-  int n = 0;
-  CK(cudaGetDeviceCount(&n));
-  n = std::min(n, kMaxGpus);
+  const int n = visible_gpus(kMaxGpus);
   if (n < 2) {
     std::fprintf(stderr, "needs >= 2 GPUs, found %d\n", n);
     return 1;

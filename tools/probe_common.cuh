@@ -16,6 +16,13 @@
     }                                                                                             \
   } while (0)
 
+/// Visible GPUs, at most `max_gpus`.
+inline int visible_gpus(int max_gpus) {
+  int n = 0;
+  CK(cudaGetDeviceCount(&n));
+  return n < max_gpus ? n : max_gpus;
+}
+
 /// Makes GPU g current and lets it access the memory of every other of the n GPUs.
 inline void enable_peer_access(int g, int n) {
   CK(cudaSetDevice(g));
