@@ -230,12 +230,7 @@ int main(int argc, char** argv) {
       CK(cudaEventRecord(e1[g], st[g]));
     }
     sync_all(n);
-    float worst = 0;
-    for (int g = 0; g < n; ++g) {
-      float ms = 0;
-      CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
-      worst = std::max(worst, ms);
-    }
+    const float worst = slowest_ms(n, e0, e1);
     return worst * 1e3f;
   };
   auto check = [&](int mode) {  // rows 0, T/2 and T-1 of every GPU's output

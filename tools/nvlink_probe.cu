@@ -213,12 +213,7 @@ int main(int argc, char** argv) {
         CK(cudaEventRecord(e1[g], TS(g)));
       }
       sync_all(n);
-      float worst = 0;
-      for (int g = 0; g < n; ++g) {
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
-        worst = std::max(worst, ms);
-      }
+      const float worst = slowest_ms(n, e0, e1);
       if (r > 0) t.push_back(worst);  // first run warms up
     }
     std::sort(t.begin(), t.end());

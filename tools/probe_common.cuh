@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(x)                                                                                     \
   do {                                                                                            \
@@ -36,4 +37,15 @@ inline void sync_all(int n) {
     CK(cudaSetDevice(g));
     CK(cudaDeviceSynchronize());
   }
+}
+
+/// Milliseconds of the slowest of the n GPUs between its events e0[g] and e1[g] (after sync_all).
+inline float slowest_ms(int n, const std::vector<cudaEvent_t>& e0, const std::vector<cudaEvent_t>& e1) {
+  float worst = 0;
+  for (int g = 0; g < n; ++g) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
+    worst = ms > worst ? ms : worst;
+  }
+  return worst;
 }
