@@ -22,6 +22,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "uccl_moe/compiler.hpp"
+
 namespace uccl_moe {
 
 constexpr int kMaxTopk = 32;                      // DeepEP-V1 kernels assert num_topk <= 32 too
@@ -37,7 +39,7 @@ constexpr size_t kBufferAlignBytes = 128;
 // both ends, across NVLink.
 constexpr size_t kSlotAlignBytes = 128;
 
-inline constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+UCCL_HOST_DEVICE_FN constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 inline constexpr size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }
 
 /// Bytes of one ring slot for tokens of `hidden_bytes` (= hidden * max(element size, 2)).

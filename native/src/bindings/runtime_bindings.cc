@@ -227,7 +227,8 @@ void register_runtime(nb::module_& m) {
   "out_topk_weights"_a, "stream"_a);
 
   m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
-    return nb::make_tuple(intranode::combine_input_offset(), intranode::combine_input_bytes(rows, hidden, num_topk));
+    return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
+                          intranode::combine_input_bytes(rows, hidden, num_topk));
   }, "rows"_a, "hidden"_a, "num_topk"_a,
   "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
   "bytes it needs from the buffer's start with num_topk staged weights per row");

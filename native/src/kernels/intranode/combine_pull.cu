@@ -180,13 +180,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
 
 }  // namespace
 
-int64_t combine_input_bytes(int64_t rows, int hidden, int num_topk) {
-  const int64_t row_bytes = static_cast<int64_t>(hidden) * 2;
-  return static_cast<int64_t>(combine_input_weights_offset(rows, row_bytes)) + rows * num_topk * 4;
-}
-
-int64_t combine_input_offset() { return static_cast<int64_t>(kOffCombineInput); }
-
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream) {
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);

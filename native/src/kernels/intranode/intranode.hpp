@@ -160,7 +160,7 @@ struct CombineArgs {
 void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream);
 
 /// Combine from the buffer (combine_pull.cu): every rank's input rows already sit in its own NVL buffer at
-/// combine_input_offset() (the caller wrote them there: Buffer.get_combine_buffer), so each rank loads the copies of
+/// kOffCombineInput (nvl_layout.hpp, with combine_input_bytes; the caller wrote them there: Buffer.get_combine_buffer), so each rank loads the copies of
 /// its tokens where they lie instead of having them pushed through rings. Same sum order and bits as the ring
 /// combine. Every local rank must take this path for the same call.
 struct CombinePullArgs {
@@ -176,10 +176,6 @@ struct CombinePullArgs {
   float* out_topk_weights;       ///< [T, K] or null; given on every rank alike (topk_weights is null on a rank
                                  ///< that received no rows)
 };
-/// Byte offset of the input rows in the NVL buffer, and the bytes a combine from the buffer of `rows` rows (plus
-/// their staged weights when num_topk > 0) needs from the buffer's start.
-int64_t combine_input_offset();
-int64_t combine_input_bytes(int64_t rows, int hidden, int num_topk);
 /// `num_sms` blocks; `num_rows` = rows of the caller's input (>= rows received), checked against the buffer.
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream);
 

@@ -36,7 +36,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "uccl_moe/compiler.hpp"
 #include "uccl_moe/config.hpp"
 
 namespace uccl_moe::intranode {
@@ -79,7 +78,13 @@ static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvl
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
 constexpr size_t kOffCombineInput = kNvlMetaBytes;
 UCCL_HOST_DEVICE_FN constexpr size_t combine_input_weights_offset(int64_t rows, int64_t row_bytes) {
-  return (kOffCombineInput + static_cast<size_t>(rows * row_bytes) + 127) / 128 * 128;
+  return align_up(kOffCombineInput + static_cast<size_t>(rows * row_bytes), 128);
+}
+/// Bytes a combine from the buffer of `rows` rows of `hidden` BF16 values (plus `num_topk` staged weights per row)
+/// needs from the buffer's start.
+UCCL_HOST_DEVICE_FN constexpr int64_t combine_input_bytes(int64_t rows, int hidden, int num_topk) {
+  return static_cast<int64_t>(combine_input_weights_offset(rows, static_cast<int64_t>(hidden) * 2)) +
+         rows * num_topk * 4;
 }
 static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
