@@ -412,6 +412,22 @@ class Buffer:
             self._join(_current_stream(), self._comm_stream, self._join_out)
         return view
 
+    def combine_buffer_fits(self, handle: tuple[Any, ...], hidden: int, num_topk: int = 0) -> bool:
+        """Whether every rank of the group can combine `handle`'s rows from :meth:`get_combine_buffer` (with
+        `num_topk` top-k weights per row): the same answer on every rank, so all of them take the view or all pass
+        a tensor of their own, as that path requires. It rests on the most rows any rank received, which the
+        dispatch's count exchange publishes (no extra collective, no device sync); a ``num_worst_tokens`` handle
+        has no such count and answers for its own padded rows (every rank passes the same ``num_worst_tokens``).
+        False where the view's rows would not be 16-byte multiples (BF16 rows need hidden % 8 == 0). Always True where the view is a plain tensor (reference backend, across nodes).
+        """
+        backend = self._live()
+        h = self._check_handle(handle)
+        hidden, num_topk = _int_arg("hidden", hidden), _int_arg("num_topk", num_topk)
+        if hidden <= 0 or num_topk < 0:
+            raise _err(f"combine_buffer_fits(hidden={hidden}, num_topk={num_topk}): need hidden > 0 and num_topk >= 0")
+        fn = getattr(backend, "combine_buffer_fits", None)
+        return bool(fn(h, hidden, num_topk)) if fn is not None else True
+
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")
 

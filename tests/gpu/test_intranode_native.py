@@ -633,6 +633,28 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
         view.copy_(y)
         return view, nat.combine(view, res.handle, **kw)
 
+    def check_fits(name, res, worst_res, K):
+        """combine_buffer_fits answers for the rank that received the most rows, alike on every rank: at the widest
+        hidden whose rows fit that rank and one step wider (which a rank that received fewer rows still fits)."""
+        rows = [None] * R
+        dist.all_gather_object(rows, int(res.recv_x.shape[0]), group=gloo)
+        most = max(rows)
+        hint = Buffer.get_combine_buffer_size_hint
+        wide = max(8, ((nvl - (1 << 20)) // (2 * max(most, 1))) // 8 * 8 + 8)
+        while wide > 8 and hint(most, wide - 8, K) > nvl:
+            wide -= 8  # the widest that fits is wide - 8 (alignment padding may take a step)
+        answers = []
+        for hidden in (wide - 8, wide):
+            for k in (0, K):
+                answers.append((nat.combine_buffer_fits(res.handle, hidden, k), hint(most, hidden, k) <= nvl))
+        answers.append((nat.combine_buffer_fits(worst_res.handle, wide),
+                        hint(int(worst_res.recv_x.shape[0]), wide) <= nvl))
+        everyone = [None] * R
+        dist.all_gather_object(everyone, [a for a, _ in answers], group=gloo)
+        check(f"{name}: combine_buffer_fits answers for the most rows ({most}), alike on every rank",
+              all(a == want for a, want in answers) and all(e == everyone[0] for e in everyone)
+              and (most == 0 or not answers[2][0]))
+
     cases = [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
              ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
              ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
@@ -670,6 +692,7 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
         _, got = pull(wn, yw, topk_weights=wn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
         check(f"{name}: pull via worst handle", torch.equal(got.combined_x, ring.combined_x)
               and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+        check_fits(name, rn, wn, K)
 
     # Interleaved on one Buffer: ring, pull, cached dispatch, pull, ring, 40 pulls back to back.
     case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 300)

@@ -386,6 +386,27 @@ def test_get_combine_buffer_bad_arguments(buf):
     _raises(InvalidTypeError, "handle must be", buf.get_combine_buffer, [1, 2], H)
 
 
+def test_combine_buffer_fits(buf, monkeypatch):
+    """Without the path (reference backend) the view is a plain tensor: always fits. With it, the backend answers
+    (NativeBackend: test_native_combine_buffer_fits_answers_for_the_most_rows) for the checked handle, hidden and
+    num_topk; bad arguments are refused here."""
+    x, idx, res = _dispatched(buf)
+    assert buf.combine_buffer_fits(res.handle, H) is True
+    asked = []
+
+    def fits(h, hidden, num_topk):
+        asked.append((h.recv_src_idx is res.handle[3], hidden, num_topk))
+        return hidden < 100
+
+    monkeypatch.setattr(buf._backend, "combine_buffer_fits", fits, raising=False)
+    assert buf.combine_buffer_fits(res.handle, 64, 2) is True and buf.combine_buffer_fits(res.handle, 128) is False
+    assert asked == [(True, 64, 2), (True, 128, 0)]
+    _raises(InvalidUsageError, "need hidden > 0 and num_topk >= 0", buf.combine_buffer_fits, res.handle, 0)
+    _raises(InvalidUsageError, "need hidden > 0 and num_topk >= 0", buf.combine_buffer_fits, res.handle, 8, -1)
+    _raises(InvalidTypeError, "hidden must be an int", buf.combine_buffer_fits, res.handle, 8.5)
+    _raises(InvalidTypeError, "handle must be", buf.combine_buffer_fits, [1, 2], H)
+
+
 def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
     """A backend whose view is buffer memory (native): a dispatch, or a combine from another tensor, between
     get_combine_buffer and the combine ran over the rows, so combine refuses; layout calls and combines from the view

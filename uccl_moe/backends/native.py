@@ -36,6 +36,9 @@ from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..utils import current_raw_stream, tensor_at
 from .base import Backend, BufferContext, DispatchRequest, register_backend
 
+#: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
+_MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
+
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
@@ -258,10 +261,11 @@ class NativeBackend(Backend):
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
-            ok, rows, counts = self._rt.wait_recv_counts(E // R, float(env.get("TIMEOUT_S")))
+            ok, rows, most, counts = self._rt.wait_recv_counts(E // R, float(env.get("TIMEOUT_S")))
             if not ok:
                 self._raise_timeout()
             counts = list(counts)
+            setattr(rank_prefix, _MOST_ROWS_ATTR, int(most))  # cached dispatches and combines reuse the handle
         send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
         recv_x, recv_scales, recv_idx, recv_w, recv_src = self._launch_dispatch(
             num_sms, cfg, x, req.x_scales, topk_idx, topk_weights, in_rank, rank_prefix, recv_lane_start, E, rows,
@@ -317,6 +321,20 @@ class NativeBackend(Backend):
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
         # takes the same path as its peers.
         return tensor_at(self._rt.local_buffer + offset, (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
+
+    def combine_buffer_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
+        """Whether every rank's view of `handle`'s rows (and `num_topk` staged weights per row) fits its buffer: the
+        same answer on every rank, since it rests on the most rows any rank received (published by notify) and every
+        rank's buffer has the same size. A num_worst_tokens handle has no such count: its own rows stand in (every
+        rank passed the same num_worst_tokens). False for rows that are not 16-byte multiples (the view refuses them)."""
+        self._check_alive()
+        if self._inter is not None:
+            return True  # no view: get_combine_buffer hands out a tensor of the caller's
+        if (hidden * 2) % 16 != 0:
+            return False
+        rows = getattr(handle[0], _MOST_ROWS_ATTR, None)
+        rows = int(handle[3].shape[0]) if rows is None else rows
+        return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
 
     def _combine_input_offset(self, rows: int, hidden: int, num_topk: int, what: str) -> int:
         """Where a combine from the buffer keeps `rows` input rows (and `num_topk` staged weights per row) in the NVL

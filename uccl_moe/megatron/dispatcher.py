@@ -28,7 +28,6 @@ On CPU (gloo) the same code runs; events are already complete there.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any, Optional
 
@@ -409,16 +408,13 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def _combine_input(self, hidden: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """Where combine_preprocess writes its [N, H] rows: the Buffer's own memory (get_combine_buffer), or None
         for a tensor of Megatron's (the ring combine). The choice must be the same on every rank of the group (they
-        all pull or all push), so it rests on the group size and this rank's token count, which Megatron keeps equal
-        across the group, never on the rows this rank happened to receive."""
+        all pull or all push): Buffer.combine_buffer_fits answers it from the most rows any rank received, the same
+        number on every rank, whatever this rank's own tokens or rows."""
         buf, state = self._buffer, self._state
         if not self._combine_from_buffer() or buf is None or state is None or state.handle is None:
             return None
-        from uccl_moe import Buffer
-
-        tokens = math.prod(int(d) for d in self.hidden_shape[:-1])
-        if Buffer.get_combine_buffer_size_hint(buf.group_size * tokens, hidden) > buf.num_nvl_bytes:
-            return None  # a batch larger than the one the Buffer was sized for
+        if not buf.combine_buffer_fits(state.handle, hidden):
+            return None  # some rank received more rows than the Buffer was sized for (a larger batch)
         view: torch.Tensor = buf.get_combine_buffer(state.handle, hidden, dtype=dtype)
         return view
 

@@ -70,16 +70,17 @@ void register_runtime(nb::module_& m) {
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts, double timeout_s) {
-        int num_recv = -1;
+        int num_recv = -1, most_recv = -1;
         std::vector<int> per_expert;
         bool ok;
         {
           nb::gil_scoped_release release;
-          ok = r.wait_recv_counts(num_local_experts, timeout_s, &num_recv, &per_expert);
+          ok = r.wait_recv_counts(num_local_experts, timeout_s, &num_recv, &most_recv, &per_expert);
         }
-        return nb::make_tuple(ok, num_recv, per_expert);
+        return nb::make_tuple(ok, num_recv, most_recv, per_expert);
       }, "num_local_experts"_a, "timeout_s"_a,
-      "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, per_expert_counts)");
+      "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, "
+      "per_expert_counts), most_recv being the most rows any local rank receives");
 
   m.def("intranode_lanes_per_channel", &intranode::lanes_per_channel, "num_ranks"_a);
   m.def("intranode_geometry", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv) {

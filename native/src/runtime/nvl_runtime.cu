@@ -136,7 +136,7 @@ DiagRecord NvlRuntime::diag() const {
   return r;
 }
 
-bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv,
+bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv, int* most_recv,
                                   std::vector<int>* per_expert) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
@@ -172,6 +172,7 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* 
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the GPU's release of the counter
   *num_recv = *counter;
+  *most_recv = counter[1];
   per_expert->resize(num_local_experts);
   const volatile int32_t* ec = reinterpret_cast<volatile int32_t*>(host_ + kHostOffExpertCounters);
   for (int e = 0; e < num_local_experts; ++e) (*per_expert)[e] = ec[e];

@@ -40,9 +40,11 @@ class NvlRuntime {
 
   /// Host side of the receive counters: set to -1 before a notify that publishes them.
   void reset_recv_counter();
-  /// Waits (bounded by timeout_s) until notify published the counts. Returns false on timeout/abort; the
-  /// diagnostic record then says why (a host-side record is written if the GPU wrote none).
-  bool wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv, std::vector<int>* per_expert);
+  /// Waits (bounded by timeout_s) until notify published the counts: the rows this rank receives, the most rows
+  /// any local rank receives (the same on every rank) and the per-local-expert counts. Returns false on
+  /// timeout/abort; the diagnostic record then says why (a host-side record is written if the GPU wrote none).
+  bool wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv, int* most_recv,
+                        std::vector<int>* per_expert);
   /// True once any wait of this buffer gave up; the buffer is then unusable (recreate it).
   bool aborted() const;
   DiagRecord diag() const;

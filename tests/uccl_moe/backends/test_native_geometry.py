@@ -126,6 +126,42 @@ def test_native_handle_num_sms_is_the_handles_lane_layout():
         object.__new__(InternodePath).handle_num_sms((torch.zeros(16, dtype=torch.int32), None))
 
 
+def test_native_combine_buffer_fits_answers_for_the_most_rows():
+    """NativeBackend.combine_buffer_fits sizes the view for the most rows any rank received (the count notify tags
+    onto the handle's rank prefix, the same on every rank), not this rank's own rows; without the tag (a
+    num_worst_tokens handle) for the handle's own rows; False for rows that are not 16-byte multiples; True across
+    nodes (no view there). GPU-tested against notify's real count in test_native_combine_from_buffer."""
+    from types import SimpleNamespace
+
+    from uccl_moe import Buffer
+    from uccl_moe.backends.native import _MOST_ROWS_ATTR, NativeBackend
+
+    class FakeRuntime:
+        def aborted(self) -> bool:
+            return False
+
+    hidden = 7168
+    nvl = Buffer.get_combine_buffer_size_hint(1000, hidden)
+    backend = object.__new__(NativeBackend)  # no GPU here: only the size decision is exercised
+    backend._rt, backend._inter, backend.ctx = FakeRuntime(), None, SimpleNamespace(num_nvl_bytes=nvl)
+
+    def handle(own_rows: int, most: int | None):
+        prefix = torch.zeros((2, 2), dtype=torch.int32)
+        if most is not None:
+            setattr(prefix, _MOST_ROWS_ATTR, most)
+        return (prefix, None, None, torch.zeros(own_rows, dtype=torch.int32))
+
+    assert backend.combine_buffer_fits(handle(10, 1000), hidden, 0)
+    assert not backend.combine_buffer_fits(handle(10, 1001), hidden, 0)  # a peer received more: nobody pulls
+    assert not backend.combine_buffer_fits(handle(0, 1001), hidden, 0)  # ... not even a rank that received nothing
+    assert not backend.combine_buffer_fits(handle(1000, 1000), hidden, 8)  # no room left for the staged weights
+    assert backend.combine_buffer_fits(handle(1000, None), hidden, 0)  # num_worst_tokens: its own padded rows
+    assert not backend.combine_buffer_fits(handle(1001, None), hidden, 0)
+    assert not backend.combine_buffer_fits(handle(1, 1), 12, 0)  # 24-byte rows: the view refuses them
+    backend._inter = SimpleNamespace(check=lambda: None)
+    assert backend.combine_buffer_fits(handle(10, 10**6), hidden, 0)  # across nodes: a tensor of the caller's
+
+
 def _split_bounds(num_sms: int, ranks: int) -> tuple[int, int]:
     """(fewest, most) combine sender blocks: one warp per remote (lane, dst) pair, one receiver warp per lane and at
     least one lane per receiver block."""

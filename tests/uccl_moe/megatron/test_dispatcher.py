@@ -160,36 +160,38 @@ def test_unpermute_into_matches_megatron_unpermute(deterministic):
 
 def test_combine_input_choice():
     """Where combine_preprocess writes its rows: the Buffer's view only with the knob on, no fused permute, a handle,
-    and room for group size x this rank's tokens; otherwise None (Megatron's unpermute, the ring combine)."""
+    and Buffer.combine_buffer_fits (the group-wide answer) true; otherwise None (Megatron's unpermute, the ring
+    combine). This rank's own token count plays no part: ranks of one group with different counts still agree."""
     import types
 
-    from uccl_moe import Buffer
     from uccl_moe.megatron import dispatcher as d
     from uccl_moe.megatron import knobs
 
     class FakeBuffer:
-        group_size = 4
+        def __init__(self, fits):
+            self.fits, self.asked, self.fits_asked = fits, [], []
 
-        def __init__(self, nvl):
-            self.num_nvl_bytes, self.asked = nvl, []
+        def combine_buffer_fits(self, handle, hidden):
+            self.fits_asked.append((handle, hidden))
+            return self.fits
 
         def get_combine_buffer(self, handle, hidden, dtype):
             self.asked.append((handle, hidden, dtype))
             return torch.empty((3, hidden), dtype=dtype)
 
-    need = Buffer.get_combine_buffer_size_hint(4 * 32, 16)
-
-    def make(nvl=need, from_buffer=True, fused=False, handle="h"):
+    def make(fits=True, from_buffer=True, fused=False, handle="h", tokens=32):
         disp = object.__new__(d.UCCLTokenDispatcher)
         disp.knobs = knobs.UCCLKnobs(None, None, None, "auto", combine_from_buffer=from_buffer)
         disp.config = types.SimpleNamespace(moe_permute_fusion=fused)
-        disp._buffer = FakeBuffer(nvl)
+        disp._buffer = FakeBuffer(fits)
         disp._state = types.SimpleNamespace(handle=handle)
-        disp.hidden_shape = torch.Size((8, 4, 16))  # 32 tokens
+        disp.hidden_shape = torch.Size((tokens, 16))
         return disp
 
-    disp = make()
-    view = disp._combine_input(16, torch.bfloat16)
-    assert view is not None and disp._buffer.asked == [("h", 16, torch.bfloat16)]
-    for disp in (make(from_buffer=False), make(fused=True), make(handle=None), make(nvl=need - 4096)):
+    for tokens in (32, 10**6):  # a rank with many more tokens than the Buffer was sized for still follows the group
+        disp = make(tokens=tokens)
+        view = disp._combine_input(16, torch.bfloat16)
+        assert view is not None and disp._buffer.asked == [("h", 16, torch.bfloat16)]
+        assert disp._buffer.fits_asked == [("h", 16)]
+    for disp in (make(from_buffer=False), make(fused=True), make(handle=None), make(fits=False)):
         assert disp._combine_input(16, torch.bfloat16) is None and disp._buffer.asked == []

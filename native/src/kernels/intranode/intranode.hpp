@@ -28,7 +28,8 @@ struct NvlContext {
   int32_t rank;              ///< local rank
   int32_t num_ranks;         ///< local ranks (== ranks of the group: intranode only)
   int64_t num_nvl_bytes;
-  int32_t* recv_counter;     ///< device view of the host-mapped total-receive counter (-1 = not yet)
+  int32_t* recv_counter;     ///< host-mapped (device view): [0] rows this rank receives (-1 = not yet), [1] the
+                             ///< most rows any local rank receives (written before [0] is released)
   int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
   int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)

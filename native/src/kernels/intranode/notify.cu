@@ -93,9 +93,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     gpu::fence_sys();
     __syncthreads();
     if (threadIdx.x == 0) {
-      int total = 0;
-      for (int src = 0; src < N; ++src) total += gpu::load_volatile(counts + src * kMaxLocalRanks + me);
-      gpu::store_release_sys(ctx.recv_counter, total);  // pairs with the host's poll in wait_recv_counts
+      // recv_counter[1]: the most rows any rank of the node receives (the same on every rank, so host code can
+      // take a group-wide decision on it without a collective: Buffer.combine_buffer_fits).
+      int largest = 0;
+      for (int dst = 0; dst < N; ++dst) largest = max(largest, a.rank_prefix[(N - 1) * N + dst]);
+      ctx.recv_counter[1] = largest;
+      gpu::store_release_sys(ctx.recv_counter, a.rank_prefix[(N - 1) * N + me]);  // pairs with wait_recv_counts
     }
   }
 }
