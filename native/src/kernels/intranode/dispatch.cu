@@ -77,62 +77,82 @@ UCCL_DEVICE_INLINE void write_kept_meta(const DispatchArgs& a, int tok, int me, 
       with_scales && a.recv_scales != nullptr ? static_cast<int32_t*>(a.recv_scales) + row * a.num_scales : nullptr);
 }
 
-/// Sender warp (dst, w) of lane c * W + w. kDirect (dst == me): the rows stay on this GPU, so they go straight into
-/// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy; this warp takes the first quarter of the lane's tokens, the receiver group the rest (KeptRows), and releases
-/// the tails the lane's remote warps post (TailPublisher). Otherwise
-/// the rows go into ring (lane, me) at dst.
-template <bool kDirect>
-UCCL_DEVICE_INLINE void dispatch_send(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k, int c,
-                                      int dst, int w, SendPosts* posts) {
-  const DispatchArgs& a = k.a;
-  const SlotLayout& s = k.slot;
-  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes;
-  const int lane_idx = c * g.lanes_per_channel + w;
-  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
-  RingSender out(ctx, lane_idx, dst);  // unused when kDirect
-  if constexpr (!kDirect) out.post_to(posts, dst * g.lanes_per_channel + w);
-  TailPublisher pub(ctx, posts, g.lanes_per_channel, w, lane_idx, kDirect);
-  const int64_t row0 = kDirect ? self_row0(a, N, me, L, lane_idx) : 0;
-  const int experts_per_rank = a.num_experts / N;
-  int begin, end;
-  lane_token_range(tokens_of(a), L, lane_idx, &begin, &end);
-  if constexpr (kDirect) end = kept_split(begin, end);  // the receiver group copies the rest (KeptRows)
+/// Walks the tokens of [begin, end) that go to `dst`, in order, recording send_head, and calls row(tok, pos) for
+/// each (pos: its place in the lane's stream to dst). Returns how many there were, or -1 once row returned false
+/// (a failed wait). Warp-collective.
+template <typename RowFn>
+UCCL_DEVICE_INLINE int for_each_sent_token(const DispatchArgs& a, int N, int dst, int begin, int end, RowFn&& row) {
   int pos = 0;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
     gpu::LaneMask mask = select_tokens(a, N, dst, chunk, end, pos, true);
     while (mask != 0) {
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
-      const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
-      if constexpr (kDirect) {
-        const int64_t row = mapped_row(a, row0 + pos);
-        warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
-                                          reinterpret_cast<const int4*>(src_row), s.row_bytes / 16);
-        write_kept_meta(a, tok, me, experts_per_rank, row, true);
-        ++pos;
-        pub.poll();  // release what the lane's remote warps posted meanwhile
-        continue;
-      }
-      if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) {
-        out.mark_finished();
-        return;
-      }
-      char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
-      warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot), reinterpret_cast<const int4*>(src_row),
-                                        s.row_bytes / 16);
-      write_token_meta<int32_t>(a, tok, dst, experts_per_rank, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
-                                reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
-                                reinterpret_cast<float*>(slot + s.off_weights),
-                                reinterpret_cast<int32_t*>(slot + s.off_scales));
+      if (!row(tok, pos)) return -1;
       ++pos;
-      if (pos - out.published >= g.chunk_tokens) out.publish(pos);
     }
   }
-  if constexpr (kDirect)
-    pub.drain(ctx, lane_idx);
+  return pos;
+}
+
+/// Sender warp (me, w) of lane c * W + w, the lane's direct warp: the rows stay on this GPU, so they go straight into
+/// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
+/// copy. It takes the first quarter of the lane's tokens, the receiver group the rest (KeptRows), and releases the
+/// tails the lane's remote warps post (TailPublisher) between its rows and after them.
+UCCL_DEVICE_INLINE void dispatch_send_direct(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k,
+                                             int c, int w, SendPosts* posts) {
+  const DispatchArgs& a = k.a;
+  const int64_t row_bytes = k.slot.row_bytes;
+  const int N = ctx.num_ranks, me = ctx.rank;
+  const int lane_idx = c * g.lanes_per_channel + w;
+  TailPublisher pub(ctx, posts, g.lanes_per_channel, w, lane_idx);
+  const int64_t row0 = self_row0(a, N, me, g.num_lanes, lane_idx);
+  const int experts_per_rank = a.num_experts / N;
+  int begin, end;
+  lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
+  for_each_sent_token(a, N, me, begin, kept_split(begin, end), [&](int tok, int pos) {
+    const int64_t row = mapped_row(a, row0 + pos);
+    warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * row_bytes),
+                                      reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + tok * row_bytes),
+                                      row_bytes / 16);
+    write_kept_meta(a, tok, me, experts_per_rank, row, true);
+    pub.poll();  // release what the lane's remote warps posted meanwhile
+    return true;
+  });
+  pub.drain(ctx, lane_idx);
+}
+
+/// Sender warp (dst, w) of lane c * W + w, dst != me: the rows go into ring (lane, me) at dst; the warp posts its
+/// positions for the lane's direct warp to release (RingSender::post_to).
+UCCL_DEVICE_INLINE void dispatch_send_remote(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k,
+                                             int c, int dst, int w, SendPosts* posts) {
+  const DispatchArgs& a = k.a;
+  const SlotLayout& s = k.slot;
+  const int N = ctx.num_ranks, me = ctx.rank;
+  const int lane_idx = c * g.lanes_per_channel + w;
+  char* ring = lane_ring(ctx.buffers[dst], g, N, c, me, w);
+  RingSender out(ctx, lane_idx, dst);
+  out.post_to(posts, dst * g.lanes_per_channel + w);
+  const int experts_per_rank = a.num_experts / N;
+  int begin, end;
+  lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
+  const int count = for_each_sent_token(a, N, dst, begin, end, [&](int tok, int pos) {
+    if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) return false;
+    char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
+    warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot),
+                                      reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes),
+                                      s.row_bytes / 16);
+    write_token_meta<int32_t>(a, tok, dst, experts_per_rank, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
+                              reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
+                              reinterpret_cast<float*>(slot + s.off_weights),
+                              reinterpret_cast<int32_t*>(slot + s.off_scales));
+    if (pos + 1 - out.published >= g.chunk_tokens) out.publish(pos + 1);
+    return true;
+  });
+  if (count < 0)
+    out.mark_finished();  // the publisher stops waiting for us; our wait's record names the peer
   else
-    out.finish(pos);
+    out.finish(count);
 }
 
 /// Receiver group's share of the rows this rank keeps: tokens [kept_split(begin, end), end) of the lane, walked in
@@ -294,9 +314,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     const int peer = warp / W, w = warp % W;
     if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
     if (peer == ctx.rank)
-      dispatch_send<true>(ctx, g, k, c, peer, w, &posts);  // our own rows, and the lane's tails
+      dispatch_send_direct(ctx, g, k, c, w, &posts);  // our own rows, and the lane's tails
     else
-      dispatch_send<false>(ctx, g, k, c, peer, w, &posts);
+      dispatch_send_remote(ctx, g, k, c, peer, w, &posts);
     return;
   }
   __shared__ RecvSmem sm;

@@ -206,10 +206,11 @@ struct RingSender {
     else if (gpu::lane_id() == 0)
       *base_word = base + count;
   }
-  /// When posting: tells the publisher this warp posts nothing more (its last post, or it left on a failed wait).
+  /// Only when posting (post_to): tells the publisher this warp posts nothing more (its last post, or it left on a
+  /// failed wait).
   UCCL_DEVICE_INLINE void mark_finished() {
     gpu::sync_warp();
-    if (post != nullptr && gpu::lane_id() == 0) gpu::store_release_block(finished, 1);
+    if (gpu::lane_id() == 0) gpu::store_release_block(finished, 1);
   }
 };
 
@@ -225,11 +226,9 @@ struct TailPublisher {
   int32_t base = 0, published = 0;
   bool sender_done = true;  // false until this lane's sender finished (lanes that serve no ring: always true)
 
-  /// Inactive (publishes nothing, done at once) unless `active`.
-  UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, const SendPosts* posts, int W, int w, int lane_idx,
-                                   bool active) {
+  UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, const SendPosts* posts, int W, int w, int lane_idx) {
     const int d = gpu::lane_id();
-    if (active && d < ctx.num_ranks && d != ctx.rank) {
+    if (d < ctx.num_ranks && d != ctx.rank) {
       written = &posts->written[d * W + w];
       finished = &posts->finished[d * W + w];
       tail = meta_ptr(ctx.buffers[d], kOffTail) + lane_idx * ctx.num_ranks + ctx.rank;
