@@ -9,6 +9,7 @@
 #   compare  the 50-step compare: uccl, alltoall twice (run-to-run noise), allgather
 #   fifo     FIFO flood with GPU producers (1/2/4/8 proxy threads), then 4 producers per FIFO
 #   profile  one profiled uccl run with --moe-shared-expert-overlap and one without; timeline summaries
+#   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (SAN_TESTS, default: the pull combine)
 # carry: .whl (megatron-core, hydra-core, omegaconf, antlr4 wheels for Python 3.12)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"   # 8 files come back: all in one tarball
@@ -61,6 +62,14 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
     timeout 120 python3 -m uccl_moe.bench.fifo_gpu --threads 1,2,4,8 --cmds 20000 --json "$OUT/fifo_p1.json" 2>&1 | tail -8
     timeout 120 python3 -m uccl_moe.bench.fifo_gpu --threads 1,2,4,8 --cmds 20000 --producers 4 \
       --json "$OUT/fifo_p4.json" 2>&1 | tail -8 ;;
+  sanitize)  # small cases, two iterations; both tools' logs in one file
+    for tool in memcheck racecheck; do
+      UMOE_TEST_SMALL=1 UMOE_TEST_ITERS=2 UMOE_TEST_BIG=0 UCCL_MOE_TIMEOUT_S=100 timeout ${SAN_T:-150} \
+        compute-sanitizer --tool $tool --target-processes all python3 -m pytest -q -s -p no:cacheprovider \
+        -o addopts="" ${SAN_TESTS:-"tests/gpu/test_intranode_native.py::test_native_combine_from_buffer[2]"} \
+        >> "$OUT/sanitizer.log" 2>&1
+      echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -2
+    done ;;
   *) echo "unknown stage $stage"; exit 2 ;;
   esac
   el "$stage done"

@@ -614,9 +614,10 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
     pull's SM count is free of the handle's); the worst-case handle; bitwise repeats; a CUDA-graph capture; pull,
     ring and cached dispatch interleaved on one Buffer; and the refusals (a slice of the view, a view a dispatch ran
     over, a Buffer too small, a wrong dtype, a row that is not 16-byte aligned). `small` (5-8 ranks): two cases and
-    the back-to-back pulls only."""
+    the back-to-back pulls only (also with UMOE_TEST_SMALL=1, for compute-sanitizer)."""
     from uccl_moe import Buffer, Config, InvalidTypeError, InvalidUsageError
 
+    small = small or os.environ.get("UMOE_TEST_SMALL", "0") == "1"
     R = world
     cfg = Config(24, 8, 256, 6, 128)
     worst_T = 1100
