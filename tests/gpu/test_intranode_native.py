@@ -641,20 +641,18 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
         dist.all_gather_object(rows, int(res.recv_x.shape[0]), group=gloo)
         most = max(rows)
         hint = Buffer.get_combine_buffer_size_hint
-        wide = max(8, ((nvl - (1 << 20)) // (2 * max(most, 1))) // 8 * 8 + 8)
-        while wide > 8 and hint(most, wide - 8, K) > nvl:
-            wide -= 8  # the widest that fits is wide - 8 (alignment padding may take a step)
-        answers = []
-        for hidden in (wide - 8, wide):
-            for k in (0, K):
-                answers.append((nat.combine_buffer_fits(res.handle, hidden, k), hint(most, hidden, k) <= nvl))
-        answers.append((nat.combine_buffer_fits(worst_res.handle, wide),
-                        hint(int(worst_res.recv_x.shape[0]), wide) <= nvl))
+        # wide: the narrowest hidden (a multiple of 8) whose rows of the most-receiving rank do not fit
+        wide = max(16, ((nvl - (1 << 20)) // (2 * max(most, 1))) // 8 * 8 + 8)
+        while wide > 16 and hint(most, wide - 8) > nvl:
+            wide -= 8
+        asks = [(res, hidden, k) for hidden in (wide - 8, wide) for k in (0, K)] + [(worst_res, wide, 0)]
+        got = [nat.combine_buffer_fits(r.handle, hidden, k) for r, hidden, k in asks]
+        want = [hint(most if r is res else int(r.recv_x.shape[0]), hidden, k) <= nvl for r, hidden, k in asks]
         everyone = [None] * R
-        dist.all_gather_object(everyone, [a for a, _ in answers], group=gloo)
-        check(f"{name}: combine_buffer_fits answers for the most rows ({most}), alike on every rank",
-              all(a == want for a, want in answers) and all(e == everyone[0] for e in everyone)
-              and (most == 0 or not answers[2][0]))
+        dist.all_gather_object(everyone, got, group=gloo)
+        check(f"{name}: combine_buffer_fits answers for the most rows ({most}) alike on every rank: got {got}, "
+              f"want {want}, ranks {everyone}", got == want and all(e == got for e in everyone)
+              and (most == 0 or (got[0] and not got[2])))
 
     cases = [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
              ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),

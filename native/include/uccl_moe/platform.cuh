@@ -199,19 +199,22 @@ UCCL_DEVICE_INLINE int64_t load_acquire_sys(const int64_t* p) {
 // cross NVLink; only the reader's system-scope release does. On HIP both take agent scope: LLVM's AMDGPU backend
 // has not always made a workgroup-scope release followed by another wave's wider release cover the first wave's
 // global stores (no vmcnt wait at workgroup scope on some targets), and this has not been run on an AMD GPU yet.
+// On CUDA they are atomic read-modify-writes (an exchange, an add of 0) with the same release / acquire semantics
+// as a st.release / ld.acquire: compute-sanitizer's racecheck, which checks shared memory, reports plain
+// release/acquire pairs between warps as hazards but knows that atomics do not race.
 UCCL_DEVICE_INLINE void store_release_block(int32_t* p, int32_t v) {
 #if defined(UCCL_MOE_HIP)
   __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
 #else
-  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+  asm volatile("{ .reg .b32 old; atom.release.cta.exch.b32 old, [%0], %1; }" ::"l"(p), "r"(v) : "memory");
 #endif
 }
-UCCL_DEVICE_INLINE int32_t load_acquire_block(const int32_t* p) {
+UCCL_DEVICE_INLINE int32_t load_acquire_block(int32_t* p) {
 #if defined(UCCL_MOE_HIP)
   return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
 #else
   int32_t v;
-  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("atom.acquire.cta.add.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "r"(0) : "memory");
   return v;
 #endif
 }

@@ -219,14 +219,14 @@ struct RingSender {
 /// d != me. A system-scope release waits until the slot stores it covers crossed NVLink; here that wait stalls
 /// this warp, between the kept rows it copies, instead of the warps that push the rows.
 struct TailPublisher {
-  const int32_t* written = nullptr;
-  const int32_t* finished = nullptr;
+  int32_t* written = nullptr;  // not const: the acquire loads are atomic read-modify-writes (platform.cuh)
+  int32_t* finished = nullptr;
   int32_t* tail = nullptr;
   int32_t* base_word = nullptr;
   int32_t base = 0, published = 0;
   bool sender_done = true;  // false until this lane's sender finished (lanes that serve no ring: always true)
 
-  UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, const SendPosts* posts, int W, int w, int lane_idx) {
+  UCCL_DEVICE_INLINE TailPublisher(const NvlContext& ctx, SendPosts* posts, int W, int w, int lane_idx) {
     const int d = gpu::lane_id();
     if (d < ctx.num_ranks && d != ctx.rank) {
       written = &posts->written[d * W + w];
