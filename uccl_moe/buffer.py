@@ -418,7 +418,8 @@ class Buffer:
         a tensor of their own, as that path requires. It rests on the most rows any rank received, which the
         dispatch's count exchange publishes (no extra collective, no device sync); a ``num_worst_tokens`` handle
         has no such count and answers for its own padded rows (every rank passes the same ``num_worst_tokens``).
-        False where the view's rows would not be 16-byte multiples (BF16 rows need hidden % 8 == 0). Always True where the view is a plain tensor (reference backend, across nodes).
+        False where the view's rows would not be 16-byte multiples (BF16 rows need hidden % 8 == 0). Always True
+        where the view is a plain tensor (reference backend, across nodes).
         """
         backend = self._live()
         h = self._check_handle(handle)

@@ -117,8 +117,9 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
                backend: Optional[str] = None, combine_tokens: int = 0) -> Any:
     """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`, `backend`), created on first use;
     `max_tokens` (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans
-    nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive, for combine
-    from the buffer (unless the nvl_bytes knob is set). `backend` defaults to the knob (see :func:`backend_for`)."""
+    nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive and `num_topk`
+    weights per row, for combine from the buffer (unless the nvl_bytes knob is set). `backend` defaults to the knob
+    (see :func:`backend_for`)."""
     from uccl_moe import Buffer
 
     backend = knobs.backend if backend is None else backend
@@ -138,7 +139,8 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
             # one's own), so the size comes from the largest token count of the group, not this rank's.
             counts: list[Any] = [None] * size
             dist.all_gather_object(counts, int(combine_tokens), group=group)
-            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * max(counts), hidden_bytes // 2))
+            # (with room for the top-k weights the dispatch's backward combine stages)
+            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * max(counts), hidden_bytes // 2, num_topk))
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,
@@ -244,6 +246,45 @@ class UCCLDispatch(torch.autograd.Function):
             event.current_stream_wait()
         ctx.handle = None
         return grad_x, grad_topk_weights, None, None, None, None, None, None
+
+
+def _combine_view(buffer: Any, handle: Any, hidden: int, dtype: torch.dtype,
+                  num_topk: int = 0) -> Optional[torch.Tensor]:
+    """Buffer.get_combine_buffer(handle, hidden) when every rank's rows (and `num_topk` weights per row) fit it, else
+    None (a tensor of one's own: the ring combine). Buffer.combine_buffer_fits gives the same answer on every rank, as
+    the two paths require."""
+    if buffer is None or handle is None or not buffer.combine_buffer_fits(handle, hidden, num_topk):
+        return None
+    view: torch.Tensor = buffer.get_combine_buffer(handle, hidden, dtype=dtype)
+    return view
+
+
+class _GatherGradIntoBuffer(torch.autograd.Function):
+    """tokens [N, H] -> tokens[sorted_indices] (the gather of Megatron's unfused permute). Its gradient is summed per
+    token as index_select's own backward sums it (zeros, then index_add_), but into the Buffer's memory when every
+    rank's rows fit (_combine_view): the dispatch's backward combine, which takes this gradient next, then pulls the
+    rows where they lie instead of pushing them through the rings."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tokens: torch.Tensor, sorted_indices: torch.Tensor, buffer: Any, handle: Any, num_topk: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(sorted_indices)
+        ctx.buffer, ctx.handle, ctx.num_topk, ctx.shape = buffer, handle, num_topk, tokens.shape
+        return tokens.index_select(0, sorted_indices)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (sorted_indices,) = ctx.saved_tensors
+        rows, hidden = ctx.shape
+        out = _combine_view(ctx.buffer, ctx.handle, int(hidden), grad.dtype, ctx.num_topk)
+        ctx.buffer = ctx.handle = None
+        if out is None:
+            out = grad.new_zeros((rows, hidden))
+        else:
+            out.zero_()
+        out.index_add_(0, sorted_indices, grad)
+        return out, None, None, None, None
 
 
 class UCCLCombine(torch.autograd.Function):
@@ -410,13 +451,9 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         for a tensor of Megatron's (the ring combine). The choice must be the same on every rank of the group (they
         all pull or all push): Buffer.combine_buffer_fits answers it from the most rows any rank received, the same
         number on every rank, whatever this rank's own tokens or rows."""
-        buf, state = self._buffer, self._state
-        if not self._combine_from_buffer() or buf is None or state is None or state.handle is None:
+        if not self._combine_from_buffer() or self._state is None:
             return None
-        if not buf.combine_buffer_fits(state.handle, hidden):
-            return None  # some rank received more rows than the Buffer was sized for (a larger batch)
-        view: torch.Tensor = buf.get_combine_buffer(state.handle, hidden, dtype=dtype)
-        return view
+        return _combine_view(self._buffer, self._state.handle, hidden, dtype)
 
     def get_expert_zero_copy_buffers(self) -> tuple[None, None]:
         """No zero-copy expert buffers: experts get fresh permuted tensors (Megatron 0.19 asks every forward)."""
@@ -490,13 +527,23 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             1, slot, probs
         )[:, :local]
         self._hidden_shape_before_permute = hidden_states.shape
-        permuted, permuted_probs, self._reversed_mapping = _compat.permute(
-            hidden_states,
-            self._routing_map,
-            probs_map.contiguous(),
-            num_out_tokens=int(tokens_per_expert.sum()),
-            fused=bool(self.config.moe_permute_fusion),
-        )
+        if self._combine_from_buffer() and hidden_states.requires_grad:
+            # Megatron's unfused permute on zero columns gives its routing (sorted indices, permuted probs); the
+            # gather itself is ours, so that its gradient lands in the Buffer for the dispatch's backward combine.
+            _, permuted_probs, self._reversed_mapping = _compat.permute(
+                hidden_states.detach()[:, :0], self._routing_map, probs_map.contiguous(),
+                num_out_tokens=int(tokens_per_expert.sum()), fused=False,
+            )
+            permuted = _GatherGradIntoBuffer.apply(hidden_states, self._reversed_mapping, self._buffer,
+                                                   state.handle, int(probs.shape[-1]))
+        else:
+            permuted, permuted_probs, self._reversed_mapping = _compat.permute(
+                hidden_states,
+                self._routing_map,
+                probs_map.contiguous(),
+                num_out_tokens=int(tokens_per_expert.sum()),
+                fused=bool(self.config.moe_permute_fusion),
+            )
         if self.config.moe_router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         return permuted, tokens_per_expert, permuted_probs

@@ -65,14 +65,15 @@ def _check(results, case: Case) -> None:
         assert any("local_experts" in n or "weight1" in n for n in names), names
         if case.shared_expert:
             assert any(n.startswith("grad/shared_experts.") for n in names), names
-        # The forward combine takes its rows from get_combine_buffer unless the knob is off; on the native backend
-        # inside one node that is the NVL buffer itself (combine from the buffer), elsewhere a fresh tensor.
+        # Both combines (the forward one, and the dispatch's backward one) take their rows from get_combine_buffer
+        # unless the knob is off; on the native backend inside one node that is the NVL buffer itself (combine from
+        # the buffer: the pull kernel launches), elsewhere a fresh tensor.
         views, native = res["combine_views"], res["backend"] == "NativeBackend"
         if case.combine_from_buffer is False:
             assert views == [] and res["combine_pulls"] == 0, (views, res["combine_pulls"])
-        else:  # one forward combine from the buffer; the backward combine (dispatch's backward) takes the rings
-            assert len(views) == 1 and views[0] == native, (views, res["backend"])
-            assert res["combine_pulls"] == (1 if native else 0), (res["combine_pulls"], res["backend"])
+        else:
+            assert views == [native, native], (views, res["backend"])
+            assert res["combine_pulls"] == (2 if native else 0), (res["combine_pulls"], res["backend"])
         for name in ("output", "input_grad", *names):
             tol = ATOL if case.dtype == "fp32" else BF16_RTOL * res["scales"][name] + 1e-3
             assert res["diffs"][name] <= tol, (
@@ -158,6 +159,53 @@ def test_unpermute_into_matches_megatron_unpermute(deterministic):
     assert torch.equal(b.grad, a.grad)
 
 
+@pytest.mark.parametrize("fits", [False, True])
+def test_permute_gradient_lands_in_the_buffer(fits):
+    """dispatch_postprocess's gather: Megatron's permute (on zero columns, for its routing) plus _GatherGradIntoBuffer
+    gives Megatron's own permuted rows and probs, and the same gradient (bitwise: index_select's backward is the same
+    zeros-then-index_add_); where every rank's rows fit, that gradient is the Buffer's memory itself (stale contents
+    cleared), asked for with the dispatch's top-k width, so the dispatch's backward combine pulls it."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    from uccl_moe.megatron import _compat
+    from uccl_moe.megatron import dispatcher as d
+
+    gen = torch.Generator().manual_seed(5)
+    N, H, E, K = 10, 16, 4, 3
+    routing_map = torch.rand((N, E), generator=gen) < 0.5
+    routing_map[1] = False  # a received row no local expert takes: zero gradient
+    probs = torch.rand((N, E), generator=gen)
+    tokens = torch.randn((N, H), generator=gen).bfloat16()
+    memory = torch.full((N, H), 7.0, dtype=torch.bfloat16)  # stands in for the NVL buffer: stale contents
+
+    class FakeBuffer:
+        asked: list = []
+
+        def combine_buffer_fits(self, handle, hidden, num_topk):
+            self.asked.append((handle, hidden, num_topk))
+            return fits
+
+        def get_combine_buffer(self, handle, hidden, dtype):
+            assert (handle, hidden, dtype) == ("h", H, torch.bfloat16)
+            return memory
+
+    a = tokens.clone().requires_grad_(True)
+    want, want_probs, want_idx = permute(a, routing_map, probs=probs, num_out_tokens=int(routing_map.sum()))
+    grad = torch.randn(want.shape, generator=gen).bfloat16()
+    want.backward(grad)
+    b = tokens.clone().requires_grad_(True)
+    buf = FakeBuffer()
+    _, got_probs, idx = _compat.permute(b.detach()[:, :0], routing_map, probs, int(routing_map.sum()), fused=False)
+    got = d._GatherGradIntoBuffer.apply(b, idx, buf, "h", K)
+    seen = []
+    b.register_hook(lambda g: seen.append(g.data_ptr()))
+    got.backward(grad)
+    assert torch.equal(idx, want_idx) and torch.equal(got_probs, want_probs) and torch.equal(got, want)
+    assert torch.equal(b.grad, a.grad) and bool((b.grad[1] == 0).all())
+    assert buf.asked == [("h", H, K)]
+    assert (seen == [memory.data_ptr()]) is fits  # the gradient handed on is the Buffer's memory only when it fits
+
+
 def test_combine_input_choice():
     """Where combine_preprocess writes its rows: the Buffer's view only with the knob on, no fused permute, a handle,
     and Buffer.combine_buffer_fits (the group-wide answer) true; otherwise None (Megatron's unpermute, the ring
@@ -171,8 +219,8 @@ def test_combine_input_choice():
         def __init__(self, fits):
             self.fits, self.asked, self.fits_asked = fits, [], []
 
-        def combine_buffer_fits(self, handle, hidden):
-            self.fits_asked.append((handle, hidden))
+        def combine_buffer_fits(self, handle, hidden, num_topk):
+            self.fits_asked.append((handle, hidden, num_topk))
             return self.fits
 
         def get_combine_buffer(self, handle, hidden, dtype):
@@ -192,6 +240,6 @@ def test_combine_input_choice():
         disp = make(tokens=tokens)
         view = disp._combine_input(16, torch.bfloat16)
         assert view is not None and disp._buffer.asked == [("h", 16, torch.bfloat16)]
-        assert disp._buffer.fits_asked == [("h", 16)]
+        assert disp._buffer.fits_asked == [("h", 16, 0)]
     for disp in (make(from_buffer=False), make(fused=True), make(handle=None), make(fits=False)):
         assert disp._combine_input(16, torch.bfloat16) is None and disp._buffer.asked == []
