@@ -277,10 +277,12 @@ class Buffer:
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
         self._handle_key = (self.backend_name, tuple(dist.get_process_group_ranks(group)), self.topology.ranks_per_node)
-        # dispatch/combine calls so far, and (storage address, calls then) of the last get_combine_buffer view: a view
-        # that another call overwrote (its ring slots) is refused by combine instead of summing garbage.
+        # dispatch/combine calls so far, and (storage address, calls then, the handle's first tensor) of the last
+        # get_combine_buffer view: a view that another call overwrote (its ring slots), or that was last taken for
+        # another handle's rows (every handle's view is the same memory), is refused by combine instead of summing
+        # garbage.
         self._op_seq = 0
-        self._combine_view: tuple[int, int] | None = None
+        self._combine_view: tuple[int, int, weakref.ref[torch.Tensor]] | None = None
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
@@ -407,7 +409,7 @@ class Buffer:
             self._combine_view = None
             return torch.empty((rows, hidden), dtype=dtype, device=self.device)
         # the storage's address: a view of no rows (a rank that receives nothing) has data_ptr() 0
-        self._combine_view = (int(view.untyped_storage().data_ptr()), self._op_seq)
+        self._combine_view = (int(view.untyped_storage().data_ptr()), self._op_seq, weakref.ref(h[0]))
         if self._comm_stream is not None:  # writes into the view wait for any op still running on the comm stream
             self._join(_current_stream(), self._comm_stream, self._join_out)
         return view
@@ -416,8 +418,9 @@ class Buffer:
         """Whether every rank of the group can combine `handle`'s rows from :meth:`get_combine_buffer` (with
         `num_topk` top-k weights per row): the same answer on every rank, so all of them take the view or all pass
         a tensor of their own, as that path requires. It rests on the most rows any rank received, which the
-        dispatch's count exchange publishes (no extra collective, no device sync); a ``num_worst_tokens`` handle
-        has no such count and answers for its own padded rows (every rank passes the same ``num_worst_tokens``).
+        dispatch's count exchange publishes (no extra collective, no device sync). A ``num_worst_tokens`` handle
+        has no such count and answers for its own padded rows, so it agrees across ranks only if every rank passed
+        the same ``num_worst_tokens`` (as a CUDA-graph capture does): pass the same value on every rank.
         False where the view's rows would not be 16-byte multiples (BF16 rows need hidden % 8 == 0). Always True
         where the view is a plain tensor (reference backend, across nodes).
         """
@@ -871,6 +874,12 @@ class Buffer:
                 f"combine: x is the tensor get_combine_buffer returned, but {self._op_seq - view[1]} dispatch/combine "
                 f"call(s) of this Buffer ran since and overwrote it; call get_combine_buffer again after the last "
                 f"dispatch or combine and write the rows into that, right before this combine"
+            )
+        if from_view and view is not None and view[2]() is not h[0]:
+            raise _err(
+                "combine: x is the tensor get_combine_buffer returned, but it was last taken for another handle (the "
+                "views of all handles are the same memory, so it holds that handle's rows); call "
+                "get_combine_buffer(handle) for this combine's handle and write its rows into that"
             )
         self._begin(previous_event, uses_nvl_buffer=not from_view)  # a combine from the view leaves it intact
         with self._comm_context():

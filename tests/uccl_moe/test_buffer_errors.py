@@ -410,7 +410,7 @@ def test_combine_buffer_fits(buf, monkeypatch):
 def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
     """A backend whose view is buffer memory (native): a dispatch, or a combine from another tensor, between
     get_combine_buffer and the combine ran over the rows, so combine refuses; layout calls and combines from the view
-    do not count, and a fresh view is accepted."""
+    do not count, and a fresh view is accepted. A view last taken for another handle is refused too."""
     x, idx, res = _dispatched(buf)
     memory = torch.zeros_like(res.recv_x)  # stands in for the NVL buffer
     monkeypatch.setattr(buf._backend, "combine_buffer", lambda h, hidden, dtype: memory, raising=False)
@@ -429,6 +429,14 @@ def test_combine_refuses_a_view_another_call_overwrote(buf, monkeypatch):
     assert torch.equal(buf.combine(view, res.handle).combined_x, first)  # a combine from the view leaves it intact
     buf.combine(res.recv_x, res.handle)  # a combine from another tensor runs through the rings
     _raises(InvalidUsageError, "overwrote it", buf.combine, view, res.handle)
+    # Every handle's view is the same memory: a view last taken for another handle holds that handle's rows.
+    _, _, res2 = _dispatched(buf)
+    view = buf.get_combine_buffer(res.handle, H)
+    view2 = buf.get_combine_buffer(res2.handle, H)
+    assert view2.data_ptr() == view.data_ptr()
+    _raises(InvalidUsageError, "last taken for another handle", buf.combine, view, res.handle)
+    view2.copy_(res2.recv_x)
+    assert torch.equal(buf.combine(view2, res2.handle).combined_x, buf.combine(res2.recv_x, res2.handle).combined_x)
 
 
 def test_combine_buffer_size_hint_matches_the_kernels_layout():

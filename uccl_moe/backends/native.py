@@ -325,9 +325,9 @@ class NativeBackend(Backend):
     def combine_buffer_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether every rank's view of `handle`'s rows (and `num_topk` staged weights per row) fits its buffer: the
         same answer on every rank, since it rests on the most rows any rank received (published by notify) and every
-        rank's buffer has the same size. A num_worst_tokens handle has no such count: its own rows stand in (every
-        rank passed the same num_worst_tokens). False for rows that are not 16-byte multiples (the view refuses
-        them)."""
+        rank's buffer has the same size. A num_worst_tokens handle has no such count: its own rows stand in, which
+        agree across ranks only if every rank passed the same num_worst_tokens (Buffer.combine_buffer_fits says so).
+        False for rows that are not 16-byte multiples (the view refuses them)."""
         self._check_alive()
         if self._inter is not None:
             return True  # no view: get_combine_buffer hands out a tensor of the caller's

@@ -166,13 +166,17 @@ def clear_buffers() -> None:
 class _DispatchState:
     """What one forward's dispatch leaves for the later steps (not tensors autograd must see)."""
 
-    __slots__ = ("handle", "recv_topk_idx", "tokens_per_expert", "event")
+    __slots__ = ("handle", "recv_topk_idx", "tokens_per_expert", "event", "pull_backward", "backward_view")
 
-    def __init__(self) -> None:
+    def __init__(self, pull_backward: bool = False) -> None:
         self.handle: Any = None
         self.recv_topk_idx: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self.event: Any = None
+        # The dispatch's backward combine takes its rows from the Buffer where every rank's fit (knob on, unfused
+        # permute); backward_view is the Buffer memory the gather's backward summed the gradient into, if it did.
+        self.pull_backward = pull_backward
+        self.backward_view: Optional[torch.Tensor] = None
 
 
 class UCCLDispatch(torch.autograd.Function):
@@ -223,6 +227,7 @@ class UCCLDispatch(torch.autograd.Function):
         state.event = event if async_finish else None
         ctx.buffer = buffer
         ctx.handle = handle
+        ctx.state = state
         ctx.async_finish = async_finish
         ctx.allocate_on_comm_stream = allocate_on_comm_stream
         return recv_x, recv_topk_weights
@@ -234,8 +239,14 @@ class UCCLDispatch(torch.autograd.Function):
         previous_event = ctx.buffer.capture() if ctx.async_finish else None
         if grad_recv_topk_weights is not None:
             grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
+        grad_recv_x = grad_recv_x.contiguous()
+        state, ctx.state = ctx.state, None
+        if state.pull_backward:
+            K = int(grad_recv_topk_weights.shape[1]) if grad_recv_topk_weights is not None else 0
+            grad_recv_x = _backward_combine_input(ctx.buffer, ctx.handle, grad_recv_x, K, state.backward_view)
+        state.backward_view = None
         grad_x, grad_topk_weights, event = ctx.buffer.combine(
-            grad_recv_x.contiguous(),
+            grad_recv_x,
             ctx.handle,
             topk_weights=grad_recv_topk_weights,
             previous_event=previous_event,
@@ -259,18 +270,36 @@ def _combine_view(buffer: Any, handle: Any, hidden: int, dtype: torch.dtype,
     return view
 
 
+def _backward_combine_input(buffer: Any, handle: Any, grad: torch.Tensor, num_topk: int,
+                            view: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the dispatch's backward combine takes: the Buffer's memory when every rank's rows fit (the same answer on
+    every rank, so all pull or all push), else a tensor of our own. Normally the gather's backward already summed the
+    gradient there (`view`); a gradient that reached the dispatch another way (a hook on its output, a second
+    consumer) is copied in, so that this rank still pulls with its peers."""
+    lies_there = (view is not None and tuple(grad.shape) == tuple(view.shape)
+                  and grad.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
+    if not buffer.combine_buffer_fits(handle, int(grad.shape[1]), num_topk):
+        return grad.clone() if lies_there else grad
+    if lies_there:
+        return grad
+    out: torch.Tensor = buffer.get_combine_buffer(handle, int(grad.shape[1]), dtype=grad.dtype)
+    return out.copy_(grad)
+
+
 class _GatherGradIntoBuffer(torch.autograd.Function):
     """tokens [N, H] -> tokens[sorted_indices] (the gather of Megatron's unfused permute). Its gradient is summed per
     token as index_select's own backward sums it (zeros, then index_add_), but into the Buffer's memory when every
     rank's rows fit (_combine_view): the dispatch's backward combine, which takes this gradient next, then pulls the
-    rows where they lie instead of pushing them through the rings."""
+    rows where they lie instead of pushing them through the rings (_backward_combine_input; `state` tells it)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, tokens: torch.Tensor, sorted_indices: torch.Tensor, buffer: Any, handle: Any, num_topk: int
+        ctx: Any, tokens: torch.Tensor, sorted_indices: torch.Tensor, buffer: Any, state: _DispatchState,
+        num_topk: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(sorted_indices)
-        ctx.buffer, ctx.handle, ctx.num_topk, ctx.shape = buffer, handle, num_topk, tokens.shape
+        ctx.buffer, ctx.handle, ctx.state, ctx.num_topk = buffer, state.handle, state, num_topk
+        ctx.shape = tokens.shape
         return tokens.index_select(0, sorted_indices)
 
     @staticmethod
@@ -278,7 +307,8 @@ class _GatherGradIntoBuffer(torch.autograd.Function):
         (sorted_indices,) = ctx.saved_tensors
         rows, hidden = ctx.shape
         out = _combine_view(ctx.buffer, ctx.handle, int(hidden), grad.dtype, ctx.num_topk)
-        ctx.buffer = ctx.handle = None
+        ctx.state.backward_view = out
+        ctx.buffer = ctx.handle = ctx.state = None
         if out is None:
             out = grad.new_zeros((rows, hidden))
         else:
@@ -429,8 +459,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if self._buffer_key != (hb, x.dtype):
             # Twice this batch's tokens: room for longer sequences without recreating the Buffer.
             tokens = x.numel() // max(int(x.size(-1)), 1)
-            self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens,
-                                      int(getattr(self.config, "moe_router_topk", 0) or 0),
+            # the comm group's top-k: TP x the router's (routing_to_topk)
+            self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens, self.tp_size * self.router_topk,
                                       backend=backend_for(self.knobs.backend, x.dtype),
                                       combine_tokens=tokens if self._combine_from_buffer() else 0)
             self._buffer_key = (hb, x.dtype)
@@ -483,7 +513,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if shared is not None:
             _compat.shared_expert_wait_current_stream(shared)
         buffer = self._get_buffer(hidden_states)
-        self._state = _DispatchState()
+        self._state = _DispatchState(pull_backward=self._combine_from_buffer())
         recv_x, recv_weights = UCCLDispatch.apply(
             hidden_states.contiguous(),
             probs,
@@ -534,8 +564,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
                 hidden_states.detach()[:, :0], self._routing_map, probs_map.contiguous(),
                 num_out_tokens=int(tokens_per_expert.sum()), fused=False,
             )
-            permuted = _GatherGradIntoBuffer.apply(hidden_states, self._reversed_mapping, self._buffer,
-                                                   state.handle, int(probs.shape[-1]))
+            permuted = _GatherGradIntoBuffer.apply(hidden_states, self._reversed_mapping, self._buffer, state,
+                                                   int(probs.shape[-1]))
         else:
             permuted, permuted_probs, self._reversed_mapping = _compat.permute(
                 hidden_states,

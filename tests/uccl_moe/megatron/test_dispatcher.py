@@ -179,7 +179,8 @@ def test_permute_gradient_lands_in_the_buffer(fits):
     memory = torch.full((N, H), 7.0, dtype=torch.bfloat16)  # stands in for the NVL buffer: stale contents
 
     class FakeBuffer:
-        asked: list = []
+        def __init__(self):
+            self.asked = []
 
         def combine_buffer_fits(self, handle, hidden, num_topk):
             self.asked.append((handle, hidden, num_topk))
@@ -196,7 +197,10 @@ def test_permute_gradient_lands_in_the_buffer(fits):
     b = tokens.clone().requires_grad_(True)
     buf = FakeBuffer()
     _, got_probs, idx = _compat.permute(b.detach()[:, :0], routing_map, probs, int(routing_map.sum()), fused=False)
-    got = d._GatherGradIntoBuffer.apply(b, idx, buf, "h", K)
+    state = d._DispatchState(pull_backward=True)
+    state.handle = "h"
+    got = d._GatherGradIntoBuffer.apply(b, idx, buf, state, K)
+    state.handle = None  # token_combine drops it; the gather kept its own
     seen = []
     b.register_hook(lambda g: seen.append(g.data_ptr()))
     got.backward(grad)
@@ -204,6 +208,41 @@ def test_permute_gradient_lands_in_the_buffer(fits):
     assert torch.equal(b.grad, a.grad) and bool((b.grad[1] == 0).all())
     assert buf.asked == [("h", H, K)]
     assert (seen == [memory.data_ptr()]) is fits  # the gradient handed on is the Buffer's memory only when it fits
+    assert (state.backward_view is memory) is fits and (fits or state.backward_view is None)
+
+
+def test_backward_combine_input_pulls_alike_on_every_rank():
+    """The dispatch's backward combine takes the Buffer's memory exactly when every rank's rows fit: the gather's
+    gradient as it lies there, any other gradient copied in (a hook, a second consumer); where they do not fit, a
+    tensor of its own, never the Buffer's memory."""
+    from uccl_moe.megatron import dispatcher as d
+
+    memory = torch.zeros((5, 8), dtype=torch.bfloat16)
+    grad = torch.randn((5, 8)).bfloat16()
+
+    class FakeBuffer:
+        def __init__(self, fits):
+            self.fits, self.views = fits, 0
+
+        def combine_buffer_fits(self, handle, hidden, num_topk):
+            assert (handle, hidden, num_topk) == ("h", 8, 3)
+            return self.fits
+
+        def get_combine_buffer(self, handle, hidden, dtype):
+            self.views += 1
+            return memory
+
+    buf = FakeBuffer(True)
+    assert d._backward_combine_input(buf, "h", memory, 3, memory) is memory and buf.views == 0
+    for view in (None, memory):  # no view taken, or a gradient that is not the view
+        memory.zero_()
+        out = d._backward_combine_input(buf, "h", grad, 3, view)
+        assert out.data_ptr() == memory.data_ptr() and torch.equal(out, grad)
+    assert buf.views == 2
+    buf = FakeBuffer(False)
+    assert d._backward_combine_input(buf, "h", grad, 3, None) is grad
+    out = d._backward_combine_input(buf, "h", memory, 3, memory)
+    assert out.data_ptr() != memory.data_ptr() and torch.equal(out, memory) and buf.views == 0
 
 
 def test_combine_input_choice():
