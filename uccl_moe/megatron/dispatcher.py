@@ -236,7 +236,6 @@ class UCCLDispatch(torch.autograd.Function):
     def backward(
         ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]
     ) -> tuple[Any, ...]:
-        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         if grad_recv_topk_weights is not None:
             grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
         grad_recv_x = grad_recv_x.contiguous()
@@ -245,6 +244,8 @@ class UCCLDispatch(torch.autograd.Function):
             K = int(grad_recv_topk_weights.shape[1]) if grad_recv_topk_weights is not None else 0
             grad_recv_x = _backward_combine_input(ctx.buffer, ctx.handle, grad_recv_x, K, state.backward_view)
         state.backward_view = None
+        # captured after every write above (a copy into the Buffer's view included): the comm stream waits for it
+        previous_event = ctx.buffer.capture() if ctx.async_finish else None
         grad_x, grad_topk_weights, event = ctx.buffer.combine(
             grad_recv_x,
             ctx.handle,
@@ -341,9 +342,10 @@ class UCCLCombine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous()  # (a copy, if any, is enqueued before the event the comm stream waits for)
         previous_event = ctx.buffer.capture() if ctx.async_finish else None
         grad_x, _, _, _, _, event = ctx.buffer.dispatch(
-            grad.contiguous(),
+            grad,
             handle=ctx.handle,
             previous_event=previous_event,
             async_finish=ctx.async_finish,

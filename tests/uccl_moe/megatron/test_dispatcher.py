@@ -245,6 +245,42 @@ def test_backward_combine_input_pulls_alike_on_every_rank():
     assert out.data_ptr() != memory.data_ptr() and torch.equal(out, memory) and buf.views == 0
 
 
+def test_dispatch_backward_captures_after_the_copy_into_the_buffer():
+    """With async_finish the backward combine runs on the comm stream after the event it is handed: that event must
+    be captured after every write of its input, the copy of a gradient into the Buffer's view included (else the
+    comm stream could read the view before the copy lands)."""
+    import types
+
+    from uccl_moe.megatron import dispatcher as d
+
+    calls, memory = [], torch.zeros((4, 8), dtype=torch.bfloat16)
+
+    class FakeBuffer:
+        def combine_buffer_fits(self, handle, hidden, num_topk):
+            calls.append("fits")
+            return True
+
+        def get_combine_buffer(self, handle, hidden, dtype):
+            calls.append("view")
+            return memory
+
+        def capture(self):
+            calls.append("capture")
+            return "event"
+
+        def combine(self, x, handle, topk_weights=None, previous_event=None, **kw):
+            calls.append(("combine", x.data_ptr() == memory.data_ptr(), previous_event))
+            return x.float().sum(1, keepdim=True), topk_weights, types.SimpleNamespace(current_stream_wait=lambda: None)
+
+    state = d._DispatchState(pull_backward=True)  # no gather view: the gradient reached the dispatch another way
+    ctx = types.SimpleNamespace(buffer=FakeBuffer(), handle="h", state=state, async_finish=True,
+                                allocate_on_comm_stream=True)
+    grad = torch.randn((4, 8)).bfloat16()
+    d.UCCLDispatch.backward(ctx, grad, torch.rand((4, 2)))
+    assert calls == ["fits", "view", "capture", ("combine", True, "event")], calls
+    assert torch.equal(memory, grad)
+
+
 def test_combine_input_choice():
     """Where combine_preprocess writes its rows: the Buffer's view only with the knob on, no fused permute, a handle,
     and Buffer.combine_buffer_fits (the group-wide answer) true; otherwise None (Megatron's unpermute, the ring
