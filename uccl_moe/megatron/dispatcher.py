@@ -475,7 +475,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             self._state.event = None
 
     def _combine_from_buffer(self) -> bool:
-        """Whether forward combines read the expert outputs from the Buffer's memory (knob on, unfused unpermute)."""
+        """Whether both combines take their rows from the Buffer's memory (knob on, unfused (un)permute)."""
         return bool(self.knobs.combine_from_buffer) and not bool(self.config.moe_permute_fusion)
 
     def _combine_input(self, hidden: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -483,7 +483,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         for a tensor of Megatron's (the ring combine). The choice must be the same on every rank of the group (they
         all pull or all push): Buffer.combine_buffer_fits answers it from the most rows any rank received, the same
         number on every rank, whatever this rank's own tokens or rows."""
-        if not self._combine_from_buffer() or self._state is None:
+        if not self._combine_from_buffer():
             return None
         return _combine_view(self._buffer, self._state.handle, hidden, dtype)
 

@@ -75,10 +75,11 @@ KNOBS: tuple[KnobSpec, ...] = (
         "moe_uccl_combine_from_buffer",
         parse_bool,
         True,
-        "forward combine reads the expert outputs from the Buffer's own memory: the unpermute writes them there "
-        "(Buffer.get_combine_buffer) and each rank pulls its tokens' rows over NVLink, no rings; the NVL buffer "
-        "grows to hold every row a rank may receive (group size x tokens x hidden x 2 bytes + 1 MiB). Inside one "
-        "node, unfused permutes only (--moe-permute-fusion keeps the ring combine); true/false",
+        "both combines of a layer read their rows from the Buffer's own memory: the unpermute (forward) and the "
+        "permute's gradient (backward) are summed there (Buffer.get_combine_buffer) and each rank pulls its tokens' "
+        "rows over NVLink, no rings; the NVL buffer grows to hold every row a rank may receive and its top-k weights "
+        "(Buffer.get_combine_buffer_size_hint(group size x tokens, hidden, top-k)). Inside one node, unfused "
+        "permutes only (--moe-permute-fusion keeps the ring combine); true/false",
     ),
 )
 
