@@ -33,9 +33,9 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..proxy import StoreBootstrap
-from ..utils import host_ints
+from ..utils import host_ints, tensor_at
 from .base import BufferContext, DispatchRequest
-from .native import scale_layout
+from .native import combine_operands, scale_layout
 
 _SLOT_DISPATCH, _SLOT_COMBINE = 0, 1
 _PLAN_ATTR = "_uccl_internode"
@@ -245,7 +245,7 @@ class InternodePath:
         # Every rank calls dispatch equally often, so the call parity agrees: alternate between two regions.
         off = _C.internode_notify_offset(self.ctx.num_rdma_bytes, self._calls)
         self._calls += 1
-        gathered = _DeviceView.tensor(self.rt.buffer + off, R * V, torch.int32, dev).view(R, V)
+        gathered = tensor_at(self.rt.buffer + off, (R, V), torch.int32, dev)
         gathered[me].copy_(mine)
         _C.rdma_notify(runtime=self.rt, nvl=self.backend._rt, offset=off, row_bytes=V * 4,
                        stream=self.backend._stream())
@@ -368,7 +368,7 @@ class InternodePath:
 
     def _area_view(self, off: int, rows: int, dtype: torch.dtype, cols: int) -> torch.Tensor:
         """A [rows, cols] tensor over our RDMA buffer (the receive area starts at offset 0)."""
-        return _DeviceView.tensor(self.rt.buffer + off, rows * cols, dtype, self.ctx.device).view(rows, cols)
+        return tensor_at(self.rt.buffer + off, (rows, cols), dtype, self.ctx.device)
 
     def dispatch(self, req: DispatchRequest) -> tuple[Any, ...]:
         cfg = req.config
@@ -467,7 +467,7 @@ class InternodePath:
         lay = self._combine_layout(plan, H, K)
         base = self.rt.buffer
         half = lay["half_bytes"]
-        tw = topk_weights.contiguous() if topk_weights is not None else None
+        tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
         # No origin still reads its combine receive area, no forwarder its partials, once the rail met here.
         self._mark("start")
@@ -489,27 +489,8 @@ class InternodePath:
         area0 = torch.where(own, 0, half)
         part_x = (base + area0 + lay["off_x"] + plan.part_row0 * (2 * H)).to(torch.int64)
         part_w = (base + area0 + lay["off_weights"] + plan.part_row0 * (4 * K)).to(torch.int64)
-        out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if tw is not None else None
-        b0 = bias[0].contiguous() if bias[0] is not None else None
-        b1 = bias[1].contiguous() if bias[1] is not None else None
         _C.combine_reduce(send_pos=_ptr(plan.send_pos), part_x=_ptr(part_x), part_w=_ptr(part_w) if K else 0,
                           bias0=_ptr(b0), bias1=_ptr(b1), num_tokens=T, hidden=H, num_topk=K, num_nodes=self.N,
                           out=_ptr(out), out_topk_weights=_ptr(out_w), stream=stream)
         self._mark("final reduce")
         return out, out_w
-
-
-class _DeviceView:
-    """Wraps raw device memory as a torch tensor (``__cuda_array_interface__``) without copying or owning it."""
-
-    _TYPESTR = {torch.int32: "<i4", torch.int64: "<i8", torch.float32: "<f4", torch.uint8: "|u1"}
-
-    def __init__(self, ptr: int, numel: int, dtype: torch.dtype) -> None:
-        self.__cuda_array_interface__ = {"shape": (numel,), "typestr": self._TYPESTR[dtype], "data": (ptr, False),
-                                         "version": 3, "strides": None}
-
-    @classmethod
-    def tensor(cls, ptr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.as_tensor(cls(ptr, numel, dtype), device=device)
-

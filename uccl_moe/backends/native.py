@@ -47,7 +47,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 _Opt = torch.Tensor | None
 
 
-def _combine_operands(
+def combine_operands(
     x: torch.Tensor, T: int, topk_weights: _Opt, bias: Any
 ) -> tuple[_Opt, _Opt, _Opt, torch.Tensor, _Opt]:
     """(top-k weights, bias0, bias1) made contiguous, and the outputs ([T, H] rows in x's dtype, [T, K] float32
@@ -297,7 +297,7 @@ class NativeBackend(Backend):
         T = int(handle[4].shape[0])
         H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
-        tw, b0, b1, out, out_w = _combine_operands(x, T, topk_weights, bias)
+        tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         _C.combine_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),
@@ -341,13 +341,17 @@ class NativeBackend(Backend):
         """Where a combine from the buffer keeps `rows` input rows (and `num_topk` staged weights per row) in the NVL
         buffer; InvalidUsageError naming `what` and the size to use if they do not fit."""
         offset, end = _C.intranode_combine_input_layout(rows, hidden, num_topk)
+        self._refuse_over_buffer(int(end), what)
+        return int(offset)
+
+    def _refuse_over_buffer(self, end: int, what: str) -> None:
+        """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""
         if end > self.ctx.num_nvl_bytes:
             raise InvalidUsageError(
                 f"{what} needs {end} bytes of NVL buffer per rank, but the Buffer has num_nvl_bytes="
                 f"{self.ctx.num_nvl_bytes}; construct the Buffer with num_nvl_bytes >= {end}, or combine from a "
                 f"tensor of your own (the ring path)"
             )
-        return int(offset)
 
     def _in_buffer(self, x: torch.Tensor) -> bool:
         """True if x's storage lies in this rank's NVL buffer (where only a get_combine_buffer view may come from).
@@ -363,16 +367,16 @@ class NativeBackend(Backend):
         """Every rank's rows already lie in its buffer: each rank pulls its tokens' copies (combine_pull.cu)."""
         rows, H = int(x.shape[0]), int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
-        offset = int(_C.intranode_combine_input_layout(rows, H, K)[0])
+        offset, end = _C.intranode_combine_input_layout(rows, H, K)
         if not x.is_contiguous() or (rows > 0 and int(x.data_ptr()) != self._rt.local_buffer + offset):
             raise InvalidUsageError(
                 "combine: x lies inside this Buffer's NVL buffer but is not the tensor get_combine_buffer(handle, "
                 "hidden) returned (a slice or a strided view of it?); pass that tensor itself, or a tensor of your own"
             )
-        self._combine_input_offset(rows, H, K, f"combine from the buffer with topk_weights of {K} per row "
-                                                 f"(rows, then the staged weights)")
+        self._refuse_over_buffer(int(end), f"combine from the buffer with topk_weights of {K} per row (rows, then "
+                                           f"the staged weights)")
         T = int(handle[4].shape[0])
-        tw, b0, b1, out, out_w = _combine_operands(x, T, topk_weights, bias)
+        tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         _C.combine_pull_intranode(
             runtime=self._rt, num_sms=int(config.num_sms), num_rows=rows, topk_weights=_ptr(tw), bias0=_ptr(b0),
             bias1=_ptr(b1), rank_prefix=_ptr(handle[0]), lane_prefix=_ptr(handle[1]), send_head=_ptr(handle[5]),

@@ -7,6 +7,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,26 +40,31 @@ def spawn(worker: Callable[..., None], R: int, args: argparse.Namespace) -> dict
 
 
 def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
-             align: Callable[[], Any] | None = None) -> float:
-    """Median microseconds of fn() with L2 flushed before each run (CUDA events on the current stream). `align`
-    (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the same moment:
-    without it a rank's time includes how late its peers launched, which is host noise, not communication."""
+             align: Callable[[], Any] | None = None) -> tuple[float, float]:
+    """(GPU, host) median microseconds of fn() with L2 flushed before each run. GPU: CUDA events on the current
+    stream around the call. Host: the CPU time the Python call takes to return (it enqueues work and does not wait
+    for the GPU, so this is what a caller pays per call on its own thread, e.g. at decode size where the GPU waits for
+    it). `align` (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the
+    same moment: without it a rank's time includes how late its peers launched, which is host noise, not
+    communication."""
     import torch
 
     for _ in range(warmup):
         fn()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         if align is not None:
             align()
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e6)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return float(statistics.median(times))
+    return float(statistics.median(times)), float(statistics.median(host))
 
 
 def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int, align: Callable[[], Any] | None) -> dict[str, float]:
@@ -144,7 +150,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
-        out[f"{op}_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
+        out[f"{op}_us"], out[f"{op}_host_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
     fill_view()
     from_view = buf.combine(view[0], h, config=cfg).combined_x
     out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=cfg).combined_x))
@@ -157,11 +163,11 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         send_rows = sum(send_to)
         send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
         recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
-        out["nccl_dispatch_us"] = _time_op(
+        out["nccl_dispatch_us"], out["nccl_dispatch_host_us"] = _time_op(
             lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align)
         back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
         back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
-        out["nccl_combine_us"] = _time_op(
+        out["nccl_combine_us"], out["nccl_combine_host_us"] = _time_op(
             lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup,
             align)
     out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
@@ -188,6 +194,8 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = round(t, 1)
         row[f"{op}_logical_GBps"] = round(slowest[recv_key] * slowest[bytes_key] / (t * 1e3), 1)
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
+        if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
+            row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
     if "combine_view_equal" in per_rank[0]:
         row["combine_view_equal"] = all(d["combine_view_equal"] for d in per_rank)
     for op in ("dispatch", "combine", "combine_view"):
@@ -209,7 +217,7 @@ def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args
         dev = torch.device("cuda", torch.cuda.current_device())
         flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
         if rank == 0:
-            us = _time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)
+            us = _time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)[0]
             gbps = nbytes / (us * 1e3)
     vals: list[Any] = [None] * R
     dist.all_gather_object(vals, gbps, group=gloo)
@@ -270,7 +278,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("nccl_dispatch_us", "nccl_us"), ("nccl_dispatch_nvlink_GBps", "nccl_nvl"),
             ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
             ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
-            ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl")]
+            ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl"),
+            ("dispatch_host_us", "disp_host"), ("combine_host_us", "comb_host"), ("combine_view_host_us", "combv_host"),
+            ("nccl_dispatch_host_us", "nccl_host")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
     lines = ["  ".join(h.rjust(w) for (_, h), w in zip(cols, widths))]

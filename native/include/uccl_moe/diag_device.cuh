@@ -1,7 +1,10 @@
-// Device half of the timeout diagnostics (host half: diag.hpp). Kernels wait with BoundedWait and, on expiry,
-// call report_timeout(), which fills the host-mapped DiagRecord once (first writer wins) and raises the abort
-// flag that every other waiter of the launch polls, so the whole launch drains instead of hanging.
+// Device half of the timeout diagnostics (host half: diag.hpp). Kernels wait with BoundedWait (or wait_reached, its
+// one-word form) and, on expiry, call report_timeout(), which fills the host-mapped DiagRecord once (first writer
+// wins) and raises the abort flag that every other waiter of the launch polls, so the whole launch drains instead of
+// hanging.
 #pragma once
+
+#include <type_traits>
 
 #include "uccl_moe/compiler.hpp"
 #include "uccl_moe/diag.hpp"
@@ -54,6 +57,26 @@ struct BoundedWait {
   UCCL_DEVICE_INLINE double waited_s() const { return (gpu::global_timer_ns() - start_ns) * 1e-9; }
   UCCL_DEVICE_INLINE bool aborted_by_other() const { return gpu::load_volatile(abort_flag) != 0; }
 };
+
+/// One thread's bounded wait until `*word` (polled with acquire) reached `target`. The compare wraps, so counters
+/// that run modulo 2^32 across rounds compare right. Returns false once the wait expired or another waiter aborted,
+/// after writing the record (expected = target, seen = the last value read); the caller makes that uniform.
+template <typename T>
+UCCL_DEVICE_INLINE bool wait_reached(const DiagDeviceHandle& diag, const T* word, T target, DiagPhase phase, int role,
+                                     int peer, int channel, uint64_t command = 0) {
+  using U = std::make_unsigned_t<T>;
+  const auto behind = [target](T v) { return static_cast<T>(static_cast<U>(v) - static_cast<U>(target)) < 0; };
+  T seen = gpu::load_acquire_sys(word);
+  if (!behind(seen)) return true;
+  BoundedWait wait(diag);
+  while (behind(seen = gpu::load_acquire_sys(word))) {
+    if (wait.expired()) {
+      report_timeout(diag, phase, role, peer, channel, target, seen, command, wait.waited_s());
+      return false;
+    }
+  }
+  return true;
+}
 
 #endif
 

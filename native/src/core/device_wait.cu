@@ -1,5 +1,5 @@
-// Self-test of the device-side bounded wait: a kernel waits for a host-mapped flag to reach `expected`
-// and, when it does not, reports through the same DiagRecord path every kernel uses. Exposed to Python
+// Self-test of the device-side bounded wait: a kernel waits for a host-mapped flag to reach `expected` and, when
+// it does not, reports through the same wait and DiagRecord path the kernels use (wait_reached). Exposed to Python
 // (uccl_moe._C.selftest_device_timeout) so the timeout path is proven on each GPU build.
 #include <cstring>
 
@@ -10,16 +10,7 @@ namespace uccl_moe {
 
 namespace {
 __global__ void wait_flag_selftest_kernel(const int32_t* flag, int32_t expected, DiagDeviceHandle diag) {
-  BoundedWait wait(diag);
-  int32_t seen = gpu::load_acquire_sys(flag);
-  while (seen < expected) {
-    if (wait.expired()) {
-      report_timeout(diag, DiagPhase::kBarrier, /*role=*/4, /*peer=*/-1, /*channel=*/0, expected, seen,
-                     /*command=*/0xdead, wait.waited_s());
-      return;
-    }
-    seen = gpu::load_acquire_sys(flag);
-  }
+  wait_reached(diag, flag, expected, DiagPhase::kBarrier, /*role=*/4, /*peer=*/-1, /*channel=*/0, /*command=*/0xdead);
 }
 
 void check(gpu::Error e, const char* what) {

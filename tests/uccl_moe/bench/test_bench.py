@@ -63,3 +63,19 @@ def test_combine_from_the_buffer_columns_and_equality_flag() -> None:
     row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8)
     header = _table([row]).splitlines()[0].split()
     assert header.index("comb_us") < header.index("combv_us") < header.index("combv_nvl")
+
+
+def test_host_time_per_call_is_the_slowest_ranks_and_tabled() -> None:
+    """Each op's host time (CPU us for the Python call to return) is summarised per op as the slowest rank's, next to
+    (not mixed into) its GPU time, and gets a table column."""
+    a = {**_rank(100.0, 400, 300), "dispatch_host_us": 12.0, "nccl_dispatch_us": 90.0, "nccl_dispatch_host_us": 8.0}
+    b = {**_rank(90.0, 400, 300), "dispatch_host_us": 15.5, "nccl_dispatch_us": 80.0, "nccl_dispatch_host_us": 6.0}
+    row = _summarise([a, b])
+    assert row["dispatch_host_us"] == 15.5 and row["dispatch_us"] == 100.0
+    assert row["nccl_dispatch_host_us"] == 8.0 and "combine_host_us" not in row
+    row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8)
+    lines = _table([row]).splitlines()
+    header = lines[0].split()
+    assert "comb_host" not in header
+    assert lines[1].split()[header.index("disp_host")] == "15.5"
+    assert lines[1].split()[header.index("nccl_host")] == "8.0"

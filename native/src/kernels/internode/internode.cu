@@ -112,16 +112,8 @@ UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot, 
   const int64_t* counter = ctx.counters + static_cast<int64_t>(src) * kCountersPerSrc + slot;
   int64_t* epoch = ctx.epochs + slot * ctx.num_ranks + src;
   const int64_t want = *epoch + count;
-  const DiagDeviceHandle diag = diag_of(ctx);
-  BoundedWait wait(diag);
-  int64_t seen = gpu::load_acquire_sys(counter);  // released by the proxy's counter add (after the data landed)
-  while (seen < want) {
-    if (wait.expired()) {
-      report_timeout(diag, DiagPhase::kRdmaRecvTokens, kRoleReceiver, src, slot, want, seen, 0, wait.waited_s());
-      return false;
-    }
-    seen = gpu::load_acquire_sys(counter);
-  }
+  // released by the proxy's counter add (after the data landed)
+  if (!wait_reached(diag_of(ctx), counter, want, DiagPhase::kRdmaRecvTokens, kRoleReceiver, src, slot)) return false;
   *epoch = want;
   return true;
 }

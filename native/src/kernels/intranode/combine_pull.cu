@@ -77,21 +77,10 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {
-    const int32_t* word = meta_ptr(ctx.buffers[ctx.rank], off) + d;
-    int32_t seen = gpu::load_acquire_sys(word);  // released by rank d (release_to_peers)
-    bool arrived = true;
-    if (ring_diff(seen, round) < 0) {
-      DiagDeviceHandle diag = diag_of(ctx);
-      BoundedWait wait(diag);
-      while (ring_diff(seen = gpu::load_acquire_sys(word), round) < 0) {
-        if (wait.expired()) {
-          report_timeout(diag, phase, kRoleReceiver, d, -1, round, seen, 0, wait.waited_s());
-          sm->failed = 1;
-          arrived = false;
-          break;
-        }
-      }
-    }
+    // released by rank d (release_to_peers)
+    const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
+                                      phase, kRoleReceiver, d, -1);
+    if (!arrived) sm->failed = 1;
     if (topk >= 0 && arrived) {
       const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
       if (theirs != topk) {

@@ -41,6 +41,11 @@ UCCL_DEVICE_INLINE T* meta_ptr(void* buffer, size_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(buffer) + offset);
 }
 
+/// Wrapping distance a - b of two ring counters (they count modulo 2^32 across rounds).
+UCCL_DEVICE_INLINE int32_t ring_diff(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
+}
+
 /// Barrier of all local ranks, called by every thread of one block. Thread p < N bumps our word in rank p's
 /// signal array (after a system fence that publishes every write this block made before the call) and waits
 /// until rank p bumped ours as often as we did. Pairs with the same call on every peer. Returns false
@@ -55,29 +60,16 @@ UCCL_DEVICE_INLINE bool barrier_block(const NvlContext& ctx, int* s_failed) {
   const int p = static_cast<int>(threadIdx.x);
   if (p < ctx.num_ranks) {
     gpu::atomic_add_sys(meta_ptr(ctx.buffers[p], kOffBarrierSignal) + ctx.rank, 1);
-    const int32_t* signal = meta_ptr(local, kOffBarrierSignal) + p;
-    DiagDeviceHandle diag = diag_of(ctx);
-    BoundedWait wait(diag);
-    int32_t seen = gpu::load_acquire_sys(signal);  // released by peer p's atomic after its fence
-    while (seen < target) {
-      if (wait.expired()) {
-        report_timeout(diag, DiagPhase::kBarrier, kRoleCoordinator, p, -1, target, seen, 0, wait.waited_s());
-        *s_failed = 1;
-        break;
-      }
-      seen = gpu::load_acquire_sys(signal);
-    }
+    // released by peer p's atomic after its fence
+    if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffBarrierSignal) + p, target, DiagPhase::kBarrier,
+                      kRoleCoordinator, p, -1))
+      *s_failed = 1;
   }
   __syncthreads();
   if (threadIdx.x == 0) *meta_ptr(local, kOffBarrierEpoch) = target;
   const bool ok = *s_failed == 0;
   __syncthreads();
   return ok;
-}
-
-/// Wrapping distance a - b of two ring counters (they count modulo 2^32 across rounds).
-UCCL_DEVICE_INLINE int32_t ring_diff(int32_t a, int32_t b) {
-  return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
 }
 
 /// Warp-collective wait until `*counter` (polled with acquire) reached base + want (wrapping compare). Stores
