@@ -32,9 +32,9 @@ import torch.distributed as dist
 from . import env
 from .backends.base import Backend, BufferContext, DispatchRequest, create_backend
 from .errors import InvalidTypeError, InvalidUsageError
+from .streams import CommStream
 from .topology import Topology, detect
 from .utils import EventHandle, EventOverlap, host_ints
-from .utils import current_stream as _current_stream
 
 try:
     from . import _C
@@ -268,11 +268,9 @@ class Buffer:
             device = torch.device("cpu")
         self.device = device
         self.backend_name: str = choice
-        self._comm_stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
-        # Reused for every stream join (a wait binds to the record made just before it, so reuse is safe); a new
-        # torch Event per join, as Stream.wait_stream makes, is a measurable part of a small call's host time.
-        self._join_in: Any = torch.cuda.Event() if device.type == "cuda" else None
-        self._join_out: Any = torch.cuda.Event() if device.type == "cuda" else None
+        # The comm stream with host-cheap joins and switches (uccl_moe/streams.py); None on CPU.
+        self._comm: CommStream | None = CommStream(device) if device.type == "cuda" else None
+        self._comm_stream = self._comm.stream if self._comm is not None else None
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
@@ -293,6 +291,8 @@ class Buffer:
         if self._backend is not None:
             self._backend.destroy()
         self._backend = None
+        if self._comm is not None:
+            self._comm.close()
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
@@ -410,8 +410,8 @@ class Buffer:
             return torch.empty((rows, hidden), dtype=dtype, device=self.device)
         # the storage's address: a view of no rows (a rank that receives nothing) has data_ptr() 0
         self._combine_view = (int(view.untyped_storage().data_ptr()), self._op_seq, weakref.ref(h[0]))
-        if self._comm_stream is not None:  # writes into the view wait for any op still running on the comm stream
-            self._join(_current_stream(), self._comm_stream, self._join_out)
+        if self._comm is not None:  # writes into the view wait for any op still running on the comm stream
+            self._comm.caller_waits()
         return view
 
     def combine_buffer_fits(self, handle: tuple[Any, ...], hidden: int, num_topk: int = 0) -> bool:
@@ -455,12 +455,12 @@ class Buffer:
             )
         if uses_nvl_buffer:  # get_dispatch_layout and a combine from the view do not write it
             self._op_seq += 1
-        if self._comm_stream is None:
+        if self._comm is None:
             return
         if previous_event is not None and previous_event.event is not None:
-            previous_event.event.stream_wait(self._comm_stream)
+            previous_event.event.stream_wait(self._comm.stream)
         else:
-            self._join(self._comm_stream, _current_stream(), self._join_in)
+            self._comm.wait_for_caller()
 
     def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
@@ -469,50 +469,31 @@ class Buffer:
         by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
         the comm stream that may still be reading them when the caller frees them.
         """
-        if self._comm_stream is None:
+        if self._comm is None:
             return EventOverlap(EventHandle() if async_finish else None)
-        compute = _current_stream()
+        compute = self._comm.caller()
         for t in _flatten(outputs):
             if t.device.type == "cuda":
                 t.record_stream(compute)
         if async_finish:
             for t in _flatten(inputs):
                 if t.device.type == "cuda":
-                    t.record_stream(self._comm_stream)
-            return EventOverlap(EventHandle(self._comm_stream))
-        self._join(compute, self._comm_stream, self._join_out)
+                    t.record_stream(self._comm.stream)
+            return EventOverlap(EventHandle(self._comm.stream))
+        self._comm.caller_waits()
         return EventOverlap(None)
-
-    def _join(self, waiter: Any, stream: Any, event: Any) -> None:
-        """`waiter` waits for the work enqueued on `stream` so far: through the reused `event` when the caller is on
-        this Buffer's device, else through a fresh event bound to the caller's device (Stream.wait_stream)."""
-        if self._on_own_device():
-            event.record(stream)
-            waiter.wait_event(event)
-        else:
-            waiter.wait_stream(stream)
-
-    def _on_own_device(self) -> bool:
-        """The caller's current device is this Buffer's (the fast paths below assume it)."""
-        return bool(torch.cuda.current_device() == self.device.index)
 
     @contextlib.contextmanager
     def _comm_context(self) -> Iterator[None]:
-        """The comm stream is current inside (allocations and launches go to it); the caller's stream after.
-        torch.cuda.stream() does the same but looks the device up through slow paths several times per call."""
-        if self._comm_stream is None:
+        """The comm stream is current inside (allocations and launches go to it); the caller's stream after."""
+        if self._comm is None:
             yield
             return
-        if not self._on_own_device():  # torch restores the current stream of both devices
-            with torch.cuda.stream(self._comm_stream):
-                yield
-            return
-        prev = _current_stream()
-        torch.cuda.set_stream(self._comm_stream)
+        token = self._comm.enter()
         try:
             yield
         finally:
-            torch.cuda.set_stream(prev)
+            self._comm.leave(token)
 
     # ---------------------------------------------------------------- validation helpers
     def _check_topk_idx(self, topk_idx: Any, num_experts: int | None, name: str = "topk_idx") -> torch.Tensor:

@@ -1,5 +1,8 @@
-"""Host-side cost of one cached dispatch / combine call (one process, one GPU): us per call without syncing,
-then the cProfile top entries. Usage: python tools/dev/profile_call.py [--tokens 4096] [--calls 500]"""
+"""Host-side cost of one dispatch / combine call (one process, one GPU): us per call without syncing, then the
+cProfile top entries. Usage: python tools/dev/profile_call.py [--tokens 128] [--calls 500] [--timeline]
+
+Small token counts keep the GPU ahead of the host, so the loop's time per call is the host's; at large ones the
+launch queue fills and the loop waits for the GPU instead."""
 from __future__ import annotations
 
 import argparse
@@ -8,16 +11,59 @@ import os
 import pstats
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
+def _timeline(name: str, fn: Callable[[], Any], flush: torch.Tensor) -> None:
+    """The bench's loop (flush, events, call) under the profiler: what the GPU and the host did between the flush and
+    the end event, for the last two iterations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from uccl_moe.bench._run import _time_op
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _time_op(fn, flush, 6, 0)
+    evs = sorted(prof.events(), key=lambda ev: ev.time_range.start)
+    marks = [ev for ev in evs if "Fill" in ev.name and ev.device_type.name == "CUDA"]
+    t0 = marks[-2].time_range.start
+    print(f"--- {name}: events of the last two iterations (us from the flush kernel's start)")
+    for ev in evs:
+        if ev.time_range.start >= t0 and ev.name not in ("aten::empty",):
+            dev = "GPU" if ev.device_type.name == "CUDA" else "cpu"
+            print(f"{ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f} {dev} {ev.name[:90]}")
+
+
+def _host_profile(name: str, fn: Callable[[], Any], calls: int, top: int) -> None:
+    """Host us per call of `calls` back-to-back calls, then where that time goes (cProfile, by own time)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    print(f"{name}: {host:.1f} us host time per call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--top", type=int, default=25, help="cProfile entries to print per op")
+    p.add_argument("--timeline", action="store_true", help="also print the profiler timeline of the bench loop")
     p.add_argument("--plain", action="store_true", help="only run --calls calls of each op (for ncu / nsys)")
     args = p.parse_args()
     torch.cuda.set_device(0)
@@ -25,20 +71,33 @@ def main() -> None:
         dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'init')}", rank=0,
                                 world_size=1)
         from uccl_moe import Buffer, Config
+        from uccl_moe.bench._run import _time_op
 
         cfg = Config(24, 8, 256, 6, 128)
-        buf = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(args.hidden * 2, 1), backend="native",
-                     explicitly_destroy=True)
         T, E = args.tokens, 256
+        nvl = max(cfg.get_nvl_buffer_size_hint(args.hidden * 2, 1), Buffer.get_combine_buffer_size_hint(T, args.hidden))
+        buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
         idx = torch.topk(torch.rand((T, E), device="cuda"), 8, dim=1).indices
         w = torch.rand((T, 8), device="cuda")
         x = torch.randn((T, args.hidden), device="cuda").bfloat16()
+        x8 = (x.float().clamp(-440, 440).to(torch.float8_e4m3fn),
+              (torch.rand((T, args.hidden // 128), device="cuda") + 0.01).T.contiguous().T)
         lay = buf.get_dispatch_layout(idx, E)
-        r = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+        layout = dict(num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                      num_tokens_per_expert=lay.num_tokens_per_expert)
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **layout)
         y = r.recv_x
+        view = buf.get_combine_buffer(r.handle, args.hidden)
+        view.copy_(y)
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=r.handle, config=cfg),
-               "combine": lambda: buf.combine(y, r.handle, config=cfg)}
+               "cached dispatch fp8": lambda: buf.dispatch(x8, handle=r.handle, config=cfg),
+               "combine": lambda: buf.combine(y, r.handle, config=cfg),
+               "combine from the buffer": lambda: buf.combine(view, r.handle, config=cfg),
+               "combine with weights": lambda: buf.combine(y, r.handle, topk_weights=r.recv_topk_weights, config=cfg),
+               "dispatch (worst)": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg,
+                                                        num_worst_tokens=T, **layout),
+               "layout": lambda: buf.get_dispatch_layout(idx, E),
+               "empty (baseline)": lambda: torch.empty((T, args.hidden), dtype=torch.bfloat16, device="cuda")}
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
         if args.plain:
             for fn in ops.values():
@@ -46,45 +105,16 @@ def main() -> None:
                     flush.zero_()
                     fn()
                 torch.cuda.synchronize()
-            buf.destroy()
-            dist.destroy_process_group()
-            return
-        for name, fn in ops.items():
-            # The bench's loop (flush, events, call) under the profiler: what the GPU and the host did between the
-            # flush and the end event, for the last two iterations.
-            from torch.profiler import ProfilerActivity, profile
-
-            from uccl_moe.bench._run import _time_op
-
-            med = _time_op(fn, flush, 20, 0)
-            print(f"--- {name}: event time, flushed, not profiled: median {med:.1f} us")
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                _time_op(fn, flush, 6, 0)  # the same loop, traced
-            evs = sorted(prof.events(), key=lambda ev: ev.time_range.start)
-            marks = [ev for ev in evs if "Fill" in ev.name and ev.device_type.name == "CUDA"]
-            t0 = marks[-2].time_range.start
-            print(f"--- {name}: events of the last two iterations (us from the flush kernel's start)")
-            for ev in evs:
-                if ev.time_range.start >= t0 and ev.name not in ("aten::empty",):
-                    dev = "GPU" if ev.device_type.name == "CUDA" else "cpu"
-                    print(f"{ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f} {dev} {ev.name[:90]}")
-
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            host = (time.perf_counter() - t0) / args.calls * 1e6
-            torch.cuda.synchronize()
-            print(f"{name}: {host:.1f} us host time per call")
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        else:
+            for name, fn in ops.items():
+                if name == "combine from the buffer":  # the other ops' rings ran over the view: refill it
+                    view = buf.get_combine_buffer(r.handle, args.hidden)
+                    view.copy_(y)
+                med, med_host = _time_op(fn, flush, 20, 0)
+                print(f"--- {name}: event time, flushed, not profiled: median {med:.1f} us (host {med_host:.1f} us)")
+                if args.timeline:
+                    _timeline(name, fn, flush)
+                _host_profile(name, fn, args.calls, args.top)
         buf.destroy()
         dist.destroy_process_group()
 

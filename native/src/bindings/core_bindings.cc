@@ -10,6 +10,7 @@
 #include "uccl_moe/diag.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/log.hpp"
+#include "uccl_moe/streams.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -46,6 +47,10 @@ void register_core(nb::module_& m) {
   m.def("device_sm_count", &device_sm_count, "device"_a,
         "SMs (CUDA) or compute units (HIP) of the device; 0 without a GPU");
   m.def("can_access_peer", &can_access_peer, "device"_a, "peer"_a);
+  // Positional only: these run twice per dispatch/combine, where keyword matching is a measurable cost.
+  m.def("join_event_create", &join_event_create, "A timing-free event on a device, for stream_join (an int)");
+  m.def("join_event_destroy", &join_event_destroy);
+  m.def("stream_join", &stream_join, "stream_join(waiter, stream, event): waiter waits for stream's work so far");
   m.def("has_intranode_kernels", []() {
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
     return true;
