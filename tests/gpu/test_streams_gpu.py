@@ -26,36 +26,29 @@ def comm(request):
     cs.close()
 
 
-def test_comm_stream_waits_for_the_callers_work(comm) -> None:
+@pytest.mark.parametrize("writer", ["caller", "comm"])
+def test_a_join_orders_the_writers_work_before_the_readers(comm, writer: str) -> None:
+    """The writer's stream fills `a` behind a long sleep; after the join the reader's stream copies it to `b`.
+    writer "caller": wait_for_caller, the comm stream reads; "comm": caller_waits, the caller's stream reads."""
     caller = torch.cuda.Stream()
     a = torch.zeros(1 << 20, device="cuda")
     b = torch.full_like(a, -1.0)
     torch.cuda.synchronize()
     with torch.cuda.stream(caller):
+        token = comm.enter() if writer == "comm" else None
         torch.cuda._sleep(_SLEEP)
         a.fill_(7.0)
-        comm.wait_for_caller()
-        token = comm.enter()
-        b.copy_(a)  # on the comm stream
-        comm.leave(token)
+        if writer == "comm":
+            comm.leave(token)
+            comm.caller_waits()
+            b.copy_(a)  # on the caller's stream
+        else:
+            comm.wait_for_caller()
+            token = comm.enter()
+            b.copy_(a)  # on the comm stream
+            comm.leave(token)
     torch.cuda.synchronize()
     assert bool((b == 7.0).all())
-
-
-def test_caller_waits_for_the_comm_streams_work(comm) -> None:
-    caller = torch.cuda.Stream()
-    a = torch.zeros(1 << 20, device="cuda")
-    b = torch.full_like(a, -1.0)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(caller):
-        token = comm.enter()
-        torch.cuda._sleep(_SLEEP)
-        a.fill_(3.0)
-        comm.leave(token)
-        comm.caller_waits()
-        b.copy_(a)  # on the caller's stream
-    torch.cuda.synchronize()
-    assert bool((b == 3.0).all())
 
 
 def test_enter_makes_the_comm_stream_current_and_leave_restores(comm) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -55,8 +56,12 @@ def _entry(rank: int, world: int, mode: str, init_file: str, out_dir: str, fn: C
         error = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump((result, error), f)
-    if error is not None:
-        os._exit(1)
+    # Skip interpreter shutdown: the parent reads only the result file and the exit code, and threads that torch
+    # leaves behind (gloo workers of the process groups Megatron keeps) can abort a finalizing interpreter when they
+    # still need the GIL (a rank that returned its result would then exit with -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if error is None else 1)
 
 
 def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, mode: str = "gloo",

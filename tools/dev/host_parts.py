@@ -5,15 +5,13 @@ host's alone (median of 7 rounds of --calls calls). Usage: python tools/dev/host
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from one_gpu_case import one_gpu_case
 
 
 def host_us(fn: Callable[[], Any], calls: int) -> float:
@@ -38,27 +36,12 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--calls", type=int, default=100)
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'init')}", rank=0,
-                                world_size=1)
-        from uccl_moe import _C, Buffer, Config
+    with one_gpu_case(args.tokens, args.hidden) as c:
+        from uccl_moe import _C
         from uccl_moe.utils import current_raw_stream, current_stream
 
-        cfg = Config(24, 8, 256, 6, 128)
-        T, E, H = args.tokens, 256, args.hidden
-        nvl = max(cfg.get_nvl_buffer_size_hint(H * 2, 1), Buffer.get_combine_buffer_size_hint(T, H))
-        buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
-        idx = torch.topk(torch.rand((T, E), device="cuda"), 8, dim=1).indices
-        w = torch.rand((T, 8), device="cuda")
-        x = torch.randn((T, H), device="cuda").bfloat16()
-        lay = buf.get_dispatch_layout(idx, E)
-        r = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
-        y, h = r.recv_x, r.handle
-        be = buf._backend
-        view = buf.get_combine_buffer(h, H)
-        view.copy_(y)
+        buf, cfg, x, r, view, T, H = c.buf, c.cfg, c.x, c.result, c.view, args.tokens, args.hidden
+        y, h, be = r.recv_x, r.handle, buf._backend
         ev = torch.cuda.Event()
         comm = buf.get_comm_stream()
 
@@ -89,9 +72,6 @@ def main() -> None:
         width = max(len(n) for n in parts)
         for name, fn in parts.items():
             print(f"{name:<{width}}  {host_us(fn, args.calls):7.2f} us", flush=True)
-        torch.cuda.synchronize()
-        buf.destroy()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

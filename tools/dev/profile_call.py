@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from one_gpu_case import one_gpu_case
 
 
 def _timeline(name: str, fn: Callable[[], Any], flush: torch.Tensor) -> None:
@@ -66,29 +64,13 @@ def main() -> None:
     p.add_argument("--timeline", action="store_true", help="also print the profiler timeline of the bench loop")
     p.add_argument("--plain", action="store_true", help="only run --calls calls of each op (for ncu / nsys)")
     args = p.parse_args()
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'init')}", rank=0,
-                                world_size=1)
-        from uccl_moe import Buffer, Config
+    with one_gpu_case(args.tokens, args.hidden) as c:
         from uccl_moe.bench._run import _time_op
 
-        cfg = Config(24, 8, 256, 6, 128)
-        T, E = args.tokens, 256
-        nvl = max(cfg.get_nvl_buffer_size_hint(args.hidden * 2, 1), Buffer.get_combine_buffer_size_hint(T, args.hidden))
-        buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
-        idx = torch.topk(torch.rand((T, E), device="cuda"), 8, dim=1).indices
-        w = torch.rand((T, 8), device="cuda")
-        x = torch.randn((T, args.hidden), device="cuda").bfloat16()
+        buf, cfg, idx, w, x, layout, r, T = c.buf, c.cfg, c.idx, c.w, c.x, c.layout, c.result, args.tokens
+        E, y, view = 256, r.recv_x, c.view
         x8 = (x.float().clamp(-440, 440).to(torch.float8_e4m3fn),
               (torch.rand((T, args.hidden // 128), device="cuda") + 0.01).T.contiguous().T)
-        lay = buf.get_dispatch_layout(idx, E)
-        layout = dict(num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                      num_tokens_per_expert=lay.num_tokens_per_expert)
-        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg, **layout)
-        y = r.recv_x
-        view = buf.get_combine_buffer(r.handle, args.hidden)
-        view.copy_(y)
         ops = {"cached dispatch": lambda: buf.dispatch(x, handle=r.handle, config=cfg),
                "cached dispatch fp8": lambda: buf.dispatch(x8, handle=r.handle, config=cfg),
                "combine": lambda: buf.combine(y, r.handle, config=cfg),
@@ -115,8 +97,6 @@ def main() -> None:
                 if args.timeline:
                     _timeline(name, fn, flush)
                 _host_profile(name, fn, args.calls, args.top)
-        buf.destroy()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
