@@ -288,11 +288,13 @@ class Buffer:
     # ---------------------------------------------------------------- lifecycle and static helpers
     def destroy(self) -> None:
         """Release native resources. Required when ``explicitly_destroy=True``; idempotent."""
-        if self._backend is not None:
-            self._backend.destroy()
-        self._backend = None
-        if self._comm is not None:
-            self._comm.close()
+        try:
+            if self._backend is not None:
+                self._backend.destroy()
+            self._backend = None
+        finally:
+            if self._comm is not None:
+                self._comm.close()
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:

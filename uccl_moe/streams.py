@@ -3,7 +3,7 @@
 Every dispatch and combine joins the comm stream to the caller's stream, makes the comm stream current while it
 allocates and launches, and (unless ``async_finish``) makes the caller's stream wait for it. Through torch's Python
 stream API that is three ``current_stream()`` lookups, two Event record/wait pairs and two ``set_stream`` calls: about
-40 us of host time per call on an H100 host (``tools/dev/host_parts.py``), as much as the rest of a small call.
+21 us of host time per call on an H100 host (``tools/dev/host_parts.py``: the Buffer's begin, switch and finish).
 
 :class:`CommStream` does the same through torch's raw stream getter/setter and one C++ call per join
 (``_C.stream_join``: event record, then stream wait) when the caller's current device is the Buffer's and this build
@@ -13,11 +13,17 @@ API, as before.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
-from . import _C
+
+def _destroy_events(events: tuple[int, ...]) -> None:
+    from . import _C
+
+    for e in events:
+        _C.join_event_destroy(e)
 
 
 def _torch_raw_api() -> tuple[Any, Any, Any] | None:
@@ -38,20 +44,29 @@ class CommStream:
         self._raw = int(self.stream.cuda_stream)
         # Reused for every join (a wait binds to the record made just before it, so reuse is safe).
         self._torch_in, self._torch_out = torch.cuda.Event(), torch.cuda.Event()
+        from . import _C  # here, not at import: uccl_moe.buffer explains a missing native module first
+
         api = _torch_raw_api() if _C.gpu_backend() != "none" else None
         self._events: tuple[int, int] | None = None
         if api is not None:
             self._get, self._set, self._get_raw = api
-            self._events = (int(_C.join_event_create(self.index)), int(_C.join_event_create(self.index)))
-        self._caller_key: Any = None
-        self._caller: Any = None
+            self._stream_join = _C.stream_join
+            first = int(_C.join_event_create(self.index))
+            try:
+                self._events = (first, int(_C.join_event_create(self.index)))
+            except BaseException:
+                _C.join_event_destroy(first)
+                raise
+        # Freed by close(), or when this object is collected (a Buffer dropped without destroy()); not at interpreter
+        # exit, when the CUDA context may already be gone.
+        self._finalizer = weakref.finalize(self, _destroy_events, self._events or ())
+        self._finalizer.atexit = False
+        self._caller_cache: tuple[Any, Any] | None = None  # (raw key, torch.cuda.Stream): one attribute, one read
 
     def close(self) -> None:
         """Free the join events (idempotent); the stream itself is torch's."""
-        if self._events is not None:
-            events, self._events = self._events, None
-            for e in events:
-                _C.join_event_destroy(e)
+        self._events = None
+        self._finalizer()
 
     def _fast(self) -> bool:
         """The raw path applies: the build and torch support it, and the caller is on this stream's device."""
@@ -63,16 +78,17 @@ class CommStream:
         if not self._fast():
             return torch.cuda.current_stream(torch.cuda.current_device())
         key = self._get(self.index)
-        if key != self._caller_key:
-            self._caller = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-            self._caller_key = key
-        return self._caller
+        cache = self._caller_cache  # read once: another thread may replace it meanwhile
+        if cache is None or cache[0] != key:
+            cache = (key, torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2]))
+            self._caller_cache = cache
+        return cache[1]
 
     def wait_for_caller(self) -> None:
         """The comm stream waits for the work enqueued on the caller's current stream so far."""
         if self._fast():
             assert self._events is not None
-            _C.stream_join(self._raw, int(self._get_raw(self.index)), self._events[0])
+            self._stream_join(self._raw, int(self._get_raw(self.index)), self._events[0])
         else:
             self._join(self.stream, torch.cuda.current_stream(torch.cuda.current_device()), self._torch_in)
 
@@ -80,7 +96,7 @@ class CommStream:
         """The caller's current stream waits for the work enqueued on the comm stream so far."""
         if self._fast():
             assert self._events is not None
-            _C.stream_join(int(self._get_raw(self.index)), self._raw, self._events[1])
+            self._stream_join(int(self._get_raw(self.index)), self._raw, self._events[1])
         else:
             self._join(torch.cuda.current_stream(torch.cuda.current_device()), self.stream, self._torch_out)
 

@@ -103,7 +103,7 @@ def tensor_at(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     """A contiguous tensor of `shape` and `dtype` over device memory at `ptr` that torch does not own (no copy, no
     free): valid only while the memory is. Built through an integer type of the same size (the interface has no
     bfloat16), then viewed as `dtype`."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     raw = torch.as_tensor(_DeviceMemory(int(ptr), tuple(int(s) for s in shape), _SAME_SIZE_TYPESTR[size]),
                           device=device)
     return raw.view(dtype)

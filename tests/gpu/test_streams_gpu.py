@@ -26,11 +26,13 @@ def comm(request):
     cs.close()
 
 
+@pytest.mark.parametrize("caller_stream", ["side", "default"])
 @pytest.mark.parametrize("writer", ["caller", "comm"])
-def test_a_join_orders_the_writers_work_before_the_readers(comm, writer: str) -> None:
+def test_a_join_orders_the_writers_work_before_the_readers(comm, writer: str, caller_stream: str) -> None:
     """The writer's stream fills `a` behind a long sleep; after the join the reader's stream copies it to `b`.
-    writer "caller": wait_for_caller, the comm stream reads; "comm": caller_waits, the caller's stream reads."""
-    caller = torch.cuda.Stream()
+    writer "caller": wait_for_caller, the comm stream reads; "comm": caller_waits, the caller's stream reads. The
+    caller is on a stream of its own, or on the legacy default stream (raw handle 0)."""
+    caller = torch.cuda.Stream() if caller_stream == "side" else torch.cuda.default_stream()
     a = torch.zeros(1 << 20, device="cuda")
     b = torch.full_like(a, -1.0)
     torch.cuda.synchronize()

@@ -81,17 +81,16 @@ def main() -> None:
                "layout": lambda: buf.get_dispatch_layout(idx, E),
                "empty (baseline)": lambda: torch.empty((T, args.hidden), dtype=torch.bfloat16, device="cuda")}
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        if args.plain:
-            for fn in ops.values():
+        for name, fn in ops.items():
+            if name == "combine from the buffer":  # the other ops' rings ran over the view: refill it
+                view = buf.get_combine_buffer(r.handle, args.hidden)
+                view.copy_(y)
+            if args.plain:
                 for _ in range(args.calls):
                     flush.zero_()
                     fn()
                 torch.cuda.synchronize()
-        else:
-            for name, fn in ops.items():
-                if name == "combine from the buffer":  # the other ops' rings ran over the view: refill it
-                    view = buf.get_combine_buffer(r.handle, args.hidden)
-                    view.copy_(y)
+            else:
                 med, med_host = _time_op(fn, flush, 20, 0)
                 print(f"--- {name}: event time, flushed, not profiled: median {med:.1f} us (host {med_host:.1f} us)")
                 if args.timeline:

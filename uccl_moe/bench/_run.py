@@ -280,7 +280,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
             ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl"),
             ("dispatch_host_us", "disp_host"), ("combine_host_us", "comb_host"), ("combine_view_host_us", "combv_host"),
-            ("nccl_dispatch_host_us", "nccl_host")]
+            ("nccl_dispatch_host_us", "nccl_host"), ("nccl_combine_host_us", "ncclc_host")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
     lines = ["  ".join(h.rjust(w) for (_, h), w in zip(cols, widths))]

@@ -24,7 +24,9 @@ namespace uccl_moe {
 
 namespace {
 void check(decltype(UCCL_GPU_OK) e, const char* what) {
-  if (e != UCCL_GPU_OK) UCCL_THROW(kCuda, "%s: %s", what, UCCL_GPU(GetErrorString)(e));
+  if (e == UCCL_GPU_OK) return;
+  (void)UCCL_GPU(GetLastError)();  // reported here: the next kernel launch's error check must not blame itself
+  UCCL_THROW(kCuda, "%s: %s", what, UCCL_GPU(GetErrorString)(e));
 }
 }  // namespace
 
@@ -34,7 +36,9 @@ uintptr_t join_event_create(int device) {
   check(UCCL_GPU(SetDevice)(device), "SetDevice");  // an event belongs to the device current at its creation
   UCCL_GPU_EVENT e = nullptr;
   const auto err = UCCL_GPU(EventCreateWithFlags)(&e, UCCL_GPU_EVENT_FLAGS);
-  check(UCCL_GPU(SetDevice)(prev), "SetDevice");
+  const auto restored = UCCL_GPU(SetDevice)(prev);
+  if (restored != UCCL_GPU_OK && err == UCCL_GPU_OK) (void)UCCL_GPU(EventDestroy)(e);
+  check(restored, "SetDevice");
   check(err, "EventCreateWithFlags");
   return reinterpret_cast<uintptr_t>(e);
 }
