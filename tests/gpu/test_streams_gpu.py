@@ -88,3 +88,21 @@ def test_a_caller_on_another_device_goes_through_torch(comm) -> None:
     assert torch.cuda.current_stream(0) == torch.cuda.default_stream(0)
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
+
+
+def test_join_events_are_freed_on_close_and_on_collection(comm) -> None:
+    import gc
+
+    from uccl_moe.streams import CommStream
+
+    cs = CommStream(torch.device("cuda", 0))
+    fin = cs._finalizer
+    assert fin.alive
+    cs.close()
+    cs.close()  # idempotent
+    assert not fin.alive and not cs._fast()
+    dropped = CommStream(torch.device("cuda", 0))  # a Buffer dropped without destroy() drops its CommStream
+    fin = dropped._finalizer
+    del dropped
+    gc.collect()
+    assert not fin.alive
