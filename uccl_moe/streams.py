@@ -13,10 +13,13 @@ API, as before.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import torch
+
+log = logging.getLogger("uccl_moe.streams")
 
 
 def _destroy_events(events: tuple[int, ...]) -> None:
@@ -51,17 +54,23 @@ class CommStream:
         if api is not None:
             self._get, self._set, self._get_raw = api
             self._stream_join = _C.stream_join
-            first = int(_C.join_event_create(self.index))
             try:
-                self._events = (first, int(_C.join_event_create(self.index)))
-            except BaseException:
-                _C.join_event_destroy(first)
-                raise
+                self._events = self._create_events(_C)
+            except Exception as e:  # noqa: BLE001 - e.g. a driver older than this build's runtime: torch's path
+                log.debug("CommStream on cuda:%d takes torch's stream API (no join events: %s)", self.index, e)
         # Freed by close(), or when this object is collected (a Buffer dropped without destroy()); not at interpreter
         # exit, when the CUDA context may already be gone.
         self._finalizer = weakref.finalize(self, _destroy_events, self._events or ())
         self._finalizer.atexit = False
         self._caller_cache: tuple[Any, Any] | None = None  # (raw key, torch.cuda.Stream): one attribute, one read
+
+    def _create_events(self, c: Any) -> tuple[int, int]:
+        first = int(c.join_event_create(self.index))
+        try:
+            return first, int(c.join_event_create(self.index))
+        except BaseException:
+            c.join_event_destroy(first)
+            raise
 
     def close(self) -> None:
         """Free the join events (idempotent); the stream itself is torch's."""
