@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from uccl_moe import _C, streams
+from uccl_moe.errors import CudaError
 
 
 def test_events_the_native_module_cannot_create_fall_back_to_torch(monkeypatch) -> None:
@@ -17,7 +18,7 @@ def test_events_the_native_module_cannot_create_fall_back_to_torch(monkeypatch) 
         pytest.skip("a build without GPU support never asks for join events")
     if _C.device_count() > 0:
         pytest.skip("the native module can create events here: the GPU test covers that path")
-    with pytest.raises(Exception):  # the real module, with no usable driver
+    with pytest.raises(CudaError):  # the real module, with no usable driver
         _C.join_event_create(0)
     fake_stream = types.SimpleNamespace(stream_id=3, device_index=0, device_type=1, cuda_stream=0x1234)
     monkeypatch.setattr(torch.cuda, "Stream", lambda **kw: fake_stream)
