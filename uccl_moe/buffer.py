@@ -405,8 +405,7 @@ class Buffer:
         if not isinstance(dtype, torch.dtype):
             raise InvalidTypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         rows = int(h.recv_src_idx.shape[0])
-        fn = getattr(backend, "combine_buffer", None)
-        view: torch.Tensor | None = fn(h, hidden, dtype) if fn is not None else None
+        view = backend.combine_buffer(h, hidden, dtype)
         if view is None:
             self._combine_view = None
             return torch.empty((rows, hidden), dtype=dtype, device=self.device)
@@ -431,8 +430,7 @@ class Buffer:
         hidden, num_topk = _int_arg("hidden", hidden), _int_arg("num_topk", num_topk)
         if hidden <= 0 or num_topk < 0:
             raise _err(f"combine_buffer_fits(hidden={hidden}, num_topk={num_topk}): need hidden > 0 and num_topk >= 0")
-        fn = getattr(backend, "combine_buffer_fits", None)
-        return bool(fn(h, hidden, num_topk)) if fn is not None else True
+        return bool(backend.combine_buffer_fits(h, hidden, num_topk))
 
     def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")

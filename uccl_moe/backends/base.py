@@ -132,6 +132,16 @@ class Backend(abc.ABC):
         or None where they follow the config's (Buffer sizes its buffer check with it). Default: None."""
         return None
 
+    def combine_buffer(self, handle: tuple[Any, ...], hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [T_recv, hidden] memory of this backend's own that a combine reads in place (Buffer.get_combine_buffer),
+        or None where there is none and the caller gets a tensor of its own. Default: None."""
+        return None
+
+    def combine_buffer_fits(self, handle: tuple[Any, ...], hidden: int, num_topk: int) -> bool:
+        """Whether every rank's rows of `handle` (and `num_topk` weights per row) fit that memory, the same answer on
+        every rank (Buffer.combine_buffer_fits). Default: True (a tensor of the caller's always fits)."""
+        return True
+
     def destroy(self) -> None:
         """Free native resources. Idempotent."""
 
