@@ -270,7 +270,6 @@ class Buffer:
         self.backend_name: str = choice
         # The comm stream with host-cheap joins and switches (uccl_moe/streams.py); None on CPU.
         self._comm: CommStream | None = CommStream(device) if device.type == "cuda" else None
-        self._comm_stream = self._comm.stream if self._comm is not None else None
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
@@ -365,7 +364,7 @@ class Buffer:
 
     def get_comm_stream(self) -> Any:
         """The comm stream (``torch.cuda.Stream``), or None on CPU."""
-        return self._comm_stream
+        return self._comm.stream if self._comm is not None else None
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:

@@ -317,10 +317,11 @@ class NativeBackend(Backend):
         if (hidden * 2) % 16 != 0:
             raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
         rows = int(handle[3].shape[0])
-        offset = self._combine_input_offset(rows, hidden, 0, f"get_combine_buffer: {rows} rows of hidden {hidden}")
+        offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
+        self._refuse_over_buffer(int(end), f"get_combine_buffer: {rows} rows of hidden {hidden}")
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
         # takes the same path as its peers.
-        return tensor_at(self._rt.local_buffer + offset, (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
+        return tensor_at(self._rt.local_buffer + int(offset), (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
 
     def combine_buffer_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether every rank's view of `handle`'s rows (and `num_topk` staged weights per row) fits its buffer: the
@@ -336,13 +337,6 @@ class NativeBackend(Backend):
         rows = getattr(handle[0], _MOST_ROWS_ATTR, None)
         rows = int(handle[3].shape[0]) if rows is None else rows
         return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
-
-    def _combine_input_offset(self, rows: int, hidden: int, num_topk: int, what: str) -> int:
-        """Where a combine from the buffer keeps `rows` input rows (and `num_topk` staged weights per row) in the NVL
-        buffer; InvalidUsageError naming `what` and the size to use if they do not fit."""
-        offset, end = _C.intranode_combine_input_layout(rows, hidden, num_topk)
-        self._refuse_over_buffer(int(end), what)
-        return int(offset)
 
     def _refuse_over_buffer(self, end: int, what: str) -> None:
         """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""

@@ -162,6 +162,33 @@ def test_native_combine_buffer_fits_answers_for_the_most_rows():
     assert backend.combine_buffer_fits(handle(10, 10**6), hidden, 0)  # across nodes: a tensor of the caller's
 
 
+def test_native_combine_buffer_refuses_a_buffer_too_small():
+    """NativeBackend.combine_buffer names the rows, the hidden size and the num_nvl_bytes to use when the view does
+    not fit (the size the combine-input layout asks for); rows that are not 16-byte multiples are refused first."""
+    from types import SimpleNamespace
+
+    from uccl_moe import InvalidUsageError, _C
+    from uccl_moe.backends.native import NativeBackend
+
+    if not hasattr(_C, "intranode_combine_input_layout"):
+        pytest.skip("this build has no intranode kernels")
+
+    class FakeRuntime:
+        def aborted(self) -> bool:
+            return False
+
+    hidden, rows = 7168, 1000
+    end = int(_C.intranode_combine_input_layout(rows, hidden, 0)[1])
+    backend = object.__new__(NativeBackend)  # no GPU here: the refusals happen before any device memory is touched
+    backend._rt, backend._inter, backend.ctx = FakeRuntime(), None, SimpleNamespace(num_nvl_bytes=end - 1)
+    handle = (None, None, None, torch.zeros(rows, dtype=torch.int32))
+    with pytest.raises(InvalidUsageError, match=rf"get_combine_buffer: {rows} rows of hidden {hidden} needs {end} "
+                                                rf"bytes .* num_nvl_bytes >= {end}"):
+        backend.combine_buffer(handle, hidden, torch.bfloat16)
+    with pytest.raises(InvalidUsageError, match="hidden=12: hidden \\* 2 bytes must be a multiple of 16"):
+        backend.combine_buffer(handle, 12, torch.bfloat16)
+
+
 def _split_bounds(num_sms: int, ranks: int) -> tuple[int, int]:
     """(fewest, most) combine sender blocks: one warp per remote (lane, dst) pair, one receiver warp per lane and at
     least one lane per receiver block."""

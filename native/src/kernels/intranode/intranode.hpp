@@ -161,9 +161,10 @@ struct CombineArgs {
 void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const CombineArgs& a, void* stream);
 
 /// Combine from the buffer (combine_pull.cu): every rank's input rows already sit in its own NVL buffer at
-/// kOffCombineInput (nvl_layout.hpp, with combine_input_bytes; the caller wrote them there: Buffer.get_combine_buffer), so each rank loads the copies of
-/// its tokens where they lie instead of having them pushed through rings. Same sum order and bits as the ring
-/// combine. Every local rank must take this path for the same call.
+/// kOffCombineInput (nvl_layout.hpp, with combine_input_bytes; the caller wrote them there:
+/// Buffer.get_combine_buffer), so each rank loads the copies of its tokens where they lie instead of having them
+/// pushed through rings. Same sum order and bits as the ring combine. Every local rank must take this path for the
+/// same call.
 struct CombinePullArgs {
   const float* topk_weights;     ///< [rows, K] or null (staged by the launch next to the rows; peers read them)
   const void* bias0;             ///< [T, hidden] bf16 or null
