@@ -167,7 +167,7 @@ def test_native_combine_buffer_refuses_a_buffer_too_small():
     not fit (the size the combine-input layout asks for); rows that are not 16-byte multiples are refused first."""
     from types import SimpleNamespace
 
-    from uccl_moe import InvalidUsageError, _C
+    from uccl_moe import _C, InvalidUsageError
     from uccl_moe.backends.native import NativeBackend
 
     if not hasattr(_C, "intranode_combine_input_layout"):
