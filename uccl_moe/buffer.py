@@ -13,6 +13,10 @@ DeepEP's stream rules:
   before the call returns;
 - ``allocate_on_comm_stream=True`` allocates outputs while the comm stream is current. Unlike DeepEP it does not
   require ``previous_event``: without one, the comm stream waits on the current stream (UCCL issue #893).
+- With ``UCCL_MOE_CALLER_STREAM_OPS=1``, a synchronous op without ``previous_event`` or ``allocate_on_comm_stream``
+  (the defaults) runs on the caller's stream itself where it can (:meth:`uccl_moe.streams.CommStream.runs_on_caller`),
+  ordered with the Buffer's other ops as if it ran on the comm stream: what the caller sees is the same (its stream
+  waits for the op either way), at a lower host cost, since outputs then need no ``record_stream``.
 
 On CPU (gloo) everything is synchronous and events are always complete.
 """
@@ -363,8 +367,12 @@ class Buffer:
         raise NotImplementedError("low-latency mode is not implemented in uccl-moe yet (HT mode only)")
 
     def get_comm_stream(self) -> Any:
-        """The comm stream (``torch.cuda.Stream``), or None on CPU."""
-        return self._comm.stream if self._comm is not None else None
+        """The comm stream (``torch.cuda.Stream``), or None on CPU. Every later op then waits for what the caller
+        enqueues on it, also an op that runs on the caller's stream (see the module notes)."""
+        if self._comm is None:
+            return None
+        self._comm.exposed = True
+        return self._comm.stream
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
@@ -446,30 +454,43 @@ class Buffer:
             raise _err("this Buffer was destroyed; create a new one")
         return self._backend
 
-    def _begin(self, previous_event: Any, uses_nvl_buffer: bool = True) -> None:
-        """Join the comm stream to the caller's (or `previous_event`); count the call if it writes the NVL buffer."""
+    def _begin(self, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
+               uses_nvl_buffer: bool = True) -> int | None:
+        """Join the comm stream to the caller's (or `previous_event`); count the call if it writes the NVL buffer.
+
+        Returns the caller's raw stream if the op runs there instead (synchronous, no previous_event, no
+        allocate_on_comm_stream: see the module notes), else None; pass it on to _comm_context and _finish."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise InvalidTypeError(
                 f"previous_event must be an EventOverlap (e.g. Buffer.capture()), got {type(previous_event).__name__}"
             )
         if uses_nvl_buffer:  # get_dispatch_layout and a combine from the view do not write it
             self._op_seq += 1
-        if self._comm is None:
-            return
+        comm = self._comm
+        if comm is None:
+            return None
+        if previous_event is None and not async_finish and not allocate_on_comm_stream and comm.runs_on_caller():
+            return comm.begin_on_caller()
         if previous_event is not None and previous_event.event is not None:
-            previous_event.event.stream_wait(self._comm.stream)
+            comm.wait_event(previous_event.event)
         else:
-            self._comm.wait_for_caller()
+            comm.wait_for_caller()
+        return None
 
-    def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any]) -> EventOverlap:
+    def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any],
+                on_caller: int | None) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
 
         Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
         by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
-        the comm stream that may still be reading them when the caller frees them.
+        the comm stream that may still be reading them when the caller frees them. An op that ran on the caller's
+        stream (`on_caller`, from _begin) used one stream only: the comm stream just waits for it.
         """
         if self._comm is None:
             return EventOverlap(EventHandle() if async_finish else None)
+        if on_caller is not None:
+            self._comm.end_on_caller(on_caller)
+            return EventOverlap(None)
         compute = self._comm.caller()
         for t in _flatten(outputs):
             if t.device.type == "cuda":
@@ -483,9 +504,10 @@ class Buffer:
         return EventOverlap(None)
 
     @contextlib.contextmanager
-    def _comm_context(self) -> Iterator[None]:
-        """The comm stream is current inside (allocations and launches go to it); the caller's stream after."""
-        if self._comm is None:
+    def _comm_context(self, on_caller: int | None) -> Iterator[None]:
+        """The comm stream is current inside (allocations and launches go to it); the caller's stream after. An op
+        that runs on the caller's stream (`on_caller`, from _begin) stays there."""
+        if self._comm is None or on_caller is not None:
             yield
             return
         token = self._comm.enter()
@@ -654,10 +676,10 @@ class Buffer:
         num_experts = self._check_num_experts(num_experts)
         self._check_async(async_finish, allocate_on_comm_stream)
         topk_idx = self._check_topk_idx(topk_idx, num_experts)
-        self._begin(previous_event, uses_nvl_buffer=False)
-        with self._comm_context():
+        on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=False)
+        with self._comm_context(on_caller):
             out = backend.get_dispatch_layout(topk_idx, num_experts)
-        event = self._finish(async_finish, [topk_idx], out)
+        event = self._finish(async_finish, [topk_idx], out, on_caller)
         return LayoutResult(*out, event)
 
     def dispatch(
@@ -724,11 +746,11 @@ class Buffer:
                     f"x has {num_tokens} tokens but the handle was made for {h.is_token_in_rank.shape[0]}; a cached "
                     f"dispatch must send the same tokens"
                 )
-            self._begin(previous_event)
-            with self._comm_context():
+            on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+            with self._comm_context(on_caller):
                 recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
             out_x: TensorOrFp8 = recv_x if recv_scales is None else (recv_x, recv_scales)
-            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales])
+            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales], on_caller)
             return DispatchResult(out_x, None, None, None, None, event)
 
         missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -774,8 +796,8 @@ class Buffer:
             raise _err("num_worst_tokens > 0 needs topk_idx/topk_weights (padding rows are marked by topk_idx == -1)")
         req = DispatchRequest(data, scales, topk_idx, topk_weights, num_tokens_per_rank, num_tokens_per_rdma_rank,
                               is_token_in_rank, num_tokens_per_expert, expert_alignment, num_worst_tokens, config)
-        self._begin(previous_event)
-        with self._comm_context():
+        on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream)
+        with self._comm_context(on_caller):
             recv_x, recv_scales, recv_idx, recv_w, counts, raw_handle = backend.dispatch(req)
         out_handle = DispatchHandle(*raw_handle)
         setattr(out_handle[0], _HANDLE_KEY_ATTR, self._handle_key)
@@ -783,7 +805,7 @@ class Buffer:
         event = self._finish(async_finish,
                              [data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert],
-                             [recv_x, recv_scales, recv_idx, recv_w, *out_handle])
+                             [recv_x, recv_scales, recv_idx, recv_w, *out_handle], on_caller)
         return DispatchResult(out_x, recv_idx, recv_w, counts, out_handle, event)
 
     def combine(
@@ -861,10 +883,11 @@ class Buffer:
                 "views of all handles are the same memory, so it holds that handle's rows); call "
                 "get_combine_buffer(handle) for this combine's handle and write its rows into that"
             )
-        self._begin(previous_event, uses_nvl_buffer=not from_view)  # a combine from the view leaves it intact
-        with self._comm_context():
+        # a combine from the view leaves it intact
+        on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=not from_view)
+        with self._comm_context(on_caller):
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
-        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w])
+        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller)
         return CombineResult(combined, combined_w, event)
 
 

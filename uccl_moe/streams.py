@@ -9,6 +9,16 @@ stream API that is three ``current_stream()`` lookups, two Event record/wait pai
 (``_C.stream_join``: event record, then stream wait) when the caller's current device is the Buffer's and this build
 has a GPU backend. Otherwise (a caller on another device, a build without GPU support) it goes through torch's public
 API, as before.
+
+A synchronous op without ``previous_event`` (``async_finish=False``, ``allocate_on_comm_stream=False``) needs no comm
+stream at all: the caller's stream would wait for it anyway. With ``UCCL_MOE_CALLER_STREAM_OPS=1`` (off by default
+until its GPU tests have run), on the raw path and outside CUDA-graph capture, it runs on the caller's stream itself
+(:meth:`CommStream.runs_on_caller`), which saves the stream switch and, above all, the
+``record_stream`` of every output (outputs allocated on the comm stream must be marked used by the caller's stream,
+and each mark costs the caching allocator an event record when freed and an event query at a later allocation). Two
+joins keep such an op in order with the Buffer's other ops, as if it ran on the comm stream: the caller's stream
+first waits for the comm stream (skipped when nothing was enqueued there since the caller's stream last waited), and
+the comm stream then waits for the op, so later ops, and work a caller puts on ``get_comm_stream()``, come after it.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from . import env
 
 log = logging.getLogger("uccl_moe.streams")
 
@@ -29,9 +41,10 @@ def _destroy_events(events: tuple[int, ...]) -> None:
         _C.join_event_destroy(e)
 
 
-def _torch_raw_api() -> tuple[Any, Any, Any] | None:
-    """torch's private current-stream getters/setter (stable across torch 2.x; None if this torch lacks one)."""
-    names = ("_cuda_getCurrentStream", "_cuda_setStream", "_cuda_getCurrentRawStream")
+def _torch_raw_api() -> tuple[Any, Any, Any, Any] | None:
+    """torch's private current-stream getters/setter and capture query (stable across torch 2.x; None if this torch
+    lacks one)."""
+    names = ("_cuda_getCurrentStream", "_cuda_setStream", "_cuda_getCurrentRawStream", "_cuda_isCurrentStreamCapturing")
     fns = tuple(getattr(torch._C, n, None) for n in names)
     return None if any(f is None for f in fns) else fns  # type: ignore[return-value]
 
@@ -52,7 +65,7 @@ class CommStream:
         api = _torch_raw_api() if _C.gpu_backend() != "none" else None
         self._events: tuple[int, int] | None = None
         if api is not None:
-            self._get, self._set, self._get_raw = api
+            self._get, self._set, self._get_raw, self._capturing = api
             self._stream_join = _C.stream_join
             try:
                 self._events = self._create_events(_C)
@@ -63,6 +76,12 @@ class CommStream:
         self._finalizer = weakref.finalize(self, _destroy_events, self._events or ())
         self._finalizer.atexit = False
         self._caller_cache: tuple[Any, Any] | None = None  # (raw key, torch.cuda.Stream): one attribute, one read
+        # The raw caller stream that everything enqueued on the comm stream so far is ordered before (it waited for
+        # the comm stream, or an op ran on it last), or None: begin_on_caller skips its join for that stream.
+        self._clear_for: int | None = None
+        #: Set once get_comm_stream() handed the stream out: a caller may enqueue work there, so every op joins.
+        self.exposed = False
+        self._caller_ops = bool(env.get("CALLER_STREAM_OPS"))
 
     def _create_events(self, c: Any) -> tuple[int, int]:
         first = int(c.join_event_create(self.index))
@@ -95,19 +114,49 @@ class CommStream:
 
     def wait_for_caller(self) -> None:
         """The comm stream waits for the work enqueued on the caller's current stream so far."""
+        self._clear_for = None
         if self._fast():
             assert self._events is not None
             self._stream_join(self._raw, int(self._get_raw(self.index)), self._events[0])
         else:
             self._join(self.stream, torch.cuda.current_stream(torch.cuda.current_device()), self._torch_in)
 
+    def wait_event(self, handle: Any) -> None:
+        """The comm stream waits for `handle` (a :class:`uccl_moe.utils.EventHandle`: an op's ``previous_event``)."""
+        self._clear_for = None
+        handle.stream_wait(self.stream)
+
     def caller_waits(self) -> None:
         """The caller's current stream waits for the work enqueued on the comm stream so far."""
         if self._fast():
             assert self._events is not None
-            self._stream_join(int(self._get_raw(self.index)), self._raw, self._events[1])
+            caller = int(self._get_raw(self.index))
+            self._stream_join(caller, self._raw, self._events[1])
+            self._clear_for = caller
         else:
+            self._clear_for = None
             self._join(torch.cuda.current_stream(torch.cuda.current_device()), self.stream, self._torch_out)
+
+    def runs_on_caller(self) -> bool:
+        """Whether a synchronous op without ``previous_event`` runs on the caller's stream: UCCL_MOE_CALLER_STREAM_OPS
+        is on, the raw path applies, and the caller's stream is not capturing a CUDA graph (there the comm stream forks
+        from and joins back into the capture, as for any op)."""
+        return self._caller_ops and self._fast() and not self._capturing()
+
+    def begin_on_caller(self) -> int:
+        """Start an op on the caller's stream: it waits for the comm stream unless nothing was enqueued there since
+        it last did. Returns the caller's raw stream, for :meth:`end_on_caller`."""
+        assert self._events is not None
+        caller = int(self._get_raw(self.index))
+        if caller != self._clear_for or self.exposed:
+            self._stream_join(caller, self._raw, self._events[1])
+        return caller
+
+    def end_on_caller(self, caller: int) -> None:
+        """End an op that ran on the caller's stream `caller`: the comm stream waits for it."""
+        assert self._events is not None
+        self._stream_join(self._raw, caller, self._events[0])
+        self._clear_for = caller
 
     def _join(self, waiter: Any, stream: Any, event: Any) -> None:
         """torch's path: through the reused `event` on this device, else through a fresh event bound to the caller's

@@ -106,3 +106,132 @@ def test_join_events_are_freed_on_close_and_on_collection(comm) -> None:
     del dropped
     gc.collect()
     assert not fin.alive
+
+
+# ------------------------------------------------------------------------------------------ ops on the caller's stream
+@pytest.fixture(scope="module")
+def world1():
+    """A native Buffer over a world of one rank (NCCL), a routed batch and its handle: (buf, x, handle)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run through the device tool)")
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from uccl_moe import Buffer
+
+    torch.cuda.set_device(0)
+    knob = os.environ.get("UCCL_MOE_CALLER_STREAM_OPS")
+    os.environ["UCCL_MOE_CALLER_STREAM_OPS"] = "1"  # read when the Buffer is created
+    mine = not dist.is_initialized()
+    if mine:
+        d = tempfile.mkdtemp()
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'init')}", rank=0,
+                                world_size=1)
+    T, H, E = 512, 2048, 8
+    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1), backend="native",
+                 explicitly_destroy=True)
+    idx = torch.topk(torch.rand((T, E), device="cuda"), 2, dim=1).indices
+    idx[::3, 1] = -1
+    x = torch.randn((T, H), device="cuda").bfloat16()
+    lay = buf.get_dispatch_layout(idx, E)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand((T, 2), device="cuda"),
+                     num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                     num_tokens_per_expert=lay.num_tokens_per_expert)
+    assert buf._comm is not None and buf._comm.runs_on_caller()
+    yield buf, x, r.handle
+    torch.cuda.synchronize()
+    buf.destroy()
+    if knob is None:
+        os.environ.pop("UCCL_MOE_CALLER_STREAM_OPS", None)
+    else:
+        os.environ["UCCL_MOE_CALLER_STREAM_OPS"] = knob
+    if mine:
+        dist.destroy_process_group()
+
+
+def _timed_mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+def _rows(buf, x, handle):
+    """recv_x of a synchronous cached dispatch of x (one rank: row i is x[recv_src_idx[i]])."""
+    return buf.dispatch(x, handle=handle).recv_x
+
+
+def test_a_synchronous_op_waits_for_an_async_op_the_caller_did_not_wait_for(world1) -> None:
+    """Async op 1 on the comm stream waits (previous_event) for a 30-ms sleep on another stream; synchronous op 2 then
+    runs on the caller's stream, and must still come after op 1 (they share the NVL buffer)."""
+    from uccl_moe.utils import EventHandle, EventOverlap
+
+    buf, x, handle = world1
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(_SLEEP)
+    first = buf.dispatch(x, handle=handle, previous_event=EventOverlap(EventHandle(side)), async_finish=True)
+    end_first = _timed_mark(buf._comm.stream)
+    second = buf.dispatch(x * 2, handle=handle)
+    end_second = _timed_mark(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    assert end_first.elapsed_time(end_second) > 0, "the synchronous op ran before the async op it must follow"
+    recv_src = handle[3].long()
+    assert torch.equal(first.recv_x, x[recv_src]) and torch.equal(second.recv_x, (x * 2)[recv_src])
+
+
+def test_an_async_op_with_an_older_previous_event_waits_for_a_synchronous_op(world1) -> None:
+    """Synchronous op 1 runs on the caller's stream behind a 30-ms sleep; async op 2's previous_event predates both,
+    yet op 2 (comm stream) must come after op 1."""
+    from uccl_moe import Buffer
+
+    buf, x, handle = world1
+    torch.cuda.synchronize()
+    old = Buffer.capture()
+    torch.cuda._sleep(_SLEEP)
+    first = buf.dispatch(x, handle=handle)
+    end_first = _timed_mark(torch.cuda.current_stream())
+    second = buf.dispatch(x * 2, handle=handle, previous_event=old, async_finish=True)
+    end_second = _timed_mark(buf._comm.stream)
+    second.event.current_stream_wait()
+    torch.cuda.synchronize()
+    assert end_first.elapsed_time(end_second) > 0, "the async op ran before the synchronous op it must follow"
+    recv_src = handle[3].long()
+    assert torch.equal(first.recv_x, x[recv_src]) and torch.equal(second.recv_x, (x * 2)[recv_src])
+
+
+def test_synchronous_ops_on_two_caller_streams_run_in_call_order(world1) -> None:
+    buf, x, handle = world1
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(_SLEEP)
+        first = _rows(buf, x, handle)
+        end_first = _timed_mark(a)
+    with torch.cuda.stream(b):
+        second = _rows(buf, x * 2, handle)
+        end_second = _timed_mark(b)
+    torch.cuda.synchronize()
+    assert end_first.elapsed_time(end_second) > 0, "the op on stream b ran before the earlier op on stream a"
+    recv_src = handle[3].long()
+    assert torch.equal(first, x[recv_src]) and torch.equal(second, (x * 2)[recv_src])
+
+
+def test_a_synchronous_op_marks_no_tensor_used_by_another_stream(world1, monkeypatch) -> None:
+    """On the caller's stream a dispatch and a combine need no record_stream (the host time it saves is the point);
+    with Megatron's arguments (comm stream, async) they do."""
+    from uccl_moe import Buffer
+
+    buf, x, handle = world1
+    marks: list[int] = []
+    real = torch.Tensor.record_stream
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: (marks.append(1), real(t, s))[1])
+    y = _rows(buf, x, handle)
+    buf.combine(y, handle)
+    assert marks == []
+    r = buf.dispatch(x, handle=handle, previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+    r.event.current_stream_wait()
+    assert len(marks) >= 2  # recv_x for the caller's stream, x for the comm stream
+    torch.cuda.synchronize()

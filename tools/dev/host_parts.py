@@ -43,11 +43,26 @@ def main() -> None:
         buf, cfg, x, r, view, T, H = c.buf, c.cfg, c.x, c.result, c.view, args.tokens, args.hidden
         y, h, be = r.recv_x, r.handle, buf._backend
         ev = torch.cuda.Event()
-        comm = buf.get_comm_stream()
+        comm = buf._comm.stream  # not get_comm_stream(): handing it out makes every later op join the comm stream
 
         def comm_context() -> None:
-            with buf._comm_context():
+            with buf._comm_context(None):
                 pass
+
+        def on_caller(fn: Callable[[], Any]) -> Callable[[], Any]:
+            """`fn` with synchronous ops on the caller's stream (UCCL_MOE_CALLER_STREAM_OPS=1)."""
+            def run() -> Any:
+                buf._comm._caller_ops = True
+                try:
+                    return fn()
+                finally:
+                    buf._comm._caller_ops = False
+            return run
+
+        def comm_path(fn: Callable[..., Any]) -> Callable[[], Any]:
+            """The op on the comm stream, with Megatron's arguments (the caller waits for the returned event)."""
+            return lambda: fn(previous_event=buf.capture(), async_finish=True,
+                              allocate_on_comm_stream=True).event.current_stream_wait()
 
         parts = {  # the view first: any later op that writes the NVL buffer makes combine refuse it
             "Buffer.combine (view)": lambda: buf.combine(view, h, config=cfg),
@@ -55,10 +70,17 @@ def main() -> None:
             "Buffer.dispatch (cached)": lambda: buf.dispatch(x, handle=h, config=cfg),
             "Buffer.combine": lambda: buf.combine(y, h, config=cfg),
             "Buffer.combine (weights)": lambda: buf.combine(y, h, topk_weights=r.recv_topk_weights, config=cfg),
+            "Buffer.dispatch (cached, caller's stream)": on_caller(lambda: buf.dispatch(x, handle=h, config=cfg)),
+            "Buffer.combine (caller's stream)": on_caller(lambda: buf.combine(y, h, config=cfg)),
+            "Buffer.dispatch (cached, Megatron's args)": comm_path(
+                lambda **kw: buf.dispatch(x, handle=h, config=cfg, **kw)),
+            "Buffer.combine (Megatron's args)": comm_path(lambda **kw: buf.combine(y, h, config=cfg, **kw)),
             "NativeBackend.cached_dispatch": lambda: be.cached_dispatch(x, None, h, cfg),
             "NativeBackend.combine": lambda: be.combine(y, h, None, (None, None), cfg),
-            "Buffer._begin": lambda: buf._begin(None),
-            "Buffer._finish (2 outputs)": lambda: buf._finish(False, [x], [y, None]),
+            "Buffer._begin + _finish (caller's stream)": on_caller(
+                lambda: buf._finish(False, [x], [y, None], buf._begin(None, False, False))),
+            "Buffer._begin (comm stream)": lambda: buf._begin(None, False, True),
+            "Buffer._finish (comm stream, 2 outputs)": lambda: buf._finish(False, [x], [y, None], None),
             "Buffer._comm_context": comm_context,
             "Buffer._check_handle": lambda: buf._check_handle(h),
             "utils.current_stream": current_stream,

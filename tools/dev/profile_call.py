@@ -35,6 +35,11 @@ def _timeline(name: str, fn: Callable[[], Any], flush: torch.Tensor) -> None:
             print(f"{ev.time_range.start - t0:9.1f} {ev.time_range.end - t0:9.1f} {dev} {ev.name[:90]}")
 
 
+def _on_comm(fn: Callable[..., Any], buf: Any) -> None:
+    """`fn` with Megatron's stream arguments (the comm stream, an event the caller's stream then waits for)."""
+    fn(previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=True)[-1].current_stream_wait()
+
+
 def _host_profile(name: str, fn: Callable[[], Any], calls: int, top: int) -> None:
     """Host us per call of `calls` back-to-back calls, then where that time goes (cProfile, by own time)."""
     for _ in range(20):
@@ -63,6 +68,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25, help="cProfile entries to print per op")
     p.add_argument("--timeline", action="store_true", help="also print the profiler timeline of the bench loop")
     p.add_argument("--plain", action="store_true", help="only run --calls calls of each op (for ncu / nsys)")
+    p.add_argument("--caller-stream", choices=("comm", "caller", "both"), default="both",
+                   help="synchronous ops on the comm stream, on the caller's (UCCL_MOE_CALLER_STREAM_OPS=1), or each "
+                        "op both ways, one after the other")
     args = p.parse_args()
     with one_gpu_case(args.tokens, args.hidden) as c:
         from uccl_moe.bench._run import _time_op
@@ -78,11 +86,19 @@ def main() -> None:
                "combine with weights": lambda: buf.combine(y, r.handle, topk_weights=r.recv_topk_weights, config=cfg),
                "dispatch (worst)": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, config=cfg,
                                                         num_worst_tokens=T, **layout),
+               "dispatch (worst, Megatron's args)": lambda: _on_comm(lambda **kw: buf.dispatch(
+                   x, topk_idx=idx, topk_weights=w, config=cfg, num_worst_tokens=T, **layout, **kw), buf),
+               "combine (Megatron's args)": lambda: _on_comm(
+                   lambda **kw: buf.combine(y, r.handle, config=cfg, **kw), buf),
                "layout": lambda: buf.get_dispatch_layout(idx, E),
                "empty (baseline)": lambda: torch.empty((T, args.hidden), dtype=torch.bfloat16, device="cuda")}
         flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        for name, fn in ops.items():
-            if name == "combine from the buffer":  # the other ops' rings ran over the view: refill it
+        modes = {"comm": [False], "caller": [True], "both": [False, True]}[args.caller_stream]
+        for caller_ops, (name, fn) in ((m, op) for op in ops.items() for m in modes):
+            buf._comm._caller_ops = caller_ops  # UCCL_MOE_CALLER_STREAM_OPS, as the Buffer read it
+            if len(modes) > 1:
+                name += " [caller's stream]" if caller_ops else " [comm stream]"
+            if name.startswith("combine from the buffer"):  # the other ops' rings ran over the view: refill it
                 view = buf.get_combine_buffer(r.handle, args.hidden)
                 view.copy_(y)
             if args.plain:

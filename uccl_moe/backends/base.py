@@ -6,8 +6,10 @@ T_recv = rows this rank receives.
 Division of labour:
 - ``Buffer`` validates every argument (types, shapes, ranges, buffer sizes, handle ownership) *before* a backend
   runs, and implements the DeepEP stream/event semantics: when a backend method runs, the current stream is
-  the comm stream and it already waits on ``previous_event`` (or the compute stream). Backends enqueue work on
-  the current stream and allocate outputs there. They never validate user input again and never switch streams.
+  the op's stream, already in order after ``previous_event`` (or the compute stream) and the Buffer's earlier ops:
+  the comm stream, or the caller's own stream for a synchronous op (``Buffer``'s module notes). Backends enqueue
+  work on the current stream and allocate outputs there. They never validate user input again and never switch
+  streams.
 - A backend computes exactly DeepEP-V1 semantics (see ``reference.py``, the oracle) and returns plain tensors.
 """
 
@@ -32,7 +34,7 @@ class BufferContext:
     topology: Topology
     num_nvl_bytes: int
     num_rdma_bytes: int
-    device: torch.device  # backends enqueue on the current stream, which Buffer makes its comm stream
+    device: torch.device  # backends enqueue on the current stream, which Buffer chose for the op
 
     @property
     def rank(self) -> int:

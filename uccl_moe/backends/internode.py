@@ -193,7 +193,7 @@ class InternodePath:
         self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
         self._node_ids = torch.arange(self.N, device=dev)
         self._calls = 0  # non-cached dispatches so far (selects the notify region)
-        # Benchmarks set this to a list to get (stage, CUDA event) marks on the comm stream.
+        # Benchmarks set this to a list to get (stage, CUDA event) marks on the stream the op runs on.
         self.timeline: list[tuple[str, Any]] | None = None
 
     def _mark(self, stage: str) -> None:

@@ -18,7 +18,7 @@ Across nodes (``ctx.topology.num_nodes > 1``), R and the lane matrices above are
 ranks, and dispatch/combine go through :class:`uccl_moe.backends.internode.InternodePath` (CPU proxy + NVLink
 forwarding); see that module.
 
-Streams: every method enqueues on the current stream (Buffer made it the comm stream) and allocates there.
+Streams: every method enqueues on the current stream (the one Buffer chose for the op) and allocates there.
 Only a non-cached dispatch without ``num_worst_tokens`` waits on the host (for the receive counts).
 A wait that expires (``UCCL_MOE_TIMEOUT_S``) aborts the whole launch and raises ``CommTimeoutError`` naming
 rank, peer and phase; the Buffer is unusable afterwards (every later call raises the same error).
