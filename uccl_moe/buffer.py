@@ -27,7 +27,7 @@ import contextlib
 import logging
 import operator
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -136,6 +136,8 @@ _INTERNODE_COMBINE_PRESET = (8, 288, 8, 128)
 def _as_int(v: Any) -> int | None:
     """`v` as a Python int if it is an integer of any kind (int, numpy or 0-d torch integer), else None (bools
     and floats included): DeepEP takes whatever behaves as an integer."""
+    if type(v) is int:  # the common case first (bool is a subclass, not the type)
+        return v
     if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
         return None
     try:
@@ -170,11 +172,13 @@ def _check_tensor(
     if t.dtype not in dtypes:
         want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise InvalidTypeError(f"{name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
-    dims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-    if t.dim() not in dims:
+    dim = t.dim()
+    if dim != ndim and (isinstance(ndim, int) or dim not in ndim):
+        dims = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         raise _err(f"{name} must be {' or '.join(f'{d}-D' for d in dims)}, got shape {tuple(t.shape)}")
-    if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
-        raise _err(f"{name} is on {t.device} but this Buffer works on {device}; move it with .to({str(device)!r})")
+    on = t.device
+    if on != device and (on.type != device.type or device.index is not None):  # (a CPU Buffer has no index)
+        raise _err(f"{name} is on {on} but this Buffer works on {device}; move it with .to({str(device)!r})")
     if contiguous and not t.is_contiguous():
         raise _err(f"{name} must be contiguous; call .contiguous() first")
     return t
@@ -503,18 +507,13 @@ class Buffer:
         self._comm.caller_waits()
         return EventOverlap(None)
 
-    @contextlib.contextmanager
-    def _comm_context(self, on_caller: int | None) -> Iterator[None]:
+    def _comm_context(self, on_caller: int | None) -> contextlib.AbstractContextManager[Any]:
         """The comm stream is current inside (allocations and launches go to it); the caller's stream after. An op
-        that runs on the caller's stream (`on_caller`, from _begin) stays there."""
+        that runs on the caller's stream (`on_caller`, from _begin) stays there. (A class, not a generator context
+        manager: this runs on every op, and contextlib's machinery costs microseconds.)"""
         if self._comm is None or on_caller is not None:
-            yield
-            return
-        token = self._comm.enter()
-        try:
-            yield
-        finally:
-            self._comm.leave(token)
+            return _STAY
+        return _OnCommStream(self._comm)
 
     # ---------------------------------------------------------------- validation helpers
     def _check_topk_idx(self, topk_idx: Any, num_experts: int | None, name: str = "topk_idx") -> torch.Tensor:
@@ -889,6 +888,24 @@ class Buffer:
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
         event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller)
         return CombineResult(combined, combined_w, event)
+
+
+class _OnCommStream:
+    """``with _OnCommStream(comm):`` makes the comm stream current inside and restores the caller's stream after."""
+
+    __slots__ = ("comm", "token")
+
+    def __init__(self, comm: CommStream) -> None:
+        self.comm = comm
+
+    def __enter__(self) -> None:
+        self.token = self.comm.enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.comm.leave(self.token)
+
+
+_STAY = contextlib.nullcontext()  # an op that stays on the current stream (reusable: it holds no state)
 
 
 def _flatten(items: Sequence[Any]) -> list[torch.Tensor]:

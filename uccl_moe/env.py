@@ -105,6 +105,8 @@ def _load() -> dict[str, Knob]:
 KNOBS: dict[str, Knob] = _load()
 _logged: set[str] = set()
 _warned_unknown = False
+#: name -> (the variable's text, its parsed value): hot paths read knobs per call, and parsing costs microseconds.
+_parsed: dict[str, tuple[str, Any]] = {}
 
 
 def get(name: str) -> Any:
@@ -121,10 +123,12 @@ def get(name: str) -> Any:
             )
     knob = KNOBS[name]
     text = os.environ.get(knob.var, "")
-    if text == "":
-        return knob.parse(knob.default)
-    value = knob.parse(text)
-    if name not in _logged:
+    hit = _parsed.get(name)
+    if hit is not None and hit[0] == text:  # the environment may change at run time: the text is the key
+        return hit[1]
+    value = knob.parse(text if text != "" else knob.default)  # a bad value raises here, every time
+    _parsed[name] = (text, value)
+    if text != "" and name not in _logged:
         _logged.add(name)
         logging.getLogger("uccl_moe.env").info("%s=%s (default %s)", knob.var, text, knob.default)
     return value

@@ -106,6 +106,22 @@ def test_unknown_knob_warns(monkeypatch):
         env.get("BACKEND")
 
 
+def test_env_get_follows_the_environment_and_refuses_a_bad_value_every_time(monkeypatch):
+    """env.get keeps each knob's parsed value for the text it came from (hot paths read knobs per call): a change of
+    the variable is seen at the next call, and a bad value is never remembered as a good one."""
+    monkeypatch.delenv("UCCL_MOE_TIMEOUT_S", raising=False)
+    assert env.get("TIMEOUT_S") == 100.0
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "7.5")
+    assert env.get("TIMEOUT_S") == 7.5
+    assert env.get("TIMEOUT_S") == 7.5
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "soon")
+    for _ in range(2):
+        with pytest.raises(InvalidUsageError, match="UCCL_MOE_TIMEOUT_S"):
+            env.get("TIMEOUT_S")
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "")  # empty = unset: the default
+    assert env.get("TIMEOUT_S") == 100.0
+
+
 def test_native_timeout_knob_is_validated(monkeypatch):
     monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "12abc")
     _C.env_reset_cache()

@@ -164,3 +164,31 @@ def test_buffer_runs_a_synchronous_op_without_previous_event_on_the_callers_stre
     joins = "wait_event" if args == "previous_event" else "wait_for_caller"
     assert comm.calls.count(joins) == 4
     assert comm.calls.count("caller_waits") == (0 if args == "async" else 4)
+
+
+def test_the_callers_stream_is_restored_when_the_backend_raises() -> None:
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from uccl_moe import Buffer
+
+    if not dist.is_initialized():
+        d = tempfile.mkdtemp()
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
+    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(256 * 4, 1),
+                 backend="reference")
+    comm = _FakeComm(runs_on_caller=False)
+    buf._comm = comm  # type: ignore[assignment]
+
+    def fail(*a):
+        comm.calls.append("backend")
+        raise RuntimeError("kernel launch failed")
+
+    buf._backend.get_dispatch_layout = fail  # type: ignore[union-attr, method-assign]
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        buf.get_dispatch_layout(torch.tensor([[0, 1]], dtype=torch.int64), 2)
+    assert comm.calls == ["wait_for_caller", "enter", "backend", "leave"]
+    buf._comm = None
+    buf.destroy()
