@@ -1,0 +1,22 @@
+"""The CPU dev tool that times Buffer's own Python path runs and prints a figure per op (it must not rot: the closing
+notes quote it)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_python_path_tool_times_every_op() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "tools/dev/python_path.py"), "--calls", "20", "--profile",
+                          "dispatch"], capture_output=True, text=True, timeout=120, env=env, check=True).stdout
+    for op in ("layout", "dispatch", "cached", "combine"):
+        m = re.search(rf"^{op}: ([0-9.]+) us per call$", out, re.M)
+        assert m and float(m.group(1)) > 0, out
+    assert "buffer.py" in out  # the profile of Buffer.dispatch follows
