@@ -482,37 +482,45 @@ class Buffer:
         return None
 
     def _finish(self, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any],
-                on_caller: int | None) -> EventOverlap:
+                on_caller: int | None, handle: DispatchHandle | None = None) -> EventOverlap:
         """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
 
         Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
         by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
         the comm stream that may still be reading them when the caller frees them. An op that ran on the caller's
-        stream (`on_caller`, from _begin) used one stream only: the comm stream just waits for it.
+        stream (`on_caller`, from _begin) used one stream only: the comm stream just waits for it. The tensors of
+        the `handle` a cached dispatch or a combine read count as inputs once a dispatch may have made them on a
+        caller's stream (UCCL_MOE_CALLER_STREAM_OPS); on the comm stream, where they are made otherwise, they need no
+        mark.
         """
-        if self._comm is None:
+        comm = self._comm
+        if comm is None:
             return EventOverlap(EventHandle() if async_finish else None)
         if on_caller is not None:
-            self._comm.end_on_caller(on_caller)
+            comm.end_on_caller(on_caller)
             return EventOverlap(None)
-        compute = self._comm.caller()
+        if async_finish and handle is not None and comm.ran_on_caller:
+            inputs = [*inputs, *self._live().handle_tensors(handle)]
+        compute = comm.caller()
         for t in _flatten(outputs):
             if t.device.type == "cuda":
                 t.record_stream(compute)
         if async_finish:
             for t in _flatten(inputs):
                 if t.device.type == "cuda":
-                    t.record_stream(self._comm.stream)
-            return EventOverlap(EventHandle(self._comm.stream))
-        self._comm.caller_waits()
+                    t.record_stream(comm.stream)
+            return EventOverlap(EventHandle(comm.stream))
+        comm.caller_waits()
         return EventOverlap(None)
 
     def _comm_context(self, on_caller: int | None) -> contextlib.AbstractContextManager[Any]:
         """The comm stream is current inside (allocations and launches go to it); the caller's stream after. An op
         that runs on the caller's stream (`on_caller`, from _begin) stays there. (A class, not a generator context
         manager: this runs on every op, and contextlib's machinery costs microseconds.)"""
-        if self._comm is None or on_caller is not None:
+        if self._comm is None:
             return _STAY
+        if on_caller is not None:
+            return _OnCallerStream(self._comm, on_caller)
         return _OnCommStream(self._comm)
 
     # ---------------------------------------------------------------- validation helpers
@@ -749,7 +757,7 @@ class Buffer:
             with self._comm_context(on_caller):
                 recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
             out_x: TensorOrFp8 = recv_x if recv_scales is None else (recv_x, recv_scales)
-            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales], on_caller)
+            event = self._finish(async_finish, [data, scales], [recv_x, recv_scales], on_caller, h)
             return DispatchResult(out_x, None, None, None, None, event)
 
         missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
@@ -886,7 +894,7 @@ class Buffer:
         on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=not from_view)
         with self._comm_context(on_caller):
             combined, combined_w = backend.combine(x, h, topk_weights, (biases[0], biases[1]), config)
-        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller)
+        event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller, h)
         return CombineResult(combined, combined_w, event)
 
 
@@ -903,6 +911,23 @@ class _OnCommStream:
 
     def __exit__(self, *exc: Any) -> None:
         self.comm.leave(self.token)
+
+
+class _OnCallerStream:
+    """``with _OnCallerStream(comm, caller):`` around an op on the caller's stream: if the op raises, the comm stream
+    still waits for what it enqueued there (on success Buffer._finish does that)."""
+
+    __slots__ = ("comm", "caller")
+
+    def __init__(self, comm: CommStream, caller: int) -> None:
+        self.comm, self.caller = comm, caller
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None:
+            self.comm.end_on_caller(self.caller)
 
 
 _STAY = contextlib.nullcontext()  # an op that stays on the current stream (reusable: it holds no state)

@@ -19,6 +19,8 @@ and each mark costs the caching allocator an event record when freed and an even
 joins keep such an op in order with the Buffer's other ops, as if it ran on the comm stream: the caller's stream
 first waits for the comm stream (skipped when nothing was enqueued there since the caller's stream last waited), and
 the comm stream then waits for the op, so later ops, and work a caller puts on ``get_comm_stream()``, come after it.
+Such an op runs at the caller's stream priority, not the comm stream's high priority, so concurrent work on other
+streams can delay its kernels (the caller's stream waits for them either way).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class CommStream:
         #: Set once get_comm_stream() handed the stream out: a caller may enqueue work there, so every op joins.
         self.exposed = False
         self._caller_ops = bool(env.get("CALLER_STREAM_OPS"))
+        #: Set once an op ran on a caller's stream: its outputs (a handle among them) live in that stream's memory
+        #: pool, so a later asynchronous op must mark the handle it reads used by the comm stream (Buffer._finish).
+        self.ran_on_caller = False
 
     def _create_events(self, c: Any) -> tuple[int, int]:
         first = int(c.join_event_create(self.index))
@@ -132,7 +137,8 @@ class CommStream:
             assert self._events is not None
             caller = int(self._get_raw(self.index))
             self._stream_join(caller, self._raw, self._events[1])
-            self._clear_for = caller
+            # (a wait made while capturing a CUDA graph exists only in the graph: it orders nothing eagerly)
+            self._clear_for = caller if self._caller_ops and not self._capturing() else None
         else:
             self._clear_for = None
             self._join(torch.cuda.current_stream(torch.cuda.current_device()), self.stream, self._torch_out)
@@ -147,6 +153,7 @@ class CommStream:
         """Start an op on the caller's stream: it waits for the comm stream unless nothing was enqueued there since
         it last did. Returns the caller's raw stream, for :meth:`end_on_caller`."""
         assert self._events is not None
+        self.ran_on_caller = True
         caller = int(self._get_raw(self.index))
         if caller != self._clear_for or self.exposed:
             self._stream_join(caller, self._raw, self._events[1])

@@ -111,7 +111,9 @@ def test_join_events_are_freed_on_close_and_on_collection(comm) -> None:
 # ------------------------------------------------------------------------------------------ ops on the caller's stream
 @pytest.fixture(scope="module")
 def world1():
-    """A native Buffer over a world of one rank (NCCL), a routed batch and its handle: (buf, x, handle)."""
+    """A native Buffer over a one-rank NCCL group with UCCL_MOE_CALLER_STREAM_OPS=1, a routed batch and its handle:
+    (buf, x, handle). Uses the default process group where it is a world of one made by another test (gloo, say),
+    through an NCCL group of its own."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (run through the device tool)")
     import os
@@ -122,33 +124,38 @@ def world1():
     from uccl_moe import Buffer
 
     torch.cuda.set_device(0)
-    knob = os.environ.get("UCCL_MOE_CALLER_STREAM_OPS")
-    os.environ["UCCL_MOE_CALLER_STREAM_OPS"] = "1"  # read when the Buffer is created
     mine = not dist.is_initialized()
+    if not mine and dist.get_world_size() != 1:
+        pytest.skip("needs a world of one rank")
+    store_dir = tempfile.TemporaryDirectory()  # the file store lives as long as the group
     if mine:
-        d = tempfile.mkdtemp()
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'init')}", rank=0,
-                                world_size=1)
-    T, H, E = 512, 2048, 8
-    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1), backend="native",
-                 explicitly_destroy=True)
-    idx = torch.topk(torch.rand((T, E), device="cuda"), 2, dim=1).indices
-    idx[::3, 1] = -1
-    x = torch.randn((T, H), device="cuda").bfloat16()
-    lay = buf.get_dispatch_layout(idx, E)
-    r = buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand((T, 2), device="cuda"),
-                     num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                     num_tokens_per_expert=lay.num_tokens_per_expert)
-    assert buf._comm is not None and buf._comm.runs_on_caller()
-    yield buf, x, r.handle
-    torch.cuda.synchronize()
-    buf.destroy()
-    if knob is None:
-        os.environ.pop("UCCL_MOE_CALLER_STREAM_OPS", None)
-    else:
-        os.environ["UCCL_MOE_CALLER_STREAM_OPS"] = knob
-    if mine:
-        dist.destroy_process_group()
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(store_dir.name, 'init')}",
+                                rank=0, world_size=1)
+    group = dist.group.WORLD if mine else dist.new_group([0], backend="cpu:gloo,cuda:nccl")
+    knobs = pytest.MonkeyPatch()
+    knobs.setenv("UCCL_MOE_CALLER_STREAM_OPS", "1")  # read when the Buffer is created
+    buf = None
+    try:
+        T, H, E = 512, 2048, 8
+        buf = Buffer(group, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1), backend="native",
+                     explicitly_destroy=True)
+        idx = torch.topk(torch.rand((T, E), device="cuda"), 2, dim=1).indices
+        idx[::3, 1] = -1
+        x = torch.randn((T, H), device="cuda").bfloat16()
+        lay = buf.get_dispatch_layout(idx, E)
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand((T, 2), device="cuda"),
+                         num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                         num_tokens_per_expert=lay.num_tokens_per_expert)
+        assert buf._comm is not None and buf._comm.runs_on_caller()
+        yield buf, x, r.handle
+    finally:
+        knobs.undo()
+        torch.cuda.synchronize()
+        if buf is not None:
+            buf.destroy()
+        if mine:
+            dist.destroy_process_group()
+        store_dir.cleanup()
 
 
 def _timed_mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -221,7 +228,7 @@ def test_synchronous_ops_on_two_caller_streams_run_in_call_order(world1) -> None
 
 def test_a_synchronous_op_marks_no_tensor_used_by_another_stream(world1, monkeypatch) -> None:
     """On the caller's stream a dispatch and a combine need no record_stream (the host time it saves is the point);
-    with Megatron's arguments (comm stream, async) they do."""
+    with Megatron's arguments (comm stream, async) they do, the handle made on the caller's stream included."""
     from uccl_moe import Buffer
 
     buf, x, handle = world1
@@ -233,5 +240,7 @@ def test_a_synchronous_op_marks_no_tensor_used_by_another_stream(world1, monkeyp
     assert marks == []
     r = buf.dispatch(x, handle=handle, previous_event=Buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
     r.event.current_stream_wait()
-    assert len(marks) >= 2  # recv_x for the caller's stream, x for the comm stream
+    # recv_x for the caller's stream; x and, since the handle was made on the caller's stream, its 6 tensors for the
+    # comm stream
+    assert len(marks) == 8
     torch.cuda.synchronize()

@@ -5,6 +5,7 @@ Buffer. The joins themselves are GPU-tested in tests/gpu/test_streams_gpu.py."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ def test_events_the_native_module_cannot_create_fall_back_to_torch(monkeypatch) 
 
 
 # ------------------------------------------------------------------------------------------------ running on the caller
-_COMM, _A, _B = 0x1234, 0x10, 0x20  # raw streams: the comm stream, two caller streams
+_COMM, _A, _B = 0x1234, 0, 0x20  # raw streams: the comm stream, two caller streams (the legacy default one is 0)
 
 
 @pytest.fixture()
@@ -89,8 +90,16 @@ def test_an_op_on_the_callers_stream_joins_only_where_the_comm_stream_may_hold_w
     cs.exposed = True
     assert on_caller(_B) == [(_B, _COMM), (_COMM, _B)]
     # while the caller's stream captures a CUDA graph, ops take the comm stream (fork and join in the capture)
+    cs.exposed = False
     state["capturing"] = True
     assert not cs.runs_on_caller()
+    # ... and the caller's wait at their end exists only in the graph: the next eager op still waits for the comm
+    # stream (where an async op may run meanwhile)
+    cs.wait_for_caller()
+    cs.caller_waits()
+    state["capturing"] = False
+    assert on_caller(_B) == [(_B, _COMM), (_COMM, _B)]
+    assert cs.ran_on_caller
 
 
 def test_ops_stay_on_the_comm_stream_unless_the_knob_is_on(fake_raw, monkeypatch) -> None:
@@ -102,6 +111,31 @@ def test_ops_stay_on_the_comm_stream_unless_the_knob_is_on(fake_raw, monkeypatch
     off.close()
 
 
+@pytest.fixture(scope="module")
+def gloo_world():
+    """The default process group: a gloo world of one rank, destroyed after the module if this fixture made it."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with tempfile.TemporaryDirectory() as d:  # the file store lives as long as the group
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
+        yield dist.group.WORLD
+        dist.destroy_process_group()
+
+
+def _cpu_buffer(group, comm):
+    from uccl_moe import Buffer
+
+    buf = Buffer(group, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(256 * 4, 1), backend="reference")
+    buf._comm = comm  # type: ignore[assignment]
+    return buf
+
+
 class _FakeComm:
     """Records which of CommStream's methods a Buffer op calls."""
 
@@ -109,12 +143,14 @@ class _FakeComm:
         self.calls: list[str] = []
         self._runs = runs_on_caller
         self.stream = None
+        self.ran_on_caller = False
 
     def runs_on_caller(self) -> bool:
         return self._runs
 
     def begin_on_caller(self) -> int:
         self.calls.append("begin_on_caller")
+        self.ran_on_caller = True
         return 0  # the legacy default stream's raw handle: a valid stream, not "no stream"
 
     def end_on_caller(self, caller: int) -> None:
@@ -128,22 +164,12 @@ class _FakeComm:
 
 @pytest.mark.parametrize("runs_on_caller", [True, False])
 @pytest.mark.parametrize("args", ["sync", "previous_event", "async", "allocate_on_comm_stream"])
-def test_buffer_runs_a_synchronous_op_without_previous_event_on_the_callers_stream(runs_on_caller, args) -> None:
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-
-    from uccl_moe import Buffer
+def test_buffer_runs_a_synchronous_op_without_previous_event_on_the_callers_stream(gloo_world, runs_on_caller,
+                                                                                   args) -> None:
     from uccl_moe.utils import EventHandle, EventOverlap
 
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(256 * 4, 1),
-                 backend="reference")
     comm = _FakeComm(runs_on_caller)
-    buf._comm = comm  # type: ignore[assignment]
+    buf = _cpu_buffer(gloo_world, comm)
     kw = {"sync": {}, "previous_event": {"previous_event": EventOverlap(EventHandle())},
           "async": {"async_finish": True}, "allocate_on_comm_stream": {"allocate_on_comm_stream": True}}[args]
     idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int64)
@@ -166,21 +192,12 @@ def test_buffer_runs_a_synchronous_op_without_previous_event_on_the_callers_stre
     assert comm.calls.count("caller_waits") == (0 if args == "async" else 4)
 
 
-def test_the_callers_stream_is_restored_when_the_backend_raises() -> None:
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-
-    from uccl_moe import Buffer
-
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(256 * 4, 1),
-                 backend="reference")
-    comm = _FakeComm(runs_on_caller=False)
-    buf._comm = comm  # type: ignore[assignment]
+@pytest.mark.parametrize("runs_on_caller", [False, True])
+def test_the_streams_are_joined_back_when_the_backend_raises(gloo_world, runs_on_caller) -> None:
+    """On the comm stream the caller's stream is current again; on the caller's stream the comm stream still waits
+    for what the op enqueued before it failed (later ops on the comm stream must not overlap it)."""
+    comm = _FakeComm(runs_on_caller)
+    buf = _cpu_buffer(gloo_world, comm)
 
     def fail(*a):
         comm.calls.append("backend")
@@ -189,6 +206,46 @@ def test_the_callers_stream_is_restored_when_the_backend_raises() -> None:
     buf._backend.get_dispatch_layout = fail  # type: ignore[union-attr, method-assign]
     with pytest.raises(RuntimeError, match="kernel launch failed"):
         buf.get_dispatch_layout(torch.tensor([[0, 1]], dtype=torch.int64), 2)
-    assert comm.calls == ["wait_for_caller", "enter", "backend", "leave"]
+    if runs_on_caller:
+        assert comm.calls == ["begin_on_caller", "backend", "end_on_caller(0)"]
+    else:
+        assert comm.calls == ["wait_for_caller", "enter", "backend", "leave"]
     buf._comm = None
     buf.destroy()
+
+
+@pytest.mark.parametrize("ran_on_caller", [False, True])
+def test_an_async_op_marks_the_handle_it_reads_once_ops_ran_on_a_callers_stream(gloo_world, ran_on_caller) -> None:
+    """A handle made on a caller's stream lives in that stream's memory pool: an async combine or cached dispatch on
+    the comm stream must mark its tensors (the backend's handle_tensors) used by the comm stream, as its inputs."""
+    comm = _FakeComm(runs_on_caller=False)
+    buf = _cpu_buffer(gloo_world, comm)
+    idx = torch.tensor([[0, 1], [1, -1]], dtype=torch.int64)
+    lay = buf.get_dispatch_layout(idx, 2)
+    x = torch.randn((2, 256), dtype=torch.bfloat16)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=torch.rand((2, 2)), num_tokens_per_rank=lay.num_tokens_per_rank,
+                     is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
+    comm.ran_on_caller = ran_on_caller
+    asked: list[Any] = []
+    real = buf._backend.handle_tensors  # type: ignore[union-attr]
+    buf._backend.handle_tensors = lambda h: (asked.append(h), real(h))[1]  # type: ignore[union-attr, method-assign]
+    buf.combine(r.recv_x, r.handle, async_finish=True)
+    buf.dispatch(x, handle=r.handle, async_finish=True)
+    buf.combine(r.recv_x, r.handle)  # synchronous: the caller's stream waits, nothing to mark
+    assert len(asked) == (2 if ran_on_caller else 0)
+    assert all(h[0] is r.handle[0] for h in asked)
+    assert len(real(r.handle)) == 6
+    buf._comm = None
+    buf.destroy()
+
+
+def test_internode_handles_list_their_plans_tensors() -> None:
+    from uccl_moe.backends.internode import _PLAN_ATTR, InternodePath
+
+    t = [torch.zeros(1) for _ in range(3)]
+    plan = types.SimpleNamespace(send_pos=t[0], xp_rows=4, mask=t[1], fwd_prefix=None, row_map=t[2], num_sms=24)
+    handle = tuple(torch.zeros(1) for _ in range(6))
+    assert InternodePath.handle_tensors(None, handle) == []  # type: ignore[arg-type]
+    setattr(handle[0], _PLAN_ATTR, plan)
+    got = InternodePath.handle_tensors(None, handle)  # type: ignore[arg-type]
+    assert len(got) == 3 and all(any(g is x for x in t) for g in got)

@@ -134,6 +134,11 @@ class Backend(abc.ABC):
         or None where they follow the config's (Buffer sizes its buffer check with it). Default: None."""
         return None
 
+    def handle_tensors(self, handle: tuple[Any, ...]) -> list[torch.Tensor]:
+        """Every tensor the device reads when a cached dispatch or a combine runs with `handle` (Buffer marks them
+        used by the comm stream where that is needed). Default: the handle's own tensors."""
+        return [t for t in handle if isinstance(t, torch.Tensor)]
+
     def combine_buffer(self, handle: tuple[Any, ...], hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] memory of this backend's own that a combine reads in place (Buffer.get_combine_buffer),
         or None where there is none and the caller gets a tensor of its own. Default: None."""

@@ -292,6 +292,13 @@ class InternodePath:
         comb = _C.internode_combine_layout(self.ctx.num_rdma_bytes, x.shape[1], max(K, 1))
         return int(min(lay["cap"], comb["cap"]))
 
+    def handle_tensors(self, handle: Any) -> list[torch.Tensor]:
+        """The device tensors of `handle`'s plan (the handle's own six are the backend's to list)."""
+        plan = getattr(handle[0], _PLAN_ATTR, None)
+        if plan is None:
+            return []
+        return [v for v in vars(plan).values() if isinstance(v, torch.Tensor)]
+
     def _check_cached(self, plan: _Plan, x: torch.Tensor, x_scales: torch.Tensor | None) -> None:
         """A cached dispatch stages the rows of the dispatch that made the handle, now of x's width: refused on every
         rank alike (staged_need is the same everywhere) when they no longer fit, e.g. float32 rows after BF16."""

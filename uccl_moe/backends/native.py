@@ -165,6 +165,12 @@ class NativeBackend(Backend):
             return int(self._inter.handle_num_sms(handle))
         return self._sms_of(handle)
 
+    def handle_tensors(self, handle: Any) -> list[torch.Tensor]:
+        tensors = super().handle_tensors(handle)
+        if self._inter is not None:
+            tensors += self._inter.handle_tensors(handle)
+        return tensors
+
     def check_config(self, config: Any) -> None:
         # dispatch() runs _check_alive next (a destroyed backend has no runtime and is refused there)
         if self._rt is not None:
