@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # 4 x H200 device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
 #   itest    intranode GPU tests (ITEST_K selects, UMOE_TEST_ITERS back-to-back calls, default 200)
+#   caller   UCCL_MOE_CALLER_STREAM_OPS=1 (synchronous ops on the caller's stream): the streams tests, the intranode GPU
+#            tests with the knob on (ITEST_K selects), and the host time per op both ways (tools/dev/profile_call.py)
 #   bench    `uccl-moe bench` with BENCH_ARGS (JSON and PNG in the results)
 #   mtest    Megatron dispatcher GPU tests on the native backend (EP2/EP4, TPxEP, shared-expert overlap)
 #   inter    emulated-internode GPU tests on 4 GPUs (2x2 and 4x1, both data paths, reordering)
@@ -23,6 +25,16 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-200} timeout ${ITEST_T:-400} python3 -m pytest -q -p no:cacheprovider \
       --timeout 380 -rA tests/gpu/test_intranode_native.py -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
     echo "itest rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed|checks failed" "$OUT/itest.log" | tail -10 ;;
+  caller)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --timeout 180 -rA tests/gpu/test_streams_gpu.py \
+      > "$OUT/caller_streams.log" 2>&1
+    echo "streams rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/caller_streams.log" | tail -6
+    UCCL_MOE_CALLER_STREAM_OPS=1 UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-200} timeout ${ITEST_T:-400} python3 -m pytest -q \
+      -p no:cacheprovider --timeout 380 -rA tests/gpu/test_intranode_native.py -k "${ITEST_K:-}" \
+      > "$OUT/caller_itest.log" 2>&1
+    echo "itest (caller's stream) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/caller_itest.log" | tail -8
+    timeout 200 python3 tools/dev/profile_call.py --tokens 128 --calls 500 --top 0 --caller-stream both 2>&1 \
+      | grep -E "host time per call|Error" | tee "$OUT/caller_host.log" ;;
   bench)
     # shellcheck disable=SC2086
     timeout ${BENCH_T:-300} python3 -m uccl_moe.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" --png "$OUT/bench.png" \
