@@ -927,7 +927,10 @@ class _OnCallerStream:
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
         if exc_type is not None:
-            self.comm.end_on_caller(self.caller)
+            try:
+                self.comm.end_on_caller(self.caller)
+            except Exception as e:  # noqa: BLE001 - e.g. a context a trapped kernel broke: the op's error is the news
+                log.debug("joining the comm stream after a failed op failed too: %s", e)
 
 
 _STAY = contextlib.nullcontext()  # an op that stays on the current stream (reusable: it holds no state)

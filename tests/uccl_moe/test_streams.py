@@ -210,6 +210,13 @@ def test_the_streams_are_joined_back_when_the_backend_raises(gloo_world, runs_on
         assert comm.calls == ["begin_on_caller", "backend", "end_on_caller(0)"]
     else:
         assert comm.calls == ["wait_for_caller", "enter", "backend", "leave"]
+    if runs_on_caller:  # a join that fails too (a context a trapped kernel broke) does not hide the op's error
+        def broken_join(caller: int) -> None:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+
+        comm.end_on_caller = broken_join  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="kernel launch failed"):
+            buf.get_dispatch_layout(torch.tensor([[0, 1]], dtype=torch.int64), 2)
     buf._comm = None
     buf.destroy()
 
