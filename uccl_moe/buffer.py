@@ -488,16 +488,15 @@ class Buffer:
         Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
         by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
         the comm stream that may still be reading them when the caller frees them. An op that ran on the caller's
-        stream (`on_caller`, from _begin) used one stream only: the comm stream just waits for it. The tensors of
-        the `handle` a cached dispatch or a combine read count as inputs once a dispatch may have made them on a
-        caller's stream (UCCL_MOE_CALLER_STREAM_OPS); on the comm stream, where they are made otherwise, they need no
-        mark.
+        stream (`on_caller`, from _begin) used one stream only (its _comm_context joined the comm stream after it).
+        The tensors of the `handle` a cached dispatch or a combine read count as inputs once a dispatch may have made
+        them on a caller's stream (UCCL_MOE_CALLER_STREAM_OPS); on the comm stream, where they are made otherwise,
+        they need no mark.
         """
         comm = self._comm
         if comm is None:
             return EventOverlap(EventHandle() if async_finish else None)
         if on_caller is not None:
-            comm.end_on_caller(on_caller)
             return EventOverlap(None)
         if async_finish and handle is not None and comm.ran_on_caller:
             inputs = [*inputs, *self._live().handle_tensors(handle)]
@@ -515,8 +514,9 @@ class Buffer:
 
     def _comm_context(self, on_caller: int | None) -> contextlib.AbstractContextManager[Any]:
         """The comm stream is current inside (allocations and launches go to it); the caller's stream after. An op
-        that runs on the caller's stream (`on_caller`, from _begin) stays there. (A class, not a generator context
-        manager: this runs on every op, and contextlib's machinery costs microseconds.)"""
+        that runs on the caller's stream (`on_caller`, from _begin) stays there, and the comm stream waits for it
+        after. (Classes, not a generator context manager: this runs on every op, and contextlib's machinery costs
+        microseconds.)"""
         if self._comm is None:
             return _STAY
         if on_caller is not None:
@@ -914,8 +914,8 @@ class _OnCommStream:
 
 
 class _OnCallerStream:
-    """``with _OnCallerStream(comm, caller):`` around an op on the caller's stream: if the op raises, the comm stream
-    still waits for what it enqueued there (on success Buffer._finish does that)."""
+    """``with _OnCallerStream(comm, caller):`` around an op on the caller's stream: the comm stream waits for what it
+    enqueued there after, also when the op raises (later ops on the comm stream must not overlap it)."""
 
     __slots__ = ("comm", "caller")
 
@@ -926,11 +926,13 @@ class _OnCallerStream:
         pass
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is not None:
-            try:
-                self.comm.end_on_caller(self.caller)
-            except Exception as e:  # noqa: BLE001 - e.g. a context a trapped kernel broke: the op's error is the news
-                log.debug("joining the comm stream after a failed op failed too: %s", e)
+        if exc_type is None:
+            self.comm.end_on_caller(self.caller)
+            return
+        try:
+            self.comm.end_on_caller(self.caller)
+        except Exception as e:  # noqa: BLE001 - e.g. a context a trapped kernel broke: the op's error is the news
+            log.debug("joining the comm stream after a failed op failed too: %s", e)
 
 
 _STAY = contextlib.nullcontext()  # an op that stays on the current stream (reusable: it holds no state)

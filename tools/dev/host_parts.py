@@ -59,6 +59,13 @@ def main() -> None:
                     buf._comm._caller_ops = False
             return run
 
+        def plumbing_on_caller() -> None:
+            """An op's stream plumbing on the caller's stream, no op inside (the context makes the closing join)."""
+            on = buf._begin(None, False, False)
+            with buf._comm_context(on):
+                pass
+            buf._finish(False, [x], [y, None], on)
+
         def comm_path(fn: Callable[..., Any]) -> Callable[[], Any]:
             """The op on the comm stream, with Megatron's arguments (the caller waits for the returned event)."""
             return lambda: fn(previous_event=buf.capture(), async_finish=True,
@@ -77,8 +84,7 @@ def main() -> None:
             "Buffer.combine (Megatron's args)": comm_path(lambda **kw: buf.combine(y, h, config=cfg, **kw)),
             "NativeBackend.cached_dispatch": lambda: be.cached_dispatch(x, None, h, cfg),
             "NativeBackend.combine": lambda: be.combine(y, h, None, (None, None), cfg),
-            "Buffer._begin + _finish (caller's stream)": on_caller(
-                lambda: buf._finish(False, [x], [y, None], buf._begin(None, False, False))),
+            "Buffer._begin + context + _finish (caller's stream)": on_caller(plumbing_on_caller),
             "Buffer._begin (comm stream)": lambda: buf._begin(None, False, True),
             "Buffer._finish (comm stream, 2 outputs)": lambda: buf._finish(False, [x], [y, None], None),
             "Buffer._comm_context": comm_context,
