@@ -181,8 +181,9 @@ def test_moe_timer_cpu_clock_and_untouched_instances():
 
 def test_process_cpu_s_counts_every_thread():
     def spin(seconds: float) -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        # Burn CPU time of this thread (not wall time), so a loaded machine cannot starve the count.
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
             pass
 
     t0 = process_cpu_s()
