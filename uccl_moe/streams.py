@@ -11,8 +11,8 @@ has a GPU backend. Otherwise (a caller on another device, a build without GPU su
 API, as before.
 
 A synchronous op without ``previous_event`` (``async_finish=False``, ``allocate_on_comm_stream=False``) needs no comm
-stream at all: the caller's stream would wait for it anyway. With ``UCCL_MOE_CALLER_STREAM_OPS=1`` (off by default
-until its GPU tests have run), on the raw path and outside CUDA-graph capture, it runs on the caller's stream itself
+stream at all: the caller's stream would wait for it anyway. By default (``UCCL_MOE_CALLER_STREAM_OPS=1``; 0 turns it
+off), on the raw path and outside CUDA-graph capture, it runs on the caller's stream itself
 (:meth:`CommStream.runs_on_caller`), which saves the stream switch and, above all, the
 ``record_stream`` of every output (outputs allocated on the comm stream must be marked used by the caller's stream,
 and each mark costs the caching allocator an event record when freed and an event query at a later allocation). Two
