@@ -304,7 +304,7 @@ void EfaEndpoint::advance(uint64_t tag, Pending& p) {
 }
 
 bool EfaEndpoint::try_post(const WorkRequest& in) {
-  if (!partial_.empty() || outstanding_ >= t_->plan_.send_depth) return false;
+  if (outstanding_ >= t_->plan_.send_depth) return false;
   if (in.op == WrOp::kAtomicAdd || !check_write_bounds(in, t_->data_, RemoteMr{peers_[size_t(in.peer)].data_addr,
                                                      peers_[size_t(in.peer)].data_bytes, 0}).empty()) {
     EfaWrPlan unused;
@@ -332,19 +332,18 @@ void EfaEndpoint::post(const WorkRequest& wr) {
 }
 
 void EfaEndpoint::flush() {
-  while (!partial_.empty()) {
-    const uint64_t tag = partial_.front();
-    Pending& p = pending_.at(tag);
-    advance(tag, p);
-    if (!p.error.empty() || p.posted == p.pieces) {
-      partial_.pop_front();
-      if (!p.error.empty() && p.posted == p.done) {
-        queue_.fail(p.in, p.error);
-        pending_.erase(tag);
-      }
+  for (auto it = partial_.begin(); it != partial_.end() && outstanding_ < t_->plan_.send_depth;) {
+    Pending& p = pending_.at(*it);
+    advance(*it, p);
+    if (p.error.empty() && p.posted < p.pieces) {
+      ++it;  // waits for room or for its earlier pieces to land
       continue;
     }
-    break;  // waits for room or for its earlier pieces to land
+    if (!p.error.empty() && p.posted == p.done) {
+      queue_.fail(p.in, p.error);
+      pending_.erase(*it);
+    }
+    it = partial_.erase(it);
   }
   queue_.flush([this](const WorkRequest& w) { return try_post(w); });
 }
