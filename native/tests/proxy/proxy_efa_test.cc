@@ -131,7 +131,8 @@ void ht_over_efa(int num_ranks, int chunks_per_fifo, test::EfaProfile prof, uint
         bar.op = CmdOp::kBarrier;
         proxy.wait(0, proxy.push(0, bar));
         const ProxyCounters pc = proxy.counters_total();
-        RANK_CHECK(pc.writes == uint64_t(num_ranks * nf * chunks_per_fifo), "writes=%llu", (unsigned long long)pc.writes);
+        RANK_CHECK(pc.writes == uint64_t(num_ranks * nf * chunks_per_fifo), "writes=%llu",
+                   (unsigned long long)pc.writes);
         RANK_CHECK(pc.applied_updates == uint64_t(num_ranks * nf * chunks_per_fifo), "applied=%llu",
                    (unsigned long long)pc.applied_updates);
         RANK_CHECK(pc.reorders > 0, "SRD reordering was on but no write arrived out of order");

@@ -74,6 +74,8 @@ namespace {
 
 class EfaTransport;
 
+RemoteMr remote_data(const EfaPeerInfo& p) { return RemoteMr{p.data_addr, p.data_bytes, p.data_rkey}; }
+
 /// One proxy WorkRequest in flight: a write longer than the device's max_rdma_size goes out as several pieces, and
 /// the piece carrying the immediate is posted only after the others landed (SRD does not order them), so the peer
 /// sees the immediate only with all of the data. One completion is reported per request.
@@ -116,7 +118,8 @@ class EfaEndpoint : public Endpoint {
 
 class EfaTransport : public Transport {
  public:
-  EfaTransport(const TransportContext& ctx, EfaOpsPair ops) : ctx_(ctx), ops_(std::move(ops.verbs)), efa_(std::move(ops.efa)) {
+  EfaTransport(const TransportContext& ctx, EfaOpsPair ops)
+      : ctx_(ctx), ops_(std::move(ops.verbs)), efa_(std::move(ops.efa)) {
     const std::string want = env::IB_HCA();
     for (const std::string& name : ops_->device_names()) {
       if (!want.empty() ? name != want : !is_efa_device(name)) continue;
@@ -169,7 +172,8 @@ class EfaTransport : public Transport {
   ibv_gid gid_{};
   ibv_pd* pd_ = nullptr;
   ibv_mr *data_mr_ = nullptr, *scratch_mr_ = nullptr;
-  alignas(64) uint8_t scratch_[64] = {0};  ///< the one scatter entry of every posted receive (immediates carry no payload)
+  /// The one scatter entry of every posted receive (an RDMA write's immediate brings no payload into it).
+  alignas(64) uint8_t scratch_[64] = {0};
   LocalMr data_;
 };
 
@@ -221,7 +225,8 @@ EfaEndpoint::~EfaEndpoint() {
 // receive never reaches the device (rdma-core providers/efa/verbs.c efa_post_recv; UCCL-EP ep/src/rdma.cpp posts
 // one-entry receives).
 void EfaEndpoint::post_recvs(uint32_t n) {
-  ibv_sge sge{uint64_t(reinterpret_cast<uintptr_t>(t_->scratch_)), uint32_t(sizeof t_->scratch_), t_->scratch_mr_->lkey};
+  ibv_sge sge{uint64_t(reinterpret_cast<uintptr_t>(t_->scratch_)), uint32_t(sizeof t_->scratch_),
+              t_->scratch_mr_->lkey};
   for (uint32_t i = 0; i < n; ++i) {
     ibv_recv_wr wr{}, *bad = nullptr;
     wr.wr_id = kRecvWrId;
@@ -271,9 +276,7 @@ std::string EfaEndpoint::post_piece(uint64_t tag, const Pending& p) {
   if (!last) w.op = WrOp::kWrite;  // the immediate rides on the last piece only
   const EfaPeerInfo& peer = peers_[size_t(w.peer)];
   EfaWrPlan plan;
-  if (std::string err = build_efa_wr(w, t_->data_, RemoteMr{peer.data_addr, peer.data_bytes, peer.data_rkey}, peer, &plan);
-      !err.empty())
-    return err;
+  if (std::string err = build_efa_wr(w, t_->data_, remote_data(peer), peer, &plan); !err.empty()) return err;
   EfaOps& e = *t_->efa_;
   e.wr_start(qpx_);
   qpx_->wr_id = tag;
@@ -305,11 +308,10 @@ void EfaEndpoint::advance(uint64_t tag, Pending& p) {
 
 bool EfaEndpoint::try_post(const WorkRequest& in) {
   if (outstanding_ >= t_->plan_.send_depth) return false;
-  if (in.op == WrOp::kAtomicAdd || !check_write_bounds(in, t_->data_, RemoteMr{peers_[size_t(in.peer)].data_addr,
-                                                     peers_[size_t(in.peer)].data_bytes, 0}).empty()) {
-    EfaWrPlan unused;
-    const EfaPeerInfo& peer = peers_[size_t(in.peer)];
-    queue_.fail(in, build_efa_wr(in, t_->data_, RemoteMr{peer.data_addr, peer.data_bytes, peer.data_rkey}, peer, &unused));
+  const EfaPeerInfo& peer = peers_[size_t(in.peer)];
+  EfaWrPlan whole;  // the whole request is checked (atomics, region bounds) before any piece goes out
+  if (std::string err = build_efa_wr(in, t_->data_, remote_data(peer), peer, &whole); !err.empty()) {
+    queue_.fail(in, std::move(err));
     return true;
   }
   const uint64_t tag = next_tag_++;
@@ -350,7 +352,8 @@ void EfaEndpoint::flush() {
 
 void EfaEndpoint::on_piece_done(uint64_t tag, std::string error, std::vector<Completion>& out) {
   auto it = pending_.find(tag);
-  UCCL_CHECK_INTERNAL(it != pending_.end(), "efa: completion for unknown work request tag %llu", (unsigned long long)tag);
+  UCCL_CHECK_INTERNAL(it != pending_.end(), "efa: completion for unknown work request tag %llu",
+                      (unsigned long long)tag);
   Pending& p = it->second;
   --outstanding_;
   ++p.done;

@@ -19,7 +19,9 @@ class RealEfaOps : public EfaOps {
   void wr_rdma_write_imm(ibv_qp_ex* q, uint32_t rkey, uint64_t ra, __be32 imm) override {
     ibv_wr_rdma_write_imm(q, rkey, ra, imm);
   }
-  void wr_set_sge(ibv_qp_ex* q, uint32_t lkey, uint64_t addr, uint32_t len) override { ibv_wr_set_sge(q, lkey, addr, len); }
+  void wr_set_sge(ibv_qp_ex* q, uint32_t lkey, uint64_t addr, uint32_t len) override {
+    ibv_wr_set_sge(q, lkey, addr, len);
+  }
   void wr_set_sge_list(ibv_qp_ex* q, size_t n, const ibv_sge* sg) override { ibv_wr_set_sge_list(q, n, sg); }
   void wr_set_ud_addr(ibv_qp_ex* q, ibv_ah* ah, uint32_t qpn, uint32_t qkey) override {
     ibv_wr_set_ud_addr(q, ah, qpn, qkey);

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <thread>
 
 #include "../fake_nic/efa_fake.hpp"
@@ -59,9 +60,9 @@ struct Ranks {
     throw std::runtime_error("no qp");
   }
   /// Polls every rank until `done` holds or `max_rounds` pass; returns the completions per rank.
-  std::vector<std::vector<Completion>> poll_until(const std::function<bool(const std::vector<std::vector<Completion>>&)>& done,
-                                                  int max_rounds = 2000) {
-    std::vector<std::vector<Completion>> got(ep.size());
+  using PerRank = std::vector<std::vector<Completion>>;
+  PerRank poll_until(const std::function<bool(const PerRank&)>& done, int max_rounds = 2000) {
+    PerRank got(ep.size());
     for (int i = 0; i < max_rounds && !done(got); ++i)
       for (size_t r = 0; r < ep.size(); ++r) ep[r]->poll(got[r], 32);
     return got;

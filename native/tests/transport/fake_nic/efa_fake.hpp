@@ -97,7 +97,7 @@ struct EfaFabric {
     bool unsolicited = false;
     uint8_t sl = 0;
     uint64_t send_ops = 0;
-    uint32_t max_send_wr = 0, max_recv_wr = 0, max_recv_sge = 0, qkey = 0;
+    uint32_t max_send_wr = 0, max_recv_wr = 0, max_send_sge = 0, max_recv_sge = 0, qkey = 0;
     uint32_t sq_used = 0, rq_used = 0;
     std::deque<uint64_t> rq_visible;  // wr_ids of receives the device can use
     uint64_t num_zero_sge_recvs = 0;
@@ -420,7 +420,8 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
     uint64_t supp_ops = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM;
     uint16_t supp_flags = 0;
     if (p.device_caps & detail::kEfaCapRdmaRead) supp_ops |= IBV_QP_EX_WITH_RDMA_READ;
-    if (p.device_caps & detail::kEfaCapRdmaWrite) supp_ops |= IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
+    if (p.device_caps & detail::kEfaCapRdmaWrite)
+      supp_ops |= IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
     if (p.device_caps & detail::kEfaCapUnsolicitedWriteRecv) supp_flags |= detail::kEfaQpFlagUnsolicitedWriteRecv;
     auto bad = [](int e) -> ibv_qp* {
       errno = e;
@@ -449,6 +450,7 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
     q->send_ops = (a->comp_mask & IBV_QP_INIT_ATTR_SEND_OPS_FLAGS) ? a->send_ops_flags : 0;
     q->max_send_wr = a->cap.max_send_wr;
     q->max_recv_wr = a->cap.max_recv_wr;
+    q->max_send_sge = a->cap.max_send_sge;
     q->max_recv_sge = a->cap.max_recv_sge;
     f_->qps[q->qpx.qp_base.qp_num] = q.get();
     qps_.push_back(std::move(q));
@@ -473,8 +475,9 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
     std::lock_guard<std::mutex> l(f_->mu);
     EfaFabric::Qp& s = of(x);
     // efa_send_wr_set_sge_list: more entries than the QP's max_send_sge fail the session. A write with no entry at
-    // all is not a documented efa send (UCCL-EP posts a zero-length entry instead); the fake refuses it too.
-    if (n == 0 || n > 1) {
+    // all is not a documented efa send (UCCL-EP posts a zero-length entry instead); the fake refuses it too, a
+    // conservative choice rather than a provider rule.
+    if (n == 0 || n > s.max_send_sge) {
       s.session_err = EINVAL;
       return;
     }
