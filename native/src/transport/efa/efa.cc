@@ -249,6 +249,9 @@ void EfaEndpoint::connect(KvStore& store) {
   const std::string key = c.job + "/efa/t" + std::to_string(thread_) + "/r";
   store.set(key + std::to_string(c.rank), encode_efa_info(me));
   ahs_.assign(size_t(c.num_ranks), nullptr);
+  // Our own rank gets an address handle too (one SRD QP serves every peer, so there is no extra QP): the proxy's
+  // writes to itself loop back through the device (libfabric prov/efa/src/efa_shm.c: node-local traffic "can still
+  // loopback over the EFA device"), which keeps GPU copies, and CUDA calls, out of the proxy thread.
   for (int p = 0; p < c.num_ranks; ++p) {
     EfaPeerInfo r = decode_efa_info(store.get(key + std::to_string(p), c.timeout_s));
     ibv_ah_attr ah{};

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "../fake_nic/efa_fake.hpp"
+#include "../ibverbs/fake_verbs.hpp"
 #include "../work_request.hpp"
 #include "transport/efa/efa_detail.hpp"
 #include "uccl_moe/env.hpp"
@@ -414,6 +415,19 @@ TEST(EfaTransport, ServiceLevelKnob) {
   }
   unsetenv("UCCL_MOE_EFA_SL");
   env::reset_cache();
+}
+
+// An injected verbs layer without the EFA half is a usage error, not a crash.
+TEST(EfaTransport, InjectedOpsMustImplementEfaOps) {
+  TransportContext c;
+  c.verbs = std::make_shared<test::FakeVerbs>(std::make_shared<test::FakeFabric>());
+  try {
+    detail::create_efa_transport(c);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+    EXPECT_NE(std::string(e.what()).find("EfaOps"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

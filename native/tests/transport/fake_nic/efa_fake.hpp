@@ -42,13 +42,14 @@ struct EfaProfile {
   uint8_t default_rnr_retry = 7;  ///< what an SRD QP retries when RTS does not set IBV_QP_RNR_RETRY
 };
 
-/// p5en's EFA (EFAv3). Public values: RDMA read/write, RNR-retry and unsolicited write-recv capabilities (UCCL-EP
-/// ep/src/rdma.cpp creates p5/p5en SRD QPs with RDMA write and EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV); max_sq_wr 4096
+/// p5en's EFA (EFAv3). From public sources: RDMA read/write and unsolicited write-recv (UCCL-EP ep/src/rdma.cpp
+/// creates its p5/p5en SRD QPs with RDMA write ops and EFADV_QP_FLAGS_UNSOLICITED_WRITE_RECV); max_sq_wr 4096
 /// (measured on p5.48xlarge, kvcache-ai/Mooncake PR 3296); max_rdma_size 1 GiB (libfabric
 /// prov/efa/docs/efa_rdm_protocol_v4.md, "RDMA write of a memory buffer up to 1GB"); rnr_retry 7 is the SRD default
-/// (libfabric prov/efa/src/efa_base_ep.h, EFA_RNR_INFINITE_RETRY). Not public, chosen conservatively (smaller than
-/// any EFA generation is likely to report): max_rq_wr 4096, 2 scatter entries per WR, 256 QPs and CQs, 32768 CQ
-/// entries, 1024 address handles.
+/// (libfabric prov/efa/src/efa_base_ep.h, EFA_RNR_INFINITE_RETRY). Assumed: the RNR-retry capability (libfabric
+/// sets IBV_QP_RNR_RETRY only where it is reported; the tests also run profiles without it). Not public, chosen
+/// conservatively (likely smaller than the device reports): max_rq_wr 4096, 2 scatter entries per WR, 256 QPs and
+/// CQs, 32768 CQ entries, 1024 address handles.
 inline EfaProfile p5en_profile() {
   EfaProfile p;
   p.device_caps = detail::kEfaCapRdmaRead | detail::kEfaCapRnrRetry | detail::kEfaCapRdmaWrite |
