@@ -44,6 +44,9 @@ struct ProxyOptions {
   /// With `gpu`: data_ptr is GPU memory (IPC + copy engines in the loopback). Otherwise the transport allocates host
   /// memory that the caller registers with the GPU (host-staged).
   bool gpu_data = false;
+  /// Verbs layer handed to the transport (TransportContext::verbs); null = the real libibverbs. Tests inject a fake
+  /// NIC here; the named transport is then created without probing for hardware.
+  std::shared_ptr<detail::VerbsOps> verbs;
 };
 
 /// Monotone counters, summed over threads (per-thread values from thread_counters()).

@@ -14,6 +14,10 @@
 
 namespace uccl_moe {
 
+namespace detail {
+class VerbsOps;
+}  // namespace detail
+
 enum class MemoryKind : int { kData = 0, kCounters = 1 };
 
 enum class WrOp : int {
@@ -64,6 +68,7 @@ struct TransportContext {
   double timeout_s = 100;
   /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
   std::shared_ptr<const GpuMemoryOps> gpu;
+  std::shared_ptr<detail::VerbsOps> verbs;  ///< null: the real libibverbs (tests inject a fake)
 };
 
 class Endpoint {

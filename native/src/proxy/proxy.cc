@@ -537,6 +537,7 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.job = o.job;
   ctx.timeout_s = o.timeout_s;
   ctx.gpu = o.gpu_data ? o.gpu : nullptr;
+  ctx.verbs = o.verbs;
   m.transport = create_transport(o.transport, ctx);
   m.caps = m.transport->caps();
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);

@@ -35,9 +35,12 @@ TEST(EfaQp, SrdTransitions) {
   EXPECT_EQ(init.attr.qkey, 0x1111u);
   EXPECT_EQ(init.mask, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY);
   EXPECT_EQ(detail::srd_rtr().mask, IBV_QP_STATE);
-  auto rts = detail::srd_rts(42);
+  auto rts = detail::srd_rts(42, /*set_rnr_retry=*/false);
   EXPECT_EQ(rts.attr.sq_psn, 42u);
-  EXPECT_EQ(rts.mask, IBV_QP_STATE | IBV_QP_SQ_PSN);
+  EXPECT_EQ(rts.mask, IBV_QP_STATE | IBV_QP_SQ_PSN) << "a device without the RNR-retry cap refuses the mask bit";
+  auto rts_rnr = detail::srd_rts(42, /*set_rnr_retry=*/true);
+  EXPECT_EQ(rts_rnr.mask, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_RNR_RETRY);
+  EXPECT_EQ(rts_rnr.attr.rnr_retry, 7) << "7 = retry forever";
 }
 
 TEST(EfaWr, PlanCarriesImmediateInNetworkOrderAndRejectsAtomics) {
