@@ -57,9 +57,10 @@ def forward_backward(layer: torch.nn.Module, x: torch.Tensor, grad_out: torch.Te
 def rank_main(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    import uccl_moe.megatron  # noqa: F401 - registers the "uccl" dispatcher (and, without GPUs, Megatron on CPU)
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    import uccl_moe.megatron  # noqa: F401 - registers the "uccl" dispatcher (and, without GPUs, Megatron on CPU)
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)  # EP = all ranks
     torch.manual_seed(0)
