@@ -8,7 +8,7 @@ For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x
   - ``nccl_a2a``: NCCL ``all_to_all_single`` moving exactly the same, already packed rows (dispatch direction;
     for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
 and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
-Method (DESIGN.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
+Method (docs/architecture.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
 after warm-up, the slowest rank's time. Before each flush the ranks meet in a one-float NCCL all-reduce (not
 timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
 rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
