@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
+DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "examples/README.md", *(ROOT / "docs").glob("*.md")])
 TOP = ("docs/", "examples/", "tests/", "tools/", "uccl_moe/", "native/", "configs/", "recipes/", ".ci/")
 # A path-looking token: starts at one of the top folders (or is a root Markdown file), no spaces.
 _TOPS = "|".join(re.escape(t) for t in TOP)
