@@ -8,7 +8,7 @@ For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x
   - ``nccl_a2a``: NCCL ``all_to_all_single`` moving exactly the same, already packed rows (dispatch direction;
     for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
 and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
-Method (DESIGN.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
+Method (docs/architecture.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
 after warm-up, the slowest rank's time. Before each flush the ranks meet in a one-float NCCL all-reduce (not
 timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
 rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
@@ -16,7 +16,8 @@ included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks o
 hidden bytes + 4 bytes per scale; combine counts BF16.
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table, writes JSON
-(``--json``) and a PNG (``--png``, if matplotlib is importable), and shows a progress bar on rank 0.
+(``--json``) and a PNG (``--png``, if matplotlib is importable; both by default into ``runs/bench/<time>/``, which
+git ignores), and shows a progress bar on rank 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from ._run import _kernel_lines, _plot, _table, _worker, spawn
 
@@ -54,8 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="do not align the ranks (tiny NCCL all-reduce, untimed) before each timed run")
     p.add_argument("--kernel-times", action="store_true",
                    help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
-    p.add_argument("--json", default="uccl_moe_bench.json", help="JSON output path ('' = none)")
-    p.add_argument("--png", default="uccl_moe_bench.png", help="PNG plot path ('' = none)")
+    p.add_argument("--json", default=None, help="JSON output path ('' = none; default runs/bench/<time>/bench.json)")
+    p.add_argument("--png", default=None, help="PNG plot path ('' = none; default runs/bench/<time>/bench.png)")
+
+
+def output_paths(args: argparse.Namespace, stamp: str | None = None) -> tuple[str, str]:
+    """The JSON and PNG paths to write ('' = none): those given, else ``runs/bench/<time>/bench.{json,png}``."""
+    out_dir = Path("runs") / "bench" / (stamp or time.strftime("%Y%m%d-%H%M%S"))
+    json_path = str(out_dir / "bench.json") if args.json is None else args.json
+    png_path = str(out_dir / "bench.png") if args.png is None else args.png
+    return json_path, png_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {R} ranks share {torch.cuda.device_count()} GPU(s); timings are not meaningful",
               file=sys.stderr)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    args.json, args.png = output_paths(args)
+    for path in (args.json, args.png):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     result = spawn(_worker, R, args)
     if result is None:

@@ -2,7 +2,7 @@
 
 Spawns ``--ranks`` processes (one per GPU; shared GPUs make the times meaningless) split into ``--nodes``
 emulated nodes (UCCL_MOE_EMULATE_NODES), and times cached-handle dispatch and combine of the DeepSeek-V3 setting
-by default. Method as DESIGN.md section 6 (CUDA events, median of ``--iters`` runs after warm-up, slowest rank)
+by default. Method: docs/architecture.md §6 (CUDA events, median of ``--iters`` runs after warm-up, slowest rank)
 without the L2 flush (the loopback's host staging dominates). Reports ``rdma_GBps`` = rows a rank receives from
 ranks of other nodes x row bytes / time, and the time split by stage (rail barrier, pack + post, proxy + copy,
 NVLink forwarding / reduction), medians over runs.

@@ -8,3 +8,18 @@ def test_bench_subcommand_parses_bench_flags():
     assert "bench" in cli.registered()
     args = parser.parse_args(["bench", "--ranks", "2", "--tokens", "128,4096", "--dtypes", "fp8", "--iters", "25"])
     assert args.ranks == 2 and args.tokens == [128, 4096] and args.dtypes == "fp8" and args.iters == 25
+
+
+def test_bench_writes_into_an_ignored_folder_by_default():
+    import subprocess
+    from pathlib import Path
+
+    from uccl_moe.bench.__main__ import build_parser, output_paths
+
+    root = Path(__file__).resolve().parents[3]
+    json_path, png_path = output_paths(build_parser().parse_args([]), stamp="20260101-000000")
+    assert json_path == "runs/bench/20260101-000000/bench.json" and png_path == "runs/bench/20260101-000000/bench.png"
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", json_path, png_path], check=False,
+                             capture_output=True, text=True)
+    assert ignored.returncode == 0, f"{json_path} is not git-ignored: the bench would write into the checkout"
+    assert output_paths(build_parser().parse_args(["--json", "", "--png", "x.png"])) == ("", "x.png")
