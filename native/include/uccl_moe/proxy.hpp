@@ -31,8 +31,8 @@ struct ProxyOptions {
   int num_threads = 0;            ///< UCCL_MOE_PROXY_THREADS
   int fifos_per_thread = 0;       ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
   int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
-  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
-  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
+  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES if set, else the NIC default (0 = unlimited)
+  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES if set, else the NIC default
   double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
   std::string transport;          ///< UCCL_MOE_TRANSPORT
   std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)
@@ -41,6 +41,8 @@ struct ProxyOptions {
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
   /// GPU mode (set by the internode runtime): FIFOs and counters in GPU-mapped memory.
   std::shared_ptr<const GpuMemoryOps> gpu;
+  /// The verbs layer of the ibverbs/efa transports; null: the real libibverbs (tests inject a fake).
+  std::shared_ptr<detail::VerbsOps> verbs;
   /// With `gpu`: data_ptr is GPU memory (IPC + copy engines in the loopback). Otherwise the transport allocates host
   /// memory that the caller registers with the GPU (host-staged).
   bool gpu_data = false;

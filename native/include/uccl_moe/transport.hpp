@@ -14,6 +14,10 @@
 
 namespace uccl_moe {
 
+namespace detail {
+class VerbsOps;  // native/src/transport/ibverbs/verbs_ops.hpp
+}  // namespace detail
+
 enum class MemoryKind : int { kData = 0, kCounters = 1 };
 
 enum class WrOp : int {
@@ -53,6 +57,7 @@ struct TransportCaps {
   bool native_atomics = false;  ///< kAtomicAdd is supported
   bool ordered = false;         ///< writes (and atomics) to one peer land in post order (RC)
   uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in ordering.hpp)
+  std::string nic_family;       ///< "mlx5", "bnxt_re", "other" (NIC transports; picks flow-control defaults), "" = none
 };
 
 /// Per-proxy parameters a transport is created with.
@@ -64,6 +69,7 @@ struct TransportContext {
   double timeout_s = 100;
   /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
   std::shared_ptr<const GpuMemoryOps> gpu;
+  std::shared_ptr<detail::VerbsOps> verbs;  ///< null: the real libibverbs (tests inject a fake)
 };
 
 class Endpoint {
