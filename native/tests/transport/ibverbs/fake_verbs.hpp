@@ -170,7 +170,9 @@ struct FakeFabric {
   static uint8_t garbage_opcode() { return 0xff; }
 
   void push_wc(ibv_cq* cq, ibv_wc wc) {
-    Cq& c = cqs.at(cq);
+    auto it = cqs.find(cq);
+    if (it == cqs.end()) return;  // its owner is gone
+    Cq& c = it->second;
     if (int(c.q.size()) >= c.capacity) {
       c.overflowed = true;
       return;
@@ -223,7 +225,12 @@ struct FakeFabric {
       fail_wc(q, wr, fail_status, fail_vendor_err);
       return true;
     }
-    Qp& dst = qps.at(q.dest_qpn);
+    auto dit = qps.find(q.dest_qpn);
+    if (dit == qps.end()) {  // the peer's QP is gone: the retries run out (IB spec: transport retry exceeded)
+      fail_wc(q, wr, IBV_WC_RETRY_EXC_ERR, 0);
+      return true;
+    }
+    Qp& dst = dit->second;
     const bool atomic = wr.opcode == IBV_WR_ATOMIC_FETCH_AND_ADD;
     const uint64_t raddr = atomic ? wr.wr.atomic.remote_addr : wr.wr.rdma.remote_addr;
     const uint32_t rkey = atomic ? wr.wr.atomic.rkey : wr.wr.rdma.rkey;
@@ -381,6 +388,7 @@ class FakeVerbs : public detail::VerbsOps {
     cq->cqe = cqe;
     std::lock_guard<std::mutex> l(f_->mu);
     f_->cqs[cq].capacity = cqe;
+    my_cqs_.push_back(cq);
     return cq;
   }
   int destroy_cq(ibv_cq*) override { return 0; }
@@ -408,6 +416,7 @@ class FakeVerbs : public detail::VerbsOps {
     q.max_send_wr = int(a->cap.max_send_wr);
     q.max_recv_wr = int(a->cap.max_recv_wr);
     f_->qps[qp->qp_num] = std::move(q);
+    my_qps_.push_back(qp->qp_num);
     return qp;
   }
   int destroy_qp(ibv_qp*) override { return 0; }
@@ -497,7 +506,8 @@ class FakeVerbs : public detail::VerbsOps {
     p.wr.sg_list = nullptr;
     p.ready = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
     ++q.posted;
-    p.black_hole = f_->drop_every > 0 && q.posted % uint64_t(f_->drop_every) == 0;
+    const int drop = drop_every ? drop_every : f_->drop_every;
+    p.black_hole = drop > 0 && q.posted % uint64_t(drop) == 0;
     q.sendq.push_back(p);
     if (q.sendq.size() > f_->max_sendq) f_->max_sendq = q.sendq.size();
     return 0;
@@ -515,8 +525,19 @@ class FakeVerbs : public detail::VerbsOps {
     return n;
   }
   ~FakeVerbs() override {
+    {  // what this device owned leaves the fabric (work still aimed at it fails, as at a dead peer)
+      std::lock_guard<std::mutex> l(f_->mu);
+      for (uint32_t qpn : my_qps_) f_->qps.erase(qpn);
+      for (ibv_cq* cq : my_cqs_) f_->cqs.erase(cq);
+      for (uint32_t k : my_keys_) {
+        f_->mrs.erase(k);
+        f_->lmrs.erase(k);
+      }
+    }
     for (auto& d : owned_) d();
   }
+  /// Every Nth send WR of this device's QPs vanishes (0: the fabric's drop_every).
+  int drop_every = 0;
 
   /// GPU-looking memory for the registration tests: ranges the fake treats as device memory.
   void mark_gpu(void* p, size_t bytes) { gpu_.emplace_back(uint64_t(reinterpret_cast<uintptr_t>(p)), bytes); }
@@ -545,6 +566,8 @@ class FakeVerbs : public detail::VerbsOps {
     mr->rkey = f_->next_key++;
     f_->mrs[mr->rkey] = {addr, len, access, dmabuf};
     f_->lmrs[mr->lkey] = {addr, len, access, dmabuf};
+    my_keys_.push_back(mr->lkey);
+    my_keys_.push_back(mr->rkey);
     return mr;
   }
   template <typename T>
@@ -555,6 +578,8 @@ class FakeVerbs : public detail::VerbsOps {
   std::shared_ptr<FakeFabric> f_;
   DeviceProfile dev_;
   int num_qps_ = 0;
+  std::vector<uint32_t> my_qps_, my_keys_;
+  std::vector<ibv_cq*> my_cqs_;
   std::vector<std::pair<uint64_t, size_t>> gpu_;
   std::vector<std::function<void()>> owned_;
 };
