@@ -471,6 +471,37 @@ TEST_P(ProxyNet, OversizedWriteIsSplitUnderTheByteLimit) {
 }
 
 #if defined(UCCL_MOE_HAVE_IBVERBS)
+// The flow-control limits follow the NIC family unless the user sets them: Thor-2 (bnxt_re) 1.5 MiB per GPU and one
+// write per FIFO, ConnectX (mlx5) 8 writes per FIFO; options() shows what is in force.
+TEST(ProxyFlowDefaults, FollowTheNicFamilyUnlessSet) {
+  unsetenv("UCCL_MOE_MAX_INFLIGHT_BYTES");
+  unsetenv("UCCL_MOE_MAX_INFLIGHT_WRITES");
+  env::reset_cache();
+  auto fabric = std::make_shared<test::FakeFabric>();
+  auto store = std::make_shared<MemoryKvStore>();
+  ProxyOptions o = loopback_options(0, 1, test::unique_job("nicdef"));
+  o.transport = "ibverbs";
+  o.verbs = std::make_shared<test::FakeVerbs>(fabric, test::bnxt_re_thor2());
+  {
+    Proxy thor(o, store);
+    EXPECT_EQ(thor.options().max_inflight_writes, 1);
+    EXPECT_EQ(thor.options().max_inflight_bytes, 1572864 / o.num_threads);
+  }
+  o.verbs = std::make_shared<test::FakeVerbs>(fabric, test::mlx5_cx7());
+  o.job = test::unique_job("nicdef");
+  {
+    Proxy cx(o, store);
+    EXPECT_EQ(cx.options().max_inflight_writes, 8);
+    EXPECT_EQ(cx.options().max_inflight_bytes, 0);
+  }
+  o.verbs = std::make_shared<test::FakeVerbs>(fabric, test::bnxt_re_thor2());
+  o.job = test::unique_job("nicdef");
+  o.max_inflight_writes = 4;  // the caller's value wins
+  Proxy set(o, store);
+  EXPECT_EQ(set.options().max_inflight_writes, 4);
+}
+
+#if defined(UCCL_MOE_HAVE_IBVERBS)
 INSTANTIATE_TEST_SUITE_P(Nets, ProxyNet,
                          ::testing::Values(Net::kLoopback, Net::kRcSoftAtomics, Net::kRcNativeAtomics), net_name);
 #else
