@@ -500,6 +500,7 @@ TEST(ProxyFlowDefaults, FollowTheNicFamilyUnlessSet) {
   Proxy set(o, store);
   EXPECT_EQ(set.options().max_inflight_writes, 4);
 }
+#endif
 
 #if defined(UCCL_MOE_HAVE_IBVERBS)
 INSTANTIATE_TEST_SUITE_P(Nets, ProxyNet,
