@@ -1,6 +1,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 
+#include <exception>
 #include <functional>
 #include <thread>
 
@@ -260,9 +261,23 @@ struct Cluster {
     }
     if (!connect) return;
     std::vector<std::thread> th;
-    for (int r = 1; r < n; ++r) th.emplace_back([this, r] { ep[size_t(r)]->connect(store); });
-    ep[0]->connect(store);
+    std::vector<std::exception_ptr> err(size_t(n));
+    for (int r = 1; r < n; ++r)
+      th.emplace_back([this, r, &err] {
+        try {
+          ep[size_t(r)]->connect(store);
+        } catch (...) {
+          err[size_t(r)] = std::current_exception();
+        }
+      });
+    try {
+      ep[0]->connect(store);
+    } catch (...) {
+      err[0] = std::current_exception();
+    }
     for (auto& x : th) x.join();
+    for (auto& e : err)
+      if (e) std::rethrow_exception(e);
   }
   /// Polls rank r until `want` completions arrived (or 1000 polls).
   std::vector<Completion> poll(int r, size_t want) {
