@@ -261,7 +261,7 @@ struct Cluster {
     }
     if (!connect) return;
     std::vector<std::thread> th;
-    std::vector<std::exception_ptr> err(size_t(n));
+    std::vector<std::exception_ptr> err(static_cast<size_t>(n));
     for (int r = 1; r < n; ++r)
       th.emplace_back([this, r, &err] {
         try {
