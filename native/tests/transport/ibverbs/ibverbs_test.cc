@@ -473,6 +473,34 @@ TEST(IbverbsCompletions, FailedCompletionIsReadByWrIdNotOpcode) {
   EXPECT_NE(out[1].status.find("Flushed"), std::string::npos) << out[1].status;
 }
 
+// GPU mode: the data region goes through gpu_mr (dma-buf, then peer memory); without either the error names the fix.
+TEST(IbverbsGpuMemory, DataRegionRegistersThroughGpuMrAndNamesWhatIsMissing) {
+  auto fabric = std::make_shared<test::FakeFabric>();
+  std::vector<uint8_t> data(4 << 20), ctr(4096);
+  for (bool peer_memory : {true, false}) {
+    TransportContext c;
+    c.gpu = std::make_shared<GpuMemoryOps>();
+    auto ops = std::make_shared<test::FakeVerbs>(fabric, test::mlx5_cx7());
+    ops->mark_gpu(data.data(), data.size());
+    ops->profile().peer_memory = peer_memory;
+    c.verbs = ops;
+    auto t = create_transport("ibverbs", c);
+    t->register_memory(MemoryKind::kCounters, ctr.data(), ctr.size());
+    if (peer_memory) {
+      // This build exports no dma-buf (no GPU backend / the fake's memory is not the driver's): ibv_reg_mr.
+      t->register_memory(MemoryKind::kData, data.data(), data.size());
+      EXPECT_EQ(fabric->dmabuf_regs.size(), 0u);
+    } else {
+      try {
+        t->register_memory(MemoryKind::kData, data.data(), data.size());
+        FAIL() << "neither dma-buf nor peer memory: registration must fail";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("nvidia-peermem"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 TEST(IbverbsFake, RnrRetryHoldsTheSenderUntilAReceiveIsPosted) {
   Cluster c(2, cx7);
   constexpr int kMsgs = 600;  // more than the 512 receives rank 1 posted
