@@ -366,7 +366,11 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
     t.stats.bump(t.stats.bytes, f.bytes);
     return;
   } else {  // ATOMIC
-    if (software_atomics) {
+    // An LL fence counts its group's writes at the receiver: they may come from several FIFOs of the thread, posted
+    // in any order between FIFOs, so no NIC atomic could follow them all. LL goes as writes with immediate also with
+    // native atomics (found by the RC native-atomics proxy suite); native adds carry HT counters only, which follow
+    // their FIFO's writes on the same QP.
+    if (software_atomics || ll) {
       wr.op = WrOp::kWriteImm;
       wr.bytes = 0;
       wr.imm = ll ? encode_imm_ll(true, phase, f.counter_slot, f.bytes)
@@ -374,7 +378,7 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
     } else {
       wr.op = WrOp::kAtomicAdd;
       wr.counter_index = counter_index;
-      wr.add = ll ? -int64_t(f.bytes) - 1 : int64_t(f.counter_value);
+      wr.add = int64_t(f.counter_value);
     }
     ++e.pending_wrs;
     t.ep->post(wr);
@@ -406,7 +410,7 @@ void Proxy::Impl::post_write_piece(Thread& t, FifoState& fs, Entry& e) {
   wr.local_offset = f.src_offset + e.sent;
   wr.remote_offset = f.dst_offset + e.sent;
   wr.bytes = uint32_t(piece);
-  if (software_atomics && (last || !ll)) {
+  if ((software_atomics || ll) && (last || !ll)) {  // LL: with immediate in both modes (see post_cmd)
     const uint32_t seq = ll ? 0 : t.next_seq[size_t(dst) * t.fifos.size() + size_t(fs.channel)]++;
     wr.op = WrOp::kWriteImm;
     wr.imm = ll ? encode_imm_ll(false, phase, f.counter_slot, 0)
@@ -416,7 +420,7 @@ void Proxy::Impl::post_write_piece(Thread& t, FifoState& fs, Entry& e) {
   }
   ++e.pending_wrs;
   t.ep->post(wr);
-  if (!software_atomics && counter) {  // ordered transport: the add lands after the write
+  if (!software_atomics && !ll && counter) {  // ordered transport: the add lands after the write
     WorkRequest a;
     a.wr_id = wr.wr_id;
     a.op = WrOp::kAtomicAdd;
