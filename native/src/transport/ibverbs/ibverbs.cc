@@ -506,7 +506,11 @@ void IbverbsEndpoint::flush() {
 int IbverbsEndpoint::poll(std::vector<Completion>& out, int max) {
   const size_t start = out.size();
   ibv_wc wc[kPollBatch];
-  const int n = cq_ ? queue_.poll_cq(*t_->ops_, cq_, out, max, wc) : queue_.drain_errors(out, max);
+  int n = 0;  // work completions read into wc (a single rank has no CQ: only deferred errors)
+  if (cq_)
+    n = queue_.poll_cq(*t_->ops_, cq_, out, max, wc);
+  else
+    queue_.drain_errors(out, max);
   for (int i = 0; i < n; ++i) {
     Completion c;
     auto it = qpn_to_peer_.find(wc[i].qp_num);

@@ -501,6 +501,20 @@ TEST(IbverbsGpuMemory, DataRegionRegistersThroughGpuMrAndNamesWhatIsMissing) {
   }
 }
 
+TEST(IbverbsGid, SysfsGidTypeText) {
+  ibv_gid_type t = IBV_GID_TYPE_IB;
+  ASSERT_TRUE(detail::parse_sysfs_gid_type("RoCE v2", &t));
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V2);
+  ASSERT_TRUE(detail::parse_sysfs_gid_type("IB/RoCE v1", &t));
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V1);
+  ASSERT_TRUE(detail::parse_sysfs_gid_type("RoCE v1", &t));
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V1);
+  ASSERT_TRUE(detail::parse_sysfs_gid_type("IB", &t));
+  EXPECT_EQ(t, IBV_GID_TYPE_IB);
+  EXPECT_FALSE(detail::parse_sysfs_gid_type("", &t));
+  EXPECT_FALSE(detail::parse_sysfs_gid_type("RoCE v3", &t));
+}
+
 TEST(IbverbsFake, RnrRetryHoldsTheSenderUntilAReceiveIsPosted) {
   Cluster c(2, cx7);
   constexpr int kMsgs = 600;  // more than the 512 receives rank 1 posted
