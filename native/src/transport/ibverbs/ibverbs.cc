@@ -136,6 +136,7 @@ RcParams resolve_rc_params(const ibv_device_attr& dev, bool roce, const std::str
 std::string check_device_limits(const ibv_device_attr& dev, int num_ranks, int num_threads, int send_depth,
                                 int recv_depth) {
   // One QP per (thread, peer other than ourselves); one CQ per thread shared by its QPs (see IbverbsEndpoint).
+  // Requests over these limits fail with a bare EINVAL/ENOMEM (man ibv_create_qp, man ibv_create_cq); say why first.
   const int64_t qps = int64_t(num_threads) * (num_ranks - 1);
   const int64_t cqe = int64_t(num_ranks - 1) * (send_depth + recv_depth);
   if (qps > dev.max_qp)
@@ -335,7 +336,10 @@ class IbverbsTransport : public Transport {
   }
   const char* name() const override { return "ibverbs"; }
   TransportCaps caps() const override {
-    TransportCaps c{rc_.native_atomics, true, uint32_t(kRecvDepth)};
+    TransportCaps c;
+    c.native_atomics = rc_.native_atomics;
+    c.ordered = true;
+    c.recv_depth = uint32_t(kRecvDepth);
     c.nic_family = family_;
     return c;
   }
