@@ -471,6 +471,51 @@ TEST_P(ProxyNet, OversizedWriteIsSplitUnderTheByteLimit) {
 }
 
 #if defined(UCCL_MOE_HAVE_IBVERBS)
+// A failed work completion on RC (here transport retry exceeded, as a dead or congested path gives) reaches the
+// caller naming the command, the status text, the vendor error and the peer.
+TEST(ProxyRc, ErrorCompletionNamesStatusVendorErrAndPeer) {
+  auto fabric = std::make_shared<test::FakeFabric>();
+  const std::string fail = test::run_rank_threads(2, [&](int rank, std::shared_ptr<KvStore> store,
+                                                         const std::string& job) {
+    ProxyOptions o = loopback_options(rank, 2, job);
+    o.transport = "ibverbs";
+    o.verbs = std::make_shared<test::FakeVerbs>(fabric, test::bnxt_re_thor2(uint8_t(rank + 1)));
+    o.timeout_s = 5;
+    Proxy proxy(o, store);
+    proxy.start();
+    barrier(proxy, 0);
+    if (rank == 0) {
+      {
+        std::lock_guard<std::mutex> l(fabric->mu);
+        fabric->fail_next_sends = 1;
+        fabric->fail_status = IBV_WC_RETRY_EXC_ERR;
+        fabric->fail_vendor_err = 0x81;
+      }
+      TransferCmdFields c;
+      c.op = CmdOp::kWrite;
+      c.dst_rank = 1;
+      c.bytes = 256;
+      c.dst_offset = kRecvBase;
+      try {
+        proxy.wait(1, proxy.push(1, c));
+        CHILD_CHECK(false, "expected a completion error");
+      } catch (const Error& e) {
+        const std::string w = e.what();
+        CHILD_CHECK(e.code() == ErrorCode::kTransport, "%s", w.c_str());
+        CHILD_CHECK(w.find("WRITE dst_rank=1 bytes=256") != std::string::npos, "%s", w.c_str());
+        CHILD_CHECK(w.find("transport retry counter exceeded") != std::string::npos, "%s", w.c_str());
+        CHILD_CHECK(w.find("vendor_err=0x81") != std::string::npos, "%s", w.c_str());
+        CHILD_CHECK(w.find("peer=1") != std::string::npos, "%s", w.c_str());
+      }
+    }
+    try {
+      proxy.stop();
+    } catch (const Error&) {
+    }
+  });
+  EXPECT_EQ(fail, "");
+}
+
 // The flow-control limits follow the NIC family unless the user sets them: Thor-2 (bnxt_re) 1.5 MiB per GPU and one
 // write per FIFO, ConnectX (mlx5) 8 writes per FIFO; options() shows what is in force.
 TEST(ProxyFlowDefaults, FollowTheNicFamilyUnlessSet) {
