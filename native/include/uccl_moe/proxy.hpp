@@ -31,8 +31,8 @@ struct ProxyOptions {
   int num_threads = 0;            ///< UCCL_MOE_PROXY_THREADS
   int fifos_per_thread = 0;       ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
   int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
-  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
-  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
+  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES if set, else the NIC default (0 = unlimited)
+  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES if set, else the NIC default
   double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
   std::string transport;          ///< UCCL_MOE_TRANSPORT
   std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)

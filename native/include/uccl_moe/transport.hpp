@@ -15,7 +15,7 @@
 namespace uccl_moe {
 
 namespace detail {
-class VerbsOps;
+class VerbsOps;  // native/src/transport/ibverbs/verbs_ops.hpp
 }  // namespace detail
 
 enum class MemoryKind : int { kData = 0, kCounters = 1 };
@@ -57,6 +57,7 @@ struct TransportCaps {
   bool native_atomics = false;  ///< kAtomicAdd is supported
   bool ordered = false;         ///< writes (and atomics) to one peer land in post order (RC)
   uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in ordering.hpp)
+  std::string nic_family;       ///< "mlx5", "bnxt_re", "other" (NIC transports; picks flow-control defaults), "" = none
 };
 
 /// Per-proxy parameters a transport is created with.

@@ -8,11 +8,18 @@
 
 #include "bindings.hpp"
 #include "uccl_moe/error.hpp"
+#include "uccl_moe/flow_control.hpp"
 #include "uccl_moe/proxy.hpp"
 #include "uccl_moe/transfer_cmd.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+
+#if defined(UCCL_MOE_HAVE_IBVERBS)
+namespace uccl_moe::detail {
+int gpu_export_dmabuf(void* ptr, uint64_t bytes, std::string* why);  // native/src/transport/gpu_mr.hpp
+}  // namespace uccl_moe::detail
+#endif
 
 namespace uccl_moe::bindings {
 
@@ -61,6 +68,25 @@ nb::dict counters_dict(const ProxyCounters& c) {
 
 void register_proxy(nb::module_& m) {
   m.def("proxy_transports", &list_transports, "registered transports in priority order with their probe result");
+  m.def(
+      "nic_flow_defaults",
+      [](const std::string& family, int num_threads) {
+        const FlowLimits f = nic_flow_defaults(family, num_threads);
+        return std::make_pair(f.max_inflight_bytes, f.max_inflight_writes);
+      },
+      "family"_a, "num_threads"_a,
+      "(bytes per proxy thread, writes per FIFO) a NIC family ('mlx5', 'bnxt_re', ...) defaults to; -1 = no opinion");
+#if defined(UCCL_MOE_HAVE_IBVERBS)
+  m.def(
+      "gpu_export_dmabuf",
+      [](uintptr_t ptr, uint64_t bytes) {
+        std::string why;
+        const int fd = detail::gpu_export_dmabuf(reinterpret_cast<void*>(ptr), bytes, &why);
+        return std::make_pair(fd, why);
+      },
+      "ptr"_a, "bytes"_a,
+      "Exports GPU memory [ptr, ptr + bytes) (2 MiB aligned) as a dma-buf fd the caller closes: (fd, '') or (-1, why)");
+#endif
   m.def("encode_transfer_cmd",
         [](int op, int flags, uint32_t dst_rank, uint32_t bytes, int counter_slot, int counter_value,
            uint64_t src_offset, uint64_t dst_offset) {

@@ -76,7 +76,8 @@ struct Entry {
   TransferCmdFields f;
   uint64_t idx = 0;
   int pending_wrs = 0;     ///< posted work requests not completed yet
-  uint64_t bytes = 0;      ///< payload bytes charged to flow control
+  uint64_t bytes = 0;      ///< payload bytes charged to flow control (the WRITE piece in flight)
+  uint64_t sent = 0;       ///< WRITE: payload bytes posted so far (pieces of at most the in-flight byte limit)
   Clock::time_point posted;
   bool started = false;    ///< QUIET/BARRIER: reached the front and began
   uint64_t epoch = 0;      ///< BARRIER: our epoch
@@ -189,6 +190,7 @@ struct Proxy::Impl {
   bool retire(Thread& t);
   bool post_new(Thread& t);
   void post_cmd(Thread& t, FifoState& fs, Entry& e);
+  void post_write_piece(Thread& t, FifoState& fs, Entry& e);
   void start_barrier(Thread& t, FifoState& fs, Entry& e);
   bool barrier_met(const Thread& t, const Entry& e) const;
   void check_timeouts(Thread& t);
@@ -287,8 +289,9 @@ bool Proxy::Impl::poll_completions(Thread& t, std::vector<Completion>& comps) {
       UCCL_THROW(kTransport, "completion error for FIFO %d command %llu (%s) to peer %d: %s", fs.global_idx,
                  (unsigned long long)idx, describe(e.f).c_str(), c.peer, c.status.c_str());
     if (--e.pending_wrs == 0 && e.f.op != CmdOp::kBarrier) {
-      e.done = true;
       t.flow->on_complete(fs.channel, e.bytes);
+      e.bytes = 0;
+      e.done = e.f.op != CmdOp::kWrite || e.sent == e.f.bytes;  // else post_new posts its next piece
     }
   }
   return n > 0;
@@ -358,36 +361,16 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
   wr.wr_id = wr_id;
   wr.peer = dst;
   if (f.op == CmdOp::kWrite) {
-    wr.local_offset = f.src_offset;
-    wr.remote_offset = f.dst_offset;
-    wr.bytes = f.bytes;
-    e.bytes = f.bytes;
-    const bool counter = (f.flags & kCmdFlagCounter) != 0;
-    if (software_atomics) {
-      wr.op = WrOp::kWriteImm;
-      wr.imm = ll ? encode_imm_ll(false, phase, f.counter_slot, 0)
-                  : encode_imm_ht(counter, uint32_t(fs.channel), next_seq(), f.counter_slot, f.counter_value);
-      ++e.pending_wrs;
-      t.ep->post(wr);
-    } else {
-      wr.op = WrOp::kWrite;
-      ++e.pending_wrs;
-      t.ep->post(wr);
-      if (counter) {  // ordered transport: the add lands after the write
-        WorkRequest a;
-        a.wr_id = wr_id;
-        a.op = WrOp::kAtomicAdd;
-        a.peer = dst;
-        a.counter_index = counter_index;
-        a.add = f.counter_value;
-        ++e.pending_wrs;
-        t.ep->post(a);
-      }
-    }
+    post_write_piece(t, fs, e);
     t.stats.bump(t.stats.writes);
     t.stats.bump(t.stats.bytes, f.bytes);
+    return;
   } else {  // ATOMIC
-    if (software_atomics) {
+    // An LL fence counts its group's writes at the receiver: they may come from several FIFOs of the thread, posted
+    // in any order between FIFOs, so no NIC atomic could follow them all. LL goes as writes with immediate also with
+    // native atomics (found by the RC native-atomics proxy suite); native adds carry HT counters only, which follow
+    // their FIFO's writes on the same QP.
+    if (software_atomics || ll) {
       wr.op = WrOp::kWriteImm;
       wr.bytes = 0;
       wr.imm = ll ? encode_imm_ll(true, phase, f.counter_slot, f.bytes)
@@ -395,13 +378,61 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
     } else {
       wr.op = WrOp::kAtomicAdd;
       wr.counter_index = counter_index;
-      wr.add = ll ? -int64_t(f.bytes) - 1 : int64_t(f.counter_value);
+      wr.add = int64_t(f.counter_value);
     }
     ++e.pending_wrs;
     t.ep->post(wr);
     t.stats.bump(t.stats.atomics);
   }
   t.flow->on_post(fs.channel, e.bytes);
+}
+
+// The next piece of WRITE `e`: at most the in-flight byte limit (FlowControl::piece_bytes), one piece in flight at a
+// time, so a command larger than the limit never has more than the limit in flight. Only the last piece carries the
+// counter update or the LL tag; earlier pieces are ordinary writes of the same FIFO (HT: each with its sequence
+// number; LL on an ordered transport: plain writes that land before the last piece).
+void Proxy::Impl::post_write_piece(Thread& t, FifoState& fs, Entry& e) {
+  const TransferCmdFields& f = e.f;
+  const int dst = int(f.dst_rank);
+  const uint64_t piece = t.flow->piece_bytes(f.bytes - e.sent);
+  const bool last = e.sent + piece == f.bytes;
+  const bool ll = (f.flags & kCmdFlagLL) != 0;
+  const bool phase = (f.flags & kCmdFlagPhase) != 0;
+  const bool counter = last && (f.flags & kCmdFlagCounter) != 0;
+  if (ll && !last && !caps.ordered)
+    UCCL_THROW(kInvalidUsage, "FIFO %d command %llu (%s): an LL write larger than the in-flight byte limit (%lld) "
+               "cannot be split on the unordered %s transport; raise UCCL_MOE_MAX_INFLIGHT_BYTES", fs.global_idx,
+               (unsigned long long)e.idx, describe(f).c_str(), (long long)t.flow->max_inflight_bytes(),
+               transport->name());
+  WorkRequest wr;
+  wr.wr_id = wr_id_of(fs, e.idx);
+  wr.peer = dst;
+  wr.local_offset = f.src_offset + e.sent;
+  wr.remote_offset = f.dst_offset + e.sent;
+  wr.bytes = uint32_t(piece);
+  if ((software_atomics || ll) && (last || !ll)) {  // LL: with immediate in both modes (see post_cmd)
+    const uint32_t seq = ll ? 0 : t.next_seq[size_t(dst) * t.fifos.size() + size_t(fs.channel)]++;
+    wr.op = WrOp::kWriteImm;
+    wr.imm = ll ? encode_imm_ll(false, phase, f.counter_slot, 0)
+                : encode_imm_ht(counter, uint32_t(fs.channel), seq, f.counter_slot, f.counter_value);
+  } else {
+    wr.op = WrOp::kWrite;
+  }
+  ++e.pending_wrs;
+  t.ep->post(wr);
+  if (!software_atomics && !ll && counter) {  // ordered transport: the add lands after the write
+    WorkRequest a;
+    a.wr_id = wr.wr_id;
+    a.op = WrOp::kAtomicAdd;
+    a.peer = dst;
+    a.counter_index = uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
+    a.add = f.counter_value;
+    ++e.pending_wrs;
+    t.ep->post(a);
+  }
+  e.sent += piece;
+  e.bytes = piece;
+  t.flow->on_post(fs.channel, piece);
   const uint64_t peak = uint64_t(t.flow->peak_bytes());
   if (peak > t.stats.peak_inflight_bytes.load(std::memory_order_relaxed))
     t.stats.peak_inflight_bytes.store(peak, std::memory_order_relaxed);
@@ -414,8 +445,18 @@ bool Proxy::Impl::post_new(Thread& t) {
   bool have_now = false;
   for (FifoState* fs : t.fifos) {
     for (int budget = kPostBudgetPerFifo; budget > 0; --budget) {
-      // A QUIET or BARRIER not yet retired fences everything after it.
       if (!fs->inflight.empty()) {
+        // A WRITE larger than the byte limit: its next piece once the previous one completed and the bytes fit;
+        // later commands of the FIFO wait behind it.
+        Entry& last = fs->inflight.back();
+        if (last.f.op == CmdOp::kWrite && last.sent < last.f.bytes) {
+          if (last.pending_wrs > 0 || !t.flow->admit_piece(t.flow->piece_bytes(last.f.bytes - last.sent))) break;
+          last.posted = Clock::now();
+          post_write_piece(t, *fs, last);
+          any = true;
+          continue;
+        }
+        // A QUIET or BARRIER not yet retired fences everything after it.
         const CmdOp back = fs->inflight.back().f.op;
         if (back == CmdOp::kQuiet || back == CmdOp::kBarrier) break;
       }
@@ -512,8 +553,6 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   if (o.num_threads <= 0) o.num_threads = int(env::PROXY_THREADS());
   if (o.fifos_per_thread <= 0) o.fifos_per_thread = int(env::PROXY_FIFOS_PER_THREAD());
   if (o.fifo_capacity <= 0) o.fifo_capacity = int(env::FIFO_CAPACITY());
-  if (o.max_inflight_bytes < 0) o.max_inflight_bytes = env::MAX_INFLIGHT_BYTES();
-  if (o.max_inflight_writes < 0) o.max_inflight_writes = env::MAX_INFLIGHT_WRITES();
   if (o.timeout_s <= 0) o.timeout_s = env::TIMEOUT_S();
   if (o.transport.empty()) o.transport = env::TRANSPORT();
   if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
@@ -521,7 +560,6 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   UCCL_ASSERT(o.fifos_per_thread >= 1 && o.fifos_per_thread <= kImmMaxChannels,
               "fifos_per_thread=%d must be in [1, %d] (3-bit channel field of the immediate)", o.fifos_per_thread,
               kImmMaxChannels);
-  UCCL_ASSERT(o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)o.max_inflight_writes);
   UCCL_ASSERT(o.data_bytes > 0, "data_bytes must be > 0");
   m.cpus = parse_cpu_list(o.cpus);
   for (int p = 0; p < o.num_ranks; ++p) {
@@ -540,6 +578,15 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.verbs = o.verbs;
   m.transport = create_transport(o.transport, ctx);
   m.caps = m.transport->caps();
+  // Flow-control limits: options, knobs, then the NIC family's defaults (flow_control.hpp).
+  const FlowLimits fl = resolve_flow_limits(o.max_inflight_bytes, o.max_inflight_writes, m.caps.nic_family,
+                                            o.num_threads);
+  o.max_inflight_bytes = fl.max_inflight_bytes;
+  o.max_inflight_writes = fl.max_inflight_writes;
+  UCCL_ASSERT(o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)o.max_inflight_writes);
+  UCCL_LOG(INFO, PROXY, "rank %d: flow control %lld bytes in flight per thread (%s), %lld writes per FIFO (%s)",
+           o.rank, (long long)o.max_inflight_bytes, fl.bytes_source.c_str(), (long long)o.max_inflight_writes,
+           fl.writes_source.c_str());
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);
   if (m.software_atomics) {
     const uint64_t need = 2 * uint64_t(o.max_inflight_writes) + m.caps.recv_depth;
@@ -626,7 +673,7 @@ void Proxy::start() {
   for (auto& t : m.threads) t->ep->connect(*m.store);
   for (auto& t : m.threads)
     for (int p = 0; p < m.opt.num_ranks; ++p)
-      if (!t->ep->can_reach(p))
+      if (p != m.opt.rank && !t->ep->can_reach(p))  // RC has no QP to itself; nothing sends to its own rank
         UCCL_THROW(kTransport, "proxy thread %d of rank %d: %s cannot reach rank %d", t->idx, m.opt.rank,
                    m.transport->name(), p);
   m.stop_flag.store(false);

@@ -69,8 +69,10 @@ std::string resolve_transport(const std::string& name) {
 }
 
 std::unique_ptr<Transport> create_transport(const std::string& name, const TransportContext& ctx) {
-  // An injected verbs layer (a fake NIC in tests) stands in for the hardware the probes look for.
-  const std::string chosen = ctx.verbs && name != "auto" ? name : resolve_transport(name);
+  // An injected verbs layer (ctx.verbs, tests) stands for the hardware the probes look for.
+  bool injected = false;
+  for (const auto& e : registry()) injected |= ctx.verbs && name == e.name;
+  const std::string chosen = injected ? name : resolve_transport(name);
   for (const auto& e : registry())
     if (chosen == e.name) {
       UCCL_LOG(INFO, NET, "rank %d: transport %s%s", ctx.rank, e.name, name == "auto" ? " (auto)" : "");

@@ -2,6 +2,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 namespace uccl_moe::detail {
 
@@ -43,8 +45,46 @@ class RealVerbsOps : public VerbsOps {
   int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) override { return ibv_post_send(qp, wr, bad); }
   int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) override { return ibv_post_recv(qp, wr, bad); }
   int poll_cq(ibv_cq* cq, int n, ibv_wc* wc) override { return ibv_poll_cq(cq, n, wc); }
+  int query_gid_type(ibv_context* c, uint8_t p, int i, ibv_gid_type* type) override {
+    // man ibv_query_gid_ex: entry.gid_type is IBV_GID_TYPE_{IB,ROCE_V1,ROCE_V2} (rdma-core >= v32).
+    ibv_gid_entry e{};
+    if (ibv_query_gid_ex(c, p, uint32_t(i), &e, 0) == 0) {
+      *type = ibv_gid_type(e.gid_type);
+      return 0;
+    }
+    // Older rdma-core: the kernel's sysfs text, "IB/RoCE v1" or "RoCE v2" (as UCCL-EP ep/include/rdma_util.hpp
+    // ncclIbRoceGetVersionNum reads it).
+    std::ifstream f("/sys/class/infiniband/" + std::string(ibv_get_device_name(c->device)) + "/ports/" +
+                    std::to_string(p) + "/gid_attrs/types/" + std::to_string(i));
+    std::string text;
+    if (!f || !std::getline(f, text)) return ENOENT;
+    return parse_sysfs_gid_type(text, type) ? 0 : EINVAL;
+  }
+  ibv_mr* reg_dmabuf_mr(ibv_pd* pd, uint64_t off, size_t len, uint64_t iova, int fd, int acc) override {
+    return ibv_reg_dmabuf_mr(pd, off, len, iova, fd, acc);
+  }
 };
 }  // namespace
+
+int VerbsOps::query_gid_type(ibv_context*, uint8_t, int, ibv_gid_type*) { return EOPNOTSUPP; }
+
+ibv_mr* VerbsOps::reg_dmabuf_mr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) {
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+
+bool parse_sysfs_gid_type(const std::string& text, ibv_gid_type* type) {
+  if (text.rfind("RoCE v2", 0) == 0) {
+    *type = IBV_GID_TYPE_ROCE_V2;
+  } else if (text.rfind("IB/RoCE v1", 0) == 0 || text.rfind("RoCE v1", 0) == 0) {
+    *type = IBV_GID_TYPE_ROCE_V1;
+  } else if (text.rfind("IB", 0) == 0) {
+    *type = IBV_GID_TYPE_IB;
+  } else {
+    return false;
+  }
+  return true;
+}
 
 std::shared_ptr<VerbsOps> real_verbs_ops() {
   static std::shared_ptr<VerbsOps> ops = std::make_shared<RealVerbsOps>();

@@ -32,9 +32,20 @@ class VerbsOps {
   virtual int post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad) = 0;
   virtual int post_recv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad) = 0;
   virtual int poll_cq(ibv_cq* cq, int num, ibv_wc* wc) = 0;
+
+  // Optional calls: the defaults fail with EOPNOTSUPP so every VerbsOps keeps compiling without them.
+  /// GID type (IB, RoCE v1, RoCE v2) of one GID table entry: ibv_query_gid_ex, else sysfs
+  /// /sys/class/infiniband/<dev>/ports/<port>/gid_attrs/types/<index>. Returns 0 or an errno.
+  virtual int query_gid_type(ibv_context* ctx, uint8_t port, int index, ibv_gid_type* type);
+  /// ibv_reg_dmabuf_mr: registers [offset, offset + length) of dma-buf `fd` at virtual address `iova`.
+  /// nullptr + errno on failure.
+  virtual ibv_mr* reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access);
 };
 
 std::shared_ptr<VerbsOps> real_verbs_ops();
+
+/// The text of sysfs ports/<port>/gid_attrs/types/<index> ("IB/RoCE v1", "RoCE v2") as a GID type; false if unknown.
+bool parse_sysfs_gid_type(const std::string& text, ibv_gid_type* type);
 
 /// EFA devices ("efa*", "rdmap*") belong to the efa transport; every other device to ibverbs.
 inline bool is_efa_device(const std::string& name) { return name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0; }
