@@ -17,6 +17,7 @@
 #include "uccl_moe/flow_control.hpp"
 #include "uccl_moe/log.hpp"
 #include "uccl_moe/ordering.hpp"
+#include "transport/nic_select.hpp"
 
 namespace uccl_moe {
 
@@ -28,26 +29,6 @@ constexpr int kPollBatch = 512;  // completions + immediates handled per loop (e
 constexpr int kPostBudgetPerFifo = 64;  ///< commands read from one FIFO per loop (fairness between FIFOs)
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-/// "0-3,8,10-11" -> {0,1,2,3,8,10,11}; throws InvalidUsage naming the knob.
-std::vector<int> parse_cpu_list(const std::string& text) {
-  std::vector<int> cpus;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    int a = 0, b = 0;
-    char extra = 0;
-    if (std::sscanf(item.c_str(), "%d-%d%c", &a, &b, &extra) == 2 && a >= 0 && b >= a) {
-      for (int c = a; c <= b; ++c) cpus.push_back(c);
-    } else if (std::sscanf(item.c_str(), "%d%c", &a, &extra) == 1 && a >= 0) {
-      cpus.push_back(a);
-    } else {
-      UCCL_THROW(kInvalidUsage, "UCCL_MOE_PROXY_CPUS=\"%s\" is invalid: expected a CPU list like 0-3,8", text.c_str());
-    }
-  }
-  return cpus;
-}
 
 struct AtomicCounters {
   std::atomic<uint64_t> commands{0}, writes{0}, atomics{0}, bytes{0}, recv_imms{0}, reorders{0}, held_updates{0},
@@ -134,7 +115,8 @@ struct Proxy::Impl {
   int64_t* counters_dev = nullptr;  ///< GPU view (GPU mode)
   bool own_counters = false;
   uint64_t num_counters = 0;
-  std::vector<int> cpus;
+  std::vector<int> cpus;     ///< thread t on cpus[t % n]; or, with pin_numa, every thread on the whole set
+  bool pin_numa = false;     ///< cpus is the NIC's NUMA node (UCCL_MOE_PROXY_CPUS=auto)
   std::vector<int> barrier_peers[2];  ///< [all|rail] ranks a BARRIER of that flavour exchanges epochs with
 
   struct Thread {
@@ -208,12 +190,16 @@ void Proxy::Impl::run(Thread& t) {
   if (!cpus.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    const int cpu = cpus[size_t(t.idx) % cpus.size()];
-    CPU_SET(cpu, &set);
+    if (pin_numa) {
+      for (int c : cpus) CPU_SET(c, &set);
+    } else {
+      CPU_SET(cpus[size_t(t.idx) % cpus.size()], &set);
+    }
+    const std::string what = pin_numa ? "the NIC's NUMA node CPUs" : detail::format("CPU %d", cpus[size_t(t.idx) % cpus.size()]);
     if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0)
-      UCCL_LOG(WARN, PROXY, "%s: cannot pin to CPU %d (UCCL_MOE_PROXY_CPUS)", who(t).c_str(), cpu);
+      UCCL_LOG(WARN, PROXY, "%s: cannot pin to %s (UCCL_MOE_PROXY_CPUS)", who(t).c_str(), what.c_str());
     else
-      UCCL_LOG(INFO, PROXY, "%s pinned to CPU %d", who(t).c_str(), cpu);
+      UCCL_LOG(INFO, PROXY, "%s pinned to %s", who(t).c_str(), what.c_str());
   }
   try {
     std::vector<Completion> comps;
@@ -516,14 +502,16 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   if (o.max_inflight_writes < 0) o.max_inflight_writes = env::MAX_INFLIGHT_WRITES();
   if (o.timeout_s <= 0) o.timeout_s = env::TIMEOUT_S();
   if (o.transport.empty()) o.transport = env::TRANSPORT();
-  if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
+  if (o.cpus.empty()) o.cpus = "none";
+  else if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
   if (o.ranks_per_node <= 0) o.ranks_per_node = o.num_ranks;
   UCCL_ASSERT(o.fifos_per_thread >= 1 && o.fifos_per_thread <= kImmMaxChannels,
               "fifos_per_thread=%d must be in [1, %d] (3-bit channel field of the immediate)", o.fifos_per_thread,
               kImmMaxChannels);
   UCCL_ASSERT(o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)o.max_inflight_writes);
   UCCL_ASSERT(o.data_bytes > 0, "data_bytes must be > 0");
-  m.cpus = parse_cpu_list(o.cpus);
+  if (o.local_rank < 0) o.local_rank = o.rank % o.ranks_per_node;
+  const detail::ProxyCpuSpec cpu_spec = detail::proxy_cpus_for_rank(o.cpus, o.local_rank);  // fails before resources
   for (int p = 0; p < o.num_ranks; ++p) {
     if (p == o.rank) continue;
     m.barrier_peers[0].push_back(p);
@@ -537,7 +525,24 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.job = o.job;
   ctx.timeout_s = o.timeout_s;
   ctx.gpu = o.gpu_data ? o.gpu : nullptr;
+  ctx.gpu_pci_bus_id = o.gpu_pci_bus_id;
+  ctx.local_rank = o.local_rank;
   m.transport = create_transport(o.transport, ctx);
+  if (cpu_spec.mode == detail::ProxyCpuSpec::Mode::kList) {
+    m.cpus = cpu_spec.cpus;
+  } else if (cpu_spec.mode == detail::ProxyCpuSpec::Mode::kAuto) {
+    // The NIC's NUMA node, within the CPUs this process may use (a Slurm or container cpuset).
+    const std::string node_cpus = m.transport->nic().numa_cpus;
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool known = sched_getaffinity(0, sizeof allowed, &allowed) == 0;
+    for (int c : node_cpus.empty() ? std::vector<int>{} : detail::parse_cpu_list(node_cpus, "NUMA cpulist"))
+      if (c < CPU_SETSIZE && (!known || CPU_ISSET(c, &allowed))) m.cpus.push_back(c);
+    m.pin_numa = !m.cpus.empty();
+    if (!node_cpus.empty() && m.cpus.empty())
+      UCCL_LOG(WARN, PROXY, "the NIC's NUMA node CPUs (%s) are outside this process's CPU set: proxy threads not "
+               "pinned (UCCL_MOE_PROXY_CPUS)", node_cpus.c_str());
+  }
   m.caps = m.transport->caps();
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);
   if (m.software_atomics) {
@@ -694,6 +699,8 @@ uint64_t Proxy::num_counters() const { return impl_->num_counters; }
 const std::atomic<int32_t>& Proxy::abort_flag() const { return impl_->abort_flag; }
 std::string Proxy::transport_name() const { return impl_->transport->name(); }
 const ProxyOptions& Proxy::options() const { return impl_->opt; }
+TransportNic Proxy::nic() const { return impl_->transport->nic(); }
+std::vector<int> Proxy::pinned_cpus() const { return impl_->cpus; }
 
 std::vector<ProxyCounters> Proxy::thread_counters() const {
   std::vector<ProxyCounters> out;

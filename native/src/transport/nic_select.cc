@@ -13,6 +13,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 
 namespace uccl_moe::detail {
@@ -102,12 +103,6 @@ std::string trim(std::string s) {
   return s.substr(i);
 }
 
-std::string join(const std::vector<std::string>& v, const char* sep = ", ") {
-  std::string out;
-  for (const std::string& s : v) out += (out.empty() ? "" : sep) + s;
-  return out;
-}
-
 int parse_rank(const std::string& text, const std::string& var, const std::string& whole) {
   char* end = nullptr;
   const long v = std::strtol(text.c_str(), &end, 10);
@@ -186,6 +181,12 @@ std::vector<size_t> closest(const std::vector<SysfsRdmaDevice>& devs, const std:
 }
 
 }  // namespace
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& s : names) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
 
 const char* nic_family_name(NicFamily f) {
   switch (f) {
@@ -351,6 +352,7 @@ ProxyCpuSpec proxy_cpus_for_rank(const std::string& text, int local_rank) {
 
 NicChoice choose_nics(const NicRequest& req) {
   NicChoice c;
+  c.sysfs_root = req.sysfs_root;
   const auto in_family = [&](const std::string& name) {
     return req.family == NicFamily::kAny || (req.family == NicFamily::kEfa) == is_efa_name(name);
   };
@@ -376,7 +378,7 @@ NicChoice choose_nics(const NicRequest& req) {
     for (const std::string& n : want) {
       if (std::find(known.begin(), known.end(), n) == known.end())
         UCCL_THROW(kInvalidUsage, "UCCL_MOE_IB_HCA names %s for local rank %d, but this host has %s", n.c_str(),
-                   req.local_rank, known.empty() ? "no RDMA devices" : ("only: " + join(known)).c_str());
+                   req.local_rank, known.empty() ? "no RDMA devices" : ("only: " + join_names(known)).c_str());
       if (!in_family(n))
         UCCL_THROW(kInvalidUsage, "UCCL_MOE_IB_HCA names %s for local rank %d, which is %s device; the %s transport "
                    "takes %s devices (set UCCL_MOE_TRANSPORT to match, or name a device of this family)", n.c_str(),
@@ -486,6 +488,43 @@ NicChoice choose_nics(const NicRequest& req) {
   if (mine.size() > 1 || sharers.size() > 1)
     c.reason += format("; %zu equally close device(s) shared by %zu GPU(s)", mine.size(), sharers.size());
   return c;
+}
+
+NicChoice choose_transport_nics(const TransportContext& ctx, NicFamily family,
+                                const std::vector<std::string>& available) {
+  NicRequest r;
+  r.sysfs_root = env::SYSFS_ROOT();
+  r.family = family;
+  r.gpu_pci_bus_id = ctx.gpu_pci_bus_id;
+  r.local_rank = ctx.local_rank;
+  r.hca = env::IB_HCA();
+  r.available = available;
+  r.port = int(env::IB_PORT());
+  return choose_nics(r);
+}
+
+std::vector<std::string> nic_open_order(const NicChoice& c) {
+  std::vector<std::string> out = c.devices;
+  out.insert(out.end(), c.fallbacks.begin(), c.fallbacks.end());
+  return out;
+}
+
+TransportNic transport_nic(const NicChoice& c, const std::string& opened) {
+  TransportNic t;
+  t.reason = c.reason;
+  if (std::find(c.devices.begin(), c.devices.end(), opened) != c.devices.end()) {
+    t.devices = c.devices;
+    t.numa_node = c.numa_node;
+    t.numa_cpus = c.numa_cpus;
+    return t;
+  }
+  t.devices = {opened};
+  t.reason += "; " + (c.devices.empty() ? std::string("none chosen") : join_names(c.devices) + " did not open") +
+              ", using fallback " + opened;
+  for (const SysfsRdmaDevice& d : list_rdma_devices(c.sysfs_root))
+    if (d.name == opened) t.numa_node = d.numa_node;
+  t.numa_cpus = numa_cpulist(c.sysfs_root, t.numa_node);
+  return t;
 }
 
 }  // namespace uccl_moe::detail

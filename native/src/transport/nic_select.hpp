@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "uccl_moe/transport.hpp"
+
 namespace uccl_moe::detail {
 
 enum class NicFamily : int {
@@ -26,6 +28,8 @@ enum class NicFamily : int {
 const char* nic_family_name(NicFamily f);
 /// "efa*" or "rdmap*" (same rule as verbs_ops.hpp's is_efa_device, which needs no libibverbs here).
 bool is_efa_name(const std::string& name);
+/// "a, b, c".
+std::string join_names(const std::vector<std::string>& names);
 
 /// One RDMA device as sysfs describes it (/sys/class/infiniband/<name>).
 struct SysfsRdmaDevice {
@@ -113,8 +117,18 @@ struct NicChoice {
   int pcie_distance = -1;              ///< GPU to devices[0]; -1 unknown
   std::string gpu_pci_bus_id;          ///< normalized; the one assumed when the request had none
   std::string reason;                  ///< one line: why these devices
+  std::string sysfs_root;              ///< the tree it was chosen from
 };
 /// Throws InvalidUsage for a bad UCCL_MOE_IB_HCA, a named device that does not exist or belongs to the other family.
 NicChoice choose_nics(const NicRequest& req);
+
+/// What the verbs transports call: the choice for ctx's GPU and local rank among `available` (their verbs device
+/// list), with UCCL_MOE_IB_HCA, UCCL_MOE_IB_PORT and UCCL_MOE_SYSFS_ROOT from the environment.
+NicChoice choose_transport_nics(const TransportContext& ctx, NicFamily family, const std::vector<std::string>& available);
+/// Devices to try opening, in order: the chosen ones, then the fallbacks.
+std::vector<std::string> nic_open_order(const NicChoice& c);
+/// The TransportNic once `opened` (one of nic_open_order) was opened: the chosen set, or the fallback alone with its
+/// own NUMA node.
+TransportNic transport_nic(const NicChoice& c, const std::string& opened);
 
 }  // namespace uccl_moe::detail

@@ -12,6 +12,7 @@
 #include "efa_detail.hpp"
 #include "transport/ibverbs/post_queue.hpp"
 #include "transport/ibverbs/verbs_ops.hpp"
+#include "transport/nic_select.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
@@ -122,15 +123,16 @@ class EfaEndpoint : public Endpoint {
 class EfaTransport : public Transport {
  public:
   explicit EfaTransport(const TransportContext& ctx) : ctx_(ctx), ops_(real_verbs_ops()) {
-    const std::string want = env::IB_HCA();
-    for (const std::string& name : ops_->device_names()) {
-      if (!want.empty() ? name != want : !is_efa_device(name)) continue;
+    // nic_select.hpp: the EFA devices nearest the GPU (p5en: two; TODO(i27-efa): stripe threads over nic_.devices).
+    const NicChoice choice = choose_transport_nics(ctx_, NicFamily::kEfa, ops_->device_names());
+    for (const std::string& name : nic_open_order(choice)) {
       if ((dev_ = ops_->open_device(name))) {
         dev_name_ = name;
         break;
       }
     }
-    if (!dev_) UCCL_THROW(kTransport, "efa: no EFA device found (UCCL_MOE_IB_HCA)");
+    if (!dev_) UCCL_THROW(kTransport, "efa: no EFA device opened (%s; UCCL_MOE_IB_HCA)", choice.reason.c_str());
+    nic_ = transport_nic(choice, dev_name_);
     if (ops_->query_gid(dev_, 1, 0, &gid_) != 0) UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_gid", 0).c_str());
     pd_ = ops_->alloc_pd(dev_);
     if (!pd_) UCCL_THROW(kTransport, "%s", verbs_error("ibv_alloc_pd", 0).c_str());
@@ -154,11 +156,13 @@ class EfaTransport : public Transport {
   std::unique_ptr<Endpoint> create_endpoint(int thread_idx) override {
     return std::make_unique<EfaEndpoint>(this, thread_idx);
   }
+  TransportNic nic() const override { return nic_; }
 
   TransportContext ctx_;
   std::shared_ptr<VerbsOps> ops_;
   ibv_context* dev_ = nullptr;
   std::string dev_name_;
+  TransportNic nic_;
   ibv_gid gid_{};
   ibv_pd* pd_ = nullptr;
   ibv_mr *data_mr_ = nullptr, *ctr_mr_ = nullptr;
