@@ -114,7 +114,7 @@ def _pick_gid(gids: list[dict[str, Any]], link_layer: str, knob: str) -> tuple[i
             return idx, "?", f"UCCL_MOE_IB_GID_INDEX={idx} is not in the GID table"
         return idx, match[0]["type"] or "-", ""
     if link_layer != "Ethernet":
-        return 0, gids[0]["type"] if gids else "-", ""
+        return 0, (gids[0]["type"] if gids else "") or "-", ""
     v2 = [g for g in gids if g["type"] == "RoCE v2"]
     for g in v2:
         if g["gid"].startswith("0000:0000:0000:0000:0000:ffff:"):
