@@ -238,7 +238,8 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
             problems.append(_problem("error", str(e), "fix UCCL_MOE_PROXY_CPUS (docs/internode.md)"))
             mode, lst = "none", []
         if mode == "auto":
-            row["cpus"] = f"NUMA {ch['numa_node']}: {ch['numa_cpus']}" if ch["numa_cpus"] else "not pinned (NUMA unknown)"
+            numa = ch["numa_cpus"]
+            row["cpus"] = f"NUMA {ch['numa_node']}: {numa}" if numa else "not pinned (NUMA unknown)"
             node_cpus = set(_parse_cpus(ch["numa_cpus"]))
             if allowed and node_cpus and not node_cpus & set(allowed):
                 problems.append(_problem(
@@ -432,7 +433,7 @@ def run_pair(rank: int, world: int, store: Any, *, local_rank: int, ranks_per_no
         proxy.wait(0, proxy.push_write(0, peer, 4096, 0, recv))
         sync()
         if not np.array_equal(data[recv:recv + 4096], expect):
-            raise TransportError("write: the bytes from rank %d did not land (or landed corrupted)" % src)
+            raise TransportError(f"write: the bytes from rank {src} did not land (or landed corrupted)")
         return "4 KiB landed intact"
 
     def write_imm() -> str:
