@@ -401,6 +401,13 @@ def run_pair(rank: int, world: int, store: Any, *, local_rank: int, ranks_per_no
     sync = barrier or (lambda: None)
 
     def step(name: str, fn: Any) -> bool:
+        if proxy is not None and tests and not tests[-1]["ok"]:
+            try:
+                proxy.check()
+            except UcclMoeError as e:  # a failed proxy fails every later test at once: name the first cause only
+                tests.append({"name": name, "ok": False, "detail": f"not run: the proxy failed ({type(e).__name__})",
+                              "fix": "see the first failure"})
+                return False
         t0 = time.perf_counter()
         try:
             detail = fn() or "ok"
@@ -569,9 +576,12 @@ def pair_main(args: argparse.Namespace) -> int:
                 figures = {t["name"]: t["detail"] for t in ok if t["name"] in ("latency", "bandwidth")}
                 print(f"  rank {r['rank']:<3} {r['host']} nic {nic_s} cpus {cpus}: {len(ok)}/{len(r['tests'])} ok"
                       + "".join(f" | {v}" for v in figures.values()))
+                skipped = [t["name"] for t in r["tests"] if not t["ok"] and t["detail"].startswith("not run")]
                 for t in r["tests"]:
-                    if not t["ok"]:
+                    if not t["ok"] and t["name"] not in skipped:
                         print(f"      FAIL {t['name']}: {t['detail']}\n           fix: {t['fix']}")
+                if skipped:
+                    print(f"      not run after that failure: {', '.join(skipped)}")
             print("PASS" if not failed else f"FAIL: {len(failed)} test(s) failed")
     return 1 if failed else 0
 
