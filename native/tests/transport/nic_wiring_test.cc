@@ -6,6 +6,7 @@
 #include <set>
 
 #include "ibverbs/fake_verbs.hpp"
+#include "transport/device_caps.hpp"
 #include "transport/ibverbs/ibverbs_detail.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
@@ -96,6 +97,24 @@ TEST_F(NicWiring, PerRankOverride) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
     EXPECT_NE(std::string(e.what()).find("local rank 4 has none"), std::string::npos) << e.what();
   }
+}
+
+// doctor's capability query goes through the verbs seam: what the device reports, and a named error when it does not
+// open.
+TEST(DeviceCaps, ThroughTheVerbsSeam) {
+  auto fabric = std::make_shared<test::FakeFabric>();
+  fabric->atomics = false;
+  NamedFakeVerbs ops(fabric, {"mlx5_3"});
+  const detail::RdmaDeviceCaps c = detail::query_device_caps(ops, "mlx5_0", 1, false);
+  EXPECT_EQ(c.error, "");
+  EXPECT_EQ(c.atomic_cap, "none");
+  EXPECT_EQ(c.port_state, "ACTIVE");
+  EXPECT_EQ(c.link_layer, "Ethernet");
+  EXPECT_EQ(c.active_mtu, 4096);
+  EXPECT_EQ(c.gid_tbl_len, 4);
+  EXPECT_FALSE(c.efa_queried);
+  const detail::RdmaDeviceCaps bad = detail::query_device_caps(ops, "mlx5_3", 1, false);
+  EXPECT_NE(bad.error.find("ibv_open_device"), std::string::npos) << bad.error;
 }
 
 }  // namespace
