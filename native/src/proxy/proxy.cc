@@ -528,20 +528,19 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.gpu_pci_bus_id = o.gpu_pci_bus_id;
   ctx.local_rank = o.local_rank;
   m.transport = create_transport(o.transport, ctx);
-  if (cpu_spec.mode == detail::ProxyCpuSpec::Mode::kList) {
-    m.cpus = cpu_spec.cpus;
-  } else if (cpu_spec.mode == detail::ProxyCpuSpec::Mode::kAuto) {
-    // The NIC's NUMA node, within the CPUs this process may use (a Slurm or container cpuset).
-    const std::string node_cpus = m.transport->nic().numa_cpus;
-    cpu_set_t allowed;
-    CPU_ZERO(&allowed);
-    const bool known = sched_getaffinity(0, sizeof allowed, &allowed) == 0;
-    for (int c : node_cpus.empty() ? std::vector<int>{} : detail::parse_cpu_list(node_cpus, "NUMA cpulist"))
-      if (c < CPU_SETSIZE && (!known || CPU_ISSET(c, &allowed))) m.cpus.push_back(c);
-    m.pin_numa = !m.cpus.empty();
-    if (!node_cpus.empty() && m.cpus.empty())
-      UCCL_LOG(WARN, PROXY, "the NIC's NUMA node CPUs (%s) are outside this process's CPU set: proxy threads not "
-               "pinned (UCCL_MOE_PROXY_CPUS)", node_cpus.c_str());
+  {
+    // Auto: the NIC's NUMA node, within the CPUs this process may use (a Slurm or container cpuset).
+    std::vector<int> allowed;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) allowed.push_back(c);
+    const detail::ProxyPinning pin = detail::plan_proxy_pinning(cpu_spec, m.transport->nic().numa_cpus, allowed);
+    m.cpus = pin.cpus;
+    m.pin_numa = pin.whole_set;
+    if (!pin.note.empty() && cpu_spec.mode == detail::ProxyCpuSpec::Mode::kAuto && !m.transport->nic().devices.empty())
+      UCCL_LOG(WARN, PROXY, "proxy threads not pinned: %s (UCCL_MOE_PROXY_CPUS)", pin.note.c_str());
   }
   m.caps = m.transport->caps();
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);

@@ -350,6 +350,26 @@ ProxyCpuSpec proxy_cpus_for_rank(const std::string& text, int local_rank) {
   return spec;
 }
 
+ProxyPinning plan_proxy_pinning(const ProxyCpuSpec& spec, const std::string& nic_numa_cpus,
+                                const std::vector<int>& allowed) {
+  ProxyPinning p;
+  if (spec.mode == ProxyCpuSpec::Mode::kList) {
+    p.cpus = spec.cpus;
+    return p;
+  }
+  if (spec.mode == ProxyCpuSpec::Mode::kNone) return p;
+  if (nic_numa_cpus.empty()) {
+    p.note = "no NIC NUMA node known";
+    return p;
+  }
+  for (int c : parse_cpu_list(nic_numa_cpus, "NUMA node cpulist"))
+    if (allowed.empty() || std::find(allowed.begin(), allowed.end(), c) != allowed.end()) p.cpus.push_back(c);
+  p.whole_set = !p.cpus.empty();
+  if (p.cpus.empty())
+    p.note = "the NIC's NUMA node CPUs (" + nic_numa_cpus + ") are outside this process's CPU set";
+  return p;
+}
+
 NicChoice choose_nics(const NicRequest& req) {
   NicChoice c;
   c.sysfs_root = req.sysfs_root;

@@ -96,6 +96,15 @@ struct ProxyCpuSpec {
   std::vector<int> cpus;  ///< kList
 };
 ProxyCpuSpec proxy_cpus_for_rank(const std::string& text, int local_rank);
+/// Where a rank's proxy threads run: kList -> thread t on cpus[t % n]; kAuto -> every thread on the whole NUMA set of
+/// the NIC (`nic_numa_cpus`), within `allowed` (the process's CPUs; empty = unknown, no filter); kNone -> nowhere.
+struct ProxyPinning {
+  std::vector<int> cpus;   ///< empty = not pinned
+  bool whole_set = false;  ///< each thread gets all of cpus (NUMA mode), else one CPU each
+  std::string note;        ///< why not pinned, when auto could not pin
+};
+ProxyPinning plan_proxy_pinning(const ProxyCpuSpec& spec, const std::string& nic_numa_cpus,
+                                const std::vector<int>& allowed);
 /// "0-3,8,10-11" -> {0,1,2,3,8,10,11}; throws InvalidUsage naming `var`.
 std::vector<int> parse_cpu_list(const std::string& text, const std::string& var = "UCCL_MOE_PROXY_CPUS");
 

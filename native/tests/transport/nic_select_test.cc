@@ -232,6 +232,25 @@ TEST(NicSelect, ProxyCpus) {
   expect_invalid([] { proxy_cpus_for_rank(",", 0); }, "gives local rank 0 no CPU");
 }
 
+TEST(NicSelect, ProxyPinningPlan) {
+  const ProxyCpuSpec autos = proxy_cpus_for_rank("auto", 0);
+  ProxyPinning p = plan_proxy_pinning(autos, "0-3,8-9", {});
+  EXPECT_EQ(p.cpus, (std::vector<int>{0, 1, 2, 3, 8, 9}));
+  EXPECT_TRUE(p.whole_set);
+  p = plan_proxy_pinning(autos, "0-3,8-9", {2, 3, 4, 9});  // a Slurm cpuset: only its share of the node
+  EXPECT_EQ(p.cpus, (std::vector<int>{2, 3, 9}));
+  p = plan_proxy_pinning(autos, "0-3", {4, 5});
+  EXPECT_TRUE(p.cpus.empty());
+  EXPECT_NE(p.note.find("outside this process's CPU set"), std::string::npos);
+  EXPECT_TRUE(plan_proxy_pinning(autos, "", {0}).cpus.empty()) << "loopback: no NIC, no pinning";
+  p = plan_proxy_pinning(proxy_cpus_for_rank("5;6", 1), "0-3", {0});
+  EXPECT_EQ(p.cpus, std::vector<int>{6});
+  EXPECT_FALSE(p.whole_set) << "an explicit list pins one CPU per thread, as it always did";
+  EXPECT_TRUE(plan_proxy_pinning(proxy_cpus_for_rank("none", 0), "0-3", {}).cpus.empty());
+  // The sysfs NUMA list of a fixture feeds it unchanged.
+  EXPECT_EQ(plan_proxy_pinning(autos, numa_cpulist(fixture("p5en"), 1), {}).cpus.size(), 96u);
+}
+
 TEST(NicSelect, GidsAndNetdevMtu) {
   const std::string root = fixture("mi300x_bnxt_re");
   const std::vector<SysfsGid> gids = list_gids(root, "bnxt_re2");
