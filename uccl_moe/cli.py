@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from .errors import InvalidUsageError, UcclMoeError
 
-SUBCOMMAND_MODULES: list[str] = ["uccl_moe.launch.commands", "uccl_moe.launch.compare", "uccl_moe.bench.cli"]
+SUBCOMMAND_MODULES: list[str] = ["uccl_moe.launch.commands", "uccl_moe.launch.compare", "uccl_moe.bench.cli",
+                                  "uccl_moe.doctor"]
 """Modules imported to register subcommands, in help order. Append yours here."""
 
 ENTRY_POINT_GROUP = "uccl_moe.subcommands"

@@ -102,8 +102,13 @@ class Proxy:
             the ``UCCL_MOE_*`` knob of the same name.
         data_bytes: size of the registered data region (allocated by the transport; :meth:`data` views it).
         job: namespace of bootstrap keys and shared-memory names; unique per concurrently running group.
-        cpus: CPU list to pin the threads to (``"0-3"``); ``None`` = ``UCCL_MOE_PROXY_CPUS``; ``""`` = no pinning.
+        cpus: where to pin the threads, in ``UCCL_MOE_PROXY_CPUS`` grammar (``"0-3"``, ``"auto"``: the NIC's NUMA
+            node, per-rank ``"0-3;8-11"``); ``None`` = the knob; ``""`` = no pinning.
         ranks_per_node: for same-rail barriers; ``None`` = all ranks on one node.
+        gpu_pci_bus_id: this rank's GPU (``"0000:53:00.0"``), so the NIC transports take the NIC nearest to it;
+            ``None`` = unknown (they assume the ``local_rank``-th GPU in PCI order).
+        local_rank: index on the node for per-rank ``UCCL_MOE_IB_HCA`` / ``UCCL_MOE_PROXY_CPUS`` lists; ``None`` =
+            ``rank % ranks_per_node``.
 
     Threads never raise: a failure is kept and re-raised (``TransportError``, ``CommTimeoutError``) by the next call.
     Use as a context manager or call :meth:`start` / :meth:`stop`.
@@ -126,6 +131,8 @@ class Proxy:
         job: str = "uccl",
         cpus: str | None = None,
         ranks_per_node: int | None = None,
+        gpu_pci_bus_id: str | None = None,
+        local_rank: int | None = None,
     ) -> None:
         _check_int("num_ranks", num_ranks, 1, 4096)
         _check_int("rank", rank, 0, num_ranks - 1)
@@ -151,6 +158,8 @@ class Proxy:
             data_bytes=data_bytes,
             cpus="-" if cpus is None else cpus,
             ranks_per_node=ranks_per_node or 0,
+            gpu_pci_bus_id=gpu_pci_bus_id or "",
+            local_rank=-1 if local_rank is None else _check_int("local_rank", local_rank, 0, 4095),
         )
 
     # ---- lifecycle ----
@@ -196,6 +205,11 @@ class Proxy:
     @property
     def transport_name(self) -> str:
         return str(self._p.transport_name)
+
+    def nic(self) -> dict[str, Any]:
+        """The transport's NIC for this rank: ``devices`` (empty for loopback), ``numa_node``, ``numa_cpus``,
+        ``reason``, and ``pinned_cpus`` (the CPUs the threads are pinned to; empty = not pinned), ``local_rank``."""
+        return dict(self._p.nic())
 
     def data(self) -> Any:
         """``uint8[data_bytes]`` numpy view of the registered data region (valid while this Proxy lives)."""

@@ -343,6 +343,8 @@ class SlurmConfig:
     python: str = meta("python", "interpreter on the compute nodes ($PYTHON overrides at run time)")
     setup: List[str] = meta([], "shell lines run before srun (module load, conda activate, ...)")
     sbatch_args: List[str] = meta([], "extra '#SBATCH' options, e.g. --constraint=h200")
+    preflight: bool = meta(False, "run `uccl-moe doctor --pair` (transport self-test) on every rank before training; "
+                                  "a failure ends the job before it spends the allocation (docs/internode.md)")
 
 
 @dataclass

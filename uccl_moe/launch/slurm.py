@@ -53,6 +53,23 @@ def _preamble(cfg: Any, summary: str, subcommand: str) -> list[str]:
     return out
 
 
+def _preflight(cfg: Any) -> list[str]:
+    """The slurm.preflight step: ``uccl-moe doctor --pair`` on every rank, with the platform env in force, on a port
+    next to the training job's; its failure (exit 1, each failed test named with its fix) stops the script."""
+    cmd = (
+        '"$PYTHON" -m torch.distributed.run --nnodes="$SLURM_NNODES" '
+        f"--nproc-per-node={cfg.platform.gpus_per_node} "
+        '--node-rank="$SLURM_NODEID" --master-addr="$MASTER_ADDR" --master-port="$((MASTER_PORT + 1))" '
+        "-m uccl_moe.cli doctor --pair"
+    )
+    return [
+        "# pre-flight (slurm.preflight): transport self-test on every rank before training (uccl-moe doctor --pair)",
+        "# shellcheck disable=SC2016  # expanded inside each srun task, not here",
+        'srun --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \\',
+        f"  bash -c 'exec {cmd}'",
+    ]
+
+
 def render_sbatch(cfg: Any, summary: str = "") -> str:
     """The sbatch script text for composed config `cfg` (``summary``: validation summary recorded as comments)."""
     out = _preamble(cfg, summary, "slurm")
@@ -60,6 +77,8 @@ def render_sbatch(cfg: Any, summary: str = "") -> str:
     if env:
         out += ["", f"# platform {cfg.platform.name} environment (+ dispatcher {cfg.dispatcher.name} knobs)"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    if cfg.slurm.preflight:
+        out += ["", *_preflight(cfg)]
     head = entry_command(cfg)  # -m module | -m uccl_moe.megatron.pretrain script
     out += ["", "MEGATRON_ARGS=("]
     argv = megatron_argv(cfg)

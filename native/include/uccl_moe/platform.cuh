@@ -71,6 +71,8 @@ inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
 inline Error clock_rate_khz(int* khz, int device) {
   return hipDeviceGetAttribute(khz, hipDeviceAttributeClockRate, device);
 }
+/// "0000:53:00.0": the GPU's PCI address, for the NIC choice per GPU.
+inline Error pci_bus_id(char* buf, int len, int device) { return hipDeviceGetPCIBusId(buf, len, device); }
 /// Whether kernels load lazily on first launch (the CUDA hazard below). HIP: code objects are loaded per module, and
 /// no ROCm run of the GPU-copy loopback was possible here, so this reports eager and the check is CUDA-only.
 inline bool lazy_module_loading() { return false; }
@@ -125,6 +127,7 @@ inline Error ipc_close_mem_handle(void* p) { return cudaIpcCloseMemHandle(p); }
 inline Error func_set_max_dynamic_smem(const void* f, int bytes) {
   return cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
+inline Error pci_bus_id(char* buf, int len, int device) { return cudaDeviceGetPCIBusId(buf, len, device); }
 /// Whether the driver loads kernels lazily, on their first launch (CUDA_MODULE_LOADING=LAZY, the default since
 /// CUDA 12.2). A lazy load may wait for the whole context to go idle, so a host thread that must issue CUDA work to
 /// let a spinning kernel finish can deadlock against it. Asked through the driver entry point (no libcuda link).

@@ -35,7 +35,9 @@ struct ProxyOptions {
   int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES if set, else the NIC default
   double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
   std::string transport;          ///< UCCL_MOE_TRANSPORT
-  std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)
+  std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS grammar ("-" = knob; "" = no pinning)
+  std::string gpu_pci_bus_id;     ///< this rank's GPU, for the NIC choice ("" = unknown)
+  int local_rank = -1;            ///< index on the node (per-rank NIC / CPU lists); -1 = rank % ranks_per_node
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
   uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
@@ -103,6 +105,9 @@ class Proxy {
   ProxyCounters counters_total() const;
   std::vector<ProxyCounters> thread_counters() const;
   std::string transport_name() const;
+  /// The transport's NIC (empty for loopback) and the CPUs the threads are pinned to (empty = not pinned).
+  TransportNic nic() const;
+  std::vector<int> pinned_cpus() const;
   const ProxyOptions& options() const;  ///< with knobs resolved
 
   struct Impl;

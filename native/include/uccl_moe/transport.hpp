@@ -70,6 +70,18 @@ struct TransportContext {
   /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
   std::shared_ptr<const GpuMemoryOps> gpu;
   std::shared_ptr<detail::VerbsOps> verbs;  ///< null: the real libibverbs (tests inject a fake)
+  // GPU identity, for the NIC choice per GPU (native/src/transport/nic_select.hpp).
+  std::string gpu_pci_bus_id;  ///< "0000:53:00.0"; "" = unknown (NIC selection assumes the local_rank-th GPU)
+  int local_rank = 0;          ///< this rank's index on its node (per-rank UCCL_MOE_IB_HCA / UCCL_MOE_PROXY_CPUS)
+};
+
+/// The NIC a transport serves its GPU through (empty for loopback): where the proxy pins its threads by default, and
+/// what `uccl-moe doctor` reports.
+struct TransportNic {
+  std::vector<std::string> devices;  ///< opened devices, primary first
+  int numa_node = -1;                ///< -1 unknown
+  std::string numa_cpus;             ///< CPU list of that node ("" unknown)
+  std::string reason;                ///< why these devices (one line)
 };
 
 class Endpoint {
@@ -100,6 +112,8 @@ class Transport {
   virtual void register_memory(MemoryKind kind, void* ptr, size_t bytes) = 0;
   /// One endpoint per proxy thread, created after register_memory.
   virtual std::unique_ptr<Endpoint> create_endpoint(int thread_idx) = 0;
+  /// The NIC chosen for this rank's GPU; empty for transports without one.
+  virtual TransportNic nic() const { return {}; }
 };
 
 /// Creates the transport named `name` ("loopback", "ibverbs", "efa", or "auto": the first, in priority order

@@ -33,5 +33,9 @@ void register_core(nanobind::module_& m);
 void register_proxy(nanobind::module_& m);
 void register_runtime(nanobind::module_& m);
 void register_internode(nanobind::module_& m);
+/// NIC choice per GPU and device capabilities (nic_bindings.cc); called by register_proxy.
+void register_nic(nanobind::module_& m);
+/// A TransportNic as a dict (devices, numa_node, numa_cpus, reason).
+nanobind::dict transport_nic_dict(const TransportNic& n);
 
 }  // namespace uccl_moe::bindings

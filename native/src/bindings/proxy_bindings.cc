@@ -67,6 +67,7 @@ nb::dict counters_dict(const ProxyCounters& c) {
 }
 
 void register_proxy(nb::module_& m) {
+  register_nic(m);
   m.def("proxy_transports", &list_transports, "registered transports in priority order with their probe result");
   m.def(
       "nic_flow_defaults",
@@ -114,7 +115,8 @@ void register_proxy(nb::module_& m) {
            [](Proxy* self, int rank, int num_ranks, nb::object store_set, nb::object store_get,
               const std::string& transport, int num_threads, int fifos_per_thread, int fifo_capacity,
               int64_t max_inflight_bytes, int64_t max_inflight_writes, double timeout_s, const std::string& job,
-              uint64_t data_bytes, const std::string& cpus, int ranks_per_node) {
+              uint64_t data_bytes, const std::string& cpus, int ranks_per_node, const std::string& gpu_pci_bus_id,
+              int local_rank) {
              ProxyOptions o;
              o.rank = rank;
              o.num_ranks = num_ranks;
@@ -129,11 +131,13 @@ void register_proxy(nb::module_& m) {
              o.data_bytes = data_bytes;
              o.cpus = cpus;
              o.ranks_per_node = ranks_per_node;
+             o.gpu_pci_bus_id = gpu_pci_bus_id;
+             o.local_rank = local_rank;
              new (self) Proxy(o, python_store(store_set, store_get));
            },
            "rank"_a, "num_ranks"_a, "store_set"_a, "store_get"_a, "transport"_a, "num_threads"_a,
            "fifos_per_thread"_a, "fifo_capacity"_a, "max_inflight_bytes"_a, "max_inflight_writes"_a, "timeout_s"_a,
-           "job"_a, "data_bytes"_a, "cpus"_a, "ranks_per_node"_a)
+           "job"_a, "data_bytes"_a, "cpus"_a, "ranks_per_node"_a, "gpu_pci_bus_id"_a = "", "local_rank"_a = -1)
       .def("start", [](Proxy& p) {
         nb::gil_scoped_release release;
         p.start();
@@ -147,6 +151,12 @@ void register_proxy(nb::module_& m) {
       .def_prop_ro("num_threads", &Proxy::num_threads)
       .def_prop_ro("num_fifos", &Proxy::num_fifos)
       .def_prop_ro("transport_name", &Proxy::transport_name)
+      .def("nic", [](const Proxy& p) {
+        nb::dict d = transport_nic_dict(p.nic());
+        d["pinned_cpus"] = p.pinned_cpus();
+        d["local_rank"] = p.options().local_rank;
+        return d;
+      }, "the transport's NIC for this rank's GPU and the CPUs the proxy threads are pinned to")
       .def_prop_ro("data_bytes", &Proxy::data_bytes)
       .def_prop_ro("num_counters", &Proxy::num_counters)
       .def("push_raw", [](Proxy& p, int fifo, uint64_t word0, uint64_t word1) {

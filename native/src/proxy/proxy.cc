@@ -17,6 +17,7 @@
 #include "uccl_moe/flow_control.hpp"
 #include "uccl_moe/log.hpp"
 #include "uccl_moe/ordering.hpp"
+#include "transport/nic_select.hpp"
 
 namespace uccl_moe {
 
@@ -28,26 +29,6 @@ constexpr int kPollBatch = 512;  // completions + immediates handled per loop (e
 constexpr int kPostBudgetPerFifo = 64;  ///< commands read from one FIFO per loop (fairness between FIFOs)
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-/// "0-3,8,10-11" -> {0,1,2,3,8,10,11}; throws InvalidUsage naming the knob.
-std::vector<int> parse_cpu_list(const std::string& text) {
-  std::vector<int> cpus;
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (item.empty()) continue;
-    int a = 0, b = 0;
-    char extra = 0;
-    if (std::sscanf(item.c_str(), "%d-%d%c", &a, &b, &extra) == 2 && a >= 0 && b >= a) {
-      for (int c = a; c <= b; ++c) cpus.push_back(c);
-    } else if (std::sscanf(item.c_str(), "%d%c", &a, &extra) == 1 && a >= 0) {
-      cpus.push_back(a);
-    } else {
-      UCCL_THROW(kInvalidUsage, "UCCL_MOE_PROXY_CPUS=\"%s\" is invalid: expected a CPU list like 0-3,8", text.c_str());
-    }
-  }
-  return cpus;
-}
 
 struct AtomicCounters {
   std::atomic<uint64_t> commands{0}, writes{0}, atomics{0}, bytes{0}, recv_imms{0}, reorders{0}, held_updates{0},
@@ -135,7 +116,8 @@ struct Proxy::Impl {
   int64_t* counters_dev = nullptr;  ///< GPU view (GPU mode)
   bool own_counters = false;
   uint64_t num_counters = 0;
-  std::vector<int> cpus;
+  std::vector<int> cpus;     ///< thread t on cpus[t % n]; or, with pin_numa, every thread on the whole set
+  bool pin_numa = false;     ///< cpus is the NIC's NUMA node (UCCL_MOE_PROXY_CPUS=auto)
   std::vector<int> barrier_peers[2];  ///< [all|rail] ranks a BARRIER of that flavour exchanges epochs with
 
   struct Thread {
@@ -210,12 +192,16 @@ void Proxy::Impl::run(Thread& t) {
   if (!cpus.empty()) {
     cpu_set_t set;
     CPU_ZERO(&set);
-    const int cpu = cpus[size_t(t.idx) % cpus.size()];
-    CPU_SET(cpu, &set);
+    if (pin_numa) {
+      for (int c : cpus) CPU_SET(c, &set);
+    } else {
+      CPU_SET(cpus[size_t(t.idx) % cpus.size()], &set);
+    }
+    const std::string what = pin_numa ? "the NIC's NUMA node CPUs" : detail::format("CPU %d", cpus[size_t(t.idx) % cpus.size()]);
     if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0)
-      UCCL_LOG(WARN, PROXY, "%s: cannot pin to CPU %d (UCCL_MOE_PROXY_CPUS)", who(t).c_str(), cpu);
+      UCCL_LOG(WARN, PROXY, "%s: cannot pin to %s (UCCL_MOE_PROXY_CPUS)", who(t).c_str(), what.c_str());
     else
-      UCCL_LOG(INFO, PROXY, "%s pinned to CPU %d", who(t).c_str(), cpu);
+      UCCL_LOG(INFO, PROXY, "%s pinned to %s", who(t).c_str(), what.c_str());
   }
   try {
     std::vector<Completion> comps;
@@ -555,13 +541,15 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   if (o.fifo_capacity <= 0) o.fifo_capacity = int(env::FIFO_CAPACITY());
   if (o.timeout_s <= 0) o.timeout_s = env::TIMEOUT_S();
   if (o.transport.empty()) o.transport = env::TRANSPORT();
-  if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
+  if (o.cpus.empty()) o.cpus = "none";
+  else if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
   if (o.ranks_per_node <= 0) o.ranks_per_node = o.num_ranks;
   UCCL_ASSERT(o.fifos_per_thread >= 1 && o.fifos_per_thread <= kImmMaxChannels,
               "fifos_per_thread=%d must be in [1, %d] (3-bit channel field of the immediate)", o.fifos_per_thread,
               kImmMaxChannels);
   UCCL_ASSERT(o.data_bytes > 0, "data_bytes must be > 0");
-  m.cpus = parse_cpu_list(o.cpus);
+  if (o.local_rank < 0) o.local_rank = o.rank % o.ranks_per_node;
+  const detail::ProxyCpuSpec cpu_spec = detail::proxy_cpus_for_rank(o.cpus, o.local_rank);  // fails before resources
   for (int p = 0; p < o.num_ranks; ++p) {
     if (p == o.rank) continue;
     m.barrier_peers[0].push_back(p);
@@ -576,7 +564,23 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ctx.timeout_s = o.timeout_s;
   ctx.gpu = o.gpu_data ? o.gpu : nullptr;
   ctx.verbs = o.verbs;
+  ctx.gpu_pci_bus_id = o.gpu_pci_bus_id;
+  ctx.local_rank = o.local_rank;
   m.transport = create_transport(o.transport, ctx);
+  {
+    // Auto: the NIC's NUMA node, within the CPUs this process may use (a Slurm or container cpuset).
+    std::vector<int> allowed;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof set, &set) == 0)
+      for (int c = 0; c < CPU_SETSIZE; ++c)
+        if (CPU_ISSET(c, &set)) allowed.push_back(c);
+    const detail::ProxyPinning pin = detail::plan_proxy_pinning(cpu_spec, m.transport->nic().numa_cpus, allowed);
+    m.cpus = pin.cpus;
+    m.pin_numa = pin.whole_set;
+    if (!pin.note.empty() && cpu_spec.mode == detail::ProxyCpuSpec::Mode::kAuto && !m.transport->nic().devices.empty())
+      UCCL_LOG(WARN, PROXY, "proxy threads not pinned: %s (UCCL_MOE_PROXY_CPUS)", pin.note.c_str());
+  }
   m.caps = m.transport->caps();
   // Flow-control limits: options, knobs, then the NIC family's defaults (flow_control.hpp).
   const FlowLimits fl = resolve_flow_limits(o.max_inflight_bytes, o.max_inflight_writes, m.caps.nic_family,
@@ -742,6 +746,8 @@ uint64_t Proxy::num_counters() const { return impl_->num_counters; }
 const std::atomic<int32_t>& Proxy::abort_flag() const { return impl_->abort_flag; }
 std::string Proxy::transport_name() const { return impl_->transport->name(); }
 const ProxyOptions& Proxy::options() const { return impl_->opt; }
+TransportNic Proxy::nic() const { return impl_->transport->nic(); }
+std::vector<int> Proxy::pinned_cpus() const { return impl_->cpus; }
 
 std::vector<ProxyCounters> Proxy::thread_counters() const {
   std::vector<ProxyCounters> out;

@@ -48,6 +48,9 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   o.data_ptr = buffer_;  // null when host-staged: the transport allocates (shared memory) and we register it
   o.gpu = ops_;
   o.gpu_data = !host_staged;
+  char bus_id[32] = {0};  // the GPU's PCI address: the transport picks the NIC nearest to it
+  if (gpu::is_success(gpu::pci_bus_id(bus_id, sizeof bus_id, device))) o.gpu_pci_bus_id = bus_id;
+  o.local_rank = rank % ranks_per_node;
   proxy_ = std::make_unique<Proxy>(o, std::move(store));
   if (host_staged) {
     host_data_ = proxy_->data();

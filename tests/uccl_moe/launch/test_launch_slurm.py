@@ -90,3 +90,21 @@ def test_submit_calls_sbatch(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
     assert main(["slurm", "recipe=tiny_cpu_moe", "--run-dir", str(tmp_path / "r"), "--quiet", "--submit"]) == 0
     assert "Submitted batch job 42" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", ["dsv3_h200_efa_4n", "dsv3_mi300x_broadcom_16n"])
+def test_preflight_step_renders_before_training(recipe: str, tmp_path: Path, lint_bash):
+    """slurm.preflight=true adds `uccl-moe doctor --pair` on every rank before the training srun; off by default."""
+    assert "doctor --pair" not in render_sbatch(compose([f"recipe={recipe}"]))
+    cfg = compose([f"recipe={recipe}", "slurm.preflight=true"])
+    text = render_sbatch(cfg)
+    path = tmp_path / "job.sbatch"
+    path.write_text(text)
+    lint_bash(path)
+    pre = text.index("-m uccl_moe.cli doctor --pair")
+    train = text.index("MEGATRON_ARGS=(")
+    assert pre < train
+    step = text[text.rindex("srun ", 0, pre): pre]
+    assert '--nnodes="$SLURM_NNODES"' in step and f"--nproc-per-node={cfg.platform.gpus_per_node}" in step
+    assert '--master-port="$((MASTER_PORT + 1))"' in step and "--kill-on-bad-exit=1" in step
+    assert "\nexport " in text and text.rindex("\nexport ") < pre  # the platform env applies to the self-test

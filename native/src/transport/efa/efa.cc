@@ -15,6 +15,7 @@
 #include "efa_detail.hpp"
 #include "transport/ibverbs/post_queue.hpp"
 #include "transport/ibverbs/verbs_ops.hpp"
+#include "transport/nic_select.hpp"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
@@ -73,15 +74,17 @@ class EfaTransport : public Transport {
  public:
   EfaTransport(const TransportContext& ctx, EfaOpsPair ops)
       : ctx_(ctx), ops_(std::move(ops.verbs)), efa_(std::move(ops.efa)) {
-    const std::string want = env::IB_HCA();
-    for (const std::string& name : ops_->device_names()) {
-      if (!want.empty() ? name != want : !is_efa_device(name)) continue;
+    // nic_select.hpp: the EFA devices nearest the GPU (p5en: two per GPU). This transport opens the first that opens;
+    // striping proxy threads over both is future work (docs/internode.md).
+    const NicChoice choice = choose_transport_nics(ctx_, NicFamily::kEfa, ops_->device_names());
+    for (const std::string& name : nic_open_order(choice)) {
       if ((dev_ = ops_->open_device(name))) {
         dev_name_ = name;
         break;
       }
     }
-    if (!dev_) UCCL_THROW(kTransport, "efa: no EFA device found (UCCL_MOE_IB_HCA)");
+    if (!dev_) UCCL_THROW(kTransport, "efa: no EFA device opened (%s; UCCL_MOE_IB_HCA)", choice.reason.c_str());
+    nic_ = transport_nic(choice, dev_name_);
     if (std::string err = query_efa_caps(*ops_, *efa_, dev_, &caps_); !err.empty())
       UCCL_THROW(kTransport, "efa %s: %s", dev_name_.c_str(), err.c_str());
     plan_ = plan_efa_queues(caps_, dev_name_, ctx.num_ranks, ctx.num_threads);
@@ -114,6 +117,7 @@ class EfaTransport : public Transport {
   std::unique_ptr<Endpoint> create_endpoint(int thread_idx) override {
     return std::make_unique<EfaEndpoint>(this, thread_idx);
   }
+  TransportNic nic() const override { return nic_; }
 
   TransportContext ctx_;
   std::shared_ptr<VerbsOps> ops_;
@@ -122,6 +126,7 @@ class EfaTransport : public Transport {
   std::string dev_name_;
   EfaDeviceCaps caps_;
   EfaQueuePlan plan_;
+  TransportNic nic_;
   ibv_gid gid_{};
   ibv_pd* pd_ = nullptr;
   ibv_mr *data_mr_ = nullptr, *scratch_mr_ = nullptr;

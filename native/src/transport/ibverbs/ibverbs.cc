@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "ibverbs_detail.hpp"
+#include "transport/nic_select.hpp"
 #include "post_queue.hpp"
 #include "transport/gpu_mr.hpp"
 #include "uccl_moe/env.hpp"
@@ -286,10 +287,9 @@ class IbverbsEndpoint : public Endpoint {
 class IbverbsTransport : public Transport {
  public:
   IbverbsTransport(const TransportContext& ctx, std::shared_ptr<VerbsOps> ops) : ctx_(ctx), ops_(std::move(ops)) {
-    std::string want = env::IB_HCA();
     port_ = uint8_t(env::IB_PORT());
-    for (const std::string& name : ops_->device_names()) {
-      if (!want.empty() && name != want) continue;
+    const NicChoice choice = choose_transport_nics(ctx_, NicFamily::kVerbs, ops_->device_names());  // nic_select.hpp
+    for (const std::string& name : nic_open_order(choice)) {
       ibv_context* c = ops_->open_device(name);
       if (!c) continue;
       ibv_port_attr pa{};
@@ -302,8 +302,9 @@ class IbverbsTransport : public Transport {
       ops_->close_device(c);
     }
     if (!dev_)
-      UCCL_THROW(kTransport, "ibverbs: no device with an active port %u%s (UCCL_MOE_IB_HCA, UCCL_MOE_IB_PORT)",
-                 unsigned(port_), want.empty() ? "" : (" named " + want).c_str());
+      UCCL_THROW(kTransport, "ibverbs: no device with an active port %u among [%s] (%s; UCCL_MOE_IB_HCA, "
+                 "UCCL_MOE_IB_PORT)", unsigned(port_), join_names(nic_open_order(choice)).c_str(), choice.reason.c_str());
+    nic_ = transport_nic(choice, dev_name_);
     if (int rc = ops_->query_device(dev_, &dev_attr_))
       UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_device", rc).c_str());
     use_gid_ = port_attr_.link_layer == IBV_LINK_LAYER_ETHERNET;
@@ -368,12 +369,14 @@ class IbverbsTransport : public Transport {
   std::unique_ptr<Endpoint> create_endpoint(int thread_idx) override {
     return std::make_unique<IbverbsEndpoint>(this, thread_idx);
   }
+  TransportNic nic() const override { return nic_; }
 
   TransportContext ctx_;
   std::shared_ptr<VerbsOps> ops_;
   ibv_context* dev_ = nullptr;
   std::string dev_name_, family_;
   ibv_device_attr dev_attr_{};
+  TransportNic nic_;
   ibv_port_attr port_attr_{};
   uint8_t port_ = 1;
   bool use_gid_ = false;
