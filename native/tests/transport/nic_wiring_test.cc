@@ -25,7 +25,8 @@ class NamedFakeVerbs : public test::FakeVerbs {
   }
   ibv_context* open_device(const std::string& name) override {
     opened.push_back(name);
-    return broken_.count(name) ? nullptr : FakeVerbs::open_device(name);
+    // The strict fake models one device (its profile); every fixture name opens as that model.
+    return broken_.count(name) ? nullptr : FakeVerbs::open_device(profile().name);
   }
   std::vector<std::string> opened;
 
