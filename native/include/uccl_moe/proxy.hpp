@@ -13,17 +13,19 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/fifo.hpp"
 #include "uccl_moe/gpu_memory.hpp"
+#include "uccl_moe/timeout.hpp"
 #include "uccl_moe/transport.hpp"
 
 namespace uccl_moe {
 
-/// Options; zero / empty / negative values mean "take the environment knob".
+/// Options; zero / empty / negative values mean "take the environment knob" (timeout_s: none = the knob).
 struct ProxyOptions {
   int rank = 0;
   int num_ranks = 1;
@@ -33,7 +35,7 @@ struct ProxyOptions {
   int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
   int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
   int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
-  double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
+  std::optional<double> timeout_s;  ///< UCCL_MOE_TIMEOUT_S
   std::string transport;          ///< UCCL_MOE_TRANSPORT
   std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
@@ -46,20 +48,12 @@ struct ProxyOptions {
   bool gpu_data = false;
 };
 
-/// Monotone counters, summed over threads (per-thread values from thread_counters()).
+/// Monotone counters summed over threads and high-water marks (maxima); per-thread values from thread_counters().
+/// Fields: the rows of proxy_counters.def (uccl_moe/, the one list).
 struct ProxyCounters {
-  uint64_t commands = 0;        ///< FIFO commands retired
-  uint64_t writes = 0;          ///< WRITE commands posted
-  uint64_t atomics = 0;         ///< ATOMIC commands posted
-  uint64_t bytes = 0;           ///< payload bytes posted
-  uint64_t recv_imms = 0;       ///< immediates received
-  uint64_t reorders = 0;        ///< HT writes that arrived ahead of an earlier one of their channel
-  uint64_t held_updates = 0;    ///< counter updates the ordering engine had to hold
-  uint64_t applied_updates = 0; ///< counter updates applied (software atomics)
-  uint64_t stalls = 0;          ///< times flow control held a command at the sender
-  uint64_t barriers = 0;        ///< BARRIER commands completed
-  uint64_t peak_inflight_bytes = 0;   ///< high-water mark of a thread's in-flight bytes (max over threads)
-  uint64_t peak_inflight_window = 0;  ///< high-water mark of a FIFO's window span (max over FIFOs)
+#define UCCL_MOE_PROXY_COUNTER(NAME, MERGE, DOC) uint64_t NAME = 0;
+#include "proxy_counters.def"
+#undef UCCL_MOE_PROXY_COUNTER
 };
 
 class Proxy {
@@ -83,8 +77,8 @@ class Proxy {
   Fifo& fifo(int idx);
   /// Push from a host producer: like Fifo::push, but a proxy failure while waiting for room rethrows that failure.
   uint64_t push(int fifo_idx, const TransferCmdFields& cmd);
-  /// Waits until command `idx` of FIFO `fifo_idx` completed; rethrows thread errors. Bounded by twice the timeout, so
-  /// a lost command is reported by the proxy thread's own diagnostic (which names it) first.
+  /// Waits until command `idx` of FIFO `fifo_idx` completed; rethrows thread errors. Bounded by
+  /// Timeout::caller_behind_proxy_s(), so a lost command is reported by the proxy thread's own diagnostic first.
   void wait(int fifo_idx, uint64_t idx);
 
   void* data() const;
@@ -101,6 +95,8 @@ class Proxy {
   std::vector<ProxyCounters> thread_counters() const;
   std::string transport_name() const;
   const ProxyOptions& options() const;  ///< with knobs resolved
+  /// The resolved UCCL_MOE_TIMEOUT_S (or options.timeout_s) every wait of this proxy uses.
+  const Timeout& timeout() const;
 
   struct Impl;
 

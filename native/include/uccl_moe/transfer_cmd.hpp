@@ -123,7 +123,7 @@ UCCL_MOE_HD TransferCmdFields decode(const TransferCmd& c) {
 }
 
 /// Host-only: throws InvalidUsage naming the first field that does not fit (or an op/flag combination that makes no
-/// sense). LL fences' expected count must also fit the immediate (kImmLLBitsExpected in ordering.hpp, 20 bits).
+/// sense). LL fences' expected count must also fit the immediate (kImmLLBitsExpected in native/src/proxy/ordering.hpp, 20 bits).
 void check_cmd_fields(const TransferCmdFields& f);
 /// check_cmd_fields + encode.
 TransferCmd encode_checked(const TransferCmdFields& f);

@@ -115,7 +115,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
           const int who = gpu::lowest_bit(waiting);
           const int32_t want = gpu::shfl(p, who) + 1, seen = gpu::shfl(tail_seen, who);
           if (lane == 0)
-            report_timeout(diag, DiagPhase::kCombineRecvTokens, kRoleReceiver, who, lane_idx, want, seen, t,
+            report_timeout(diag, DiagPhase::kCombineRecvTokens, DiagRole::kReceiver, who, lane_idx, want, seen, t,
                            wait.waited_s());
           return;
         }

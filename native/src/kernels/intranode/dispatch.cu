@@ -6,7 +6,7 @@
 // (dst == me) skip the ring and go straight into the outputs: the first quarter of each lane's tokens by the
 // sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
 // copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
-// (tools/nvlink_probe.cu: 40-45 GB/s per SM either way on H200), so this balances the sender SMs (peer rows + kept
+// (native/bench/nvlink_probe.cu: 40-45 GB/s per SM either way on H200), so this balances the sender SMs (peer rows + kept
 // rows) against the receiver SMs (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
 #include "intranode_device.cuh"
@@ -243,7 +243,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
           const int32_t* who_tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + who;
           const int32_t seen = ring_diff(gpu::load_acquire_sys(who_tail), gpu::shfl(base, who));
           if (lane == 0)
-            report_timeout(diag, DiagPhase::kDispatchRecvTokens, kRoleReceiver, who, lane_idx, want, seen, 0,
+            report_timeout(diag, DiagPhase::kDispatchRecvTokens, DiagRole::kReceiver, who, lane_idx, want, seen, 0,
                            wait.waited_s());
           return;
         }

@@ -1,0 +1,257 @@
+// The proxy thread loop and the command semantics: poll completions (retire sends, feed immediates to the ordering
+// engine), retire finished FIFO commands in order, read new commands and post them while flow control admits them.
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstdio>
+
+#include "proxy_impl.hpp"
+#include "uccl_moe/log.hpp"
+
+namespace uccl_moe {
+
+using detail::AtomicCounters;
+using detail::Clock;
+
+namespace {
+constexpr uint32_t kSpinsBeforeYield = 64;     ///< idle loops that keep polling before giving the core away
+constexpr uint32_t kYieldsBeforeSleep = 20000; ///< then yields, then short sleeps (a 2-core host runs several proxies)
+constexpr auto kIdleSleep = std::chrono::microseconds(50);
+constexpr uint32_t kTimeoutCheckEvery = 256;   ///< loops between watchdog passes (it reads the clock)
+}  // namespace
+
+void Proxy::Impl::run(Thread& t) {
+  char name[16];
+  std::snprintf(name, sizeof name, "uccl-proxy-%d", t.idx);
+  pthread_setname_np(pthread_self(), name);
+  if (!cpus.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cpu = cpus[size_t(t.idx) % cpus.size()];
+    CPU_SET(cpu, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) != 0)
+      UCCL_LOG(WARN, PROXY, "%s: cannot pin to CPU %d (UCCL_MOE_PROXY_CPUS)", who(t).c_str(), cpu);
+    else
+      UCCL_LOG(INFO, PROXY, "%s pinned to CPU %d", who(t).c_str(), cpu);
+  }
+  try {
+    std::vector<Completion> comps;
+    comps.reserve(detail::kPollBatch);
+    uint32_t idle = 0, iter = 0;
+    t.held_since = Clock::now();
+    while (!stop_flag.load(std::memory_order_acquire)) {
+      if (abort_flag.load(std::memory_order_acquire)) return;  // another thread failed
+      bool busy = poll_completions(t, comps);
+      busy |= retire(t);
+      busy |= post_new(t);
+      t.ep->flush();
+      if (++iter % kTimeoutCheckEvery == 0) check_timeouts(t);
+      if (busy) {
+        idle = 0;
+      } else if (++idle > kSpinsBeforeYield) {  // idle: latency while busy is unaffected
+        if (idle > kYieldsBeforeSleep)
+          std::this_thread::sleep_for(kIdleSleep);
+        else
+          std::this_thread::yield();
+      }
+    }
+  } catch (const Error& e) {
+    record_error(e.code(), who(t) + ": " + e.what());
+  } catch (const std::exception& e) {
+    record_error(ErrorCode::kInternal, who(t) + ": unexpected exception: " + e.what());
+  }
+}
+
+Proxy::Impl::Entry& Proxy::Impl::entry_of(FifoState& fs, uint64_t idx) {
+  UCCL_CHECK_INTERNAL(idx >= fs.retired && idx < fs.cursor, "completion for FIFO %d command %llu outside [%llu, %llu)",
+                      fs.global_idx, (unsigned long long)idx, (unsigned long long)fs.retired,
+                      (unsigned long long)fs.cursor);
+  return fs.inflight[size_t(idx - fs.retired)];
+}
+
+void Proxy::Impl::on_data_imm(Thread& t, const Completion& c) {
+  bool reordered = false;
+  t.order->on_imm(c.peer, c.imm,
+                  [&](int src, uint32_t slot, int64_t value) {
+                    // Release: the data of every write this update covers landed before (ordering engine).
+                    __atomic_fetch_add(&counters[size_t(src) * kCountersPerSrc + slot], value, __ATOMIC_RELEASE);
+                    AtomicCounters::bump(t.stats.applied_updates);
+                  },
+                  &reordered);
+  if (reordered) AtomicCounters::bump(t.stats.reorders);
+  const size_t held = t.order->num_held();
+  if (held > t.last_held) AtomicCounters::bump(t.stats.held_updates, held - t.last_held);
+  // The hold clock restarts when updates start being held or a held one is released (no clock read while nothing is
+  // held: the common case, one immediate per command).
+  if (held > 0 && (held < t.last_held || t.last_held == 0)) t.held_since = Clock::now();
+  t.last_held = held;
+}
+
+bool Proxy::Impl::poll_completions(Thread& t, std::vector<Completion>& comps) {
+  comps.clear();
+  const int n = t.ep->poll(comps, detail::kPollBatch);
+  for (const Completion& c : comps) {
+    if (c.kind == CompletionKind::kRecvImm) {
+      AtomicCounters::bump(t.stats.recv_imms);
+      const detail::Imm m = detail::decode_imm(c.imm);
+      if (m.kind != detail::ImmKind::kControl) {
+        on_data_imm(t, c);
+      } else if (m.control == detail::ImmControlOp::kBarrier) {
+        on_barrier_imm(t, m, c.peer);
+      } else {
+        UCCL_THROW(kTransport, "control immediate 0x%08x from rank %d has unknown op", c.imm, c.peer);
+      }
+      continue;
+    }
+    const int local = int(c.wr_id >> detail::kWrIdCmdBits);
+    const uint64_t idx = c.wr_id & ((1ull << detail::kWrIdCmdBits) - 1);
+    UCCL_CHECK_INTERNAL(local >= 0 && size_t(local) < t.fifos.size(), "completion wr_id 0x%llx names FIFO %d",
+                        (unsigned long long)c.wr_id, local);
+    FifoState& fs = *t.fifos[size_t(local)];
+    Entry& e = entry_of(fs, idx);
+    if (c.kind == CompletionKind::kError)
+      UCCL_THROW(kTransport, "completion error for FIFO %d command %llu (%s) to peer %d: %s", fs.global_idx,
+                 (unsigned long long)idx, describe(e.f).c_str(), c.peer, c.status.c_str());
+    if (--e.pending_wrs == 0 && e.f.op != CmdOp::kBarrier) {
+      e.done = true;
+      t.flow->on_complete(fs.channel, e.bytes);
+    }
+  }
+  return n > 0;
+}
+
+bool Proxy::Impl::retire(Thread& t) {
+  bool any = false;
+  for (FifoState* fs : t.fifos) {
+    while (!fs->inflight.empty()) {
+      Entry& e = fs->inflight.front();
+      if (e.f.op == CmdOp::kQuiet) {
+        e.done = true;  // at the front: everything before it completed
+      } else if (e.f.op == CmdOp::kBarrier) {
+        if (!e.started) start_barrier(t, *fs, e);
+        if (!barrier_met(t, e)) break;
+        e.done = true;
+        AtomicCounters::bump(t.stats.barriers);
+      }
+      if (!e.done) break;
+      fs->inflight.pop_front();
+      fs->fifo->pop();
+      ++fs->retired;
+      AtomicCounters::bump(t.stats.commands);
+      any = true;
+    }
+  }
+  return any;
+}
+
+void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
+  const TransferCmdFields& f = e.f;
+  const int dst = int(f.dst_rank);
+  if (dst >= opt.num_ranks)
+    UCCL_THROW(kTransport, "FIFO %d command %llu (%s): dst_rank %d >= num_ranks %d", fs.global_idx,
+               (unsigned long long)e.idx, describe(f).c_str(), dst, opt.num_ranks);
+  const uint64_t wr_id = wr_id_of(fs, e.idx);
+  const bool ll = (f.flags & kCmdFlagLL) != 0;
+  const bool phase = (f.flags & kCmdFlagPhase) != 0;
+  const uint32_t counter_index = uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
+  auto next_seq = [&]() { return t.next_seq[size_t(dst) * t.fifos.size() + size_t(fs.channel)]++; };
+  WorkRequest wr;
+  wr.wr_id = wr_id;
+  wr.peer = dst;
+  if (f.op == CmdOp::kWrite) {
+    wr.local_offset = f.src_offset;
+    wr.remote_offset = f.dst_offset;
+    wr.bytes = f.bytes;
+    e.bytes = f.bytes;
+    const bool counter = (f.flags & kCmdFlagCounter) != 0;
+    if (software_atomics) {
+      wr.op = WrOp::kWriteImm;
+      wr.imm = ll ? detail::encode_imm_ll(false, phase, f.counter_slot, 0)
+                  : detail::encode_imm_ht(counter, uint32_t(fs.channel), next_seq(), f.counter_slot, f.counter_value);
+      ++e.pending_wrs;
+      t.ep->post(wr);
+    } else {
+      wr.op = WrOp::kWrite;
+      ++e.pending_wrs;
+      t.ep->post(wr);
+      if (counter) {  // ordered transport: the add lands after the write
+        WorkRequest a;
+        a.wr_id = wr_id;
+        a.op = WrOp::kAtomicAdd;
+        a.peer = dst;
+        a.counter_index = counter_index;
+        a.add = f.counter_value;
+        ++e.pending_wrs;
+        t.ep->post(a);
+      }
+    }
+    AtomicCounters::bump(t.stats.writes);
+    AtomicCounters::bump(t.stats.bytes, f.bytes);
+  } else {  // ATOMIC
+    if (software_atomics) {
+      wr.op = WrOp::kWriteImm;
+      wr.bytes = 0;
+      wr.imm = ll ? detail::encode_imm_ll(true, phase, f.counter_slot, f.bytes)
+                  : detail::encode_imm_ht(true, uint32_t(fs.channel), next_seq(), f.counter_slot, f.counter_value);
+    } else {
+      wr.op = WrOp::kAtomicAdd;
+      wr.counter_index = counter_index;
+      wr.add = ll ? -int64_t(f.bytes) - 1 : int64_t(f.counter_value);
+    }
+    ++e.pending_wrs;
+    t.ep->post(wr);
+    AtomicCounters::bump(t.stats.atomics);
+  }
+  t.flow->on_post(fs.channel, e.bytes);
+  AtomicCounters::raise_to(t.stats.peak_inflight_bytes, uint64_t(t.flow->peak_bytes()));
+}
+
+bool Proxy::Impl::post_new(Thread& t) {
+  bool any = false;
+  // One clock read per pass, not per command: `posted` only feeds the timeout (seconds).
+  Clock::time_point now{};
+  bool have_now = false;
+  for (FifoState* fs : t.fifos) {
+    for (int budget = detail::kPostBudgetPerFifo; budget > 0; --budget) {
+      // A QUIET or BARRIER not yet retired fences everything after it.
+      if (!fs->inflight.empty()) {
+        const CmdOp back = fs->inflight.back().f.op;
+        if (back == CmdOp::kQuiet || back == CmdOp::kBarrier) break;
+      }
+      if (fs->cursor - fs->retired >= fs->fifo->capacity()) break;
+      TransferCmd raw;
+      if (!fs->fifo->poll(fs->cursor, &raw)) break;
+      TransferCmdFields f = decode(raw);
+      const bool data_op = f.op == CmdOp::kWrite || f.op == CmdOp::kAtomic;
+      if (data_op) {
+        // Window: the oldest incomplete command of the FIFO is the front of `inflight` (retire() ran first).
+        const uint64_t oldest = fs->inflight.empty() ? fs->cursor : fs->retired;
+        const uint64_t bytes = f.op == CmdOp::kWrite ? f.bytes : 0;
+        if (!t.flow->admit(fs->channel, fs->cursor, oldest, bytes)) {
+          AtomicCounters::bump(t.stats.stalls);
+          break;
+        }
+        t.flow->note_window(fs->cursor - oldest + 1);
+        AtomicCounters::raise_to(t.stats.peak_inflight_window, uint64_t(t.flow->peak_window()));
+      } else if (f.op != CmdOp::kQuiet && f.op != CmdOp::kBarrier) {
+        UCCL_THROW(kTransport, "FIFO %d command %llu has invalid op %d (word0=0x%016llx word1=0x%016llx)",
+                   fs->global_idx, (unsigned long long)fs->cursor, int(f.op), (unsigned long long)raw.word0,
+                   (unsigned long long)raw.word1);
+      }
+      Entry& e = fs->inflight.emplace_back();
+      e.f = f;
+      e.idx = fs->cursor;
+      if (!have_now) {
+        now = Clock::now();
+        have_now = true;
+      }
+      e.posted = now;
+      ++fs->cursor;
+      if (data_op) post_cmd(t, *fs, e);
+      any = true;
+    }
+  }
+  return any;
+}
+
+}  // namespace uccl_moe
