@@ -37,8 +37,9 @@ class Fifo {
 
   // ---- producer side (any thread; thread-safe) ----
   /// Publishes `cmd` and returns its index. Blocks while the ring is full, bounded by `timeout_s` (none: the
-  /// UCCL_MOE_TIMEOUT_S knob, read only if the ring is full); throws Timeout (phase fifo/full) on expiry. If `abort_flag` becomes non-zero while
-  /// waiting, calls `on_abort` (which should throw the proxy's error) and then throws Transport.
+  /// UCCL_MOE_TIMEOUT_S knob, read only if the ring is full); throws Timeout (phase fifo/full) on expiry. If
+  /// `abort_flag` becomes non-zero while waiting, calls `on_abort` (which should throw the proxy's error) and then
+  /// throws Transport.
   uint64_t push(const TransferCmd& cmd, std::optional<double> timeout_s = std::nullopt,
                 const std::atomic<int32_t>* abort_flag = nullptr, void (*on_abort)(const void*) = nullptr,
                 const void* on_abort_arg = nullptr);

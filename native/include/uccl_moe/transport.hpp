@@ -53,7 +53,7 @@ struct Completion {
 struct TransportCaps {
   bool native_atomics = false;  ///< kAtomicAdd is supported
   bool ordered = false;         ///< writes (and atomics) to one peer land in post order (RC)
-  uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in native/src/proxy/ordering.hpp)
+  uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in src/proxy/ordering.hpp)
 };
 
 /// Per-proxy parameters a transport is created with.

@@ -26,7 +26,11 @@ constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExp
 }  // namespace
 
 NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int device)
-    : rank_(rank), num_ranks_(num_ranks), device_(device), timeout_(Timeout::resolve()), num_nvl_bytes_(num_nvl_bytes) {
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      device_(device),
+      timeout_(Timeout::resolve()),
+      num_nvl_bytes_(num_nvl_bytes) {
   UCCL_ASSERT(num_ranks >= 1 && num_ranks <= kMaxLocalRanks, "num_ranks=%d: the intranode runtime serves 1..%d local ranks",
               num_ranks, kMaxLocalRanks);
   UCCL_ASSERT(rank >= 0 && rank < num_ranks, "rank=%d outside [0, %d)", rank, num_ranks);
@@ -136,7 +140,8 @@ DiagRecord NvlRuntime::diag() const {
   return r;
 }
 
-bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, std::vector<int>* per_expert) {
+bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv,
+                                  std::vector<int>* per_expert) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
   volatile int32_t* counter = reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter);

@@ -76,7 +76,8 @@ __global__ void rdma_post_kernel(RdmaContext ctx, PostArgs a) {
   const int64_t rows = a.rows[n];
   if (a.dst_row[n] + rows > a.peer_cap) {  // num_worst_tokens calls are checked here, the others on the host
     if (s == 0)
-      report_timeout(diag, DiagPhase::kRdmaCapacity, DiagRole::kSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0, 0.0);
+      report_timeout(diag, DiagPhase::kRdmaCapacity, DiagRole::kSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0,
+                     0.0);
     return;
   }
   for (int i = 0; i < a.num_arrays; ++i) {
@@ -112,7 +113,8 @@ UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot, 
   int64_t* epoch = ctx.epochs + slot * ctx.num_ranks + src;
   const int64_t want = *epoch + count;
   // released by the proxy's counter add (after the data landed)
-  if (!wait_reached(diag_of(ctx), counter, want, DiagPhase::kRdmaRecvTokens, DiagRole::kReceiver, src, slot)) return false;
+  if (!wait_reached(diag_of(ctx), counter, want, DiagPhase::kRdmaRecvTokens, DiagRole::kReceiver, src, slot))
+    return false;
   *epoch = want;
   return true;
 }
@@ -157,8 +159,9 @@ __global__ void rail_barrier_kernel(RdmaContext ctx) {
   BoundedWait wait(diag);
   while (!fifo.check_completion(idx)) {
     if (wait.expired()) {
-      report_timeout(diag, DiagPhase::kBarrier, DiagRole::kCoordinator, -1, fifo.channel, static_cast<int64_t>(idx) + 1,
-                     gpu::load_acquire_sys(reinterpret_cast<const int64_t*>(fifo.tail)), idx, wait.waited_s());
+      report_timeout(diag, DiagPhase::kBarrier, DiagRole::kCoordinator, -1, fifo.channel,
+                     static_cast<int64_t>(idx) + 1, gpu::load_acquire_sys(reinterpret_cast<const int64_t*>(fifo.tail)),
+                     idx, wait.waited_s());
       return;
     }
   }
