@@ -1,4 +1,5 @@
-"""native/bench/probes/nvlink_probe.cu (the NVLink push/pull/copy-engine ceiling probe run on the device machines) compiles."""
+"""native/bench/probes/nvlink_probe.cu (the NVLink push/pull/copy-engine ceiling probe run on the device machines)
+compiles."""
 from __future__ import annotations
 
 import shutil
