@@ -130,6 +130,8 @@ def test_proxy_timeout_is_resolved_once(monkeypatch):
     p = uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, fifos_per_thread=1, timeout_s=7.5,
                      job="to" + uuid.uuid4().hex[:8], cpus="")
     assert p.timeout_s == 7.5
+    with pytest.raises(errors.InvalidUsageError, match="timeout_s=0 must be > 0"):
+        uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, timeout_s=0.0, job="t0" + uuid.uuid4().hex[:8])
     monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "42")
     _C.env_reset_cache()
     try:

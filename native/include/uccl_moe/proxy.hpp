@@ -25,19 +25,19 @@
 
 namespace uccl_moe {
 
-/// Options; zero / empty / negative values mean "take the environment knob" (timeout_s: none = the knob).
+/// Options. An unset optional takes the environment knob named next to it; Proxy::options() has every one set.
 struct ProxyOptions {
   int rank = 0;
   int num_ranks = 1;
-  int ranks_per_node = 0;         ///< for same-rail barriers; 0 = num_ranks (one node)
-  int num_threads = 0;            ///< UCCL_MOE_PROXY_THREADS
-  int fifos_per_thread = 0;       ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
-  int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
-  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
-  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
-  std::optional<double> timeout_s;  ///< UCCL_MOE_TIMEOUT_S
-  std::string transport;          ///< UCCL_MOE_TRANSPORT
-  std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS ("-" = knob; "" = no pinning)
+  std::optional<int> ranks_per_node;        ///< for same-rail barriers; unset = num_ranks (one node)
+  std::optional<int> num_threads;           ///< UCCL_MOE_PROXY_THREADS
+  std::optional<int> fifos_per_thread;      ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
+  std::optional<int> fifo_capacity;         ///< UCCL_MOE_FIFO_CAPACITY
+  std::optional<int64_t> max_inflight_bytes;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES (0 = unlimited)
+  std::optional<int64_t> max_inflight_writes;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES
+  std::optional<double> timeout_s;          ///< UCCL_MOE_TIMEOUT_S
+  std::optional<std::string> transport;     ///< UCCL_MOE_TRANSPORT
+  std::optional<std::string> cpus;          ///< UCCL_MOE_PROXY_CPUS ("" = no pinning)
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
   uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "uccl_moe/env.hpp"
+#include "uccl_moe/error.hpp"
 
 namespace uccl_moe {
 
@@ -21,10 +22,12 @@ struct Timeout {
 
   double limit_s;  ///< bound of every GPU spin and proxy wait, in seconds
 
-  /// `explicit_s` when given (a caller's own limit), else the knob (validated; a bad value throws InvalidUsage
+  /// `explicit_s` when given (a caller's own limit, > 0), else the knob (validated; a bad value throws InvalidUsage
   /// naming UCCL_MOE_TIMEOUT_S).
   static Timeout resolve(std::optional<double> explicit_s = std::nullopt) {
-    return Timeout{explicit_s ? *explicit_s : env::TIMEOUT_S()};
+    if (!explicit_s) return Timeout{env::TIMEOUT_S()};
+    UCCL_ASSERT(*explicit_s > 0, "timeout_s=%g must be > 0 seconds (leave it unset for UCCL_MOE_TIMEOUT_S)", *explicit_s);
+    return Timeout{*explicit_s};
   }
   uint64_t limit_ns() const { return static_cast<uint64_t>(limit_s * 1e9); }
   double host_behind_device_s() const { return limit_s * kHostBehindDeviceFactor + kHostBehindDeviceSlackS; }

@@ -78,10 +78,11 @@ void register_proxy(nb::module_& m) {
   nb::class_<Proxy>(m, "Proxy")
       .def("__init__",
            [](Proxy* self, int rank, int num_ranks, nb::object store_set, nb::object store_get,
-              const std::string& transport, int num_threads, int fifos_per_thread, int fifo_capacity,
-              int64_t max_inflight_bytes, int64_t max_inflight_writes, std::optional<double> timeout_s,
-              const std::string& job,
-              uint64_t data_bytes, const std::string& cpus, int ranks_per_node) {
+              std::optional<std::string> transport, std::optional<int> num_threads,
+              std::optional<int> fifos_per_thread, std::optional<int> fifo_capacity,
+              std::optional<int64_t> max_inflight_bytes, std::optional<int64_t> max_inflight_writes,
+              std::optional<double> timeout_s, const std::string& job, uint64_t data_bytes,
+              std::optional<std::string> cpus, std::optional<int> ranks_per_node) {
              ProxyOptions o;
              o.rank = rank;
              o.num_ranks = num_ranks;

@@ -35,25 +35,30 @@ std::vector<int> parse_cpu_list(const std::string& text) {
   return cpus;
 }
 
-/// Fills every knob-backed option the caller left open and checks the result.
+/// Sets every option the caller left unset from its knob (each knob read here, once per proxy) and checks them.
 void resolve_options(ProxyOptions& o, Timeout& timeout) {
   UCCL_ASSERT(o.num_ranks >= 1 && o.num_ranks <= int(kCmdMaxRanks), "num_ranks=%d must be in [1, %u]", o.num_ranks,
               kCmdMaxRanks);
   UCCL_ASSERT(o.rank >= 0 && o.rank < o.num_ranks, "rank=%d must be in [0, num_ranks=%d)", o.rank, o.num_ranks);
-  if (o.num_threads <= 0) o.num_threads = int(env::PROXY_THREADS());
-  if (o.fifos_per_thread <= 0) o.fifos_per_thread = int(env::PROXY_FIFOS_PER_THREAD());
-  if (o.fifo_capacity <= 0) o.fifo_capacity = int(env::FIFO_CAPACITY());
-  if (o.max_inflight_bytes < 0) o.max_inflight_bytes = env::MAX_INFLIGHT_BYTES();
-  if (o.max_inflight_writes < 0) o.max_inflight_writes = env::MAX_INFLIGHT_WRITES();
+  if (!o.num_threads) o.num_threads = int(env::PROXY_THREADS());
+  if (!o.fifos_per_thread) o.fifos_per_thread = int(env::PROXY_FIFOS_PER_THREAD());
+  if (!o.fifo_capacity) o.fifo_capacity = int(env::FIFO_CAPACITY());
+  if (!o.max_inflight_bytes) o.max_inflight_bytes = env::MAX_INFLIGHT_BYTES();
+  if (!o.max_inflight_writes) o.max_inflight_writes = env::MAX_INFLIGHT_WRITES();
   timeout = Timeout::resolve(o.timeout_s);
   o.timeout_s = timeout.limit_s;
-  if (o.transport.empty()) o.transport = env::TRANSPORT();
-  if (o.cpus == "-") o.cpus = env::PROXY_CPUS();
-  if (o.ranks_per_node <= 0) o.ranks_per_node = o.num_ranks;
-  UCCL_ASSERT(o.fifos_per_thread >= 1 && o.fifos_per_thread <= detail::kImmMaxChannels,
-              "fifos_per_thread=%d must be in [1, %d] (3-bit channel field of the immediate)", o.fifos_per_thread,
+  if (!o.transport) o.transport = env::TRANSPORT();
+  if (!o.cpus) o.cpus = env::PROXY_CPUS();
+  if (!o.ranks_per_node) o.ranks_per_node = o.num_ranks;
+  UCCL_ASSERT(*o.num_threads >= 1, "num_threads=%d must be >= 1", *o.num_threads);
+  UCCL_ASSERT(*o.fifos_per_thread >= 1 && *o.fifos_per_thread <= detail::kImmMaxChannels,
+              "fifos_per_thread=%d must be in [1, %d] (3-bit channel field of the immediate)", *o.fifos_per_thread,
               detail::kImmMaxChannels);
-  UCCL_ASSERT(o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)o.max_inflight_writes);
+  UCCL_ASSERT(*o.fifo_capacity >= 1, "fifo_capacity=%d must be >= 1", *o.fifo_capacity);
+  UCCL_ASSERT(*o.max_inflight_bytes >= 0, "max_inflight_bytes=%lld must be >= 0 (0 = unlimited)",
+              (long long)*o.max_inflight_bytes);
+  UCCL_ASSERT(*o.max_inflight_writes >= 1, "max_inflight_writes=%lld must be >= 1", (long long)*o.max_inflight_writes);
+  UCCL_ASSERT(*o.ranks_per_node >= 1, "ranks_per_node=%d must be >= 1", *o.ranks_per_node);
   UCCL_ASSERT(o.data_bytes > 0, "data_bytes must be > 0");
 }
 
@@ -89,50 +94,51 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   ProxyOptions& o = m.opt;
   UCCL_ASSERT(m.store != nullptr, "a bootstrap store is required");
   resolve_options(o, m.timeout);
-  m.cpus = parse_cpu_list(o.cpus);
+  m.cpus = parse_cpu_list(*o.cpus);
   m.setup_barrier_peers();
 
   TransportContext ctx;
   ctx.rank = o.rank;
   ctx.num_ranks = o.num_ranks;
-  ctx.num_threads = o.num_threads;
+  ctx.num_threads = *o.num_threads;
   ctx.job = o.job;
   ctx.timeout_s = m.timeout.limit_s;
   ctx.gpu = o.gpu_data ? o.gpu : nullptr;
-  m.transport = create_transport(o.transport, ctx);
+  m.transport = create_transport(*o.transport, ctx);
   m.caps = m.transport->caps();
   m.software_atomics = !(m.caps.native_atomics && m.caps.ordered);
   if (m.software_atomics) {
-    const uint64_t need = 2 * uint64_t(o.max_inflight_writes) + m.caps.recv_depth;
+    const uint64_t need = 2 * uint64_t(*o.max_inflight_writes) + m.caps.recv_depth;
     UCCL_ASSERT(need <= detail::kImmSeqSpace,
                 "2 * UCCL_MOE_MAX_INFLIGHT_WRITES (%lld) + receive depth (%u) = %llu exceeds the %u sequence numbers "
-                "of the immediate; lower UCCL_MOE_MAX_INFLIGHT_WRITES", (long long)o.max_inflight_writes,
+                "of the immediate; lower UCCL_MOE_MAX_INFLIGHT_WRITES", (long long)*o.max_inflight_writes,
                 m.caps.recv_depth, (unsigned long long)need, detail::kImmSeqSpace);
   }
   m.setup_memory();
 
   // FIFOs and threads: FIFO g belongs to thread g % T, as channel g / T of that thread.
-  const int num_fifos = o.num_threads * o.fifos_per_thread;
-  for (int t = 0; t < o.num_threads; ++t) {
+  const int num_threads = *o.num_threads, fifos_per_thread = *o.fifos_per_thread, capacity = *o.fifo_capacity;
+  const int num_fifos = num_threads * fifos_per_thread;
+  for (int t = 0; t < num_threads; ++t) {
     auto th = std::make_unique<Impl::Thread>();
     th->idx = t;
-    th->flow = std::make_unique<FlowControl>(o.fifos_per_thread, o.max_inflight_bytes, o.max_inflight_writes);
-    th->order = std::make_unique<detail::OrderingEngine>(o.num_ranks, o.fifos_per_thread);
-    th->next_seq.assign(size_t(o.num_ranks) * o.fifos_per_thread, 0);
+    th->flow = std::make_unique<FlowControl>(fifos_per_thread, *o.max_inflight_bytes, *o.max_inflight_writes);
+    th->order = std::make_unique<detail::OrderingEngine>(o.num_ranks, fifos_per_thread);
+    th->next_seq.assign(size_t(o.num_ranks) * fifos_per_thread, 0);
     for (auto& seen : th->barrier_seen) seen.assign(size_t(o.num_ranks), 0);
     th->ep = m.transport->create_endpoint(t);
     m.threads.push_back(std::move(th));
   }
   for (int g = 0; g < num_fifos; ++g) {
-    auto fs = std::make_unique<detail::FifoState>(size_t(o.fifo_capacity));
-    fs->fifo = std::make_unique<Fifo>(uint32_t(o.fifo_capacity), g, o.gpu);
+    auto fs = std::make_unique<detail::FifoState>(size_t(capacity));
+    fs->fifo = std::make_unique<Fifo>(uint32_t(capacity), g, o.gpu);
     fs->global_idx = g;
-    fs->channel = g / o.num_threads;
-    m.threads[size_t(g % o.num_threads)]->fifos.push_back(fs.get());
+    fs->channel = g / num_threads;
+    m.threads[size_t(g % num_threads)]->fifos.push_back(fs.get());
     m.fifos.push_back(std::move(fs));
   }
   UCCL_LOG(INFO, PROXY, "rank %d: proxy with %d threads x %d FIFOs (capacity %d) over %s (%s atomics)", o.rank,
-           o.num_threads, o.fifos_per_thread, o.fifo_capacity, m.transport->name(),
+           num_threads, fifos_per_thread, capacity, m.transport->name(),
            m.software_atomics ? "software" : "native");
 }
 
@@ -176,7 +182,7 @@ void Proxy::stop() {
 
 bool Proxy::running() const { return impl_->started.load(); }
 void Proxy::check() const { impl_->check(); }
-int Proxy::num_threads() const { return impl_->opt.num_threads; }
+int Proxy::num_threads() const { return *impl_->opt.num_threads; }
 int Proxy::num_fifos() const { return int(impl_->fifos.size()); }
 
 Fifo& Proxy::fifo(int idx) {

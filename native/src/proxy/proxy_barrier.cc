@@ -13,7 +13,7 @@ void Proxy::Impl::setup_barrier_peers() {
   for (int p = 0; p < opt.num_ranks; ++p) {
     if (p == opt.rank) continue;
     barrier_peers[scope_idx(detail::BarrierScope::kAll)].push_back(p);
-    if (p % opt.ranks_per_node == opt.rank % opt.ranks_per_node)
+    if (p % *opt.ranks_per_node == opt.rank % *opt.ranks_per_node)
       barrier_peers[scope_idx(detail::BarrierScope::kSameRail)].push_back(p);
   }
 }
