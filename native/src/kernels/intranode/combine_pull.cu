@@ -7,7 +7,7 @@
 // Why: the ring combine moves every remote row twice through memory (the sender's load and NVLink store into the
 // ring, the receiver's load from the ring) and pays a hand-off per chunk. Pulling the rows where they already lie
 // leaves one NVLink load per remote row, which runs at the link's pace (native/bench/probes/combine_pull_probe.cu compares
-// the designs; figures in docs/performance.md).
+// the designs; figures in docs/benchmarks.md).
 //
 // Where rank d holds our token t: its rows from source `me` start at rank_prefix[me - 1][d], the rows of our lane l
 // at lane_prefix[d][l - 1] inside them (the same exclusive prefix d's recv_lane_start holds), and t is send_head

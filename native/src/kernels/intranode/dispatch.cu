@@ -21,7 +21,7 @@ constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a 
 
 /// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
 /// through the receiver group (KeptRows). A quarter, not a half: the direct warp also releases the lane's tails, so
-/// it gets the smaller share (docs/performance.md has the comparison).
+/// it gets the smaller share (docs/benchmarks.md has the comparison).
 UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 3) / 4; }
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).

@@ -46,7 +46,7 @@ constexpr int kMaxLanes = 4096;         // C <= 128 channels x W <= 32 lanes
 constexpr size_t kOffBarrierSignal = 0;
 constexpr size_t kOffBarrierEpoch = kOffBarrierSignal + sizeof(int32_t) * kMaxLocalRanks;
 // Abort flag polled by every bounded wait. It lives in GPU memory, not in the host-mapped block, so spinning warps
-// never poll host memory over PCIe (that slowed every ring hand-off; docs/performance.md). The host learns of an
+// never poll host memory over PCIe (that slowed every ring hand-off; docs/benchmarks.md). The host learns of an
 // abort from the host-mapped DiagRecord instead. Never cleared: a Buffer whose wait expired stays unusable.
 constexpr size_t kOffAbortFlag = kOffBarrierEpoch + 16;
 constexpr size_t kOffRankCounts = 128;
