@@ -1,7 +1,8 @@
 // Internal state of the CPU proxy (Proxy::Impl), shared by its files:
 //   proxy.cc          lifecycle (options, transport, threads, FIFOs), the first-error slot, the public accessors
 //   proxy_memory.cc   the data region and the counters a transport registers
-//   proxy_loop.cc     the thread loop: poll completions, retire, read and post FIFO commands (command semantics)
+//   proxy_loop.cc     the thread loop: poll completions, feed immediates to the ordering engine, retire commands
+//   proxy_post.cc     the command semantics: read FIFO commands and post them to the transport under flow control
 //   proxy_barrier.cc  BARRIER: epochs exchanged through control immediates, per BarrierScope
 //   proxy_timeouts.cc the watchdog of a thread: lost commands and held counter updates
 //   proxy_stats.cc    the counters (proxy_counters.def): per-thread atomics, snapshots, the sum over threads
@@ -162,12 +163,14 @@ struct Proxy::Impl {
   bool poll_completions(Thread& t, std::vector<Completion>& comps);
   void on_data_imm(Thread& t, const Completion& c);
   bool retire(Thread& t);
-  bool post_new(Thread& t);
-  void post_cmd(Thread& t, FifoState& fs, Entry& e);
   static uint64_t wr_id_of(const FifoState& fs, uint64_t idx) {
     return uint64_t(fs.channel) << detail::kWrIdCmdBits | idx;
   }
   Entry& entry_of(FifoState& fs, uint64_t idx);
+
+  // ---- proxy_post.cc ----
+  bool post_new(Thread& t);
+  void post_cmd(Thread& t, FifoState& fs, Entry& e);
 
   // ---- proxy_barrier.cc ----
   void setup_barrier_peers();
