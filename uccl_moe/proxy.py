@@ -15,9 +15,12 @@ Notation: R = ranks. Counters are ``int64[R * 256]``; an update from source rank
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
-from typing import Any, NamedTuple
+import re
+from pathlib import Path
+from typing import Any
 
 from . import env as _env
 from .errors import InvalidTypeError, InvalidUsageError
@@ -65,21 +68,15 @@ class StoreBootstrap:
         return bytes(value)
 
 
-class ProxyCounters(NamedTuple):
-    """Monotone counters summed over a proxy's threads (peaks: maxima)."""
+def _counter_names() -> list[str]:
+    """Field names of ProxyCounters: the rows of ``proxy_counters.def``, the one list C++ also compiles."""
+    rows = Path(__file__).with_name("proxy_counters.def").read_text().splitlines()
+    return [m[1] for m in (_COUNTER_ROW.match(r) for r in rows) if m is not None]
 
-    commands: int
-    writes: int
-    atomics: int
-    bytes: int
-    recv_imms: int
-    reorders: int
-    held_updates: int
-    applied_updates: int
-    stalls: int
-    barriers: int
-    peak_inflight_bytes: int
-    peak_inflight_window: int
+
+_COUNTER_ROW = re.compile(r"^UCCL_MOE_PROXY_COUNTER\((\w+),\s*(?:SUM|MAX),")
+#: Monotone counters summed over a proxy's threads (peaks: maxima); fields in ``proxy_counters.def`` order.
+ProxyCounters = collections.namedtuple("ProxyCounters", _counter_names())  # type: ignore[misc]
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
@@ -147,19 +144,19 @@ class Proxy:
             num_ranks=num_ranks,
             store_set=boot.set,
             store_get=boot.get,
-            transport=transport or "",
-            num_threads=num_threads or 0,
-            fifos_per_thread=fifos_per_thread or 0,
-            fifo_capacity=fifo_capacity or 0,
-            max_inflight_bytes=-1 if max_inflight_bytes is None else max_inflight_bytes,
-            max_inflight_writes=-1 if max_inflight_writes is None else max_inflight_writes,
-            timeout_s=timeout_s or 0.0,
+            transport=transport,
+            num_threads=num_threads,
+            fifos_per_thread=fifos_per_thread,
+            fifo_capacity=fifo_capacity,
+            max_inflight_bytes=max_inflight_bytes,
+            max_inflight_writes=max_inflight_writes,
+            timeout_s=timeout_s,
             job=job,
             data_bytes=data_bytes,
-            cpus="-" if cpus is None else cpus,
-            ranks_per_node=ranks_per_node or 0,
+            cpus=cpus,
+            ranks_per_node=ranks_per_node,
             gpu_pci_bus_id=gpu_pci_bus_id or "",
-            local_rank=-1 if local_rank is None else _check_int("local_rank", local_rank, 0, 4095),
+            local_rank=None if local_rank is None else _check_int("local_rank", local_rank, 0, 4095),
         )
 
     # ---- lifecycle ----
@@ -219,8 +216,13 @@ class Proxy:
         """``int64[R * 256]`` numpy view of the counters (source-major: ``[src * 256 + slot]``)."""
         return self._p.counters_view()
 
-    def counters(self) -> ProxyCounters:
-        """Counters summed over threads: commands, bytes, reorders, stalls, ..."""
+    @property
+    def timeout_s(self) -> float:
+        """The resolved ``UCCL_MOE_TIMEOUT_S`` (or the ``timeout_s`` given) every wait of this proxy uses."""
+        return float(self._p.timeout_s)
+
+    def counters(self) -> Any:
+        """:data:`ProxyCounters` summed over threads: commands, bytes, reorders, stalls, ..."""
         return ProxyCounters(**self._p.counters())
 
     # ---- host producer ----

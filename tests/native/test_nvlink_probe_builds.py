@@ -1,4 +1,5 @@
-"""tools/nvlink_probe.cu (the NVLink push/pull/copy-engine ceiling probe run on the device machines) compiles."""
+"""native/bench/probes/nvlink_probe.cu (the NVLink push/pull/copy-engine ceiling probe run on the device machines)
+compiles."""
 from __future__ import annotations
 
 import shutil
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PROBE = Path(__file__).resolve().parents[2] / "tools" / "nvlink_probe.cu"
+PROBE = Path(__file__).resolve().parents[2] / "native" / "bench" / "probes" / "nvlink_probe.cu"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

@@ -16,13 +16,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "native"
 SEAM = {NATIVE / "include/uccl_moe/platform.cuh", NATIVE / "include/uccl_moe/compiler.hpp"}
+#: CUDA-only device probes run by hand on the device machines (measure NVLink/PTX paths; never built into the library).
+PROBES = NATIVE / "bench" / "probes"
 PLATFORM_MACROS = re.compile(r"__HIP_PLATFORM_AMD__|__HIP_DEVICE_COMPILE__|__HIPCC__|__CUDACC__|__CUDA_ARCH__")
 GPU_INTRINSICS = re.compile(r"\basm\s*(volatile\s*)?\(|__builtin_amdgcn|__shfl|__ballot|__syncwarp|__activemask|"
                             r"__hip_atomic|atomicAdd_system|__nanosleep")
 
 
 def _sources(exts: tuple[str, ...]) -> list[Path]:
-    return [p for p in NATIVE.rglob("*") if p.suffix in exts and p not in SEAM and "build" not in p.parts]
+    return [p for p in NATIVE.rglob("*") if p.suffix in exts and p not in SEAM and "build" not in p.parts
+            and PROBES not in p.parents]
 
 
 def test_platform_macros_only_in_the_seam():
@@ -43,7 +46,7 @@ def test_seam_detector_catches_a_violation(tmp_path):
 
 
 GPU_SOURCES = sorted((NATIVE / "src").glob("kernels/*/*.cu")) + sorted((NATIVE / "src").glob("runtime/*.cu")) + \
-    [NATIVE / "src/core/device_wait.cu"]
+    [NATIVE / "src/core/device_wait.cu", NATIVE / "bench/fifo_gpu_bench.cu"]
 
 
 @pytest.mark.skipif(shutil.which("hipcc") is None, reason="hipcc not installed (CI installs Debian's hipcc)")

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_python_path_tool_times_every_op() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(ROOT / "tools/dev/python_path.py"), "--calls", "20", "--profile",
+    out = subprocess.run([sys.executable, str(ROOT / "tools/device/python_path.py"), "--calls", "20", "--profile",
                           "dispatch"], capture_output=True, text=True, timeout=120, env=env, check=True).stdout
     for op in ("layout", "dispatch", "cached", "combine"):
         m = re.search(rf"^{op}: ([0-9.]+) us per call$", out, re.M)

@@ -227,3 +227,19 @@ def test_prepare_cuda_module_loading_leaves_a_started_cuda_alone(monkeypatch):
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     assert env.prepare_cuda_module_loading() is False
     assert "CUDA_MODULE_LOADING" not in os.environ
+
+
+def test_diag_error_code_separates_usage_from_timeouts():
+    """The two phases that are a wrong argument seen on the device carry the InvalidUsage code (the Buffer raises
+    InvalidUsageError from it); every wait carries Timeout."""
+    codes = {p: _C.format_diag(rank=0, peer=1, channel=0, phase=p, role=1, expected=2, seen=1, command=0,
+                               waited_s=1.0)["error"] for p in range(19)}
+    assert {p for p, c in codes.items() if c == "InvalidUsage"} == {14, 18}  # rdma/capacity, combine/pull-args
+    assert all(c == "Timeout" for p, c in codes.items() if p not in (14, 18))
+
+
+def test_diag_role_names():
+    roles = [_C.format_diag(rank=0, peer=1, channel=0, phase=5, role=r, expected=2, seen=1, command=0,
+                            waited_s=1.0)["message"] for r in range(7)]
+    for r, name in enumerate(["host", "sender", "receiver", "forwarder", "coordinator", "proxy", "unknown"]):
+        assert f"({name})" in roles[r], (r, roles[r])

@@ -110,3 +110,37 @@ def test_single_rank_self_loop_with_hash_store():
         assert p.counters().writes == 1
         assert p.running
     assert not p.running
+
+
+def test_counter_names_are_one_list():
+    """ProxyCounters' fields, the binding's dict and the C++ struct all come from uccl_moe/proxy_counters.def."""
+    store = dist.HashStore()
+    with uproxy.Proxy(0, 1, store, transport="loopback", num_threads=2, fifos_per_thread=1,
+                      job="names" + uuid.uuid4().hex[:8], cpus="") as p:
+        assert list(p._p.counters()) == list(uproxy.ProxyCounters._fields)
+        assert all(list(t) == list(uproxy.ProxyCounters._fields) for t in p._p.thread_counters())
+    assert len(uproxy.ProxyCounters._fields) == 12 and uproxy.ProxyCounters._fields[-1] == "peak_inflight_window"
+
+
+def test_proxy_timeout_is_resolved_once(monkeypatch):
+    """An explicit timeout_s wins; without one the proxy resolves UCCL_MOE_TIMEOUT_S when it is created and keeps it."""
+    from uccl_moe import _C
+
+    store = dist.HashStore()
+    p = uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, fifos_per_thread=1, timeout_s=7.5,
+                     job="to" + uuid.uuid4().hex[:8], cpus="")
+    assert p.timeout_s == 7.5
+    with pytest.raises(errors.InvalidUsageError, match="timeout_s=0 must be > 0"):
+        uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, timeout_s=0.0, job="t0" + uuid.uuid4().hex[:8])
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "42")
+    _C.env_reset_cache()
+    try:
+        q = uproxy.Proxy(0, 1, store, transport="loopback", num_threads=1, fifos_per_thread=1,
+                         job="to" + uuid.uuid4().hex[:8], cpus="")
+        assert q.timeout_s == 42.0
+        monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "3")
+        _C.env_reset_cache()
+        assert q.timeout_s == 42.0  # resolved once, at creation
+    finally:
+        monkeypatch.delenv("UCCL_MOE_TIMEOUT_S")
+        _C.env_reset_cache()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C, env
+from .. import _C
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..utils import current_raw_stream, tensor_at
 from .base import Backend, BufferContext, DispatchRequest, register_backend
@@ -137,7 +137,7 @@ class NativeBackend(Backend):
 
     def _raise_timeout(self) -> None:
         rec = self._rt.diag()
-        if rec.get("phase") in ("rdma/capacity", "combine/pull-args"):  # a wrong argument, not a timeout
+        if rec["error"] == "InvalidUsage":  # the device saw a wrong argument (native diag_error_code), not a timeout
             raise InvalidUsageError(rec["message"] + " (this Buffer is unusable now; create a new one)")
         msg = rec["message"]
         proxy = self._inter.proxy_error() if self._inter is not None else None
@@ -267,7 +267,7 @@ class NativeBackend(Backend):
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
-            ok, rows, most, counts = self._rt.wait_recv_counts(E // R, float(env.get("TIMEOUT_S")))
+            ok, rows, most, counts = self._rt.wait_recv_counts(E // R)
             if not ok:
                 self._raise_timeout()
             counts = list(counts)

@@ -6,6 +6,9 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
+
+#include "uccl_moe/error.hpp"
 
 namespace uccl_moe {
 
@@ -34,21 +37,39 @@ enum class DiagPhase : int32_t {
 
 const char* diag_phase_name(DiagPhase phase);
 
-/// 64 bytes, host-mapped; written by one thread of the first waiter that expires.
+/// Who waited. Append only: the numbers are part of the record's format.
+enum class DiagRole : int32_t {
+  kHost = 0,         ///< a host thread (Python's call, a FIFO producer on the CPU)
+  kSender = 1,       ///< a kernel's sending warp / block
+  kReceiver = 2,     ///< a kernel's receiving warp / block
+  kForwarder = 3,    ///< the internode forwarder
+  kCoordinator = 4,  ///< a barrier or notify coordinator
+  kProxy = 5,        ///< a CPU proxy thread
+};
+
+const char* diag_role_name(DiagRole role);
+
+/// 64 bytes, host-mapped; written by one thread of the first waiter that expires. Fill it by field name
+/// (DiagRecord{.valid = 1, .rank = r, ...}); unnamed fields stay zero.
 struct DiagRecord {
-  int32_t valid;    ///< 0 = empty; 1 = filled (written last)
-  int32_t rank;     ///< rank that gave up waiting
-  int32_t peer;     ///< rank (or node) it waited for; -1 = all
-  int32_t channel;  ///< channel / FIFO index; -1 = n/a
-  int32_t phase;    ///< DiagPhase
-  int32_t role;     ///< 0 = host, 1 = sender, 2 = receiver, 3 = forwarder, 4 = coordinator, 5 = proxy
-  int64_t expected; ///< value it waited for (e.g. tail >= expected)
-  int64_t seen;     ///< last value it saw
-  uint64_t command; ///< op-specific: FIFO slot index, encoded TransferCmd, call sequence number
-  double waited_s;  ///< how long it waited
-  int64_t reserved;
+  int32_t valid = 0;                  ///< 0 = empty; 1 = filled (written last)
+  int32_t rank = 0;                   ///< rank that gave up waiting
+  int32_t peer = 0;                   ///< rank (or node) it waited for; -1 = all
+  int32_t channel = 0;                ///< channel / FIFO index; -1 = n/a
+  DiagPhase phase = DiagPhase::kNone;
+  DiagRole role = DiagRole::kHost;
+  int64_t expected = 0;               ///< value it waited for (e.g. tail >= expected)
+  int64_t seen = 0;                   ///< last value it saw
+  uint64_t command = 0;               ///< op-specific: FIFO slot index, encoded TransferCmd, call sequence number
+  double waited_s = 0;                ///< how long it waited
+  int64_t reserved = 0;
 };
 static_assert(sizeof(DiagRecord) == 64, "DiagRecord is a fixed 64-byte wire format");
+static_assert(std::is_trivially_copyable_v<DiagRecord>, "DiagRecord is copied out of host-mapped memory");
+
+/// The error a filled record stands for: kInvalidUsage for the phases that are not waits but a wrong argument seen
+/// on the device (kRdmaCapacity, kCombinePullArgs), kTimeout for every wait.
+ErrorCode diag_error_code(const DiagRecord& rec);
 
 /// "rank 3 timed out after 100.0 s in dispatch/recv-tokens (receiver) waiting for peer 1 on channel 5:
 ///  expected 812, saw 640 (command 0x...)". Suggests the knob to raise.

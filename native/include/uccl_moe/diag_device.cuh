@@ -23,14 +23,14 @@ struct DiagDeviceHandle {
 #if defined(UCCL_GPU_COMPILER)
 
 /// Writes the record unless another waiter already did; pairs with the acquire of `valid` on the host.
-UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, int role, int peer, int channel,
+UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
                                        int64_t expected, int64_t seen, uint64_t command, double waited_s) {
   if (gpu::atomic_add_sys(h.abort_flag, 1) == 0) {
     DiagRecord* r = h.record;
     r->rank = h.rank;
     r->peer = peer;
     r->channel = channel;
-    r->phase = static_cast<int32_t>(phase);
+    r->phase = phase;
     r->role = role;
     r->expected = expected;
     r->seen = seen;
@@ -62,8 +62,8 @@ struct BoundedWait {
 /// that run modulo 2^32 across rounds compare right. Returns false once the wait expired or another waiter aborted,
 /// after writing the record (expected = target, seen = the last value read); the caller makes that uniform.
 template <typename T>
-UCCL_DEVICE_INLINE bool wait_reached(const DiagDeviceHandle& diag, const T* word, T target, DiagPhase phase, int role,
-                                     int peer, int channel, uint64_t command = 0) {
+UCCL_DEVICE_INLINE bool wait_reached(const DiagDeviceHandle& diag, const T* word, T target, DiagPhase phase,
+                                     DiagRole role, int peer, int channel, uint64_t command = 0) {
   using U = std::make_unsigned_t<T>;
   const auto behind = [target](T v) { return static_cast<T>(static_cast<U>(v) - static_cast<U>(target)) < 0; };
   T seen = gpu::load_acquire_sys(word);

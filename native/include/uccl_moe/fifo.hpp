@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "uccl_moe/fifo_device.cuh"
 #include "uccl_moe/gpu_memory.hpp"
@@ -35,11 +36,13 @@ class Fifo {
   Fifo& operator=(const Fifo&) = delete;
 
   // ---- producer side (any thread; thread-safe) ----
-  /// Publishes `cmd` and returns its index. Blocks while the ring is full, bounded by `timeout_s` (<= 0: the
-  /// UCCL_MOE_TIMEOUT_S knob); throws Timeout (phase fifo/full) on expiry. If `abort_flag` becomes non-zero while
-  /// waiting, calls `on_abort` (which should throw the proxy's error) and then throws Transport.
-  uint64_t push(const TransferCmd& cmd, double timeout_s = 0, const std::atomic<int32_t>* abort_flag = nullptr,
-                void (*on_abort)(const void*) = nullptr, const void* on_abort_arg = nullptr);
+  /// Publishes `cmd` and returns its index. Blocks while the ring is full, bounded by `timeout_s` (none: the
+  /// UCCL_MOE_TIMEOUT_S knob, read only if the ring is full); throws Timeout (phase fifo/full) on expiry. If
+  /// `abort_flag` becomes non-zero while waiting, calls `on_abort` (which should throw the proxy's error) and then
+  /// throws Transport.
+  uint64_t push(const TransferCmd& cmd, std::optional<double> timeout_s = std::nullopt,
+                const std::atomic<int32_t>* abort_flag = nullptr, void (*on_abort)(const void*) = nullptr,
+                const void* on_abort_arg = nullptr);
   /// Non-blocking push: returns false (and reserves nothing) if the ring is full. Single-producer use only.
   bool try_push(const TransferCmd& cmd, uint64_t* idx);
   /// True once command `idx` and every earlier command were retired.

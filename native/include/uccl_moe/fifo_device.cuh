@@ -39,8 +39,8 @@ struct FifoDeviceHandle {
       // Released by the proxy's release-store of tail in Fifo::pop (pairs with this acquire).
       while (idx - (t = uint64_t(gpu::load_acquire_sys(reinterpret_cast<const int64_t*>(tail)))) >= capacity) {
         if (wait.expired()) {
-          report_timeout(diag, DiagPhase::kFifoFull, /*role=*/1, /*peer=*/-1, channel, int64_t(idx - capacity + 1),
-                         int64_t(t), cmd.word0, wait.waited_s());
+          report_timeout(diag, DiagPhase::kFifoFull, DiagRole::kSender, /*peer=*/-1, channel,
+                         int64_t(idx - capacity + 1), int64_t(t), cmd.word0, wait.waited_s());
           return ~0ull;
         }
       }

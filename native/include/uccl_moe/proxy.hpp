@@ -13,31 +13,33 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/fifo.hpp"
 #include "uccl_moe/gpu_memory.hpp"
+#include "uccl_moe/timeout.hpp"
 #include "uccl_moe/transport.hpp"
 
 namespace uccl_moe {
 
-/// Options; zero / empty / negative values mean "take the environment knob".
+/// Options. An unset optional takes the environment knob named next to it; Proxy::options() has every one set.
 struct ProxyOptions {
   int rank = 0;
   int num_ranks = 1;
-  int ranks_per_node = 0;         ///< for same-rail barriers; 0 = num_ranks (one node)
-  int num_threads = 0;            ///< UCCL_MOE_PROXY_THREADS
-  int fifos_per_thread = 0;       ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
-  int fifo_capacity = 0;          ///< UCCL_MOE_FIFO_CAPACITY
-  int64_t max_inflight_bytes = -1;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES if set, else the NIC default (0 = unlimited)
-  int64_t max_inflight_writes = -1;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES if set, else the NIC default
-  double timeout_s = 0;           ///< UCCL_MOE_TIMEOUT_S
-  std::string transport;          ///< UCCL_MOE_TRANSPORT
-  std::string cpus = "-";         ///< UCCL_MOE_PROXY_CPUS grammar ("-" = knob; "" = no pinning)
-  std::string gpu_pci_bus_id;     ///< this rank's GPU, for the NIC choice ("" = unknown)
-  int local_rank = -1;            ///< index on the node (per-rank NIC / CPU lists); -1 = rank % ranks_per_node
+  std::optional<int> ranks_per_node;        ///< for same-rail barriers; unset = num_ranks (one node)
+  std::optional<int> num_threads;           ///< UCCL_MOE_PROXY_THREADS
+  std::optional<int> fifos_per_thread;      ///< UCCL_MOE_PROXY_FIFOS_PER_THREAD (<= 8)
+  std::optional<int> fifo_capacity;         ///< UCCL_MOE_FIFO_CAPACITY
+  std::optional<int64_t> max_inflight_bytes;   ///< UCCL_MOE_MAX_INFLIGHT_BYTES if set, else the NIC default (0 = unlimited)
+  std::optional<int64_t> max_inflight_writes;  ///< UCCL_MOE_MAX_INFLIGHT_WRITES if set, else the NIC default
+  std::optional<double> timeout_s;          ///< UCCL_MOE_TIMEOUT_S
+  std::optional<std::string> transport;     ///< UCCL_MOE_TRANSPORT
+  std::optional<std::string> cpus;          ///< UCCL_MOE_PROXY_CPUS grammar ("" = no pinning)
+  std::string gpu_pci_bus_id;               ///< this rank's GPU, for the NIC choice ("" = unknown)
+  std::optional<int> local_rank;            ///< index on the node (per-rank NIC / CPU lists); unset = rank % ranks_per_node
   std::string job = "uccl";       ///< namespace for bootstrap keys and shared-memory names
   uint64_t data_bytes = 1 << 20;  ///< size of the registered data region
   void* data_ptr = nullptr;       ///< caller memory for the data region; nullptr = the transport allocates it
@@ -51,20 +53,12 @@ struct ProxyOptions {
   std::shared_ptr<detail::VerbsOps> verbs;
 };
 
-/// Monotone counters, summed over threads (per-thread values from thread_counters()).
+/// Monotone counters summed over threads and high-water marks (maxima); per-thread values from thread_counters().
+/// Fields: the rows of proxy_counters.def (uccl_moe/, the one list).
 struct ProxyCounters {
-  uint64_t commands = 0;        ///< FIFO commands retired
-  uint64_t writes = 0;          ///< WRITE commands posted
-  uint64_t atomics = 0;         ///< ATOMIC commands posted
-  uint64_t bytes = 0;           ///< payload bytes posted
-  uint64_t recv_imms = 0;       ///< immediates received
-  uint64_t reorders = 0;        ///< HT writes that arrived ahead of an earlier one of their channel
-  uint64_t held_updates = 0;    ///< counter updates the ordering engine had to hold
-  uint64_t applied_updates = 0; ///< counter updates applied (software atomics)
-  uint64_t stalls = 0;          ///< times flow control held a command at the sender
-  uint64_t barriers = 0;        ///< BARRIER commands completed
-  uint64_t peak_inflight_bytes = 0;   ///< high-water mark of a thread's in-flight bytes (max over threads)
-  uint64_t peak_inflight_window = 0;  ///< high-water mark of a FIFO's window span (max over FIFOs)
+#define UCCL_MOE_PROXY_COUNTER(NAME, MERGE, DOC) uint64_t NAME = 0;
+#include "proxy_counters.def"
+#undef UCCL_MOE_PROXY_COUNTER
 };
 
 class Proxy {
@@ -88,8 +82,8 @@ class Proxy {
   Fifo& fifo(int idx);
   /// Push from a host producer: like Fifo::push, but a proxy failure while waiting for room rethrows that failure.
   uint64_t push(int fifo_idx, const TransferCmdFields& cmd);
-  /// Waits until command `idx` of FIFO `fifo_idx` completed; rethrows thread errors. Bounded by twice the timeout, so
-  /// a lost command is reported by the proxy thread's own diagnostic (which names it) first.
+  /// Waits until command `idx` of FIFO `fifo_idx` completed; rethrows thread errors. Bounded by
+  /// Timeout::caller_behind_proxy_s(), so a lost command is reported by the proxy thread's own diagnostic first.
   void wait(int fifo_idx, uint64_t idx);
 
   void* data() const;
@@ -109,6 +103,8 @@ class Proxy {
   TransportNic nic() const;
   std::vector<int> pinned_cpus() const;
   const ProxyOptions& options() const;  ///< with knobs resolved
+  /// The resolved UCCL_MOE_TIMEOUT_S (or options.timeout_s) every wait of this proxy uses.
+  const Timeout& timeout() const;
 
   struct Impl;
 

@@ -123,7 +123,8 @@ UCCL_MOE_HD TransferCmdFields decode(const TransferCmd& c) {
 }
 
 /// Host-only: throws InvalidUsage naming the first field that does not fit (or an op/flag combination that makes no
-/// sense). LL fences' expected count must also fit the immediate (kImmLLBitsExpected in ordering.hpp, 20 bits).
+/// sense). LL fences' expected count must also fit the immediate (kImmLLBitsExpected, 20 bits:
+/// native/src/proxy/ordering.hpp).
 void check_cmd_fields(const TransferCmdFields& f);
 /// check_cmd_fields + encode.
 TransferCmd encode_checked(const TransferCmdFields& f);

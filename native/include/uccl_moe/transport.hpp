@@ -11,6 +11,7 @@
 
 #include "uccl_moe/bootstrap.hpp"
 #include "uccl_moe/gpu_memory.hpp"
+#include "uccl_moe/timeout.hpp"
 
 namespace uccl_moe {
 
@@ -56,7 +57,7 @@ struct Completion {
 struct TransportCaps {
   bool native_atomics = false;  ///< kAtomicAdd is supported
   bool ordered = false;         ///< writes (and atomics) to one peer land in post order (RC)
-  uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in ordering.hpp)
+  uint32_t recv_depth = 0;      ///< most unprocessed immediates a receiver can hold (Q in src/proxy/ordering.hpp)
   std::string nic_family;       ///< "mlx5", "bnxt_re", "other" (NIC transports; picks flow-control defaults), "" = none
 };
 
@@ -66,7 +67,7 @@ struct TransportContext {
   int num_ranks = 1;
   int num_threads = 1;
   std::string job = "uccl";  ///< namespace for bootstrap keys and shared-memory names
-  double timeout_s = 100;
+  double timeout_s = Timeout::resolve().limit_s;  ///< UCCL_MOE_TIMEOUT_S; the Proxy passes its own resolved value
   /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
   std::shared_ptr<const GpuMemoryOps> gpu;
   std::shared_ptr<detail::VerbsOps> verbs;  ///< null: the real libibverbs (tests inject a fake)

@@ -29,13 +29,14 @@ nb::dict diag_to_dict(const DiagRecord& r) {
   d["rank"] = r.rank;
   d["peer"] = r.peer;
   d["channel"] = r.channel;
-  d["phase"] = std::string(diag_phase_name(static_cast<DiagPhase>(r.phase)));
-  d["role"] = r.role;
+  d["phase"] = std::string(diag_phase_name(r.phase));
+  d["role"] = int32_t(r.role);
   d["expected"] = r.expected;
   d["seen"] = r.seen;
   d["command"] = r.command;
   d["waited_s"] = r.waited_s;
   d["message"] = format_diag(r);
+  d["error"] = std::string(error_code_name(diag_error_code(r)));  // "InvalidUsage" or "Timeout"
   return d;
 }
 
@@ -112,7 +113,9 @@ void register_core(nb::module_& m) {
   // ---- diagnostics ----
   m.def("format_diag", [](int rank, int peer, int channel, int phase, int role, int64_t expected, int64_t seen,
                           uint64_t command, double waited_s) {
-    DiagRecord r{1, rank, peer, channel, phase, role, expected, seen, command, waited_s, 0};
+    const DiagRecord r{.valid = 1, .rank = rank, .peer = peer, .channel = channel, .phase = DiagPhase(phase),
+                       .role = DiagRole(role), .expected = expected, .seen = seen, .command = command,
+                       .waited_s = waited_s};
     return diag_to_dict(r);
   }, "rank"_a, "peer"_a, "channel"_a, "phase"_a, "role"_a, "expected"_a, "seen"_a, "command"_a, "waited_s"_a);
 #if defined(UCCL_MOE_WITH_CUDA) || defined(UCCL_MOE_WITH_HIP)

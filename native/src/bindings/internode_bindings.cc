@@ -8,6 +8,7 @@
 #include "uccl_moe/error.hpp"
 
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+#include "../../bench/fifo_gpu_bench.hpp"
 #include "../kernels/internode/internode.hpp"
 #include "../runtime/nvl_runtime.hpp"
 #include "../runtime/rdma_runtime.hpp"
@@ -146,8 +147,8 @@ void register_internode(nb::module_& m) {
   "num_nodes"_a, "out"_a, "out_topk_weights"_a, "stream"_a);
   m.def("fifo_bench", [](RdmaRuntime& rt, NvlRuntime& nvl, int num_fifos, int cmds, int dst_rank, bool pingpong,
                          uintptr_t out_ns, uintptr_t stream, int producers) {
-    internode::launch_fifo_bench(rt.context(nvl), num_fifos, producers, cmds, dst_rank, pingpong,
-                                 ptr<int64_t>(out_ns), stream_of(stream));
+    bench::launch_fifo_bench(rt.context(nvl), num_fifos, producers, cmds, dst_rank, pingpong, ptr<int64_t>(out_ns),
+                             stream_of(stream));
   }, "runtime"_a, "nvl"_a, "num_fifos"_a, "cmds"_a, "dst_rank"_a, "pingpong"_a, "out_ns"_a, "stream"_a,
   "producers"_a = 1);
   m.def("has_internode_kernels", []() { return true; });

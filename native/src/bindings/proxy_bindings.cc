@@ -4,6 +4,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
 #include "bindings.hpp"
@@ -51,18 +52,9 @@ std::shared_ptr<KvStore> python_store(nb::object set_fn, nb::object get_fn) {
 
 nb::dict counters_dict(const ProxyCounters& c) {
   nb::dict d;
-  d["commands"] = c.commands;
-  d["writes"] = c.writes;
-  d["atomics"] = c.atomics;
-  d["bytes"] = c.bytes;
-  d["recv_imms"] = c.recv_imms;
-  d["reorders"] = c.reorders;
-  d["held_updates"] = c.held_updates;
-  d["applied_updates"] = c.applied_updates;
-  d["stalls"] = c.stalls;
-  d["barriers"] = c.barriers;
-  d["peak_inflight_bytes"] = c.peak_inflight_bytes;
-  d["peak_inflight_window"] = c.peak_inflight_window;
+#define UCCL_MOE_PROXY_COUNTER(NAME, MERGE, DOC) d[#NAME] = c.NAME;
+#include "proxy_counters.def"
+#undef UCCL_MOE_PROXY_COUNTER
   return d;
 }
 
@@ -113,10 +105,12 @@ void register_proxy(nb::module_& m) {
   nb::class_<Proxy>(m, "Proxy")
       .def("__init__",
            [](Proxy* self, int rank, int num_ranks, nb::object store_set, nb::object store_get,
-              const std::string& transport, int num_threads, int fifos_per_thread, int fifo_capacity,
-              int64_t max_inflight_bytes, int64_t max_inflight_writes, double timeout_s, const std::string& job,
-              uint64_t data_bytes, const std::string& cpus, int ranks_per_node, const std::string& gpu_pci_bus_id,
-              int local_rank) {
+              std::optional<std::string> transport, std::optional<int> num_threads,
+              std::optional<int> fifos_per_thread, std::optional<int> fifo_capacity,
+              std::optional<int64_t> max_inflight_bytes, std::optional<int64_t> max_inflight_writes,
+              std::optional<double> timeout_s, const std::string& job, uint64_t data_bytes,
+              std::optional<std::string> cpus, std::optional<int> ranks_per_node, const std::string& gpu_pci_bus_id,
+              std::optional<int> local_rank) {
              ProxyOptions o;
              o.rank = rank;
              o.num_ranks = num_ranks;
@@ -137,7 +131,10 @@ void register_proxy(nb::module_& m) {
            },
            "rank"_a, "num_ranks"_a, "store_set"_a, "store_get"_a, "transport"_a, "num_threads"_a,
            "fifos_per_thread"_a, "fifo_capacity"_a, "max_inflight_bytes"_a, "max_inflight_writes"_a, "timeout_s"_a,
-           "job"_a, "data_bytes"_a, "cpus"_a, "ranks_per_node"_a, "gpu_pci_bus_id"_a = "", "local_rank"_a = -1)
+           "job"_a, "data_bytes"_a, "cpus"_a, "ranks_per_node"_a, "gpu_pci_bus_id"_a = "",
+           "local_rank"_a = nb::none())
+      .def_prop_ro("timeout_s", [](const Proxy& p) { return p.timeout().limit_s; },
+                   "the resolved UCCL_MOE_TIMEOUT_S (or the timeout_s given) every wait of this proxy uses")
       .def("start", [](Proxy& p) {
         nb::gil_scoped_release release;
         p.start();

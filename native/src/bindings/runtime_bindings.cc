@@ -69,16 +69,18 @@ void register_runtime(nb::module_& m) {
            "Raises InvalidUsageError if the GPU has fewer SMs than num_sms (every block of an op must be resident)")
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
-      .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts, double timeout_s) {
+      .def_prop_ro("timeout_s", [](const NvlRuntime& r) { return r.timeout().limit_s; },
+                   "UCCL_MOE_TIMEOUT_S as resolved when this runtime was created (its kernels' and host's bound)")
+      .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts) {
         int num_recv = -1, most_recv = -1;
         std::vector<int> per_expert;
         bool ok;
         {
           nb::gil_scoped_release release;
-          ok = r.wait_recv_counts(num_local_experts, timeout_s, &num_recv, &most_recv, &per_expert);
+          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &per_expert);
         }
         return nb::make_tuple(ok, num_recv, most_recv, per_expert);
-      }, "num_local_experts"_a, "timeout_s"_a,
+      }, "num_local_experts"_a,
       "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, "
       "per_expert_counts), most_recv being the most rows any local rank receives");
 

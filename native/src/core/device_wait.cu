@@ -10,7 +10,8 @@ namespace uccl_moe {
 
 namespace {
 __global__ void wait_flag_selftest_kernel(const int32_t* flag, int32_t expected, DiagDeviceHandle diag) {
-  wait_reached(diag, flag, expected, DiagPhase::kBarrier, /*role=*/4, /*peer=*/-1, /*channel=*/0, /*command=*/0xdead);
+  wait_reached(diag, flag, expected, DiagPhase::kBarrier, DiagRole::kCoordinator, /*peer=*/-1, /*channel=*/0,
+               /*command=*/0xdead);
 }
 
 void check(gpu::Error e, const char* what) {

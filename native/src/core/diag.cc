@@ -29,20 +29,30 @@ const char* diag_phase_name(DiagPhase phase) {
   return "unknown";
 }
 
-namespace {
-const char* role_name(int32_t role) {
-  static const char* kRoles[] = {"host", "sender", "receiver", "forwarder", "coordinator", "proxy"};
-  return role >= 0 && role < 6 ? kRoles[role] : "unknown";
+const char* diag_role_name(DiagRole role) {
+  switch (role) {
+    case DiagRole::kHost: return "host";
+    case DiagRole::kSender: return "sender";
+    case DiagRole::kReceiver: return "receiver";
+    case DiagRole::kForwarder: return "forwarder";
+    case DiagRole::kCoordinator: return "coordinator";
+    case DiagRole::kProxy: return "proxy";
+  }
+  return "unknown";
 }
-}  // namespace
+
+ErrorCode diag_error_code(const DiagRecord& r) {
+  return r.phase == DiagPhase::kRdmaCapacity || r.phase == DiagPhase::kCombinePullArgs ? ErrorCode::kInvalidUsage
+                                                                                          : ErrorCode::kTimeout;
+}
 
 std::string format_diag(const DiagRecord& r) {
-  if (r.phase == static_cast<int32_t>(DiagPhase::kRdmaCapacity))
+  if (r.phase == DiagPhase::kRdmaCapacity)
     return detail::format(
         "rank %d: an internode area needs %lld rows but the RDMA buffer holds %lld per area (num_rdma_bytes too small "
         "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
         r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
-  if (r.phase == static_cast<int32_t>(DiagPhase::kCombinePullArgs))
+  if (r.phase == DiagPhase::kCombinePullArgs)
     return detail::format(
         "rank %d: combine from the buffer: peer %d staged %lld top-k weights per row, this rank expected %lld; every "
         "rank must pass topk_weights of the same shape (or none) to the same combine",
@@ -52,7 +62,7 @@ std::string format_diag(const DiagRecord& r) {
   return detail::format(
       "rank %d timed out after %.1f s in %s (%s) waiting for %s%s: expected %lld, saw %lld (command 0x%llx). "
       "The peer is probably stuck, dead or skipped this call; raise UCCL_MOE_TIMEOUT_S only if the job is merely slow.",
-      r.rank, r.waited_s, diag_phase_name(static_cast<DiagPhase>(r.phase)), role_name(r.role), peer.c_str(),
+      r.rank, r.waited_s, diag_phase_name(r.phase), diag_role_name(r.role), peer.c_str(),
       chan.c_str(), static_cast<long long>(r.expected), static_cast<long long>(r.seen),
       static_cast<unsigned long long>(r.command));
 }

@@ -7,9 +7,9 @@
 #include <thread>
 
 #include "uccl_moe/diag.hpp"
-#include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
+#include "uccl_moe/timeout.hpp"
 
 namespace uccl_moe {
 
@@ -65,7 +65,7 @@ Fifo::~Fifo() {
   }
 }
 
-uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<int32_t>* abort_flag,
+uint64_t Fifo::push(const TransferCmd& cmd, std::optional<double> timeout_s, const std::atomic<int32_t>* abort_flag,
                     void (*on_abort)(const void*), const void* on_abort_arg) {
   UCCL_CHECK_INTERNAL(cmd.word0 != 0 && (cmd.word1 & kCmdValidBit), "pushing an unencoded command");
   UCCL_CHECK_INTERNAL(!gpu_, "FIFO %d belongs to GPU producers; the host may not push into it", channel_);
@@ -74,7 +74,7 @@ uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<
   // consumer's zeroing of our slot (before its release of tail_) happens-before our write of the slot.
   if (idx - tail_cache_.load(std::memory_order_acquire) >= capacity_) {
     // Looks full: re-read the consumer's tail (acquire pairs with the release in pop()) until there is room.
-    const double limit = timeout_s > 0 ? timeout_s : env::TIMEOUT_S();
+    const double limit = Timeout::resolve(timeout_s).limit_s;
     const auto start = std::chrono::steady_clock::now();
     uint64_t t;
     uint32_t spins = 0;
@@ -86,8 +86,9 @@ uint64_t Fifo::push(const TransferCmd& cmd, double timeout_s, const std::atomic<
         }
         double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (waited > limit) {
-          DiagRecord r{1, -1, -1, channel_, int32_t(DiagPhase::kFifoFull), 1, int64_t(idx - capacity_ + 1),
-                       int64_t(t), cmd.word0, waited, 0};
+          const DiagRecord r{.valid = 1, .rank = -1, .peer = -1, .channel = channel_, .phase = DiagPhase::kFifoFull,
+                             .role = DiagRole::kSender, .expected = int64_t(idx - capacity_ + 1), .seen = int64_t(t),
+                             .command = cmd.word0, .waited_s = waited};
           UCCL_THROW(kTimeout, "%s (FIFO %d full: slot %llu waits for tail > %llu; is the proxy running?)",
                      format_diag(r).c_str(), channel_, (unsigned long long)idx,
                      (unsigned long long)(idx - capacity_));

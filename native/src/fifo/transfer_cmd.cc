@@ -1,7 +1,7 @@
 #include "uccl_moe/transfer_cmd.hpp"
 
 #include "uccl_moe/error.hpp"
-#include "uccl_moe/ordering.hpp"
+#include "../proxy/ordering.hpp"
 
 namespace uccl_moe {
 
@@ -31,8 +31,8 @@ void check_cmd_fields(const TransferCmdFields& f) {
   UCCL_ASSERT(f.dst_offset <= kCmdMaxDstOffset, "dst_offset=%llu exceeds %llu", (unsigned long long)f.dst_offset,
               (unsigned long long)kCmdMaxDstOffset);
   if (f.op == CmdOp::kAtomic && (f.flags & kCmdFlagLL))
-    UCCL_ASSERT(f.bytes <= kImmLLMaxExpected, "LL fence expected=%u exceeds %u (20-bit immediate field)", f.bytes,
-                kImmLLMaxExpected);
+    UCCL_ASSERT(f.bytes <= detail::kImmLLMaxExpected, "LL fence expected=%u exceeds %u (20-bit immediate field)",
+                f.bytes, detail::kImmLLMaxExpected);
   if (f.op == CmdOp::kWrite)
     UCCL_ASSERT(!((f.flags & kCmdFlagCounter) && (f.flags & kCmdFlagLL)),
                 "a WRITE is either HT (kCmdFlagCounter) or LL (kCmdFlagLL), not both (flags=0x%x)", f.flags);

@@ -1,4 +1,4 @@
-#include "uccl_moe/flow_control.hpp"
+#include "flow_control.hpp"
 
 #include <cstdlib>
 

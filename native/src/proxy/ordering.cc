@@ -1,11 +1,11 @@
-#include "uccl_moe/ordering.hpp"
+#include "ordering.hpp"
 
 #include <algorithm>
 
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/transfer_cmd.hpp"
 
-namespace uccl_moe {
+namespace uccl_moe::detail {
 
 namespace {
 constexpr uint32_t kSeqMask = kImmSeqSpace - 1;
@@ -26,8 +26,9 @@ uint32_t encode_imm_ll(bool fence, bool phase, uint32_t slot, uint32_t expected)
          (fence ? expected : 0u);
 }
 
-uint32_t encode_imm_control(ImmControlOp op, uint32_t epoch) {
-  return (uint32_t(ImmKind::kControl) << 30) | ((uint32_t(op) & 0xFu) << 26) | (epoch & kImmEpochMask);
+uint32_t encode_imm_control(ImmControlOp op, uint32_t epoch, BarrierScope scope) {
+  return (uint32_t(ImmKind::kControl) << 30) | ((uint32_t(op) & 0xFu) << 26) | ((uint32_t(scope) & 1u) << 24) |
+         (epoch & kImmEpochMask);
 }
 
 Imm decode_imm(uint32_t v) {
@@ -49,6 +50,7 @@ Imm decode_imm(uint32_t v) {
       break;
     case ImmKind::kControl:
       m.control = ImmControlOp((v >> 26) & 0xFu);
+      m.scope = BarrierScope((v >> 24) & 1u);
       m.epoch = v & kImmEpochMask;
       break;
   }
@@ -170,4 +172,4 @@ bool OrderingEngine::describe_held(int* src_rank, int* channel, uint64_t* waitin
   return false;
 }
 
-}  // namespace uccl_moe
+}  // namespace uccl_moe::detail

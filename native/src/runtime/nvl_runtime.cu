@@ -26,7 +26,11 @@ constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExp
 }  // namespace
 
 NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int device)
-    : rank_(rank), num_ranks_(num_ranks), device_(device), num_nvl_bytes_(num_nvl_bytes) {
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      device_(device),
+      timeout_(Timeout::resolve()),
+      num_nvl_bytes_(num_nvl_bytes) {
   UCCL_ASSERT(num_ranks >= 1 && num_ranks <= kMaxLocalRanks, "num_ranks=%d: the intranode runtime serves 1..%d local ranks",
               num_ranks, kMaxLocalRanks);
   UCCL_ASSERT(rank >= 0 && rank < num_ranks, "rank=%d outside [0, %d)", rank, num_ranks);
@@ -115,7 +119,7 @@ intranode::NvlContext NvlRuntime::context() const {
   c.expert_counters = reinterpret_cast<int32_t*>(host_dev_ + kHostOffExpertCounters);
   c.diag_record = reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag);
   c.abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag);
-  c.timeout_ns = static_cast<uint64_t>(env::TIMEOUT_S() * 1e9);
+  c.timeout_ns = timeout_.limit_ns();
   c.diag_rank = global_rank_ >= 0 ? global_rank_ : rank_;
   return c;
 }
@@ -136,15 +140,13 @@ DiagRecord NvlRuntime::diag() const {
   return r;
 }
 
-bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* num_recv, int* most_recv,
+bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv,
                                   std::vector<int>* per_expert) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
   volatile int32_t* counter = reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter);
   const auto start = std::chrono::steady_clock::now();
-  // The GPU gives up after timeout_s; the host allows a margin on top so the GPU's record (which names the
-  // peer) wins over the host's own (which cannot).
-  const double host_limit_s = timeout_s * 1.5 + 5.0;
+  const double host_limit_s = timeout_.host_behind_device_s();  // the GPU's record (naming the peer) comes first
   uint64_t polls = 0;
   while (*counter < 0) {
     if (aborted()) return false;
@@ -156,8 +158,8 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, double timeout_s, int* 
           rec->rank = rank_;
           rec->peer = -1;
           rec->channel = -1;
-          rec->phase = static_cast<int32_t>(DiagPhase::kHostRecvCounts);
-          rec->role = 0;
+          rec->phase = DiagPhase::kHostRecvCounts;
+          rec->role = DiagRole::kHost;
           rec->expected = 0;
           rec->seen = *counter;
           rec->command = 0;

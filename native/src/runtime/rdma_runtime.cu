@@ -43,7 +43,7 @@ RdmaRuntime::RdmaRuntime(int rank, int num_ranks, int ranks_per_node, int64_t nu
   o.ranks_per_node = ranks_per_node;
   o.job = job;
   o.transport = transport;
-  o.num_threads = num_threads;
+  if (num_threads > 0) o.num_threads = num_threads;  // else UCCL_MOE_PROXY_THREADS
   o.data_bytes = static_cast<uint64_t>(num_rdma_bytes);
   o.data_ptr = buffer_;  // null when host-staged: the transport allocates (shared memory) and we register it
   o.gpu = ops_;

@@ -1,4 +1,4 @@
-#include "uccl_moe/flow_control.hpp"
+#include "proxy/flow_control.hpp"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "uccl_moe/ordering.hpp"
+#include "proxy/ordering.hpp"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 
 #include "uccl_moe/error.hpp"
 
-namespace uccl_moe {
+namespace uccl_moe::detail {
 namespace {
 
 TEST(Immediate, HtRoundTrip) {
@@ -27,6 +27,19 @@ TEST(Immediate, HtRoundTrip) {
   EXPECT_EQ(w.kind, ImmKind::kHtWrite);
   EXPECT_EQ(w.slot, 0u);
   EXPECT_EQ(w.value, 0);
+}
+
+TEST(Immediate, BarrierScopeRoundTrip) {
+  for (BarrierScope scope : {BarrierScope::kAll, BarrierScope::kSameRail})
+    for (uint32_t epoch : {0u, 1u, 12345u, kImmEpochMask, kImmEpochMask + 7u}) {
+      const uint32_t imm = encode_imm_control(ImmControlOp::kBarrier, epoch, scope);
+      const Imm m = decode_imm(imm);
+      EXPECT_EQ(m.kind, ImmKind::kControl);
+      EXPECT_EQ(m.control, ImmControlOp::kBarrier);
+      EXPECT_EQ(m.scope, scope);
+      EXPECT_EQ(m.epoch, epoch & kImmEpochMask);  // the epoch wraps without touching the scope bit
+      EXPECT_EQ((imm >> 24) & 1u, uint32_t(scope)) << "bit 24 is the scope (layout in ordering.hpp)";
+    }
 }
 
 TEST(Immediate, LLAndControlRoundTrip) {
@@ -255,4 +268,4 @@ TEST(Ordering, HeldUpdateIsDescribedAndSecondLLFenceRejected) {
 }
 
 }  // namespace
-}  // namespace uccl_moe
+}  // namespace uccl_moe::detail

@@ -12,7 +12,6 @@ namespace uccl_moe::internode {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kRoleSender = 1, kRoleReceiver = 2, kRoleCoordinator = 4;
 constexpr int64_t kAlign = 256;
 
 int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
@@ -36,7 +35,7 @@ __global__ void __launch_bounds__(kThreads) rdma_pack_kernel(RdmaContext ctx, Pa
       const int64_t row = a.dst_row[n] + pos;
       if (row >= l.cap) {  // the backend checks counts on the host when it can; this guards num_worst_tokens calls
         if (lane == 0)
-          report_timeout(diag_of(ctx), DiagPhase::kRdmaCapacity, kRoleSender, -1, n, row + 1, l.cap, 0, 0.0);
+          report_timeout(diag_of(ctx), DiagPhase::kRdmaCapacity, DiagRole::kSender, -1, n, row + 1, l.cap, 0, 0.0);
         continue;
       }
       const Area& ar = n == ctx.node ? a.recv : a.send;
@@ -77,7 +76,8 @@ __global__ void rdma_post_kernel(RdmaContext ctx, PostArgs a) {
   const int64_t rows = a.rows[n];
   if (a.dst_row[n] + rows > a.peer_cap) {  // num_worst_tokens calls are checked here, the others on the host
     if (s == 0)
-      report_timeout(diag, DiagPhase::kRdmaCapacity, kRoleSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0, 0.0);
+      report_timeout(diag, DiagPhase::kRdmaCapacity, DiagRole::kSender, dst, n, a.dst_row[n] + rows, a.peer_cap, 0,
+                     0.0);
     return;
   }
   for (int i = 0; i < a.num_arrays; ++i) {
@@ -113,7 +113,8 @@ UCCL_DEVICE_INLINE bool wait_arrival(const RdmaContext& ctx, int src, int slot, 
   int64_t* epoch = ctx.epochs + slot * ctx.num_ranks + src;
   const int64_t want = *epoch + count;
   // released by the proxy's counter add (after the data landed)
-  if (!wait_reached(diag_of(ctx), counter, want, DiagPhase::kRdmaRecvTokens, kRoleReceiver, src, slot)) return false;
+  if (!wait_reached(diag_of(ctx), counter, want, DiagPhase::kRdmaRecvTokens, DiagRole::kReceiver, src, slot))
+    return false;
   *epoch = want;
   return true;
 }
@@ -158,8 +159,9 @@ __global__ void rail_barrier_kernel(RdmaContext ctx) {
   BoundedWait wait(diag);
   while (!fifo.check_completion(idx)) {
     if (wait.expired()) {
-      report_timeout(diag, DiagPhase::kBarrier, kRoleCoordinator, -1, fifo.channel, static_cast<int64_t>(idx) + 1,
-                     gpu::load_acquire_sys(reinterpret_cast<const int64_t*>(fifo.tail)), idx, wait.waited_s());
+      report_timeout(diag, DiagPhase::kBarrier, DiagRole::kCoordinator, -1, fifo.channel,
+                     static_cast<int64_t>(idx) + 1, gpu::load_acquire_sys(reinterpret_cast<const int64_t*>(fifo.tail)),
+                     idx, wait.waited_s());
       return;
     }
   }
@@ -195,48 +197,6 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(ReduceArgs a) 
       a.out_topk_weights[static_cast<int64_t>(t) * K + lane] = sum;
     }
   }
-}
-
-__global__ void fifo_bench_kernel(RdmaContext ctx, int num_fifos, int producers, int cmds, int dst_rank,
-                                  bool pingpong, int64_t* out_ns) {
-  // Thread t pushes into FIFO t % num_fifos: `producers` threads (in different warps) share each FIFO and split its
-  // `cmds` commands; out_ns[t] is thread t's time from its first push to the completion of its last command.
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t >= (pingpong ? 1 : num_fifos * producers)) return;
-  const int f = t % num_fifos;
-  const int share = t / num_fifos;
-  if (!pingpong) cmds = cmds / producers + (share < cmds % producers ? 1 : 0);
-  const DiagDeviceHandle diag = diag_of(ctx);
-  const FifoDeviceHandle fifo = ctx.fifos[f];
-  TransferCmdFields c;
-  c.op = CmdOp::kAtomic;
-  c.dst_rank = static_cast<uint32_t>(dst_rank);
-  c.counter_slot = static_cast<uint8_t>(kSlotBench + 8 * (f % kBenchCounterLines));
-  c.counter_value = 1;
-  const TransferCmd cmd = encode(c);
-  auto wait_done = [&](uint64_t idx) {
-    BoundedWait wait(diag);
-    while (!fifo.check_completion(idx)) {
-      if (wait.expired()) {
-        report_timeout(diag, DiagPhase::kFifoCompletion, kRoleSender, dst_rank, fifo.channel,
-                       static_cast<int64_t>(idx) + 1, 0, idx, wait.waited_s());
-        return false;
-      }
-    }
-    return true;
-  };
-  const uint64_t t0 = gpu::global_timer_ns();
-  uint64_t idx = 0;
-  for (int i = 0; i < cmds; ++i) {
-    const uint64_t t = gpu::global_timer_ns();
-    idx = fifo.push(cmd, diag);
-    if (idx == ~0ull) return;
-    if (pingpong) {
-      if (!wait_done(idx)) return;
-      out_ns[i] = static_cast<int64_t>(gpu::global_timer_ns() - t);
-    }
-  }
-  if (!pingpong && cmds > 0 && wait_done(idx)) out_ns[t] = static_cast<int64_t>(gpu::global_timer_ns() - t0);
 }
 
 int grid_for(int64_t items, int per_block) {
@@ -329,18 +289,6 @@ void launch_rdma_wait(const RdmaContext& ctx, int slot, void* stream) {
 
 void launch_rail_barrier(const RdmaContext& ctx, void* stream) {
   rail_barrier_kernel<<<1, gpu::kWarpSize, 0, static_cast<gpu::Stream>(stream)>>>(ctx);
-  UCCL_CHECK_GPU(gpu::get_last_error());
-}
-
-void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int producers, int cmds, int dst_rank, bool pingpong,
-                       int64_t* out_ns, void* stream) {
-  UCCL_ASSERT(num_fifos >= 1 && num_fifos <= ctx.num_fifos, "num_fifos=%d must be in [1, %d]", num_fifos,
-              ctx.num_fifos);
-  UCCL_ASSERT(producers >= 1 && producers <= 32, "producers=%d per FIFO must be in [1, 32]", producers);
-  UCCL_ASSERT(dst_rank >= 0 && dst_rank < ctx.num_ranks, "dst_rank=%d", dst_rank);
-  const int threads = pingpong ? 1 : num_fifos * producers;
-  fifo_bench_kernel<<<(threads + 63) / 64, 64, 0, static_cast<gpu::Stream>(stream)>>>(ctx, num_fifos, producers, cmds,
-                                                                                      dst_rank, pingpong, out_ns);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -118,20 +118,6 @@ void launch_rdma_wait(const RdmaContext& ctx, int slot, void* stream);
 /// the areas a following post writes into.
 void launch_rail_barrier(const RdmaContext& ctx, void* stream);
 
-/// FIFO benchmark with GPU producers: ATOMIC commands (counter slots from kSlotBench on) to `dst_rank`.
-///   flood (pingpong = false): `producers` threads per FIFO (thread t uses FIFO t % num_fifos, so sharers sit in
-///     different warps) split FIFO f's `cmds` commands, each waits for its last one's completion and writes its
-///     elapsed ns to out_ns[t] (num_fifos * producers entries);
-///   pingpong: one thread pushes into FIFO 0 and waits for each command's completion: out_ns[i] = push -> retired
-///     as seen by the GPU (an upper bound of push -> proxy).
-constexpr int kSlotBench = 8;
-/// FIFO f adds to slot kSlotBench + 8 * (f % kBenchCounterLines): counters of different FIFOs sit on different
-/// 64-byte lines, as the kernels' own slots are per source rank. (One shared slot made every proxy thread's atomic
-/// add bounce one cache line between cores, which capped the benchmark near 20 M/s whatever the thread count.)
-constexpr int kBenchCounterLines = (kCountersPerSrc - kSlotBench) / 8;
-void launch_fifo_bench(const RdmaContext& ctx, int num_fifos, int producers, int cmds, int dst_rank, bool pingpong,
-                       int64_t* out_ns, void* stream);
-
 struct ReduceArgs {
   const int32_t* send_pos;   ///< [T, N]
   const uint64_t* part_x;    ///< [N] address of node n's first partial row (bf16 [*, hidden])

@@ -87,9 +87,8 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
   int32_t p_next = (lane < N && begin < end) ? a.send_head[static_cast<int64_t>(begin) * N + lane] : -1;
   // Every copy of token t + 2 (this warp's columns) is prefetched into L2 at the end of token t, so the loads of
   // the sum find L2 instead of HBM: lane d < N loads its send_head two tokens ahead. The sum is latency-bound (80
-  // registers per thread cap the loads in flight), so shorter loads are faster sums: EP2 combine on 2xH200, 24 SMs,
-  // A/B in one call: kernel 279-294 us against 322-326 without (docs/performance.md, round 8). Prefetching only
-  // our own copies (from x) gained less; the same prefetch in the dispatch receiver gained nothing.
+  // registers per thread cap the loads in flight), so shorter loads are faster sums (docs/benchmarks.md). Only
+  // here: prefetching our own copies alone, or in the dispatch receiver, did not pay.
   const bool prefetch = a.row_map == nullptr && lane < N;
   const int64_t own_row0 = prefetch && lane == me ? self_row0(a, N, me, L, lane_idx) : 0;
   for (int t = begin; t < end; ++t) {
@@ -115,7 +114,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
           const int who = gpu::lowest_bit(waiting);
           const int32_t want = gpu::shfl(p, who) + 1, seen = gpu::shfl(tail_seen, who);
           if (lane == 0)
-            report_timeout(diag, DiagPhase::kCombineRecvTokens, kRoleReceiver, who, lane_idx, want, seen, t,
+            report_timeout(diag, DiagPhase::kCombineRecvTokens, DiagRole::kReceiver, who, lane_idx, want, seen, t,
                            wait.waited_s());
           return;
         }

@@ -6,9 +6,8 @@
 //
 // Why: the ring combine moves every remote row twice through memory (the sender's load and NVLink store into the
 // ring, the receiver's load from the ring) and pays a hand-off per chunk. Pulling the rows where they already lie
-// leaves one NVLink load per remote row. tools/combine_pull_probe.cu on 2 x H200 (EP2, 4096 tokens, hidden 7168,
-// 24 SMs): pull from the buffer 203 us, the link alone (pulling without the sum) 204 us, a ring-free push into a
-// whole-size landing zone 242 us, copy-into-the-buffer-then-pull 245 us (docs/performance.md, round 13).
+// leaves one NVLink load per remote row, which runs at the link's pace (native/bench/probes/combine_pull_probe.cu compares
+// the designs; figures in docs/benchmarks.md).
 //
 // Where rank d holds our token t: its rows from source `me` start at rank_prefix[me - 1][d], the rows of our lane l
 // at lane_prefix[d][l - 1] inside them (the same exclusive prefix d's recv_lane_start holds), and t is send_head
@@ -79,12 +78,12 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
   if (d < ctx.num_ranks && d != ctx.rank) {
     // released by rank d (release_to_peers)
     const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
-                                      phase, kRoleReceiver, d, -1);
+                                      phase, DiagRole::kReceiver, d, -1);
     if (!arrived) sm->failed = 1;
     if (topk >= 0 && arrived) {
       const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
       if (theirs != topk) {
-        report_timeout(diag_of(ctx), DiagPhase::kCombinePullArgs, kRoleReceiver, d, -1, topk, theirs, 0, 0.0);
+        report_timeout(diag_of(ctx), DiagPhase::kCombinePullArgs, DiagRole::kReceiver, d, -1, topk, theirs, 0, 0.0);
         sm->failed = 1;
       }
     }

@@ -6,8 +6,8 @@
 // (dst == me) skip the ring and go straight into the outputs: the first quarter of each lane's tokens by the
 // sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
 // copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
-// (tools/nvlink_probe.cu: 40-45 GB/s per SM either way on H200), so this balances the sender SMs (peer rows + kept
-// rows) against the receiver SMs (ring rows).
+// (native/bench/probes/nvlink_probe.cu), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs
+// (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
 #include "intranode_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
@@ -20,8 +20,8 @@ constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a 
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
 /// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
-/// through the receiver group (KeptRows). A quarter: the direct warp also releases the lane's tails (EP2 BF16
-/// dispatch 212.0 -> 199.6 us against a half, FP8 unchanged; docs/performance.md round 11).
+/// through the receiver group (KeptRows). A quarter, not a half: the direct warp also releases the lane's tails, so
+/// it gets the smaller share (docs/benchmarks.md has the comparison).
 UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 3) / 4; }
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
@@ -243,7 +243,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
           const int32_t* who_tail = meta_ptr(ctx.buffers[me], kOffTail) + lane_idx * N + who;
           const int32_t seen = ring_diff(gpu::load_acquire_sys(who_tail), gpu::shfl(base, who));
           if (lane == 0)
-            report_timeout(diag, DiagPhase::kDispatchRecvTokens, kRoleReceiver, who, lane_idx, want, seen, 0,
+            report_timeout(diag, DiagPhase::kDispatchRecvTokens, DiagRole::kReceiver, who, lane_idx, want, seen, 0,
                            wait.waited_s());
           return;
         }

@@ -54,8 +54,8 @@ struct Geometry {
 /// p / (N - 1), toward the (p % (N - 1))-th rank other than us), so each block mixes lanes and destinations. The
 /// other `receivers` blocks sum: receiver block r serves lanes [first_lane(r), first_lane(r + 1)), the lanes
 /// spread evenly, with group(r) warps per lane, each a slice of the columns. SMs whose sender warps a
-/// dispatch-shaped split leaves idle (the dst == me warps) can thus be handed to the receivers; at EP2 on H200 no
-/// split measured faster than the built-in one, which stays (docs/performance.md, round 12).
+/// dispatch-shaped split leaves idle (the dst == me warps) can thus be handed to the receivers; the built-in split
+/// stays the default since no other measured faster (docs/benchmarks.md).
 struct CombineSplit {
   int32_t senders;    ///< S sender blocks (0 when there is no peer)
   int32_t receivers;  ///< R receiver blocks; S + R = Config.num_sms

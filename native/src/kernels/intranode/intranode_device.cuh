@@ -30,7 +30,6 @@ void with_num_ranks(int num_ranks, const char* op, F&& f) {
     default: UCCL_THROW(kInvalidUsage, "%s supports 1..8 local ranks (1, 2, 3, 4, 5, 6, 7, 8), got %d", op, num_ranks);
   }
 }
-constexpr int kRoleSender = 1, kRoleReceiver = 2, kRoleCoordinator = 4;  // DiagRecord::role
 
 UCCL_DEVICE_INLINE DiagDeviceHandle diag_of(const NvlContext& ctx) {
   return DiagDeviceHandle{ctx.diag_record, ctx.abort_flag, ctx.timeout_ns, ctx.diag_rank};
@@ -62,7 +61,7 @@ UCCL_DEVICE_INLINE bool barrier_block(const NvlContext& ctx, int* s_failed) {
     gpu::atomic_add_sys(meta_ptr(ctx.buffers[p], kOffBarrierSignal) + ctx.rank, 1);
     // released by peer p's atomic after its fence
     if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffBarrierSignal) + p, target, DiagPhase::kBarrier,
-                      kRoleCoordinator, p, -1))
+                      DiagRole::kCoordinator, p, -1))
       *s_failed = 1;
   }
   __syncthreads();
@@ -76,7 +75,7 @@ UCCL_DEVICE_INLINE bool barrier_block(const NvlContext& ctx, int* s_failed) {
 /// counter - base in *seen (warp-uniform) and returns true, or returns false (uniform) once the wait expired
 /// or another waiter aborted; the first expiry writes the diagnostic record, with counts relative to base.
 UCCL_DEVICE_INLINE bool warp_wait_at_least(const NvlContext& ctx, const int32_t* counter, int32_t base, int32_t want,
-                                           DiagPhase phase, int role, int peer, int channel, int32_t* seen) {
+                                           DiagPhase phase, DiagRole role, int peer, int channel, int32_t* seen) {
   int32_t v = ring_diff(gpu::shfl(gpu::load_acquire_sys(counter), 0), base);
   if (v >= want) {
     *seen = v;
@@ -186,7 +185,7 @@ struct RingSender {
       if (pos - head_seen < g.lane_slots) return true;
     }
     publish(pos);
-    return warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), phase, kRoleSender, dst, lane_idx,
+    return warp_wait_at_least(ctx, head, base, max(0, pos - g.lane_slots + 1), phase, DiagRole::kSender, dst, lane_idx,
                               &head_seen);
   }
   /// End of the round after `count` rows: publish them all; the next round on this stream starts there (when
@@ -260,7 +259,7 @@ struct TailPublisher {
       if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
         const int who = gpu::lowest_bit(gpu::ballot(!sender_done));
         if (gpu::lane_id() == 0 && !wait.aborted_by_other())
-          report_timeout(diag, DiagPhase::kDispatchPublish, kRoleSender, who, lane_idx, 1, 0, 0, wait.waited_s());
+          report_timeout(diag, DiagPhase::kDispatchPublish, DiagRole::kSender, who, lane_idx, 1, 0, 0, wait.waited_s());
         return;
       }
     }

@@ -45,10 +45,9 @@ constexpr int kMaxLanes = 4096;         // C <= 128 channels x W <= 32 lanes
 
 constexpr size_t kOffBarrierSignal = 0;
 constexpr size_t kOffBarrierEpoch = kOffBarrierSignal + sizeof(int32_t) * kMaxLocalRanks;
-// Abort flag polled by every bounded wait. It lives in GPU memory, not in the host-mapped block: hundreds of
-// spinning warps reading host memory over PCIe every few polls made each ring hand-off cost ~100s of us
-// (measured on 4xH200: EP4 dispatch 0.9 ms, EP2/EP3 1.5-8 ms). The host learns of an abort from the
-// host-mapped DiagRecord instead. Never cleared: a Buffer whose wait expired stays unusable.
+// Abort flag polled by every bounded wait. It lives in GPU memory, not in the host-mapped block, so spinning warps
+// never poll host memory over PCIe (that slowed every ring hand-off; docs/benchmarks.md). The host learns of an
+// abort from the host-mapped DiagRecord instead. Never cleared: a Buffer whose wait expired stays unusable.
 constexpr size_t kOffAbortFlag = kOffBarrierEpoch + 16;
 constexpr size_t kOffRankCounts = 128;
 constexpr size_t kOffExpertCounts = kOffRankCounts + sizeof(int32_t) * kMaxLocalRanks * kMaxLocalRanks;

@@ -1,7 +1,8 @@
 // NVLink all-to-all probe: how fast can SM stores (push), SM loads (pull) and the copy engines move an
 // all-to-all between the GPUs of one host? Locates the ceiling the intranode kernels run against (issue 5).
 //
-//   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe tools/nvlink_probe.cu && /tmp/nvlink_probe [MB per peer] [reps] [tma]
+//   nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe native/bench/probes/nvlink_probe.cu
+//   /tmp/nvlink_probe [MB per peer] [reps] [tma]
 //
 // One process drives every visible GPU (peer access enabled). In one run each GPU moves `MB` MiB to every other
 // GPU at once; the time is the slowest GPU's (events on each), the figure is what one GPU sends per second

@@ -1,7 +1,8 @@
 // Combine-shaped probe: how fast can a combine of BF16 rows run on this host's NVLink if the ring protocol goes,
 // and which side should cross the link? Decides the design of a ring-free combine (issue 5).
 //
-//   nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/cpp tools/combine_pull_probe.cu && /tmp/cpp [tokens] [reps]
+//   nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/cpp native/bench/probes/combine_pull_probe.cu
+//   /tmp/cpp [tokens] [reps]
 //
 // One process drives every visible GPU (peer access on). Every GPU g owns `tokens` tokens; every token has one
 // BF16 row of hidden 7168 at every GPU (at EP2 with top-8 of 256 experts 99.6% of tokens do). GPU g's combine
@@ -26,7 +27,7 @@
 #include <cstring>
 #include <vector>
 
-#include "../native/src/kernels/bf16.cuh"  // the kernels' own BF16 sum and rounding
+#include "../../src/kernels/bf16.cuh"  // the kernels' own BF16 sum and rounding
 #include "probe_common.cuh"
 
 using namespace uccl_moe;

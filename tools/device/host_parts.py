@@ -1,7 +1,7 @@
 """Host time of a cached dispatch / combine and of each part of its Python path (one process, one GPU).
 
 The GPU is held by a long sleep kernel while the host enqueues, so the GPU never pushes back and each figure is the
-host's alone (median of 7 rounds of --calls calls). Usage: python tools/dev/host_parts.py [--tokens 128]"""
+host's alone (median of 7 rounds of --calls calls). Usage: python tools/device/host_parts.py [--tokens 128]"""
 from __future__ import annotations
 
 import argparse

@@ -2,7 +2,7 @@
 # 4 x H200 device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
 #   itest    intranode GPU tests (ITEST_K selects, UMOE_TEST_ITERS back-to-back calls, default 200)
 #   caller   UCCL_MOE_CALLER_STREAM_OPS=1 (synchronous ops on the caller's stream): the streams tests, the intranode GPU
-#            tests with the knob on (ITEST_K selects), and the host time per op both ways (tools/dev/profile_call.py)
+#            tests with the knob on (ITEST_K selects), and the host time per op both ways (tools/device/profile_call.py)
 #   bench    `uccl-moe bench` with BENCH_ARGS (JSON and PNG in the results)
 #   mtest    Megatron dispatcher GPU tests on the native backend (EP2/EP4, TPxEP, shared-expert overlap)
 #   inter    emulated-internode GPU tests on 4 GPUs (2x2 and 4x1, both data paths, reordering)
@@ -17,7 +17,7 @@ set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"   # 8 files come back: all in one tarball
 trap 'tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT"/*.log "$FINAL"/ 2>/dev/null' EXIT
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-. tools/dev/device_setup.sh || exit 1
+. tools/device/device_setup.sh || exit 1
 filt() { grep -v "UserWarning\|warnings.warn\|param.main_grad\|INFO:megatron\|^\[.*\] *\(decoder\|embedding\|output\)" ; }
 for stage in ${STAGES:-mtest inter ibench smoke}; do
   case $stage in
@@ -33,7 +33,7 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
       -p no:cacheprovider --timeout 380 -rA tests/gpu/test_intranode_native.py -k "${ITEST_K:-}" \
       > "$OUT/caller_itest.log" 2>&1
     echo "itest (caller's stream) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/caller_itest.log" | tail -8
-    timeout 200 python3 tools/dev/profile_call.py --tokens 128 --calls 500 --top 0 --caller-stream both 2>&1 \
+    timeout 200 python3 tools/device/profile_call.py --tokens 128 --calls 500 --top 0 --caller-stream both 2>&1 \
       | grep -E "host time per call|Error" | tee "$OUT/caller_host.log" ;;
   bench)
     # shellcheck disable=SC2086

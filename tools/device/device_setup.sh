@@ -1,5 +1,5 @@
 # Source me on a device machine: carried wheels (.whl) into /tmp/site, the CUDA build, the safe NCCL env.
-# Usage: . tools/dev/device_setup.sh   (sets PYTHONPATH, prints the build time; returns 1 on failure)
+# Usage: . tools/device/device_setup.sh   (sets PYTHONPATH, prints the build time; returns 1 on failure)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

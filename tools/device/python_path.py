@@ -1,6 +1,7 @@
 """Host microseconds of Buffer's own Python path per op (validation, argument set-up, stream plumbing), on a CPU with
 no GPU: a world-of-one gloo Buffer whose backend returns ready-made tensors, so only Buffer's code is timed (plus two
-small allocations per non-cached dispatch). Usage: python tools/dev/python_path.py [--calls 3000] [--profile dispatch]
+small allocations per non-cached dispatch).
+Usage: python tools/device/python_path.py [--calls 3000] [--profile dispatch]
 """
 from __future__ import annotations
 

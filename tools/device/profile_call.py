@@ -1,5 +1,5 @@
 """Host-side cost of one dispatch / combine call (one process, one GPU): us per call without syncing, then the
-cProfile top entries. Usage: python tools/dev/profile_call.py [--tokens 128] [--calls 500] [--timeline]
+cProfile top entries. Usage: python tools/device/profile_call.py [--tokens 128] [--calls 500] [--timeline]
 
 Small token counts keep the GPU ahead of the host, so the loop's time per call is the host's; at large ones the
 launch queue fills and the loop waits for the GPU instead."""

@@ -3,7 +3,7 @@
 # `uccl-moe compare` for a few steps. Step time here ~ an EP4 rank's compute at 64 experts.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-. tools/dev/device_setup.sh || exit 1
+. tools/device/device_setup.sh || exit 1
 python3 -c "import megatron.core as m, hydra; print('megatron-core', m.__version__)"
 timeout ${SMOKE_TIMEOUT:-420} python3 -m uccl_moe.cli compare recipe=dsv3_proxy_local 'dispatchers=[uccl,alltoall]' \
   platform.gpus_per_node=1 parallel.expert_model_parallel_size=1 model.num_experts=16 \

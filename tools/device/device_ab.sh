@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call comparing baseline intranode kernels with this tree's, side by side in the same run.
-#   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [ALT=<dir>] [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tests/gpu/device_ab.sh
+#   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [ALT=<dir>] [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tools/device/device_ab.sh
 # Builds the baseline (the tree with BASE's kernel files swapped in), then this tree (incremental), runs the
 # benchmark alternately with each extension (AB_ORDER, default base new base new; a run may set env for itself:
 # new@UCCL_MOE_COMBINE_SENDER_SMS=8), then the GPU tests on the new build.

@@ -1,5 +1,5 @@
 """Smoke/debug run of the internode path: W ranks on the visible GPUs (shared when fewer), emulated nodes.
-   python tools/dev/internode_smoke.py [world] [nodes]   (prints proxy counters while the first dispatch runs)"""
+   python tools/device/internode_smoke.py [world] [nodes]   (prints proxy counters while the first dispatch runs)"""
 import os
 import sys
 import threading

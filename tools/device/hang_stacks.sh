@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a command in the background; if it is still running after HANG_S seconds, dumps the native stacks of every
-# spawned rank process (gdb or cuda-gdb) into $OUT/stacks, then waits for it.   tools/dev/hang_stacks.sh CMD...
+# spawned rank process (gdb or cuda-gdb) into $OUT/stacks, then waits for it.   tools/device/hang_stacks.sh CMD...
 set -u
 out=${OUT:-/tmp}/stacks
 mkdir -p "$out"

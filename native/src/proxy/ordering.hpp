@@ -20,8 +20,8 @@
 //   CONTROL:
 //     [29:26] op       1 = BARRIER
 //     [25]    reserved
-//     [24]    rail     barrier flavour: 0 = all peers, 1 = same-rail peers (separate epoch counters)
-//     [23: 0] epoch    barrier epoch of the sending proxy thread for that flavour, modulo 2^24
+//     [24]    scope    BarrierScope: 0 = all peers, 1 = same-rail peers (separate epoch counters)
+//     [23: 0] epoch    barrier epoch of the sending proxy thread for that scope, modulo 2^24
 //
 // Sequence-number wrap argument. The receiver resolves an 11-bit seq s to the absolute sequence number
 // base + ((s - base) mod 2^11), where base is the oldest write of that channel that has not landed. This is exact as
@@ -36,10 +36,13 @@
 #include <functional>
 #include <vector>
 
-namespace uccl_moe {
+namespace uccl_moe::detail {
 
 enum class ImmKind : uint32_t { kHtWrite = 0, kHtCounter = 1, kLL = 2, kControl = 3 };
 enum class ImmControlOp : uint32_t { kBarrier = 1 };
+/// Which peers a BARRIER meets; each scope counts its own epochs.
+enum class BarrierScope : uint32_t { kAll = 0, kSameRail = 1 };
+constexpr int kNumBarrierScopes = 2;
 
 constexpr int kImmBitsChannel = 3;
 constexpr int kImmBitsSeq = 11;
@@ -61,12 +64,13 @@ struct Imm {
   bool phase = false;    ///< LL
   uint32_t expected = 0; ///< LL fence
   ImmControlOp control = ImmControlOp::kBarrier;  ///< CONTROL
+  BarrierScope scope = BarrierScope::kAll;        ///< CONTROL (BARRIER)
   uint32_t epoch = 0;    ///< CONTROL
 };
 
 uint32_t encode_imm_ht(bool has_counter, uint32_t channel, uint32_t seq, uint32_t slot, int32_t value);
 uint32_t encode_imm_ll(bool fence, bool phase, uint32_t slot, uint32_t expected);
-uint32_t encode_imm_control(ImmControlOp op, uint32_t epoch);
+uint32_t encode_imm_control(ImmControlOp op, uint32_t epoch, BarrierScope scope = BarrierScope::kAll);
 Imm decode_imm(uint32_t imm);
 
 /// Applies a counter add at the receiver: (source rank, slot, value).
@@ -131,4 +135,4 @@ class OrderingEngine {
   size_t held_ = 0;
 };
 
-}  // namespace uccl_moe
+}  // namespace uccl_moe::detail
