@@ -530,7 +530,7 @@ TEST(ProxyFlowDefaults, FollowTheNicFamilyUnlessSet) {
   {
     Proxy thor(o, store);
     EXPECT_EQ(thor.options().max_inflight_writes, 1);
-    EXPECT_EQ(thor.options().max_inflight_bytes, 1572864 / o.num_threads);
+    EXPECT_EQ(thor.options().max_inflight_bytes, 1572864 / *o.num_threads);
   }
   o.verbs = std::make_shared<test::FakeVerbs>(fabric, test::mlx5_cx7());
   o.job = test::unique_job("nicdef");
