@@ -13,6 +13,7 @@ token ranges).
 from __future__ import annotations
 
 import datetime
+import math
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from .base import Backend, BufferContext, DispatchRequest, register_backend
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] tensor -> [N, row_bytes] uint8 view (copying only if not contiguous)."""
     t = t.contiguous()
-    row_bytes = t.element_size() * (int(torch.tensor(t.shape[1:]).prod()) if t.dim() > 1 else 1)
+    row_bytes = t.element_size() * math.prod(t.shape[1:])
     return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
@@ -104,7 +105,7 @@ class ReferenceBackend(Backend):
         experts = topk_idx[valid]
         num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
         is_token_in_rank = torch.zeros((T, self.R), dtype=torch.bool, device=topk_idx.device)
-        rows = torch.arange(T, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)[valid]
+        rows = torch.arange(T, dtype=torch.int64, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)[valid]
         is_token_in_rank[rows, experts // per_rank] = True
         num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
         topo = self.ctx.topology

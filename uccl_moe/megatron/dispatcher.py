@@ -223,7 +223,7 @@ class UCCLDispatch(torch.autograd.Function):
         state.handle = handle
         state.recv_topk_idx = recv_topk_idx
         # The counts are a host list (the Buffer waited for them), so this is a CPU tensor: no device sync later.
-        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64, device="cpu")
         state.event = event if async_finish else None
         ctx.buffer = buffer
         ctx.handle = handle
