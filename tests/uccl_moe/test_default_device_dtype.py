@@ -41,15 +41,16 @@ def make_inputs(rank: int, world: int, device: torch.device) -> dict[str, torch.
     }
 
 
-def buffer_ops(buf, inp: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
-    """Every HT call once (layout, dispatch BF16/FP32/FP8, worst-case rows, cached, combine with weights and bias,
-    the combine buffer); returns the outputs by name."""
+def buffer_ops(buf, inp: dict[str, torch.Tensor], num_experts: int,
+               row_names: tuple[str, ...] = ("x_bf16", "x_fp32")) -> dict[str, torch.Tensor]:
+    """Every HT call once (layout, dispatch of each of `row_names` then FP8, worst-case rows, cached, combine with
+    weights and bias, the combine buffer); returns the outputs by name."""
     out: dict[str, torch.Tensor] = {}
     lay = buf.get_dispatch_layout(inp["idx"], num_experts)
     out.update(ntr=lay.num_tokens_per_rank, nte=lay.num_tokens_per_expert, itr=lay.is_token_in_rank)
     layout = dict(num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
                   num_tokens_per_expert=lay.num_tokens_per_expert)
-    for name in ("x_bf16", "x_fp32"):
+    for name in row_names:
         res = buf.dispatch(inp[name], topk_idx=inp["idx"], topk_weights=inp["w"], expert_alignment=4, **layout)
         out[f"{name}/recv_x"], out[f"{name}/recv_idx"], out[f"{name}/recv_w"] = res[0], res[1], res[2]
         out[f"{name}/counts"] = torch.tensor(res.num_recv_tokens_per_expert_list, dtype=torch.int64, device="cpu")
@@ -67,24 +68,27 @@ def buffer_ops(buf, inp: dict[str, torch.Tensor], num_experts: int) -> dict[str,
     return out
 
 
-def _under_every_mode(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, str]:
+def under_every_mode(rank: int, world: int, modes: tuple[str, ...], backend: str = "reference") -> dict[str, str]:
+    """Rank body (also of the GPU variant, tests/gpu/test_default_device_gpu.py): the plain run, then each mode."""
     from uccl_moe import Buffer
 
     R = world
     E = EXPERTS_PER_RANK * R
     cfg = Buffer.get_dispatch_config(R)
-    nvl = cfg.get_nvl_buffer_size_hint(HIDDEN * 4, R)
-    inp = make_inputs(rank, world, torch.device("cpu"))
-    ref = buffer_ops(Buffer(dist.group.WORLD, nvl, 0, backend="reference"), inp, E)
+    nvl = max(cfg.get_nvl_buffer_size_hint(HIDDEN * 4, R), Buffer.get_combine_buffer_size_hint(64 * R, HIDDEN, 4))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "native" else torch.device("cpu")
+    rows = ("x_bf16",) if backend == "native" else ("x_bf16", "x_fp32")  # the native kernels combine BF16 only
+    inp = make_inputs(rank, world, device)
+    ref = buffer_ops(Buffer(dist.group.WORLD, nvl, 0, backend=backend), inp, E, rows)
     failures: dict[str, str] = {}
     for mode in modes:
         try:
             with torch_defaults(mode):
-                buf = Buffer(dist.group.WORLD, nvl, 0, backend="reference")
-                got = buffer_ops(buf, inp, E)
+                buf = Buffer(dist.group.WORLD, nvl, 0, backend=backend)
+                got = buffer_ops(buf, inp, E, rows)
             for k, v in ref.items():
                 g = got[k]
-                assert g.device.type == "cpu", f"{k}: on {g.device}"
+                assert g.device == v.device, f"{k}: on {g.device}, expected {v.device}"
                 assert g.dtype == v.dtype, f"{k}: {g.dtype}, expected {v.dtype}"
                 assert torch.equal(g, v), f"{k}: differs from the plain run"
         except Exception as e:  # noqa: BLE001 - collect every mode's failure, not just the first
@@ -93,7 +97,7 @@ def _under_every_mode(rank: int, world: int, modes: tuple[str, ...]) -> dict[str
 
 
 def test_buffer_api_ignores_default_device_and_dtype():
-    for rank, failures in enumerate(run_ranks(_under_every_mode, 2, CPU_MODES,
+    for rank, failures in enumerate(run_ranks(under_every_mode, 2, CPU_MODES,
                                               env={"UCCL_MOE_BACKEND": "reference"})):
         assert not failures, f"rank {rank}: {failures}"
 

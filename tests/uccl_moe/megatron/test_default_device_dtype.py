@@ -38,18 +38,25 @@ def six_methods(disp, x: torch.Tensor, routing_map: torch.Tensor, probs: torch.T
             "x_grad": x.grad, "probs_grad": probs.grad}
 
 
-def _dispatcher_modes(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, str]:
+def dispatcher_modes(rank: int, world: int, modes: tuple[str, ...], device_kind: str = "cpu") -> dict[str, str]:
+    """Rank body (also of the GPU variant, tests/gpu/test_default_device_gpu.py: BF16 model, native kernels)."""
     import uccl_moe.megatron  # noqa: F401  (installs)
 
-    case = Case(ep=world, topk=2, aux_loss=False)
+    if device_kind == "cuda":
+        case = Case(ep=world, topk=2, aux_loss=False, hidden=128, backend="native", dtype="bf16")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        case = Case(ep=world, topk=2, aux_loss=False)
+        device = torch.device("cpu")
     init_parallel(case)
-    disp = make_layer(make_config(case, "uccl"), torch.device("cpu")).token_dispatcher
+    disp = make_layer(make_config(case, "uccl"), device).token_dispatcher
     gen = torch.Generator().manual_seed(5 + rank)
-    x = torch.randn((8, 2, case.hidden), generator=gen, dtype=torch.float32)
+    x = torch.randn((8, 2, case.hidden), generator=gen, dtype=torch.float32).to(device, case.torch_dtype)
     logits = torch.randn((16, case.num_experts), generator=gen, dtype=torch.float32)
     sel = torch.topk(logits, case.topk, dim=1).indices
     routing_map = torch.zeros((16, case.num_experts), dtype=torch.bool).scatter_(1, sel, True)
     probs = torch.where(routing_map, torch.softmax(logits, 1), torch.zeros_like(logits))
+    routing_map, probs = routing_map.to(device), probs.to(device)
     ref = six_methods(disp, x, routing_map, probs)
     failures: dict[str, str] = {}
     for mode in modes:
@@ -91,7 +98,7 @@ def _layer_modes(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, str
 
 
 def test_dispatcher_methods_ignore_default_device_and_dtype():
-    for rank, failures in enumerate(run_ranks(_dispatcher_modes, 2, CPU_MODES)):
+    for rank, failures in enumerate(run_ranks(dispatcher_modes, 2, CPU_MODES)):
         assert not failures, f"rank {rank}: {failures}"
 
 
