@@ -16,13 +16,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mp, pytest.mark.timeout(900)]
 
 
 def _buffer_rank(rank: int, world: int, gloo, modes):
-    from tests.uccl_moe.test_default_device_dtype import under_every_mode
+    from tests.uccl_moe.test_buffer_defaults import under_every_mode
 
     return under_every_mode(rank, world, modes, backend="native")
 
 
 def _dispatcher_rank(rank: int, world: int, gloo, modes):
-    from tests.uccl_moe.megatron.test_default_device_dtype import dispatcher_modes
+    from tests.uccl_moe.megatron.test_dispatcher_defaults import dispatcher_modes
 
     return dispatcher_modes(rank, world, modes, device_kind="cuda")
 
