@@ -63,7 +63,8 @@ def buffer_ops(buf, inp: dict[str, torch.Tensor], num_experts: int,
         out[f"{name}/combined"], out[f"{name}/combined_w"] = comb.combined_x, comb.combined_topk_weights
     fp8 = buf.dispatch((inp["x_fp8"], inp["scales"]), topk_idx=inp["idx"], topk_weights=inp["w"],
                        num_worst_tokens=64 * buf.group_size, **layout)
-    out["fp8/recv_x"], out["fp8/recv_scales"] = fp8.recv_x[0].view(torch.uint8), fp8.recv_x[1]
+    real = (fp8.recv_topk_idx >= 0).any(1)  # padding rows past the received ones hold no defined data
+    out["fp8/recv_x"], out["fp8/recv_scales"] = fp8.recv_x[0].view(torch.uint8)[real], fp8.recv_x[1][real]
     out["fp8/recv_idx"] = fp8.recv_topk_idx
     return out
 
