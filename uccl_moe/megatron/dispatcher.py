@@ -592,7 +592,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         probs_map = torch.zeros(num_recv, local + 1, dtype=probs.dtype, device=probs.device).scatter(
             1, slot, probs
         )[:, :local]
-        if self.config.moe_router_padding_for_quantization:
+        if getattr(self.config, "moe_router_padding_for_quantization", False):
             self._routing_map, tokens_per_expert = self._pad_for_quantization(self._routing_map, tokens_per_expert)
         self._hidden_shape_before_permute = hidden_states.shape
         if self._combine_from_buffer() and hidden_states.requires_grad:
