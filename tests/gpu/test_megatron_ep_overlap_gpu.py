@@ -29,7 +29,7 @@ ARGS = [
     "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0.01", "--moe-shared-expert-intermediate-size", "256",
     "--disable-bias-linear", "--bf16",
     "--seq-length", "256", "--micro-batch-size", "4", "--global-batch-size", "32", "--vocab-size", "512",
-    "--train-iters", "12", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--train-iters", "12", "--lr", "3e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]
 OVERLAP = ["--overlap-moe-expert-parallel-comm"]
 DISPATCHERS = {
