@@ -90,6 +90,7 @@ class EventOverlap:
 
 
 _SAME_SIZE_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+_SAME_SIZE_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class _DeviceMemory:
@@ -105,7 +106,7 @@ def tensor_at(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     bfloat16), then viewed as `dtype`."""
     size = dtype.itemsize
     raw = torch.as_tensor(_DeviceMemory(int(ptr), tuple(int(s) for s in shape), _SAME_SIZE_TYPESTR[size]),
-                          device=device)
+                          dtype=_SAME_SIZE_DTYPE[size], device=device)
     return raw.view(dtype)
 
 
@@ -118,7 +119,9 @@ def host_ints(t: torch.Tensor) -> list[int]:
     """
     if not t.is_cuda:
         return [int(v) for v in t.reshape(-1).tolist()]
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    # device="cpu" explicitly: under torch.set_default_device("cuda") (DeepEP's test harness sets it) a bare
+    # torch.empty would be a CUDA tensor, which cannot be pinned.
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record()

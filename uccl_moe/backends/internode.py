@@ -88,7 +88,8 @@ def plan_offsets(matrix: torch.Tensor, ncnt: torch.Tensor, in_node: torch.Tensor
     dev = matrix.device
     R = N * G
     n0, local = me // G, me % G
-    nodes = torch.arange(N, device=dev)
+    nodes = torch.arange(N, dtype=torch.int64, device=dev)
+    ranks = torch.arange(R, dtype=torch.int64, device=dev)
     rail = nodes * G + local
     ncnt_rail = ncnt[rail]                              # [m, n]: rail peer on node m -> node n
     seg_rows = ncnt_rail[:, n0].contiguous()            # x' rows from node m
@@ -125,7 +126,7 @@ def plan_offsets(matrix: torch.Tensor, ncnt: torch.Tensor, in_node: torch.Tensor
         "num_recv": matrix[:, me].sum(),
         # Per-rank needs of the two RDMA areas (every rank checks every rank: all raise together, none hangs).
         "xp_need": ncnt.view(N, G, N).sum(0).t().reshape(-1),
-        "send_need": ncnt.sum(1) - ncnt[torch.arange(R, device=dev), torch.arange(R, device=dev) // G],
+        "send_need": ncnt.sum(1) - ncnt[ranks, ranks // G],
     }
     return out
 
@@ -191,7 +192,7 @@ class InternodePath:
         dist.barrier(group=ctx.group)
         dev = ctx.device
         self._shifts = torch.arange(self.G, device=dev, dtype=torch.int32)
-        self._node_ids = torch.arange(self.N, device=dev)
+        self._node_ids = torch.arange(self.N, dtype=torch.int64, device=dev)
         self._calls = 0  # non-cached dispatches so far (selects the notify region)
         # Benchmarks set this to a list to get (stage, CUDA event) marks on the stream the op runs on.
         self.timeline: list[tuple[str, Any]] | None = None

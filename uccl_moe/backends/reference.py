@@ -13,20 +13,91 @@ token ranges).
 from __future__ import annotations
 
 import datetime
+import math
+import os
+import socket
+import time
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import env
-from ..errors import CommTimeoutError, InvalidUsageError
+from ..errors import CommTimeoutError, InvalidUsageError, TransportError
 from .base import Backend, BufferContext, DispatchRequest, register_backend
+
+# The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
+# do, and every rank checks the whole table. Ranks that disagree would otherwise post collectives of different sizes,
+# which gloo answers with an abort (an enforce in its transport thread) or NCCL with a hang.
+_OPS = {1: "dispatch", 2: "cached dispatch", 3: "combine"}
+_DTYPES: dict[torch.dtype, int] = {
+    d: i + 1
+    for i, d in enumerate(
+        (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+         *(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)))
+    )
+}
+_DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPES.items()}
+#: (field, what the fix is about); the vector holds these, then this rank's pid and host hash (not compared).
+_AGREE_FIELDS = (
+    ("operation", "call the same Buffer operation on every rank, in the same order"),
+    ("num_experts", "pass the same num_experts (num_tokens_per_expert length) on every rank"),
+    ("hidden", "send rows of the same hidden size from every rank"),
+    ("x dtype", "send x in the same dtype from every rank"),
+    ("x_scales dtype", "pass FP8 scales on every rank or on none, in the same dtype"),
+    ("x_scales columns", "pass FP8 scales of the same layout on every rank"),
+    ("topk columns", "pass topk_idx/topk_weights on every rank or on none, with the same top-k"),
+)
+_PEER_LOST = ("closed by peer", "connection reset", "broken pipe", "socket closed", "connection refused",
+              "read error", "write error", "no route to host")
+
+
+def _dtype_code(t: torch.Tensor | None) -> int:
+    return 0 if t is None else _DTYPES.get(t.dtype, 99)
+
+
+def _cols(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    return int(t.shape[1]) if t.dim() == 2 else 1
+
+
+def _show(field: str, v: int) -> str:
+    if field == "operation":
+        return _OPS.get(v, str(v))
+    if field.endswith("dtype"):
+        return "none" if v == 0 else _DTYPE_NAMES.get(v, "other")
+    return str(v)
+
+
+def _host_hash() -> int:
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def _has_exited(pid: int) -> bool:
+    """True if process `pid` of this host is gone or a zombie (Linux /proc; else a signal-0 probe)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """[N, ...] tensor -> [N, row_bytes] uint8 view (copying only if not contiguous)."""
     t = t.contiguous()
-    row_bytes = t.element_size() * (int(torch.tensor(t.shape[1:]).prod()) if t.dim() > 1 else 1)
+    row_bytes = t.element_size() * math.prod(t.shape[1:])
     return t.view(torch.uint8).reshape(t.shape[0], row_bytes)
 
 
@@ -50,30 +121,74 @@ class ReferenceBackend(Backend):
         self.group = ctx.group
         self.R = ctx.num_ranks
         self.me = ctx.rank
+        # (pid, host hash) of every rank, from the last agreement step: names a peer that exits.
+        self._peers: list[tuple[int, int]] | None = None
 
     # ---------------------------------------------------------------- collectives
-    def _wait(self, work: Any, phase: str, device: torch.device) -> None:
-        """Bounded wait for a collective on CPU (gloo); on CUDA the wait only orders streams.
+    def _collective(self, start: Callable[[], Any], phase: str, device: torch.device) -> None:
+        """Start a collective (`start` returns its work) and wait for it, bounded on CPU (gloo); on CUDA the wait only
+        orders streams.
 
-        A peer that skipped the call would otherwise block for the process group's own timeout (30 min on
-        gloo); here the caller gets CommTimeoutError after UCCL_MOE_TIMEOUT_S naming the rank and phase.
+        A peer that skipped the call would otherwise block for the process group's own timeout (30 min on gloo):
+        here the caller gets CommTimeoutError after UCCL_MOE_TIMEOUT_S naming the rank and phase. A peer that exited
+        (gloo: "Connection closed by peer") gives TransportError naming it where it can be told.
         """
-        if device.type == "cuda":
-            work.wait()
-            return
-        timeout_s = float(env.get("TIMEOUT_S"))
         try:
+            work = start()
+            if device.type == "cuda":
+                work.wait()
+                return
+            timeout_s = float(env.get("TIMEOUT_S"))
             work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            text = str(e).lower()
+            if any(m in text for m in _PEER_LOST):
+                raise TransportError(
+                    f"rank {self.me}: {self._who_left()} during reference/{phase} (the connection to it closed): it "
+                    f"exited or crashed; its own log has the cause. ({str(e).splitlines()[0][:300]})"
+                ) from None
+            if "timed out" not in text and "timeout" not in text:
                 raise
+            timeout_s = float(env.get("TIMEOUT_S"))
             record = {"rank": self.me, "peer": -1, "channel": -1, "phase": f"reference/{phase}", "waited_s": timeout_s}
+            dead = self._exited_peers(wait_s=0.0)
+            why = f"{self._ranks(dead)} exited" if dead else "a peer is stuck, dead or skipped this call"
             raise CommTimeoutError(
                 f"rank {self.me} timed out after {timeout_s:.1f} s in reference/{phase} waiting for all peers of the "
-                f"{self.R}-rank group: a peer is stuck, dead or skipped this call. Raise UCCL_MOE_TIMEOUT_S only if "
-                f"the job is merely slow. ({e})",
+                f"{self.R}-rank group: {why}. Raise UCCL_MOE_TIMEOUT_S only if the job is merely slow. ({e})",
                 record,
             ) from None
+
+    @staticmethod
+    def _ranks(ranks: list[int]) -> str:
+        return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+    def _exited_peers(self, wait_s: float) -> list[int]:
+        """Peers on this host whose process is gone (pids from the last agreement step), polling up to `wait_s`
+        for a process that is still tearing down."""
+        if self._peers is None:
+            return []
+        host = _host_hash()
+        local = [(r, pid) for r, (pid, h) in enumerate(self._peers) if r != self.me and h == host]
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [r for r, pid in local if _has_exited(pid)]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _who_left(self) -> str:
+        others = [r for r in range(self.R) if r != self.me]
+        if len(others) == 1:
+            return f"peer rank {others[0]} left"
+        dead = self._exited_peers(wait_s=2.0)
+        if dead:
+            return f"peer {self._ranks(dead)} left"
+        if self._peers is not None:
+            remote = [r for r, (_, h) in enumerate(self._peers) if r != self.me and h != _host_hash()]
+            if remote:
+                return f"a peer left (on another host: one of {self._ranks(remote)})"
+        return f"a peer left (one of {self._ranks(others)})"
 
     def _all_gather_vec(self, v: torch.Tensor, phase: str) -> torch.Tensor:
         """[n] -> [R, n], row i = rank i's v."""
@@ -81,8 +196,36 @@ class ReferenceBackend(Backend):
         if self.R == 1:
             parts[0].copy_(v)
         else:
-            self._wait(dist.all_gather(parts, v.contiguous(), group=self.group, async_op=True), phase, v.device)
+            v = v.contiguous()
+            self._collective(lambda: dist.all_gather(parts, v, group=self.group, async_op=True), phase, v.device)
         return torch.stack(parts)
+
+    def _agree(self, op: int, num_experts: int, x: torch.Tensor, scales: torch.Tensor | None,
+               topk: torch.Tensor | None) -> None:
+        """The agreement step (see _AGREE_FIELDS): every rank raises the same InvalidUsageError, naming each field
+        the ranks disagree on and which rank holds which value, before any data moves."""
+        mine = [op, num_experts, int(x.shape[1]), _dtype_code(x), _dtype_code(scales), _cols(scales), _cols(topk),
+                os.getpid(), _host_hash()]
+        table = self._all_gather_vec(torch.tensor(mine, dtype=torch.int64, device=x.device), f"{_OPS[op]}/agree")
+        rows = [[int(v) for v in row] for row in table.tolist()]
+        n = len(_AGREE_FIELDS)
+        self._peers = [(row[n], row[n + 1]) for row in rows]
+        problems, fixes = [], []
+        for i, (field, fix) in enumerate(_AGREE_FIELDS):
+            values: dict[int, list[int]] = {}
+            for r, row in enumerate(rows):
+                values.setdefault(row[i], []).append(r)
+            if len(values) > 1:
+                problems.append(f"{field}: " + ", ".join(f"{_show(field, v)} on {self._ranks(rs)}"
+                                                         for v, rs in values.items()))
+                fixes.append(fix)
+            if field == "operation" and len(values) > 1:
+                break  # the other fields compare different things
+        if problems:
+            raise InvalidUsageError(
+                f"the {self.R} ranks of the group disagree on the arguments of this call (rank {self.me} called "
+                f"{_OPS[op]}): " + "; ".join(problems) + ". To fix: " + "; ".join(fixes) + "."
+            )
 
     def _all_to_all_rows(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                          phase: str) -> torch.Tensor:
@@ -91,9 +234,9 @@ class ReferenceBackend(Backend):
         if self.R == 1:
             recv.copy_(send)
             return recv
-        work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group,
-                                      async_op=True)
-        self._wait(work, phase, send.device)
+        send = send.contiguous()
+        self._collective(lambda: dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group,
+                                                        async_op=True), phase, send.device)
         return recv
 
     # ---------------------------------------------------------------- layout
@@ -104,7 +247,7 @@ class ReferenceBackend(Backend):
         experts = topk_idx[valid]
         num_tokens_per_expert = torch.bincount(experts, minlength=num_experts).to(torch.int32)
         is_token_in_rank = torch.zeros((T, self.R), dtype=torch.bool, device=topk_idx.device)
-        rows = torch.arange(T, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)[valid]
+        rows = torch.arange(T, dtype=torch.int64, device=topk_idx.device).unsqueeze(1).expand_as(topk_idx)[valid]
         is_token_in_rank[rows, experts // per_rank] = True
         num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
         topo = self.ctx.topology
@@ -172,6 +315,7 @@ class ReferenceBackend(Backend):
                 "num_tokens_per_rank does not match is_token_in_rank (column sums); pass the tensors "
                 "get_dispatch_layout returned for these tokens"
             )
+        self._agree(1, E, req.x, req.x_scales, req.topk_idx)
         # Counts: full [R, R] matrix (row i = what rank i sends to each rank) and per-local-expert counts.
         matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64), "dispatch/rank-counts")
         rank_prefix_matrix = torch.cumsum(matrix, 0).to(torch.int32)
@@ -232,6 +376,7 @@ class ReferenceBackend(Backend):
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
+        self._agree(2, 0, x, x_scales, None)
         send_idx, send_counts = self._send_order(handle.is_token_in_rank)
         recv_counts = self._recv_counts(handle.rank_prefix_matrix)
         recv_x, recv_scales, _ = self._move_x(x, x_scales, send_idx, send_counts, recv_counts, [],
@@ -240,6 +385,7 @@ class ReferenceBackend(Backend):
 
     # ---------------------------------------------------------------- combine
     def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any, config: Any):  # type: ignore[no-untyped-def]
+        self._agree(3, 0, x, None, topk_weights)
         recv_counts = self._recv_counts(handle.rank_prefix_matrix)  # rows I got from each source = rows I return
         n_real = sum(recv_counts)
         send_idx, send_counts = self._send_order(handle.is_token_in_rank)  # rows I get back from each rank

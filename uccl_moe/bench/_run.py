@@ -99,12 +99,12 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
 
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    scores = torch.rand((T, E), generator=gen, device=dev) + 0.1
+    scores = torch.rand((T, E), generator=gen, dtype=torch.float32, device=dev) + 0.1
     idx = torch.topk(scores, K, dim=1).indices.to(torch.int64)
-    w = torch.rand((T, K), generator=gen, device=dev)
-    xb = torch.randn((T, H), generator=gen, device=dev).bfloat16()
+    w = torch.rand((T, K), generator=gen, dtype=torch.float32, device=dev)
+    xb = torch.randn((T, H), generator=gen, dtype=torch.float32, device=dev).bfloat16()
     if dtype == "fp8":
-        s = torch.rand((T, H // 128), generator=gen, device=dev) + 0.01
+        s = torch.rand((T, H // 128), generator=gen, dtype=torch.float32, device=dev) + 0.01
         x: Any = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), s.T.contiguous().T)
         row_bytes = H + 4 * (H // 128)
     else:
@@ -122,13 +122,13 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     send_to = lay.num_tokens_per_rank.cpu().tolist()
     n_sent_remote = sum(send_to) - send_to[rank]
     recv_x = res.recv_x[0] if isinstance(res.recv_x, tuple) else res.recv_x
-    y = torch.randn((recv_x.shape[0], H), device=dev).bfloat16()
+    y = torch.randn((recv_x.shape[0], H), dtype=torch.float32, device=dev).bfloat16()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
     nccl_ok = 1 < R <= torch.cuda.device_count()  # NCCL refuses two ranks on one GPU
     align = None
     if nccl_ok and not args.no_align:
-        token = torch.zeros(1, device=dev)
+        token = torch.zeros(1, dtype=torch.float32, device=dev)
 
         def align() -> None:
             dist.all_reduce(token)

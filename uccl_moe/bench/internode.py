@@ -41,10 +41,10 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     inter = buf._backend._inter  # type: ignore[union-attr]
     T, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     gen = torch.Generator(device="cuda").manual_seed(rank)
-    scores = torch.rand((T, E), device="cuda", generator=gen)
+    scores = torch.rand((T, E), dtype=torch.float32, device="cuda", generator=gen)
     idx = torch.topk(scores, K, dim=1).indices
-    w = torch.rand((T, K), device="cuda", generator=gen)
-    x = torch.randn((T, H), device="cuda", generator=gen).bfloat16()
+    w = torch.rand((T, K), dtype=torch.float32, device="cuda", generator=gen)
+    x = torch.randn((T, H), dtype=torch.float32, device="cuda", generator=gen).bfloat16()
     lay = buf.get_dispatch_layout(idx, E)
     res = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
                        num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)

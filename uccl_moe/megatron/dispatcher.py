@@ -23,6 +23,18 @@ Streams (GPU): every Buffer call runs on the Buffer's comm stream with ``previou
 ``dispatch_postprocess`` and for the combine only in ``combine_postprocess``, so with ``--moe-shared-expert-overlap``
 the shared expert runs on its own stream while tokens are in flight (the hook order of Megatron's flex dispatcher).
 On CPU (gloo) the same code runs; events are already complete there.
+
+Megatron's 1F1B EP overlap (``--overlap-moe-expert-parallel-comm``, megatron/core/models/gpt/fine_grained_callables.py
+and pipeline_parallel/utils.py ScheduleNode) calls the six methods from separate schedule nodes: dispatch_preprocess in
+the attention node and dispatch_postprocess/combine_preprocess in the expert node on its compute stream,
+token_dispatch and token_combine/combine_postprocess in the dispatch and combine nodes on its communication stream,
+each node on detached inputs, with one micro-batch's forward nodes interleaved with another's backward nodes. What
+this needs from us: per-forward state lives on the dispatcher only between the nodes of one micro-batch's forward
+(Megatron never interleaves two forwards of a layer) and the backward uses only what autograd saved; every Buffer call
+waits for the stream that calls it (previous_event) and the consuming node waits for the call's event, so the nodes'
+own events need not cover our comm stream; and no Buffer memory is held between two nodes, since the other
+micro-batch's Buffer calls run in between (so combine-from-buffer is off under the overlap). Every rank runs the same
+schedule, so the Buffer calls keep the same order on every rank, as the native kernels require.
 """
 
 from __future__ import annotations
@@ -223,7 +235,7 @@ class UCCLDispatch(torch.autograd.Function):
         state.handle = handle
         state.recv_topk_idx = recv_topk_idx
         # The counts are a host list (the Buffer waited for them), so this is a CPU tensor: no device sync later.
-        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64)
+        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64, device="cpu")
         state.event = event if async_finish else None
         ctx.buffer = buffer
         ctx.handle = handle
@@ -453,6 +465,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self._routing_map: Optional[torch.Tensor] = None
         self._reversed_mapping: Optional[torch.Tensor] = None
         self._buffer_key: Optional[tuple[int, torch.dtype]] = None  # (hidden bytes, dtype) the Buffer was got for
+        self._warned_padding = False
         self.cudagraph_attrs = ["_topk_idx"]
 
     # -- helpers --------------------------------------------------------------------------------------------------
@@ -475,8 +488,29 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             self._state.event = None
 
     def _combine_from_buffer(self) -> bool:
-        """Whether both combines take their rows from the Buffer's memory (knob on, unfused (un)permute)."""
-        return bool(self.knobs.combine_from_buffer) and not bool(self.config.moe_permute_fusion)
+        """Whether both combines take their rows from the Buffer's memory (knob on, unfused (un)permute, and no 1F1B
+        EP overlap: there the other micro-batch's Buffer calls run between writing the rows and the combine)."""
+        return (bool(self.knobs.combine_from_buffer) and not bool(self.config.moe_permute_fusion)
+                and not bool(getattr(self.config, "overlap_moe_expert_parallel_comm", False)))
+
+    def _pad_for_quantization(self, routing_map: torch.Tensor,
+                              tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``--moe-router-padding-for-quantization``: every local expert's row count rounded up to the FP8/FP4 GEMM
+        alignment by routing more received rows to it, at prob 0 (their outputs are zero, so combine is unchanged):
+        the flex dispatcher's rule (megatron/core/transformer/moe/token_dispatcher.py, _DeepepManager._pad_routing_map,
+        with moe_utils.pad_routing_map). Counts are host values: no device sync. Where a rank received fewer rows than
+        a rounded count, the map stays as it is and the experts pad their own input (as flex does, with a warning)."""
+        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization, pad_routing_map
+
+        multiple = int(get_align_size_for_quantization(self.config))
+        target = (tokens_per_expert + multiple - 1) // multiple * multiple
+        if target.numel() and int(target.max()) > routing_map.shape[0]:
+            if not self._warned_padding:
+                self._warned_padding = True
+                log.warning("uccl dispatcher: %d rows received, fewer than a padded expert count (%s); the experts "
+                            "pad their own input for quantization", routing_map.shape[0], target.tolist())
+            return routing_map, tokens_per_expert
+        return pad_routing_map(routing_map, multiple), target
 
     def _combine_input(self, hidden: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """Where combine_preprocess writes its [N, H] rows: the Buffer's own memory (get_combine_buffer), or None
@@ -558,6 +592,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         probs_map = torch.zeros(num_recv, local + 1, dtype=probs.dtype, device=probs.device).scatter(
             1, slot, probs
         )[:, :local]
+        if getattr(self.config, "moe_router_padding_for_quantization", False):
+            self._routing_map, tokens_per_expert = self._pad_for_quantization(self._routing_map, tokens_per_expert)
         self._hidden_shape_before_permute = hidden_states.shape
         if self._combine_from_buffer() and hidden_states.requires_grad:
             # Megatron's unfused permute on zero columns gives its routing (sorted indices, permuted probs); the

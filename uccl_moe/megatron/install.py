@@ -37,27 +37,17 @@ _PATCHED = "__uccl_moe_patched__"
 _LOCK = threading.Lock()
 _installed = False
 
-# Megatron features the uccl dispatcher does not implement (refused when truthy), with the fix to suggest.
+# Megatron features the uccl dispatcher does not implement (refused when truthy), with the reason and the fix.
+# Supported (docs/megatron.md has the whole table): --overlap-moe-expert-parallel-comm and --delay-wgrad-compute
+# (Megatron's 1F1B EP overlap calls the six methods from separate schedule nodes; see UCCLTokenDispatcher),
+# --moe-router-padding-for-quantization (dispatch_postprocess pads each local expert's rows) and --moe-latent-size
+# (the dispatcher moves rows of whatever width MoELayer hands it, here the latent projection's).
 _UNSUPPORTED: tuple[tuple[str, str], ...] = (
     (
-        "overlap_moe_expert_parallel_comm",
-        "Megatron's 1F1B EP-A2A overlap (--overlap-moe-expert-parallel-comm) keys on the flex/alltoall dispatchers' "
-        "internals and is not supported with --moe-token-dispatcher-type uccl yet; drop the flag (uccl still "
-        "overlaps its comm with the shared experts through --moe-shared-expert-overlap)",
-    ),
-    (
         "moe_pad_expert_input_to_capacity",
-        "--moe-pad-expert-input-to-capacity is not supported with --moe-token-dispatcher-type uccl (like flex/DeepEP); "
-        "use --moe-expert-capacity-factor alone (dropped tokens are skipped, not padded)",
-    ),
-    (
-        "moe_router_padding_for_quantization",
-        "--moe-router-padding-for-quantization (fp8/fp4 per-expert padding) is not supported with "
-        "--moe-token-dispatcher-type uccl yet",
-    ),
-    (
-        "moe_latent_size",
-        "--moe-latent-size is not supported with --moe-token-dispatcher-type uccl yet",
+        "--moe-pad-expert-input-to-capacity is not supported with --moe-token-dispatcher-type uccl (like flex/DeepEP): "
+        "each expert gets its routed rows, not a fixed capacity; use --moe-expert-capacity-factor alone (dropped "
+        "tokens are skipped, not padded)",
     ),
 )
 

@@ -50,11 +50,6 @@ def build_args_patch(args: Any) -> None:
             "moe_token_dispatcher_type: uccl cannot be combined with moe_enable_deepep: true (that selects the flex "
             "dispatcher's DeepEP backend); set moe_enable_deepep: false"
         )
-    if getattr(args, "overlap_moe_expert_parallel_comm", False):
-        raise InvalidUsageError(
-            "moe_token_dispatcher_type: uccl does not support overlap_moe_expert_parallel_comm (Megatron's 1F1B "
-            "EP-A2A overlap) yet; set it to false (moe_shared_expert_overlap: true still overlaps shared experts)"
-        )
     dtype = getattr(args, "moe_router_dtype", None)
     if dtype is None:
         args.moe_router_dtype = "fp32"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -431,8 +432,15 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[to
     return loss, {"lm loss": loss.detach()}
 
 
-def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any,
+                  return_schedule_plan: bool = False) -> tuple[Any, Any]:
     batch = next(data_iterator)
+    if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B runs the model's plan
+        takes_mask = "loss_mask" in inspect.signature(model.build_schedule_plan).parameters
+        kw = {"loss_mask": batch["loss_mask"]} if takes_mask else {}
+        plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                                         labels=batch["labels"], **kw)
+        return plan, partial(_loss_func, batch["loss_mask"])
     out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return out, partial(_loss_func, batch["loss_mask"])
 

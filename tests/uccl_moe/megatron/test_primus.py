@@ -32,12 +32,17 @@ def test_build_args_accepts_uccl_and_sets_fp32():
 
 @pytest.mark.parametrize("kw, match", [(dict(use_turbo_deepep=True), "use_turbo_deepep"),
                                        (dict(moe_enable_deepep=True), "moe_enable_deepep"),
-                                       (dict(overlap_moe_expert_parallel_comm=True), "overlap_moe_expert"),
                                        (dict(moe_router_dtype="bf16"), "moe_router_dtype"),
                                        (dict(moe_uccl_backend="fast"), "moe_uccl_backend")])
 def test_build_args_refuses(kw, match):
     with pytest.raises(InvalidUsageError, match=match):
         primus.build_args_patch(_args(**kw))
+
+
+def test_build_args_accepts_ep_overlap():
+    a = _args(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    primus.build_args_patch(a)
+    assert a._uccl_moe_requested
 
 
 def test_other_dispatchers_untouched_and_switch_detected():
