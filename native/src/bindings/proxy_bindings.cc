@@ -9,7 +9,7 @@
 
 #include "bindings.hpp"
 #include "uccl_moe/error.hpp"
-#include "uccl_moe/flow_control.hpp"
+#include "../proxy/flow_control.hpp"
 #include "uccl_moe/proxy.hpp"
 #include "uccl_moe/transfer_cmd.hpp"
 
