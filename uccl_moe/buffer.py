@@ -13,10 +13,11 @@ DeepEP's stream rules:
   before the call returns;
 - ``allocate_on_comm_stream=True`` allocates outputs while the comm stream is current. Unlike DeepEP it does not
   require ``previous_event``: without one, the comm stream waits on the current stream (UCCL issue #893).
-- By default (``UCCL_MOE_CALLER_STREAM_OPS=1``), a synchronous op without ``previous_event`` or ``allocate_on_comm_stream``
-  (the defaults) runs on the caller's stream itself where it can (:meth:`uccl_moe.streams.CommStream.runs_on_caller`),
-  ordered with the Buffer's other ops as if it ran on the comm stream: what the caller sees is the same (its stream
-  waits for the op either way), at a lower host cost, since outputs then need no ``record_stream``.
+- By default (``UCCL_MOE_CALLER_STREAM_OPS=1``), a synchronous op without ``previous_event`` or
+  ``allocate_on_comm_stream`` (the defaults) runs on the caller's stream itself where it can
+  (:meth:`uccl_moe.streams.CommStream.runs_on_caller`), ordered with the Buffer's other ops as if it ran on the comm
+  stream: what the caller sees is the same (its stream waits for the op either way), at a lower host cost, since
+  outputs then need no ``record_stream``.
 
 On CPU (gloo) everything is synchronous and events are always complete.
 """

@@ -103,6 +103,22 @@ def _knob(name: str, problems: list[dict[str, str]]) -> Any:
         return _env.KNOBS[name].parse(_env.KNOBS[name].default)
 
 
+def _qos(name: str, value: str, auto: int, hi: int, problems: list[dict[str, str]]) -> int:
+    """A traffic class or service level as the ibverbs transport resolves it: `auto` is RoCE's lossless-class
+    default (TC 104, SL 3, as in ibverbs.cc) or 0 on InfiniBand; otherwise an int in [0, hi]."""
+    if value == "auto":
+        return auto
+    try:
+        v = int(value)
+        if 0 <= v <= hi:
+            return v
+    except ValueError:
+        pass
+    problems.append(_problem("error", f"UCCL_MOE_{name}={value!r} is not auto or an integer in [0, {hi}]",
+                             f"set UCCL_MOE_{name}=auto or a value in [0, {hi}]"))
+    return auto
+
+
 def _pick_gid(gids: list[dict[str, Any]], link_layer: str, knob: str) -> tuple[int, str, str]:
     """(index, type, problem) the GID rule gives: an explicit UCCL_MOE_IB_GID_INDEX; on RoCE the first RoCE v2 GID
     with an IPv4-mapped address, else a RoCE v2 ULA/global IPv6 one (Broadcom), never a link-local one
@@ -188,7 +204,7 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
     hca = str(_knob("IB_HCA", problems))
     cpus_knob = str(_knob("PROXY_CPUS", problems))
     gid_knob = str(_knob("IB_GID_INDEX", problems))
-    tc, sl = int(_knob("IB_TC", problems)), int(_knob("IB_SL", problems))
+    tc_knob, sl_knob = str(_knob("IB_TC", problems)), str(_knob("IB_SL", problems))
     by_name = {d["name"]: d for d in devices}
     ranks: list[dict[str, Any]] = []
     caps: dict[str, Any] = {}
@@ -218,6 +234,12 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
         gid_idx, gid_type, gid_err = _pick_gid(dev.get("gids", []), dev.get("link_layer", ""), gid_knob)
         if family == "efa":
             gid_idx, gid_type, gid_err = 0, "EFA", ""
+        roce = dev.get("link_layer", "").lower() == "ethernet"
+        if family == "efa":
+            tc, sl = 0, int(_knob("EFA_SL", problems))
+        else:
+            tc = _qos("IB_TC", tc_knob, 104 if roce else 0, 255, problems)
+            sl = _qos("IB_SL", sl_knob, 3 if roce else 0, 15, problems)
         row.update(gid_index=gid_idx, gid_type=gid_type, tc=tc, sl=sl)
         if gid_err:
             problems.append(_problem("error", f"local rank {lr} ({dev.get('name')}): {gid_err}",
@@ -284,12 +306,25 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
     rep["settings"] = {_env.KNOBS[k].var: {"value": _knob(k, problems), "source": _env.source(k)} for k in fc_names}
     chosen = {d for r in ranks for d in r.get("nic", [])}
     if any(d.startswith("bnxt_re") for d in chosen):
-        b, w = int(_knob("MAX_INFLIGHT_BYTES", problems)), int(_knob("MAX_INFLIGHT_WRITES", problems))
-        if b == 0 or b > THOR2_INFLIGHT_BYTES or w > 1:
+        # The limits the proxy will use (flow_control.cc resolve_flow_limits): a knob set in the environment, else
+        # the NIC family's default, else the knob's default. Bytes are per proxy thread.
+        threads = int(_knob("PROXY_THREADS", problems))
+        nic_b, nic_w = C.nic_flow_defaults("bnxt_re", threads)
+
+        def in_force(knob: str, nic_default: int) -> int:
+            if _env.source(knob) == "env" or nic_default < 0:
+                return int(_knob(knob, problems))
+            return int(nic_default)
+
+        b, w = in_force("MAX_INFLIGHT_BYTES", nic_b), in_force("MAX_INFLIGHT_WRITES", nic_w)
+        rep["flow_control"] = {"max_inflight_bytes_per_thread": b, "max_inflight_writes_per_fifo": w,
+                               "proxy_threads": threads}
+        if b == 0 or b * threads > THOR2_INFLIGHT_BYTES or w > 1:
             problems.append(_problem(
-                "warn", f"Broadcom Thor-2 with {b or 'unlimited'} bytes and {w} writes in flight: expect CQE error 12 "
-                "(transport retry exceeded) under load",
-                f"export UCCL_MOE_MAX_INFLIGHT_BYTES={THOR2_INFLIGHT_BYTES} UCCL_MOE_MAX_INFLIGHT_WRITES=1"))
+                "warn", f"Broadcom Thor-2 with {'unlimited' if b == 0 else b * threads} bytes per GPU and {w} writes "
+                "per FIFO in flight: expect CQE error 12 (transport retry exceeded) under load",
+                "unset UCCL_MOE_MAX_INFLIGHT_BYTES and UCCL_MOE_MAX_INFLIGHT_WRITES (the Thor-2 defaults, "
+                f"{THOR2_INFLIGHT_BYTES} bytes per GPU and 1 write, then apply)"))
     roce = any(by_name.get(d, {}).get("link_layer") == "Ethernet" for d in chosen)
     if roce and tc == 0:
         problems.append(_problem(

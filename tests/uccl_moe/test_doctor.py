@@ -119,16 +119,22 @@ def test_report_mi300x_flags_thor2_flow_control_and_tc(monkeypatch: pytest.Monke
     assert [r["nic"] for r in rep["local_ranks"]] == [[f"bnxt_re{g}"] for g in range(8)]
     assert {(r["gid_index"], r["gid_type"], r["mtu"]) for r in rep["local_ranks"]} == {(3, "RoCE v2 IPv4",
                                                                                        "netdev 9000")}
-    text = _whats(rep)
-    assert "UCCL_MOE_MAX_INFLIGHT_BYTES=1572864 UCCL_MOE_MAX_INFLIGHT_WRITES=1" in text
-    assert "UCCL_MOE_IB_TC=0" in text
-    monkeypatch.setenv("UCCL_MOE_MAX_INFLIGHT_BYTES", "1572864")
-    monkeypatch.setenv("UCCL_MOE_MAX_INFLIGHT_WRITES", "1")
-    monkeypatch.setenv("UCCL_MOE_IB_TC", "104")
-    rep = doc.collect(MI300X)
+    # Defaults: the Thor-2 flow-control defaults and RoCE's lossless class apply, so nothing to flag.
     assert rep["problems"] == [], _whats(rep)
-    assert rep["local_ranks"][0]["tc"] == 104
-    assert rep["settings"]["UCCL_MOE_IB_TC"] == {"value": 104, "source": "env"}
+    assert rep["flow_control"]["max_inflight_writes_per_fifo"] == 1
+    assert rep["flow_control"]["max_inflight_bytes_per_thread"] * rep["flow_control"]["proxy_threads"] <= 1572864
+    assert {(r["tc"], r["sl"]) for r in rep["local_ranks"]} == {(104, 3)}
+    # Knobs that override them badly are flagged with the fix.
+    monkeypatch.setenv("UCCL_MOE_MAX_INFLIGHT_WRITES", "32")
+    monkeypatch.setenv("UCCL_MOE_IB_TC", "0")
+    rep = doc.collect(MI300X)
+    text = _whats(rep)
+    assert "unset UCCL_MOE_MAX_INFLIGHT_BYTES and UCCL_MOE_MAX_INFLIGHT_WRITES" in text
+    assert "UCCL_MOE_IB_TC=0" in text
+    assert rep["local_ranks"][0]["tc"] == 0
+    assert rep["settings"]["UCCL_MOE_IB_TC"] == {"value": "0", "source": "env"}
+    monkeypatch.setenv("UCCL_MOE_IB_TC", "x")
+    assert "UCCL_MOE_IB_TC='x'" in _whats(doc.collect(MI300X))
 
 
 def test_report_h100_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
