@@ -1,23 +1,32 @@
 """``uccl-moe bench`` / ``python -m uccl_moe.bench``: HT dispatch/combine throughput inside one node.
 
-For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs x chunk) it times, in one run:
+By default it measures what users get: the public API exactly as DeepEP clients call it -- ``Buffer.set_num_sms(SMs)``,
+the Buffer sized by the default configs' size hints, ``get_dispatch_layout``, a first dispatch for the handle, then
+the timed calls with ``config=None`` (each takes ``get_dispatch_config(R)``/``get_combine_config(R)``), FP8 scales in
+column-major layout (the transpose of a contiguous [H/128, T] tensor, as DeepGEMM-style casts hand them over) and a
+combine of a tensor of the caller's. ``--tuned`` (or any of ``--nvl-send``, ``--nvl-recv``, ``--scales row``,
+``--combine-view``) switches to an explicit Config and the other knobs, and the output says TUNED.
+
+For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs [x chunk x ring]) it times, in one run:
   - ``dispatch``: our cached-handle dispatch (BF16 or FP8 + float32 scales),
-  - ``combine``: our combine of BF16 rows (``comb_*``), from a tensor of the caller's (the ring path) and from the
+  - ``combine``: our combine of BF16 rows from a tensor of the caller's; with ``--combine-view`` also from the
     Buffer's own memory (``combv_*``: ``get_combine_buffer``, where Megatron's unpermute writes the rows; checked
     to give the same bits),
   - ``nccl_a2a``: NCCL ``all_to_all_single`` moving exactly the same, already packed rows (dispatch direction;
     for combine the same BF16 rows in the reverse direction) -- NCCL does none of the routing work,
-and once per run the one-way peer-copy ceiling (copy engine, rank 0 -> rank 1, other ranks idle).
-Method (docs/architecture.md section 6): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
+and once per run two ceilings: the one-way peer copy (copy engine, rank 0 -> rank 1, other ranks idle) and the SM
+push (torch's copy kernel on all SMs of every GPU storing into its peers' memory over P2P at once).
+Method (docs/benchmarks.md, "Method"): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
 after warm-up, the slowest rank's time. Before each flush the ranks meet in a one-float NCCL all-reduce (not
 timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
 rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
 included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks only. FP8 rows count
 hidden bytes + 4 bytes per scale; combine counts BF16.
 
-The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table, writes JSON
-(``--json``) and a PNG (``--png``, if matplotlib is importable; both by default into ``runs/bench/<time>/``, which
-git ignores), and shows a progress bar on rank 0.
+The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
+ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
+(``--png``, if matplotlib is importable; both by default into ``runs/bench/<time>/``, which git ignores), and shows
+a progress bar on rank 0.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from ._run import _kernel_lines, _plot, _table, _worker, spawn
+from ._run import _kernel_lines, _plot, _table, _worker, op_summary, op_table, spawn
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -45,8 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--dtypes", default="fp8,bf16", help="dispatch dtypes: fp8,bf16")
     p.add_argument("--sms", type=_parse_ints, default=[24], help="SM counts (even), comma list")
-    p.add_argument("--nvl-send", type=_parse_ints, default=[8], help="num_max_nvl_chunked_send_tokens, comma list")
-    p.add_argument("--nvl-recv", type=_parse_ints, default=[256], help="num_max_nvl_chunked_recv_tokens, comma list")
+    p.add_argument("--nvl-send", type=_parse_ints, default=None,
+                   help="explicit num_max_nvl_chunked_send_tokens, comma list (default: the API's config)")
+    p.add_argument("--nvl-recv", type=_parse_ints, default=None,
+                   help="explicit num_max_nvl_chunked_recv_tokens, comma list (default: the API's config)")
+    p.add_argument("--scales", choices=("col", "row"), default=None,
+                   help="FP8 scale layout: col = column-major [T, H/128] (DeepGEMM-style callers; the default), "
+                        "row = row-major (contiguous)")
+    p.add_argument("--combine-view", action="store_true",
+                   help="also time combine from the Buffer's own memory (get_combine_buffer; a uccl-moe extension)")
+    p.add_argument("--tuned", action="store_true",
+                   help=f"the tuned path instead of the API defaults: explicit Config(sms, {TUNED_NVL_SEND}, "
+                        f"{TUNED_NVL_RECV}) (unless --nvl-send/--nvl-recv say otherwise), row-major scales, "
+                        f"--combine-view")
     p.add_argument("--sweep", action="store_true",
                    help="full sweep: tokens 128..16384, hidden 2048/4096/7168, experts 64/256")
     p.add_argument("--iters", type=int, default=30, help="timed runs per op (median; >= 20)")
@@ -58,6 +79,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
     p.add_argument("--json", default=None, help="JSON output path ('' = none; default runs/bench/<time>/bench.json)")
     p.add_argument("--png", default=None, help="PNG plot path ('' = none; default runs/bench/<time>/bench.png)")
+
+
+TUNED_NVL_SEND = 8  # the chunk/ring sizes the bench ran before its default became the API's config
+TUNED_NVL_RECV = 256
+
+
+def resolve_mode(args: argparse.Namespace) -> None:
+    """Fill in the measured path: ``args.mode`` is ``"api"`` (the public API as DeepEP clients call it: default
+    configs, column-major FP8 scales, combine of the caller's tensor) unless a tuning knob is given, then
+    ``"tuned"``. ``args.nvl_send``/``nvl_recv`` stay None in API mode (no explicit Config is passed); where only one
+    is given, the other is taken from ``Buffer.get_dispatch_config(R)`` per point."""
+    if args.tuned:
+        args.nvl_send = args.nvl_send or [TUNED_NVL_SEND]
+        args.nvl_recv = args.nvl_recv or [TUNED_NVL_RECV]
+        args.scales = args.scales or "row"
+        args.combine_view = True
+    explicit = args.nvl_send is not None or args.nvl_recv is not None  # a missing one: the API's preset value
+    args.scales = args.scales or "col"
+    args.mode = "tuned" if explicit or args.scales != "col" or args.combine_view else "api"
+
+
+def mode_label(args: argparse.Namespace) -> str:
+    """One line saying which path the numbers are for."""
+    if args.mode == "api":
+        return ("API defaults: Buffer.set_num_sms(SMs), get_dispatch_config/get_combine_config(R), cached dispatch, "
+                "column-major FP8 scales, combine of the caller's tensor")
+    knobs = []
+    if args.nvl_send is not None or args.nvl_recv is not None:
+        knobs.append(f"explicit Config(nvl_send={args.nvl_send or 'preset'}, nvl_recv={args.nvl_recv or 'preset'})")
+    knobs.append(f"{'row' if args.scales == 'row' else 'column'}-major FP8 scales")
+    if args.combine_view:
+        knobs.append("combine from the buffer timed too")
+    return "TUNED (not the API defaults): " + ", ".join(knobs)
 
 
 def output_paths(args: argparse.Namespace, stamp: str | None = None) -> tuple[str, str]:
@@ -87,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.iters < 20:
         print("--iters must be >= 20 (the median of at least 20 runs is the method)", file=sys.stderr)
         return 2
+    resolve_mode(args)
     import torch
 
     if not torch.cuda.is_available():
@@ -105,10 +160,21 @@ def run(args: argparse.Namespace) -> int:
     result = spawn(_worker, R, args)
     if result is None:
         return 1
+    report(args, result, R, torch.cuda.get_device_name(0), time.time() - t0)
+    return 0
+
+
+def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, seconds: float) -> dict[str, Any]:
+    """Print the per-op table (and every column), write the JSON and PNG that args name; returns the JSON object.
+    `result` is what the workers return: ``rows`` (one per point), ``peer_copy_GBps``, ``sm_push_GBps``."""
     rows = result["rows"]
-    dev = torch.cuda.get_device_name(0)
-    print(f"uccl-moe bench on {R} x {dev}; peer copy ceiling (one way, copy engine) "
-          f"{result['peer_copy_GBps']:.1f} GB/s; {time.time() - t0:.0f} s")
+    print(f"uccl-moe bench on {R} x {dev}; {seconds:.0f} s\nmode: {mode_label(args)}\n"
+          f"ceilings: peer copy {result['peer_copy_GBps']:.1f} GB/s (copy engine, one way, rank 0 -> 1); "
+          f"SM push {result.get('sm_push_GBps', 0.0):.1f} GB/s per GPU (torch copy kernel on all SMs storing into "
+          f"the peers' memory over P2P, every GPU at once; 0 = not measured)")
+    ops = op_summary(rows)
+    print(op_table(ops))
+    print("all columns:")
     print(_table(rows))
     for r in rows:
         if r.get("combine_view_equal") is False:  # a correctness check, not a timing: say it loudly
@@ -116,17 +182,16 @@ def run(args: argparse.Namespace) -> int:
                   f"combine", file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
+    out = {"device": dev, "ranks": R, "argv": sys.argv[1:], "mode": args.mode, "mode_label": mode_label(args),
+           "ops": ops, "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
+           **result}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev, "ranks": R, "argv": sys.argv[1:],
-                       "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list))},
-                       **result}, f,
-                      indent=1)
+            json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
     if args.png and rows and _plot(rows, args.png):
         print(f"wrote {args.png}")
-    return 0
-
+    return out
 
 if __name__ == "__main__":
     sys.exit(main())

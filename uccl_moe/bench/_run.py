@@ -92,7 +92,42 @@ def kernel_table(events: list[tuple[str, float]], calls: int, skip: tuple[str, .
     return {n: round(statistics.median(d) * len(d) / calls, 1) for n, d in durations.items()}
 
 
-def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, cfg: Any,
+def point_configs(R: int, sms: int, nvl_send: int | None, nvl_recv: int | None) -> tuple[Any, Any, Any, Any]:
+    """(dispatch config to pass, combine config to pass, the dispatch and the combine config that run) for a point.
+    Sets ``Buffer.set_num_sms(sms)`` as a client does. API mode (`nvl_send` and `nvl_recv` None): None is passed,
+    so each call takes ``get_dispatch_config(R)``/``get_combine_config(R)`` itself. Otherwise one explicit Config
+    (a missing size from the dispatch preset) for both ops."""
+    from uccl_moe import Buffer, Config
+
+    Buffer.set_num_sms(sms)
+    d_default, c_default = Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)
+    if nvl_send is None and nvl_recv is None:
+        return None, None, d_default, c_default
+    nr = nvl_recv if nvl_recv is not None else int(d_default.num_max_nvl_chunked_recv_tokens)
+    ns = nvl_send if nvl_send is not None else int(d_default.num_max_nvl_chunked_send_tokens)
+    cfg = Config(sms, min(ns, nr - 1), nr, 6, 128)
+    return cfg, cfg, cfg, cfg
+
+
+def config_fields(cfg: Any) -> list[int]:
+    """[num_sms, nvl send chunk, nvl recv ring] of a Config (for the JSON and the table)."""
+    return [int(cfg.num_sms), int(cfg.num_max_nvl_chunked_send_tokens), int(cfg.num_max_nvl_chunked_recv_tokens)]
+
+
+def fp8_scales(T: int, H: int, layout: str, gen: Any, device: Any) -> Any:
+    """[T, H/128] float32 scales > 0. ``col``: column-major, the transpose of a contiguous [H/128, T] tensor (what
+    DeepGEMM-style FP8 casts hand over; strides (1, T)); ``row``: contiguous (strides (H/128, 1))."""
+    import torch
+
+    n = H // 128
+    if layout == "col":
+        return (torch.rand((n, T), generator=gen, dtype=torch.float32, device=device) + 0.01).T
+    if layout == "row":
+        return torch.rand((T, n), generator=gen, dtype=torch.float32, device=device) + 0.01
+    raise ValueError(f"scale layout {layout!r}: expected 'col' or 'row'")
+
+
+def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, dcfg: Any, ccfg: Any,
            args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -104,15 +139,14 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     w = torch.rand((T, K), generator=gen, dtype=torch.float32, device=dev)
     xb = torch.randn((T, H), generator=gen, dtype=torch.float32, device=dev).bfloat16()
     if dtype == "fp8":
-        s = torch.rand((T, H // 128), generator=gen, dtype=torch.float32, device=dev) + 0.01
-        x: Any = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), s.T.contiguous().T)
+        x: Any = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), fp8_scales(T, H, args.scales, gen, dev))
         row_bytes = H + 4 * (H // 128)
     else:
         x = xb
         row_bytes = 2 * H
     lay = buf.get_dispatch_layout(idx, E)
     res = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                       num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+                       num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=dcfg)
     h = res.handle
     rank_prefix = h[0].cpu()
     col = rank_prefix[:, rank]
@@ -144,16 +178,18 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         view[0].copy_(y)
 
     ops: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]] = {
-        "dispatch": (lambda: buf.dispatch(x, handle=h, config=cfg), None),
-        "combine": (lambda: buf.combine(y, h, config=cfg), None),
-        "combine_view": (lambda: buf.combine(view[0], h, config=cfg), fill_view)}
+        "dispatch": (lambda: buf.dispatch(x, handle=h, config=dcfg), None),
+        "combine": (lambda: buf.combine(y, h, config=ccfg), None)}
+    if args.combine_view:
+        ops["combine_view"] = (lambda: buf.combine(view[0], h, config=ccfg), fill_view)
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
         out[f"{op}_us"], out[f"{op}_host_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
-    fill_view()
-    from_view = buf.combine(view[0], h, config=cfg).combined_x
-    out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=cfg).combined_x))
+    if args.combine_view:
+        fill_view()
+        from_view = buf.combine(view[0], h, config=ccfg).combined_x
+        out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
     if args.kernel_times:
         for op, (fn, prep) in ops.items():
             if prep is not None:
@@ -224,6 +260,51 @@ def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args
     return float(vals[0])
 
 
+def _sm_push_ceiling(rank: int, R: int, gloo: Any, nbytes: int, args: argparse.Namespace) -> float:
+    """GB/s one GPU stores into its peers' memory with SM stores, every GPU at once (the bare-push ceiling; the
+    slowest rank's time). The store is torch's copy kernel on the sender's SMs (all of them: torch sizes the grid)
+    writing into a tensor on the peer GPU over P2P: a BF16 -> float32 cast, so that torch cannot hand it to the copy
+    engine (PyTorch aten/src/ATen/native/cuda/Copy.cu: only a same-dtype contiguous pair becomes a cudaMemcpyAsync;
+    otherwise with peer access the kernel runs on the source device). `nbytes` float32 bytes are stored per GPU, split
+    over the peers. 0.0 where not measurable (one rank, ranks sharing a GPU, or no peer access)."""
+    import torch
+    import torch.distributed as dist
+
+    n_gpus = torch.cuda.device_count()
+    me = torch.cuda.current_device()
+    peers = [p % n_gpus for p in range(R) if p != rank]
+    ok = 1 < R <= n_gpus and all(torch.cuda.can_device_access_peer(me, p) for p in peers)
+    elems = max(nbytes // 4 // max(len(peers), 1), 1)
+    dsts: list[Any] = []
+    src = torch.randn(elems, device=me).bfloat16()
+
+    def push() -> None:
+        for d in dsts:
+            d.copy_(src)
+
+    if ok:
+        try:  # a trial push, so a rank that cannot push says so before any rank waits in the timed collectives
+            dsts.extend(torch.empty(elems, dtype=torch.float32, device=torch.device("cuda", p)) for p in peers)
+            push()
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            print(f"rank {rank}: SM push ceiling not measured: {e}", file=sys.stderr)
+            ok = False
+    oks: list[Any] = [None] * R
+    dist.all_gather_object(oks, ok, group=gloo)
+    if not all(oks):
+        return 0.0
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=me)
+    token = torch.zeros(1, dtype=torch.float32, device=me)
+
+    us = _time_op(push, flush, args.iters, args.warmup, lambda: dist.all_reduce(token))[0]
+    times: list[Any] = [None] * R
+    dist.all_gather_object(times, us, group=gloo)
+    dsts.clear()
+    torch.cuda.empty_cache()
+    return float(elems * 4 * len(peers) / (max(times) * 1e3))
+
+
 def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
     import torch
     import torch.distributed as dist
@@ -231,16 +312,21 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     gloo = dist.new_group(list(range(R)), backend="gloo")
-    from uccl_moe import Buffer, Config
+    from uccl_moe import Buffer
 
     points = list(itertools.product(args.tokens, args.hidden, args.experts, args.dtypes.split(","), args.sms,
-                                    args.nvl_send, args.nvl_recv))
-    nvl = max(Config(s, min(ns, nr - 1), nr, 6, 128).get_nvl_buffer_size_hint(h * 2, R)
-              for _, h, _, _, s, ns, nr in points)
-    # room for combine_view's rows too: every rank's tokens may come here
-    nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
+                                    args.nvl_send or [None], args.nvl_recv or [None]))
+    # sized as a DeepEP client sizes it: the largest size hint of the configs that run (BF16 rows)
+    nvl = 0
+    for _, h, _, _, s, ns, nr in points:
+        _, _, dc, cc = point_configs(R, s, ns, nr)
+        nvl = max(nvl, dc.get_nvl_buffer_size_hint(h * 2, R), cc.get_nvl_buffer_size_hint(h * 2, R))
+    if args.combine_view:  # room for combine_view's rows too: every rank's tokens may come here
+        nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
     buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
-    ceiling = _peer_copy_ceiling(buf, rank, R, gloo, min(1 << 30, nvl - (2 << 20)) // 2, args)
+    ceiling_bytes = min(1 << 30, nvl - (2 << 20)) // 2
+    ceiling = _peer_copy_ceiling(buf, rank, R, gloo, ceiling_bytes, args)
+    push = _sm_push_ceiling(rank, R, gloo, ceiling_bytes, args)
     bar: Any = None
     if rank == 0:
         try:
@@ -251,11 +337,15 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
             bar = None
     rows = []
     for i, (T, H, E, dt, sms, ns, nr) in enumerate(points):
-        cfg = Config(sms, min(ns, nr - 1), nr, 6, 128)
+        dcfg, ccfg, d_run, c_run = point_configs(R, sms, ns, nr)
         row = {"ranks": R, "tokens": T, "hidden": H, "experts": E, "topk": args.topk, "dtype": dt, "num_sms": sms,
-               "nvl_send": ns, "nvl_recv": nr}
-        row.update(_point(buf, rank, R, gloo, T, H, E, args.topk, dt, cfg, args))
+               "nvl_send": int(d_run.num_max_nvl_chunked_send_tokens),
+               "nvl_recv": int(d_run.num_max_nvl_chunked_recv_tokens), "mode": args.mode, "scales": args.scales,
+               "dispatch_config": config_fields(d_run), "combine_config": config_fields(c_run),
+               "config_passed": dcfg is not None}
+        row.update(_point(buf, rank, R, gloo, T, H, E, args.topk, dt, dcfg, ccfg, args))
         row["peer_copy_GBps"] = round(ceiling, 1)
+        row["sm_push_GBps"] = round(push, 1)
         rows.append(row)
         if bar is not None:
             bar.update(1)
@@ -267,8 +357,67 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     buf.destroy()
     if rank == 0:
         with open(result_file, "w") as f:
-            json.dump({"rows": rows, "peer_copy_GBps": ceiling}, f)
+            json.dump({"rows": rows, "peer_copy_GBps": ceiling, "sm_push_GBps": push}, f)
     dist.destroy_process_group()
+
+
+_SETTING = ("ranks", "tokens", "hidden", "experts", "num_sms", "nvl_send", "nvl_recv")
+
+
+def op_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (setting, op): ``dispatch fp8``/``dispatch bf16`` from each dtype's row, ``combine`` (BF16 rows
+    of a tensor of the caller's; taken from the BF16 point where there is one) and ``combine from the buffer`` where
+    timed: ours and NCCL's us (slowest rank), ``speedup`` = NCCL us / ours (> 1: ours is faster), host us per call,
+    nvlink GB/s, and the run's ceilings."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in _SETTING), []).append(r)
+    out = []
+    for key, members in groups.items():
+        setting = dict(zip(_SETTING, key))
+        comb_row = next((r for r in members if r["dtype"] == "bf16"), members[0])
+        entries = [(f"dispatch {r['dtype']}", r, "dispatch", "nccl_dispatch") for r in members]
+        entries.append(("combine", comb_row, "combine", "nccl_combine"))
+        if "combine_view_us" in comb_row:
+            entries.append(("combine from the buffer", comb_row, "combine_view", "nccl_combine"))
+        for name, r, ours, nccl in entries:
+            e: dict[str, Any] = {**setting, "op": name, "mode": r.get("mode", "tuned"),
+                                 "ours_us": r.get(f"{ours}_us"), "nccl_us": r.get(f"{nccl}_us"),
+                                 "ours_host_us": r.get(f"{ours}_host_us"), "nccl_host_us": r.get(f"{nccl}_host_us"),
+                                 "ours_nvlink_GBps": r.get(f"{ours}_nvlink_GBps"),
+                                 "nccl_nvlink_GBps": r.get(f"{nccl}_nvlink_GBps"),
+                                 "peer_copy_GBps": r.get("peer_copy_GBps"), "sm_push_GBps": r.get("sm_push_GBps")}
+            e["speedup"] = round(e["nccl_us"] / e["ours_us"], 2) if e["nccl_us"] and e["ours_us"] else None
+            out.append(e)
+        fp8 = next((r for r in members if r["dtype"] == "fp8"), None)
+        bf16 = next((r for r in members if r["dtype"] == "bf16"), None)
+        if fp8 is not None and bf16 is not None and bf16.get("dispatch_us"):
+            for e in out[-len(entries):]:
+                e["fp8_over_bf16_dispatch"] = round(fp8["dispatch_us"] / bf16["dispatch_us"], 2)
+    return out
+
+
+def op_table(ops: list[dict[str, Any]]) -> str:
+    """The per-op table: one line per (setting, op), ours vs NCCL, host time, GB/s and the ceilings."""
+    cols = [("ranks", "EP"), ("tokens", "tokens"), ("hidden", "hidden"), ("experts", "E"), ("num_sms", "SMs"),
+            ("op", "op"), ("ours_us", "ours_us"), ("nccl_us", "nccl_us"), ("speedup", "ours/nccl"),
+            ("ours_host_us", "ours_host"), ("nccl_host_us", "nccl_host"), ("ours_nvlink_GBps", "ours_nvl"),
+            ("nccl_nvlink_GBps", "nccl_nvl"), ("peer_copy_GBps", "copy_ceil"), ("sm_push_GBps", "push_ceil")]
+    widths = [max(len(h), *(len(_cell(e.get(k))) for e in ops)) for k, h in cols]
+    lines = ["  ".join(h.rjust(w) for (_, h), w in zip(cols, widths))]
+    for e in ops:
+        lines.append("  ".join(_cell(e.get(k)).rjust(w) for (k, _), w in zip(cols, widths)))
+    ratios = sorted({(e["tokens"], e["hidden"], e["fp8_over_bf16_dispatch"]) for e in ops
+                     if "fp8_over_bf16_dispatch" in e})
+    for t, h, v in ratios:
+        lines.append(f"FP8 / BF16 dispatch time (T={t}, H={h}): {v}")
+    lines.append("ours/nccl = NCCL us / ours us (> 1: ours faster); us: CUDA events, median, slowest rank; "
+                 "GB/s: rows from/to other ranks; ceilings per GPU")
+    return "\n".join(lines)
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else str(v)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
