@@ -137,8 +137,8 @@ def train(args: argparse.Namespace) -> int:
     (run_dir / "command.sh").write_text("#!/bin/bash\n" + format_command(cmd, env) + "\n")
     ranks = cfg.nodes * cfg.platform.gpus_per_node
     print(f"run directory: {run_dir} (config.yaml, command.sh, {LOG_DIR}/rank<N>.log)", file=sys.stderr)
-    print(f"launching {cfg.platform.gpus_per_node} rank(s) on this host ({ranks} in all) with torchrun; the ranks "
-          f"print once torch and Megatron-Core are imported (a few seconds)", file=sys.stderr, flush=True)
+    print(f"launching {cfg.platform.gpus_per_node} rank(s) on this host ({ranks} in all) with torchrun; each rank "
+          f"first imports torch and Megatron-Core (5-30 s, depending on the machine)...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**os.environ, **env}, check=False)
     state = "finished" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"

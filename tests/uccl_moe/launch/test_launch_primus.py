@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.cli import main
 from uccl_moe.config import available, compose

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.launch.render_all import FILES, HEADLINE, check, default_out, render_all
 

@@ -20,6 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
+from helpers.requires import require
+
+require("omegaconf")
+require("megatron.core")
+
 def _has(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
