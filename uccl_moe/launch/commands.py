@@ -44,9 +44,14 @@ def compose_and_validate(overrides: list[str], directory: Path | None, quiet: bo
     if show_config:
         print(f"# resolved config (recipe {cfg.meta.recipe})\n{to_yaml(cfg)}", file=sys.stderr)
     if not quiet:
-        print(config_summary(cfg), file=sys.stderr)
-        print(summary_text(report), file=sys.stderr)
+        print_summary(cfg, report)
     return cfg, report
+
+
+def print_summary(cfg: Any, report: ValidationReport) -> None:
+    """The short config summary and the validation summary, on stderr."""
+    print(config_summary(cfg), file=sys.stderr)
+    print(summary_text(report), file=sys.stderr)
 
 
 def config_summary(cfg: Any) -> str:
@@ -115,11 +120,15 @@ def with_log_dir(cmd: list[str], cfg: Any, log_dir: Path) -> list[str]:
 @subcommand("train", "train on this host: torchrun with the rendered Megatron arguments", _train_args)
 def train(args: argparse.Namespace) -> int:
     _no_sweeps(args.overrides, "train")
-    cfg, _report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet or args.dry_run,
-                                        show_config=args.show_config)
+    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=True, show_config=args.show_config)
     cmd = torchrun_command(cfg)
     env = child_env(cfg)
     check_env_knobs({**os.environ, **env})
+    if not args.dry_run:
+        check_training_stack(cfg)
+        check_devices(cfg)
+        if not args.quiet:
+            print_summary(cfg, report)
     if args.dry_run:
         print("# environment")
         for k, v in env.items():
@@ -127,8 +136,6 @@ def train(args: argparse.Namespace) -> int:
         print("# command")
         print(format_command(cmd, {}))
         return 0
-    check_training_stack(cfg)
-    check_devices(cfg)
     run_dir = default_run_dir(cfg, args.run_dir)
     log_dir = run_dir / LOG_DIR
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -30,10 +30,10 @@ class PreflightError(InvalidUsageError):
 
 
 def megatron_version() -> str | None:
-    """The installed Megatron-Core version, or None when ``megatron.core`` cannot be imported.
+    """The Megatron-Core version that ``import megatron.core`` would load, or None when it cannot be found.
 
-    From the ``megatron-core`` distribution's metadata, else (a Megatron-LM checkout on PYTHONPATH) from
-    ``megatron/core/package_info.py``'s MAJOR/MINOR/PATCH, read as text.
+    Read from that package's ``package_info.py`` (MAJOR/MINOR/PATCH, as text: a Megatron-LM checkout on PYTHONPATH
+    shadows an installed wheel), else from the ``megatron-core`` distribution's metadata.
     """
     try:
         spec = importlib.util.find_spec("megatron.core")
@@ -41,18 +41,17 @@ def megatron_version() -> str | None:
         spec = None
     if spec is None:
         return None
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    if spec.submodule_search_locations:
-        info = Path(next(iter(spec.submodule_search_locations))) / "package_info.py"
+    for location in spec.submodule_search_locations or []:
+        info = Path(location) / "package_info.py"
         if info.is_file():
             text = info.read_text()
             parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
             if all(parts):
                 return ".".join(m.group(1) for m in parts if m)
-    return "unknown"
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def check_megatron(version: str | None) -> None:
