@@ -105,8 +105,8 @@ def format_summary(s: dict[str, Any]) -> str:
     steady = " (steps 2+)" if s["steps"] > 1 else ""
     first = f", first step {s['first_step_s']:.1f} s" if s["first_step_s"] is not None else ""
     v = s["versions"]
-    accel = (f"CUDA {v['cuda']}" if v["cuda"] != "none" else f"ROCm {v['rocm']}" if v["rocm"] != "none"
-             else "no CUDA/ROCm")
+    accel = (f"torch built for CUDA {v['cuda']}" if v["cuda"] != "none" else
+             f"torch built for ROCm {v['rocm']}" if v["rocm"] != "none" else "torch built without CUDA/ROCm")
     return "\n".join([
         f"[train_gpt] done: {s['steps']} steps in {s['wall_s']:.1f} s wall{first} | {loss} | {tps}{steady}",
         f"[train_gpt] versions: uccl-moe {v['uccl_moe']}, torch {v['torch']}, megatron-core {v['megatron_core']}, "

@@ -35,6 +35,7 @@ import os
 import sys
 import time
 import typing
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -597,8 +598,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_dir = _log_dir_of(argv)
     if log_dir:
         run_log.tee_to_file(Path(log_dir), rank)
-    run_log.progress(f"rank 0 of {os.environ.get('WORLD_SIZE', '1')}: importing Megatron-Core, setting up process "
-                     "groups...", rank)
+    run_log.progress(f"rank 0 of {os.environ.get('WORLD_SIZE', '1')}: setting up process groups and the "
+                     "TransformerConfig...", rank)
+    # megatron-core 0.16 deprecates its own default cuda_graph_scope and warns on every TransformerConfig
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
     train(argv)
     if dist.is_initialized():
         dist.barrier()

@@ -83,3 +83,14 @@ def test_summary_of_a_rank_without_losses_and_of_one_step():
     assert s["loss_first"] is None and s["tokens_per_s"] == 50.0
     line = run_log.format_summary(s).splitlines()[0]
     assert "lm loss n/a" in line and "(steps 2+)" not in line
+
+
+def test_train_gpt_refuses_zero_steps_and_finds_its_log_dir_early():
+    from uccl_moe.errors import InvalidUsageError
+    from uccl_moe.megatron import train_gpt
+
+    with pytest.raises(InvalidUsageError, match="--train-iters 0: give at least 1 step"):
+        train_gpt.setup(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+                         "--train-iters", "0"])
+    assert train_gpt._log_dir_of(["--lr", "1", "--log-dir", "/r/logs"]) == "/r/logs"
+    assert train_gpt._log_dir_of(["--log-dir=/r/x"]) == "/r/x" and train_gpt._log_dir_of(["--lr", "1"]) is None
