@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 from helpers.requires import require
 
 require("omegaconf")
+
+import yaml
 
 from uccl_moe.cli import main
 from uccl_moe.config import available, compose
