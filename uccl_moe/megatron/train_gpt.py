@@ -583,7 +583,7 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
 
 
 def _log_dir_of(argv: Sequence[str]) -> Optional[str]:
-    """``--log-dir``'s value, read before the parser exists (the log must start before Megatron is imported)."""
+    """``--log-dir``'s value, read before the parser is built, so the rank log holds everything from setup on."""
     for i, a in enumerate(argv):
         if a == "--log-dir" and i + 1 < len(argv):
             return argv[i + 1]
