@@ -1,9 +1,11 @@
-"""The ``uccl-moe`` command: a registry of subcommands.
+"""The ``uccl-moe`` command: a table of subcommands, each loaded only when it runs.
 
-``uccl-moe train|slurm|primus|render-recipes ...`` come from :mod:`uccl_moe.launch.commands`. To add a
-subcommand (``bench``, ``compare``, ...), write a module that calls :func:`subcommand` at import time and list it
-in ``SUBCOMMAND_MODULES`` (or, from another distribution, expose it under the ``uccl_moe.subcommands`` entry-point
-group)::
+``uccl-moe --help`` and ``--version`` import nothing beyond this file (no torch, Hydra or OmegaConf), so they work
+with the base install. A subcommand's module is imported when that subcommand is named; if the module needs a
+package of an extra that is not installed, the command prints one line naming the extra to install.
+
+To add a subcommand, write a module that registers it with :func:`subcommand` and add one row to ``SUBCOMMANDS``
+(or, from another distribution, expose the module under the ``uccl_moe.subcommands`` entry-point group)::
 
     # uccl_moe/bench/cli.py
     from uccl_moe.cli import subcommand
@@ -15,6 +17,9 @@ group)::
     def bench(args) -> int:
         ...
         return 0
+
+    # uccl_moe/cli.py
+    SUBCOMMANDS = {..., "bench": ("uccl_moe.bench.cli", "sweep dispatch/combine and write tables and plots")}
 """
 
 from __future__ import annotations
@@ -25,13 +30,44 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import __version__
 from .errors import InvalidUsageError, UcclMoeError
 
-SUBCOMMAND_MODULES: list[str] = ["uccl_moe.launch.commands", "uccl_moe.launch.compare", "uccl_moe.bench.cli",
-                                  "uccl_moe.doctor"]
-"""Modules imported to register subcommands, in help order. Append yours here."""
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module that registers it, one line for `uccl-moe --help`), in help order
+    "train": ("uccl_moe.launch.commands", "train on this host: torchrun with the rendered Megatron arguments"),
+    "slurm": ("uccl_moe.launch.commands", "render an sbatch script (torchrun per node); --submit sends it"),
+    "primus": ("uccl_moe.launch.commands", "render a Primus experiment YAML and its primus-cli command"),
+    "render-recipes": ("uccl_moe.launch.commands", "regenerate (or --check) the committed recipes/ folder"),
+    "compare": ("uccl_moe.launch.compare", "train one recipe once per dispatcher: loss parity, step time, tokens/s"),
+    "bench": ("uccl_moe.bench.cli", "time dispatch/combine vs NCCL all_to_all_single on this host's GPUs"),
+    "doctor": ("uccl_moe.doctor", "check this host's GPUs, NICs and settings for internode runs; --pair: self-test"),
+}
+"""The built-in subcommands. Append a row for yours."""
 
 ENTRY_POINT_GROUP = "uccl_moe.subcommands"
+
+EXTRA_OF_MODULE: dict[str, str] = {
+    "torch": "train", "megatron": "train", "hydra": "train", "omegaconf": "train", "yaml": "train",
+    "matplotlib": "test", "pytest": "test",
+}
+"""Top-level module -> the ``pyproject.toml`` extra that installs it (for the one-line "install X" message)."""
+
+
+class MissingExtraError(InvalidUsageError):
+    """A subcommand needs a package of an optional extra that is not installed."""
+
+
+def missing_extra(err: ModuleNotFoundError) -> MissingExtraError | None:
+    """The one-line error for `err` when the missing module belongs to one of our extras, else None."""
+    root = (err.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(root)
+    if extra is None:
+        return None
+    return MissingExtraError(
+        f"needs the Python package '{root}' (extra '{extra}'): pip install \"uccl-moe[{extra}]\" "
+        f"(from a checkout: pip install -e \".[{extra}]\")"
+    )
 
 
 @dataclass(frozen=True)
@@ -65,27 +101,64 @@ def registered() -> dict[str, Subcommand]:
     return dict(_REGISTRY)
 
 
-def load_subcommands() -> None:
-    """Import ``SUBCOMMAND_MODULES`` and the ``uccl_moe.subcommands`` entry points."""
-    for mod in SUBCOMMAND_MODULES:
-        importlib.import_module(mod)
+def _import(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        err = missing_extra(e)
+        if err is None:
+            raise
+        raise err from None
+
+
+def _load_entry_points() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):  # Python >= 3.10 API; none when nothing declares the group
         ep.load()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    load_subcommands()
+def load_subcommand(name: str) -> None:
+    """Import the module that registers `name` (a ``SUBCOMMANDS`` row, else the entry points).
+
+    Raises:
+        MissingExtraError: the module needs a package of an extra that is not installed.
+    """
+    if name in _REGISTRY:
+        return
+    if name in SUBCOMMANDS:
+        _import(SUBCOMMANDS[name][0])
+    else:
+        _load_entry_points()
+
+
+def load_subcommands() -> None:
+    """Import every ``SUBCOMMANDS`` module and the ``uccl_moe.subcommands`` entry points."""
+    for module, _ in SUBCOMMANDS.values():
+        _import(module)
+    _load_entry_points()
+
+
+def build_parser(load: bool = True) -> argparse.ArgumentParser:
+    """The ``uccl-moe`` parser. With `load`, every subcommand is imported and has its arguments; without, the
+    subcommands not loaded yet appear with their help line only (enough for ``uccl-moe --help``)."""
+    if load:
+        load_subcommands()
     parser = argparse.ArgumentParser(
         prog="uccl-moe",
         description="uccl-moe: launch MoE training with uccl-moe's dispatcher from validated Hydra recipes.",
         epilog="Overrides use Hydra syntax: recipe=dsv3_h200_efa_4n parallel.micro_batch_size=2 dispatcher=alltoall",
     )
+    parser.add_argument("--version", action="version", version=f"uccl-moe {__version__}")
     subs = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     subs.required = True
-    for sc in _REGISTRY.values():
-        p = subs.add_parser(sc.name, help=sc.help, description=sc.help)
+    names = [*SUBCOMMANDS, *(n for n in _REGISTRY if n not in SUBCOMMANDS)]
+    for name in names:
+        sc = _REGISTRY.get(name)
+        if sc is None:
+            subs.add_parser(name, help=SUBCOMMANDS[name][1])
+            continue
+        p = subs.add_parser(name, help=SUBCOMMANDS.get(name, (None, sc.help))[1], description=sc.help)
         sc.add_arguments(p)
         p.set_defaults(_run=sc.run)
     return parser
@@ -93,10 +166,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``uccl-moe`` console script. Usage errors print one message and exit with 2."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = next((a for a in argv if not a.startswith("-")), None)
+    if name is not None:
+        try:
+            load_subcommand(name)
+        except UcclMoeError as e:
+            print(f"uccl-moe {name}: error: {e}", file=sys.stderr)
+            return 2
+    parser = build_parser(load=False)
     # Hydra overrides may come before or after the options (`train --dry-run recipe=x` and `train recipe=x --dry-run`):
     # leftover non-option tokens are appended to the subcommand's `overrides`.
-    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(argv)
     bad = [t for t in extra if t.startswith("-")]
     if bad or (extra and not isinstance(getattr(args, "overrides", None), list)):
         parser.error(f"unrecognized arguments: {' '.join(bad or extra)}")
@@ -104,6 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return int(args._run(args) or 0)
+    except ModuleNotFoundError as e:  # a package of an extra imported by the subcommand as it runs
+        err = missing_extra(e)
+        if err is None:
+            raise
+        print(f"uccl-moe {args.subcommand}: error: {err}", file=sys.stderr)
+        return 2
     except UcclMoeError as e:
         print(f"uccl-moe {args.subcommand}: error: {e}", file=sys.stderr)
         return 2

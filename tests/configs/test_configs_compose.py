@@ -6,6 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.config import ConfigError, available, compose, config_dir, expand_sweeps, schema, to_object, to_yaml
 

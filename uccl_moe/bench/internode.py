@@ -34,6 +34,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     gloo = dist.new_group(list(range(R)), backend="gloo")
+    assert isinstance(gloo, dist.ProcessGroup)  # all ranks are members (torch >= 2.14 types non-members as -100)
 
     cfg = Config(args.sms, 8, 256, 6, 128)
     buf = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(args.hidden * 2, R), args.rdma_mb << 20,

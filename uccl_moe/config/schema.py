@@ -33,7 +33,8 @@ from omegaconf import MISSING
 
 
 def arg(default: Any = MISSING, doc: str = "", **kw: Any) -> Any:
-    """A Megatron argument (rendered as ``--name value``)."""
+    """A Megatron argument (rendered as ``--name value``). ``ge``/``gt``/``le``/``lt`` bound a number (checked by
+    :func:`uccl_moe.config.validate.validate`, rule ``ranges``)."""
     return _field(default, {"arg": True, "doc": doc, **kw})
 
 
@@ -43,14 +44,18 @@ def flag_off(default: bool, flag: str, doc: str = "") -> Any:
     return _field(default, {"arg": True, "false_flag": flag, "doc": doc})
 
 
-def meta(default: Any = MISSING, doc: str = "") -> Any:
+def meta(default: Any = MISSING, doc: str = "", **kw: Any) -> Any:
     """Not a Megatron argument: a name, a note, a size used by validation or by a launcher."""
-    return _field(default, {"arg": False, "doc": doc})
+    return _field(default, {"arg": False, "doc": doc, **kw})
 
 
-def knob(env: str, doc: str = "") -> Any:
+def knob(env: str, doc: str = "", **kw: Any) -> Any:
     """An uccl-moe env knob (``env_knobs.def``); None leaves it to the platform or the knob's default."""
-    return _field(None, {"arg": False, "env": env, "doc": doc})
+    return _field(None, {"arg": False, "env": env, "doc": doc, **kw})
+
+
+RANGE_KEYS = ("ge", "gt", "le", "lt")
+"""Field metadata bounding a number: ``ge=1`` means the value must be >= 1 (None values are not checked)."""
 
 
 def _field(default: Any, metadata: dict[str, Any]) -> Any:
@@ -159,30 +164,30 @@ class ModelConfig:
     notes: str = meta("", "provenance and caveats")
     primus_model: str = meta("deepseek_v3.yaml", "Primus model preset the experiment YAML extends")
 
-    num_layers: int = arg()
-    hidden_size: int = arg()
-    ffn_hidden_size: int = arg(doc="dense FFN width")
-    num_attention_heads: int = arg()
-    kv_channels: Optional[int] = arg(None)
-    num_query_groups: Optional[int] = arg(None, "GQA groups; None = MHA")
+    num_layers: int = arg(MISSING, ge=1)
+    hidden_size: int = arg(MISSING, ge=1)
+    ffn_hidden_size: int = arg(doc="dense FFN width", ge=1)
+    num_attention_heads: int = arg(MISSING, ge=1)
+    kv_channels: Optional[int] = arg(None, ge=1)
+    num_query_groups: Optional[int] = arg(None, "GQA groups; None = MHA", ge=1)
     group_query_attention: bool = arg(False)
-    seq_length: int = arg()
-    max_position_embeddings: int = arg()
+    seq_length: int = arg(MISSING, ge=1)
+    max_position_embeddings: int = arg(MISSING, ge=1)
 
     # MoE
-    num_experts: Optional[int] = arg(None, "routed experts; None = dense model")
+    num_experts: Optional[int] = arg(None, "routed experts; None = dense model", ge=1)
     moe_layer_freq: str = arg("1", "int N (1 MoE layer in N) or a python list expression such as ([0]*3+[1]*58)")
-    moe_ffn_hidden_size: Optional[int] = arg(None)
-    moe_shared_expert_intermediate_size: Optional[int] = arg(None, "shared experts x moe_ffn_hidden_size")
-    moe_router_topk: int = arg(2)
-    moe_router_num_groups: Optional[int] = arg(None, "group-limited routing: expert groups")
-    moe_router_group_topk: Optional[int] = arg(None, "group-limited routing: groups each token may use")
-    moe_router_topk_scaling_factor: Optional[float] = arg(None)
+    moe_ffn_hidden_size: Optional[int] = arg(None, ge=1)
+    moe_shared_expert_intermediate_size: Optional[int] = arg(None, "shared experts x moe_ffn_hidden_size", ge=1)
+    moe_router_topk: int = arg(2, ge=1)
+    moe_router_num_groups: Optional[int] = arg(None, "group-limited routing: expert groups", ge=1)
+    moe_router_group_topk: Optional[int] = arg(None, "group-limited routing: groups each token may use", ge=1)
+    moe_router_topk_scaling_factor: Optional[float] = arg(None, gt=0)
     moe_router_score_function: RouterScoreFunction = arg(RouterScoreFunction.softmax)
     moe_router_enable_expert_bias: bool = arg(False, "aux-loss-free balancing (DeepSeek-V3)")
-    moe_router_bias_update_rate: Optional[float] = arg(None)
+    moe_router_bias_update_rate: Optional[float] = arg(None, ge=0)
     moe_router_load_balancing_type: LoadBalancingType = arg(LoadBalancingType.aux_loss)
-    moe_aux_loss_coeff: Optional[float] = arg(None)
+    moe_aux_loss_coeff: Optional[float] = arg(None, ge=0)
     moe_router_pre_softmax: bool = arg(False)
     moe_router_force_load_balancing: bool = arg(False, "benchmarking: route uniformly")
     moe_router_dtype: Optional[RouterDtype] = arg(None, "fp32 needed by uccl and flex (DeepEP-style topk weights);"
@@ -192,38 +197,38 @@ class ModelConfig:
 
     # attention
     multi_latent_attention: bool = arg(False)
-    q_lora_rank: Optional[int] = arg(None)
-    kv_lora_rank: Optional[int] = arg(None)
-    qk_head_dim: Optional[int] = arg(None)
-    qk_pos_emb_head_dim: Optional[int] = arg(None)
-    v_head_dim: Optional[int] = arg(None)
+    q_lora_rank: Optional[int] = arg(None, ge=1)
+    kv_lora_rank: Optional[int] = arg(None, ge=1)
+    qk_head_dim: Optional[int] = arg(None, ge=1)
+    qk_pos_emb_head_dim: Optional[int] = arg(None, ge=0)
+    v_head_dim: Optional[int] = arg(None, ge=1)
     qk_layernorm: bool = arg(False)
     position_embedding_type: PositionEmbeddingType = arg(PositionEmbeddingType.rope)
-    rotary_base: Optional[int] = arg(None)
-    rotary_scaling_factor: Optional[float] = arg(None)
-    mscale: Optional[float] = arg(None)
-    mscale_all_dim: Optional[float] = arg(None)
+    rotary_base: Optional[int] = arg(None, ge=1)
+    rotary_scaling_factor: Optional[float] = arg(None, gt=0)
+    mscale: Optional[float] = arg(None, gt=0)
+    mscale_all_dim: Optional[float] = arg(None, ge=0)
 
     # block
     normalization: Normalization = arg(Normalization.RMSNorm)
-    norm_epsilon: Optional[float] = arg(None, "stored as args.layernorm_epsilon", dest="layernorm_epsilon")
+    norm_epsilon: Optional[float] = arg(None, "stored as args.layernorm_epsilon", dest="layernorm_epsilon", gt=0)
     swiglu: bool = arg(True)
     untie_embeddings_and_output_weights: bool = arg(True)
     disable_bias_linear: bool = arg(True, "stored inverted as args.add_bias_linear", dest="add_bias_linear",
                                     invert=True)
-    attention_dropout: float = arg(0.0)
-    hidden_dropout: float = arg(0.0)
-    init_method_std: float = arg(0.02)
+    attention_dropout: float = arg(0.0, ge=0, lt=1)
+    hidden_dropout: float = arg(0.0, ge=0, lt=1)
+    init_method_std: float = arg(0.02, gt=0)
 
     # multi-token prediction
-    mtp_num_layers: Optional[int] = arg(None)
-    mtp_loss_scaling_factor: Optional[float] = arg(None)
+    mtp_num_layers: Optional[int] = arg(None, ge=0)
+    mtp_loss_scaling_factor: Optional[float] = arg(None, ge=0)
 
     # vocabulary
     tokenizer_type: str = arg("NullTokenizer")
     tokenizer_model: Optional[str] = arg(None)
-    vocab_size: Optional[int] = arg(None, "NullTokenizer vocabulary; DeepSeek-V3 has 129280")
-    make_vocab_size_divisible_by: Optional[int] = arg(None)
+    vocab_size: Optional[int] = arg(None, "NullTokenizer vocabulary; DeepSeek-V3 has 129280", ge=1)
+    make_vocab_size_divisible_by: Optional[int] = arg(None, ge=1)
 
 
 @dataclass
@@ -233,9 +238,9 @@ class PlatformConfig:
     name: str = meta(MISSING)
     description: str = meta("")
     accelerator: Accelerator = meta(Accelerator.cuda)
-    gpus_per_node: int = meta(8, "ranks per node (GPUs; processes on CPU)")
-    gpu_memory_gb: float = meta(80.0, "memory per GPU in GB (1e9 bytes); host memory budget per rank on CPU")
-    cpus_per_node: int = meta(0, "cores given to the job per node (sbatch --cpus-per-task); 0 = let Slurm decide")
+    gpus_per_node: int = meta(8, "ranks per node (GPUs; processes on CPU)", ge=1)
+    gpu_memory_gb: float = meta(80.0, "memory per GPU in GB (1e9 bytes); host memory budget per rank on CPU", gt=0)
+    cpus_per_node: int = meta(0, "cores given to the job per node (sbatch --cpus-per-task); 0 = let Slurm decide", ge=0)
     nic: str = meta("", "NIC model, for the record")
     container_image: Optional[str] = meta(None, "image the Primus / container launchers use")
     env: Dict[str, str] = meta({}, "exported for every run on this platform")
@@ -254,21 +259,21 @@ class ParallelConfig:
     """``configs/parallel/*.yaml``: the parallel layout and batch sizes."""
 
     name: str = meta(MISSING)
-    tensor_model_parallel_size: int = arg(1)
-    pipeline_model_parallel_size: int = arg(1)
-    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "VPP: layers in each virtual stage")
+    tensor_model_parallel_size: int = arg(1, ge=1)
+    pipeline_model_parallel_size: int = arg(1, ge=1)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = arg(None, "VPP: layers in each virtual stage", ge=1)
     pipeline_model_parallel_layout: Optional[str] = arg(None, "explicit layout, e.g. Et|(tt|)*30,mL")
-    decoder_first_pipeline_num_layers: Optional[int] = arg(None)
-    decoder_last_pipeline_num_layers: Optional[int] = arg(None)
-    expert_model_parallel_size: int = arg(1)
-    expert_tensor_parallel_size: Optional[int] = arg(None, "ETP; None = Megatron's default (= TP)")
-    context_parallel_size: int = arg(1)
+    decoder_first_pipeline_num_layers: Optional[int] = arg(None, ge=0)
+    decoder_last_pipeline_num_layers: Optional[int] = arg(None, ge=0)
+    expert_model_parallel_size: int = arg(1, ge=1)
+    expert_tensor_parallel_size: Optional[int] = arg(None, "ETP; None = Megatron's default (= TP)", ge=1)
+    context_parallel_size: int = arg(1, ge=1)
     sequence_parallel: bool = arg(False)
-    micro_batch_size: int = arg(1)
-    global_batch_size: int = arg(MISSING)
+    micro_batch_size: int = arg(1, ge=1)
+    global_batch_size: int = arg(MISSING, ge=1)
     recompute_granularity: Optional[RecomputeGranularity] = arg(None)
     recompute_method: Optional[RecomputeMethod] = arg(None)
-    recompute_num_layers: Optional[int] = arg(None)
+    recompute_num_layers: Optional[int] = arg(None, ge=1)
     use_distributed_optimizer: bool = arg(False)
     overlap_grad_reduce: bool = arg(False)
     overlap_param_gather: bool = arg(False)
@@ -282,18 +287,18 @@ class DispatcherConfig:
     moe_token_dispatcher_type: DispatcherType = arg(DispatcherType.alltoall)
     moe_flex_dispatcher_backend: Optional[FlexBackend] = arg(None, "flex only")
     moe_enable_deepep: bool = arg(False, "deprecated in megatron-core >= 0.16; forces backend deepep")
-    moe_deepep_num_sms: Optional[int] = arg(None, "flex+deepep SMs (megatron-core 0.16-0.18; routed in 0.19)")
+    moe_deepep_num_sms: Optional[int] = arg(None, "flex+deepep SMs (megatron-core 0.16-0.18; routed in 0.19)", ge=1)
     moe_shared_expert_overlap: bool = arg(False)
     # uccl-moe dispatcher (arguments added by uccl_moe.megatron.install())
-    moe_uccl_num_sms: Optional[int] = arg(None, "SMs the uccl kernels use; None = the Buffer default")
-    moe_uccl_nvl_bytes: Optional[int] = arg(None, "NVLink buffer bytes; None = sized from the Buffer's hints")
-    moe_uccl_rdma_bytes: Optional[int] = arg(None, "RDMA buffer bytes; None = sized from the Buffer's hints")
+    moe_uccl_num_sms: Optional[int] = arg(None, "SMs the uccl kernels use; None = the Buffer default", ge=1)
+    moe_uccl_nvl_bytes: Optional[int] = arg(None, "NVLink buffer bytes; None = sized from the Buffer's hints", ge=0)
+    moe_uccl_rdma_bytes: Optional[int] = arg(None, "RDMA buffer bytes; None = sized from the Buffer's hints", ge=0)
     moe_uccl_backend: Optional[UcclBackend] = arg(None, "auto | native | reference; CPU runs use reference")
     # uccl-moe env knobs (env_knobs.def); None = platform.uccl_env or the knob default
-    proxy_threads: Optional[int] = knob("UCCL_MOE_PROXY_THREADS", "CPU proxy threads per GPU")
-    fifo_capacity: Optional[int] = knob("UCCL_MOE_FIFO_CAPACITY", "slots per GPU->CPU FIFO")
-    max_inflight_bytes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_BYTES", "per proxy thread in-flight bytes")
-    max_inflight_writes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_WRITES", "per FIFO in-flight writes")
+    proxy_threads: Optional[int] = knob("UCCL_MOE_PROXY_THREADS", "CPU proxy threads per GPU", ge=1)
+    fifo_capacity: Optional[int] = knob("UCCL_MOE_FIFO_CAPACITY", "slots per GPU->CPU FIFO", ge=1)
+    max_inflight_bytes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_BYTES", "per proxy thread in-flight bytes", ge=1)
+    max_inflight_writes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_WRITES", "per FIFO in-flight writes", ge=1)
     transport: Optional[str] = knob("UCCL_MOE_TRANSPORT", "auto | ibverbs | efa | loopback")
 
 
@@ -303,28 +308,28 @@ class TrainConfig:
 
     name: str = meta(MISSING)
     entry: str = meta("-m uccl_moe.megatron.train_gpt", "training entry: '-m module' or a script path")
-    train_iters: int = arg(MISSING)
-    lr: float = arg(1.0e-4)
-    min_lr: Optional[float] = arg(None)
+    train_iters: int = arg(MISSING, ge=1)
+    lr: float = arg(1.0e-4, ge=0)
+    min_lr: Optional[float] = arg(None, ge=0)
     lr_decay_style: LrDecayStyle = arg(LrDecayStyle.cosine)
-    lr_warmup_iters: int = arg(0)
-    lr_decay_iters: Optional[int] = arg(None)
-    weight_decay: float = arg(0.1)
-    clip_grad: float = arg(1.0)
-    adam_beta1: float = arg(0.9)
-    adam_beta2: float = arg(0.95)
+    lr_warmup_iters: int = arg(0, ge=0)
+    lr_decay_iters: Optional[int] = arg(None, ge=1)
+    weight_decay: float = arg(0.1, ge=0)
+    clip_grad: float = arg(1.0, ge=0)
+    adam_beta1: float = arg(0.9, ge=0, lt=1)
+    adam_beta2: float = arg(0.95, ge=0, lt=1)
     seed: int = arg(1234)
     mock_data: bool = arg(True, "synthetic tokens; no dataset needed")
     data_path: Optional[str] = arg(None, "Megatron data prefix (used when mock_data is false)")
-    log_interval: int = arg(1)
-    eval_iters: int = arg(0)
-    eval_interval: Optional[int] = arg(None)
+    log_interval: int = arg(1, ge=1)
+    eval_iters: int = arg(0, ge=0)
+    eval_interval: Optional[int] = arg(None, ge=1)
     save: Optional[str] = arg(None)
     load: Optional[str] = arg(None)
-    save_interval: Optional[int] = arg(None)
+    save_interval: Optional[int] = arg(None, ge=1)
     tensorboard_dir: Optional[str] = arg(None)
     log_throughput: bool = arg(False)
-    distributed_timeout_minutes: Optional[int] = arg(None)
+    distributed_timeout_minutes: Optional[int] = arg(None, ge=1)
     extra_args: List[str] = meta([], "raw Megatron arguments appended last")
 
 
@@ -339,7 +344,7 @@ class SlurmConfig:
     time: str = meta("04:00:00")
     exclusive: bool = meta(True)
     output: str = meta("logs/%x-%j.out")
-    master_port: int = meta(29500)
+    master_port: int = meta(29500, ge=1, le=65535)
     python: str = meta("python", "interpreter on the compute nodes ($PYTHON overrides at run time)")
     setup: List[str] = meta([], "shell lines run before srun (module load, conda activate, ...)")
     sbatch_args: List[str] = meta([], "extra '#SBATCH' options, e.g. --constraint=h200")
@@ -382,7 +387,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     primus: PrimusConfig = field(default_factory=PrimusConfig)
     meta: MetaConfig = field(default_factory=MetaConfig)
-    nodes: int = 1
+    nodes: int = _field(1, {"arg": False, "doc": "nodes of the run", "ge": 1})  # `meta` is a field name here
 
 
 GROUPS: Dict[str, type] = {

@@ -4,6 +4,8 @@ Every check is a named rule; :func:`validate` runs all of them and raises one :c
 rule that failed with the numbers involved and a fix. Rules (``RULES`` documents each one):
 
 * sizes: parallel sizes, nodes and ranks per node are >= 1;
+* ranges: every other bounded number of the schema (``ge``/``gt``/``le``/``lt`` field metadata) is in its range;
+* hidden_per_head, lr_schedule;
 * model_parallel_divides_world: nodes x ranks-per-node is a multiple of TP x PP x CP;
 * expert_parallel_divides_world: ... and of ETP x EP x PP (Megatron's MoE parallel folding);
 * experts_divisible_by_ep, ep_needs_experts, router_topk, router_groups, moe_layer_freq;
@@ -26,9 +28,11 @@ import dataclasses
 import logging
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+from omegaconf import OmegaConf
 
 from ..errors import InvalidUsageError
 from . import schema
@@ -118,6 +122,86 @@ def _check_sizes(cfg: Any, s: dict[str, Any]) -> list[str]:
         if cfg.parallel[k] < 1:
             bad.append(f"parallel.{k}={cfg.parallel[k]}")
     return [f"{', '.join(bad)} must be >= 1"] if bad else []
+
+
+_SIZES_KEYS = {"nodes", "platform.gpus_per_node", "parallel.micro_batch_size", "parallel.global_batch_size"}
+"""Keys whose range the 'sizes' rule reports (with every ``parallel.*_size``); 'ranges' skips them."""
+
+_RANGE_TEXT = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+def _bounded_fields(cls: type, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(full key, {"ge": 1, ...})`` of every field of schema `cls` (and of its nested dataclasses) with bounds."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        bounds = {k: f.metadata[k] for k in schema.RANGE_KEYS if k in f.metadata}
+        if bounds:
+            yield key, bounds
+        elif isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):  # slurm, primus
+            yield from _bounded_fields(f.default_factory, key + ".")
+
+
+def _bounded_keys() -> list[tuple[str, dict[str, Any]]]:
+    out = list(_bounded_fields(schema.Config, ""))
+    for group, cls in schema.GROUPS.items():
+        out += list(_bounded_fields(cls, group + "."))
+    return out
+
+
+def range_problem(key: str, value: Any, bounds: dict[str, Any]) -> str | None:
+    """The message for `value` of `key` outside `bounds` ({"ge": 1, "lt": 1.0}), or None when inside."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    ok = all({"ge": value >= b, "gt": value > b, "le": value <= b, "lt": value < b}[k] for k, b in bounds.items())
+    if ok:
+        return None
+    rule = " and ".join(f"{_RANGE_TEXT[k]} {b}" for k, b in bounds.items())
+    return f"{key}={value} must be {rule}; set {key} to a value {rule}"
+
+
+@_rule("ranges", "every bounded number of the schema (ge/gt/le/lt field metadata) is in its range")
+def _check_ranges(cfg: Any, s: dict[str, Any]) -> list[str]:
+    out = []
+    for key, bounds in _bounded_keys():
+        if key in _SIZES_KEYS or (key.startswith("parallel.") and key.endswith("_size")):
+            continue
+        msg = range_problem(key, OmegaConf.select(cfg, key), bounds)
+        if msg:
+            out.append(msg)
+    return out
+
+
+@_rule("hidden_per_head", "without kv_channels, hidden_size is a multiple of num_attention_heads (Megatron's head dim)")
+def _check_hidden_per_head(cfg: Any, s: dict[str, Any]) -> list[str]:
+    m = cfg.model
+    if m.multi_latent_attention or m.kv_channels is not None or m.num_attention_heads < 1:
+        return []
+    if m.hidden_size % m.num_attention_heads:
+        return [(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                 f"{m.num_attention_heads}; use a multiple of {m.num_attention_heads} or set model.kv_channels")]
+    return []
+
+
+@_rule("lr_schedule", "min_lr <= lr")
+def _check_lr(cfg: Any, s: dict[str, Any]) -> list[str]:
+    t = cfg.train
+    if t.min_lr is not None and t.lr >= 0 and t.min_lr > t.lr:
+        return [f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set train.min_lr <= train.lr"]
+    return []
+
+
+@_rule("uccl_hidden_alignment", "dispatcher uccl: a token row (hidden x element bytes) is a multiple of 16 bytes")
+def _check_uccl_hidden(cfg: Any, s: dict[str, Any]) -> list[str]:
+    # native/src/core/config.cc checks hidden_bytes % 16 == 0 (rows move in 16-byte vectors); fp32 on CPU, else bf16
+    if cfg.dispatcher.moe_token_dispatcher_type != schema.DispatcherType.uccl or not cfg.model.num_experts:
+        return []
+    elem = 2 if cfg.platform.bf16 else 4
+    h = cfg.model.hidden_size
+    if h >= 1 and (h * elem) % 16:
+        step = 16 // elem
+        return [(f"model.hidden_size={h} gives {h * elem}-byte token rows ({elem} bytes per element) but the uccl "
+                 f"dispatcher moves 16-byte vectors; use a multiple of {step} (e.g. {h + step - h % step})")]
+    return []
 
 
 @_rule("model_parallel_divides_world", "nodes x gpus_per_node is a multiple of TP x PP x CP")

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from ..config import compose, expand_sweeps, to_yaml, validate
 from ..config.validate import MemoryWarning, ValidationReport
 from ..errors import InvalidUsageError
 from .local import check_devices, child_env, format_command, torchrun_command
+from .megatron_args import entry_argv
+from .preflight import check_env_knobs, check_training_stack
 from .primus import entry_lookup, primus_command, render_primus_yaml
 from .slurm import render_primus_sbatch, render_sbatch
 
@@ -26,19 +29,46 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. recipe=dsv3_h200_efa_4n nodes=8")
     p.add_argument("--config-dir", type=Path, default=None, help="config tree (default: the checkout's configs/)")
     p.add_argument("--run-dir", type=Path, default=None, help="where to write (default: runs/<recipe>/<time>)")
-    p.add_argument("--quiet", action="store_true", help="do not print the resolved config")
+    p.add_argument("--quiet", action="store_true", help="do not print the config summary")
+    p.add_argument("--show-config", action="store_true",
+                   help="print the whole resolved config (it is always written to the run directory's config.yaml)")
 
 
-def compose_and_validate(overrides: list[str], directory: Path | None, quiet: bool = True) -> tuple[Any, Any]:
-    """Compose, validate, and print the summary (and the resolved config unless `quiet`)."""
+def compose_and_validate(overrides: list[str], directory: Path | None, quiet: bool = False,
+                         show_config: bool = False) -> tuple[Any, Any]:
+    """Compose and validate; print a short summary unless `quiet`, and the whole resolved config if `show_config`."""
     cfg = compose(overrides, directory)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemoryWarning)
         report = validate(cfg, warn=False)
-    if not quiet:
+    if show_config:
         print(f"# resolved config (recipe {cfg.meta.recipe})\n{to_yaml(cfg)}", file=sys.stderr)
-    print(summary_text(report), file=sys.stderr)
+    if not quiet:
+        print_summary(cfg, report)
     return cfg, report
+
+
+def print_summary(cfg: Any, report: ValidationReport) -> None:
+    """The short config summary and the validation summary, on stderr."""
+    print(config_summary(cfg), file=sys.stderr)
+    print(summary_text(report), file=sys.stderr)
+
+
+def config_summary(cfg: Any) -> str:
+    """Three lines: the recipe and its groups, the model, the layout and the training loop."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    moe = (f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ", dense")
+    sizes = {"TP": p.tensor_model_parallel_size, "PP": p.pipeline_model_parallel_size,
+             "EP": p.expert_model_parallel_size, "CP": p.context_parallel_size}
+    layout = " ".join(f"{k}{v}" for k, v in sizes.items() if v != 1) or "no model parallelism"
+    choices = " ".join(f"{k}={v}" for k, v in cfg.meta.choices.items() if k != "recipe")
+    return "\n".join([
+        f"recipe {cfg.meta.recipe}: {choices}",
+        f"model {m.name}: {m.num_layers} layers, hidden {m.hidden_size}{moe}, seq {m.seq_length}; dispatcher "
+        f"{cfg.dispatcher.moe_token_dispatcher_type.value} on {cfg.platform.name} ({cfg.platform.accelerator.value})",
+        f"{cfg.nodes} node(s) x {cfg.platform.gpus_per_node} ranks, {layout}; {t.train_iters} steps of "
+        f"{p.global_batch_size} x {m.seq_length} tokens, lr {t.lr:g}",
+    ])
 
 
 def summary_text(report: ValidationReport) -> str:
@@ -75,12 +105,30 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the command and environment, run nothing")
 
 
+LOG_DIR = "logs"
+"""Folder of the run directory that holds one log per rank (``rank<N>.log``) and ``summary.json``."""
+
+
+def with_log_dir(cmd: list[str], cfg: Any, log_dir: Path) -> list[str]:
+    """`cmd` with ``--log-dir`` for our training entry (``uccl_moe.megatron.train_gpt`` writes one log per rank
+    there and the end-of-run summary); other entries are left as they are."""
+    if entry_argv(cfg) == ["-m", "uccl_moe.megatron.train_gpt"]:
+        return [*cmd, "--log-dir", str(log_dir)]
+    return cmd
+
+
 @subcommand("train", "train on this host: torchrun with the rendered Megatron arguments", _train_args)
 def train(args: argparse.Namespace) -> int:
     _no_sweeps(args.overrides, "train")
-    cfg, _report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet or args.dry_run)
+    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=True, show_config=args.show_config)
     cmd = torchrun_command(cfg)
     env = child_env(cfg)
+    check_env_knobs({**os.environ, **env})
+    if not args.dry_run:
+        check_training_stack(cfg)
+        check_devices(cfg)
+        if not args.quiet:
+            print_summary(cfg, report)
     if args.dry_run:
         print("# environment")
         for k, v in env.items():
@@ -88,13 +136,20 @@ def train(args: argparse.Namespace) -> int:
         print("# command")
         print(format_command(cmd, {}))
         return 0
-    check_devices(cfg)
     run_dir = default_run_dir(cfg, args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = run_dir / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = with_log_dir(cmd, cfg, log_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     (run_dir / "command.sh").write_text("#!/bin/bash\n" + format_command(cmd, env) + "\n")
-    print(f"run directory: {run_dir}", file=sys.stderr)
+    ranks = cfg.nodes * cfg.platform.gpus_per_node
+    print(f"run directory: {run_dir} (config.yaml, command.sh, {LOG_DIR}/rank<N>.log)", file=sys.stderr)
+    print(f"launching {cfg.platform.gpus_per_node} rank(s) on this host ({ranks} in all) with torchrun; each rank "
+          f"first imports torch and Megatron-Core (5-30 s, depending on the machine)...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**os.environ, **env}, check=False)
+    state = "finished" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+    print(f"run {state} after {time.monotonic() - t0:.1f} s; logs: {log_dir}", file=sys.stderr)
     return proc.returncode
 
 
@@ -120,7 +175,8 @@ def slurm(args: argparse.Namespace) -> int:
     combos = expand_sweeps(args.overrides)
     scripts = []
     for i, overrides in enumerate(combos):
-        cfg, report = compose_and_validate(overrides, args.config_dir, quiet=args.quiet or len(combos) > 1)
+        cfg, report = compose_and_validate(overrides, args.config_dir, quiet=args.quiet or len(combos) > 1,
+                                           show_config=args.show_config)
         tag = f"{i:03d}" if len(combos) > 1 else ""
         run_dir = default_run_dir(cfg, args.run_dir, tag)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +218,8 @@ def write_primus(cfg: Any, report: ValidationReport, out_dir: Path, rel_dir: str
             _primus_args)
 def primus(args: argparse.Namespace) -> int:
     _no_sweeps(args.overrides, "primus")
-    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet)
+    cfg, report = compose_and_validate(args.overrides, args.config_dir, quiet=args.quiet,
+                                       show_config=args.show_config)
     run_dir = default_run_dir(cfg, args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -198,4 +255,5 @@ def render_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["compose_and_validate", "default_run_dir", "summary_text", "write_primus"]
+__all__ = ["LOG_DIR", "compose_and_validate", "config_summary", "default_run_dir", "summary_text", "with_log_dir",
+           "write_primus"]

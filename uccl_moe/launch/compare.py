@@ -48,6 +48,7 @@ from ..errors import InvalidUsageError
 from .commands import compose_and_validate, default_run_dir
 from .local import check_devices, child_env, format_command, torchrun_command
 from .megatron_args import entry_command
+from .preflight import check_env_knobs, check_training_stack
 
 DEFAULT_ENTRY = ["-m", "uccl_moe.megatron.train_gpt"]
 STATS_FLAGS = ["--log-throughput", "--log-memory", "--log-cpu"]
@@ -506,6 +507,9 @@ def compare(args: argparse.Namespace) -> int:
             print(f"# {r.name}")
             print(format_command(r.command, r.env))
         return 0
+    for r in runs:
+        check_env_knobs({**os.environ, **r.env})
+    check_training_stack(cfg)
     check_devices(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"compare directory: {out_dir}", file=sys.stderr)

@@ -37,12 +37,19 @@ def torchrun_command(cfg: Any, python: str | None = None, environ: Mapping[str, 
     return cmd + training_command(cfg)
 
 
+CPU_QUIET_WARNINGS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
+"""Megatron-Core warns once per module and rank that TransformerEngine/Apex are absent; on CPU they never exist, so
+a CPU run silences those two (``PYTHONWARNINGS`` prefixes; a caller's own PYTHONWARNINGS wins)."""
+
+
 def child_env(cfg: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The variables a local run sets on top of the caller's environment: the platform/dispatcher env, and
     PYTHONPATH with this checkout first so the ranks import the same uccl_moe (a no-op for an installed package
     whose parent folder is site-packages)."""
     environ = os.environ if environ is None else environ
     env = launch_env(cfg)
+    if cfg.platform.accelerator == schema.Accelerator.cpu and "PYTHONWARNINGS" not in environ:
+        env["PYTHONWARNINGS"] = CPU_QUIET_WARNINGS
     root = str(Path(__file__).resolve().parents[2])
     parts = [root] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     env["PYTHONPATH"] = os.pathsep.join(parts)

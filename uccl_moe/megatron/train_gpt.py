@@ -21,6 +21,8 @@ the training flags of :func:`build_parser`, and the ``--moe-uccl-*`` knobs. Unkn
 ``--log-throughput``, ``--log-memory``, ``--log-cpu`` and ``--log-moe-timing`` add tokens/s, peak memory, the step's
 CPU seconds and forward dispatch/combine ms per MoE layer to each log line (:mod:`uccl_moe.megatron.step_stats`);
 ``--profile`` records a torch.profiler trace of a few steps (:mod:`uccl_moe.megatron.profiler`).
+``--log-dir DIR`` copies each rank's output into ``DIR/rank<N>.log`` and writes the closing summary (steps, loss
+first -> last, tokens/s, wall time, versions, devices) to ``DIR/summary.json`` (:mod:`uccl_moe.megatron.run_log`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import os
 import sys
 import time
 import typing
+import warnings
 from collections.abc import Iterator, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -43,6 +47,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidUsageError
 from . import knobs as _knobs
+from . import run_log
 from .install import install as _install_uccl
 from .install import widen_parser
 from .profiler import PROFILE_FLAGS, StepProfiler, check_profile_args
@@ -91,6 +96,8 @@ _TRAIN_FLAGS: dict[str, dict[str, Any]] = {
                       help="add the CPU seconds (user+sys, all threads) this rank's process spent in the step"),
     "--log-moe-timing": dict(action="store_true",
                              help="add forward dispatch/combine ms per MoE layer to each log line (step_stats)"),
+    "--log-dir": dict(type=str, default=None,
+                      help="copy each rank's output to DIR/rank<N>.log; write the run summary to DIR/summary.json"),
 }
 # Accepted for compatibility with Megatron-LM command lines and ignored: the data is synthetic, the backend follows
 # the device (NCCL on GPUs, gloo on CPU), and there is no evaluation loop.
@@ -219,6 +226,8 @@ def setup(argv: Sequence[str]) -> TrainSetup:
 
     args = build_parser().parse_args(list(argv))
     check_profile_args(args)
+    if args.train_iters < 1:
+        raise InvalidUsageError(f"--train-iters {args.train_iters}: give at least 1 step")
     device_kind = "cuda" if torch.cuda.is_available() else "cpu"
     _init_distributed(device_kind, args.distributed_timeout_minutes)
     cfg: dict[str, Any] = {
@@ -481,16 +490,24 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    t_start = time.monotonic()
     ts = setup(argv)
+    rank = dist.get_rank()
+    c = ts.config
+    moe = f", {c.num_moe_experts} experts top-{c.moe_router_topk}" if c.num_moe_experts else ""
+    run_log.progress(f"building the model: {c.num_layers} layers, hidden {c.hidden_size}{moe}, on {ts.device} "
+                     f"({dist.get_world_size()} ranks)", rank)
     model = build_model(ts)
     optimizer = build_optimizer(ts, model)
+    num_params = sum(p.numel() for p in model.parameters())
+    run_log.progress(f"model built ({num_params / 1e6:.2f}M parameters on rank 0); step 1 of "
+                     f"{ts.args.train_iters} (the first is the slowest: it builds kernels and buffers)...", rank)
     config = ts.config
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model.no_sync
     forward_backward = get_forward_backward_func() if ts.device.type == "cuda" else cpu_forward_backward
     data = synthetic_batches(ts)
-    rank = dist.get_rank()
     log_rows: list[dict[str, float]] = []
     is_last = parallel_state.is_pipeline_last_stage()
     moe_timer = None
@@ -562,11 +579,38 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
         if not math.isfinite(loss) and is_last:
             raise FloatingPointError(f"loss is {loss} at iteration {it}")
     profiler.close()
+    reporter = (is_last and parallel_state.get_data_parallel_rank() == 0
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_expert_model_parallel_rank() == 0)
+    if reporter:
+        summary = run_log.run_summary(log_rows, time.monotonic() - t_start, dist.get_world_size(), ts.device.type)
+        print(run_log.format_summary(summary), flush=True)
+        if ts.args.log_dir:
+            run_log.write_summary(Path(ts.args.log_dir), summary)
     return log_rows
 
 
+def _log_dir_of(argv: Sequence[str]) -> Optional[str]:
+    """``--log-dir``'s value, read before the parser is built, so the rank log holds everything from setup on."""
+    for i, a in enumerate(argv):
+        if a == "--log-dir" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--log-dir="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    train(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    log_dir = _log_dir_of(argv)
+    if log_dir:
+        run_log.tee_to_file(Path(log_dir), rank)
+    run_log.progress(f"rank 0 of {os.environ.get('WORLD_SIZE', '1')}: setting up process groups and the "
+                     "TransformerConfig...", rank)
+    # megatron-core 0.16 deprecates its own default cuda_graph_scope and warns on every TransformerConfig
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    train(argv)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

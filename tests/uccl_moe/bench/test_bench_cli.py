@@ -1,5 +1,9 @@
 """`uccl-moe bench` is registered and takes the bench flags."""
 
+from helpers.requires import require
+
+require("omegaconf")
+
 from uccl_moe import cli
 
 

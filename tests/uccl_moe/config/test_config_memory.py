@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.config import compose, count_parameters, validate
 from uccl_moe.config.memory import fmt_params, padded_vocab, parse_moe_layer_freq

@@ -5,6 +5,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.config import LayoutError, compose, validate
 from uccl_moe.config.validate import RULES, MemoryWarning, parse_pipeline_layout, pipeline_assignment

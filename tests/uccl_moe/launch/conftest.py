@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers.requires import require_tool
 
 
 def _lint_bash(path: Path) -> None:
     """Assert that the script at `path` parses as bash (``bash -n``) and passes ``shellcheck -s bash``."""
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
-    sc = shutil.which("shellcheck")
-    assert sc, "shellcheck is not installed: apt-get install -y shellcheck"
+    sc = require_tool("shellcheck")  # skips, naming the package, where it is absent
     r = subprocess.run([sc, "-s", "bash", str(path)], capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe import cli
 from uccl_moe.errors import InvalidUsageError
@@ -142,9 +145,10 @@ def test_table_and_png(tmp_path: Path):
     assert cols[cols.index("cpu cores")] == "cpu cores"
     assert [c.strip() for c in row.strip("|").split("|")][cols.index("cpu cores")] == "2.00"  # 0.511 s / 0.2554 s
     assert "run-to-run noise (uccl vs uccl#2): max |Δloss| 1.000e-05 over 4 steps" in table
+    require("matplotlib")
     png = tmp_path / "c.png"
     note = cmp.write_png(res, png)
-    assert note is None, note  # matplotlib is a test requirement (pip install matplotlib)
+    assert note is None, note
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

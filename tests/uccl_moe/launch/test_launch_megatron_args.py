@@ -20,6 +20,9 @@ import typing
 from pathlib import Path
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.config import available, compose
 from uccl_moe.config.memory import parse_moe_layer_freq

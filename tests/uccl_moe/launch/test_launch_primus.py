@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
+
 import yaml
 
 from uccl_moe.cli import main

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from helpers.requires import require
+
+require("omegaconf")
+
 import yaml
 
 from uccl_moe.launch.render_all import FILES, HEADLINE, check, default_out, render_all

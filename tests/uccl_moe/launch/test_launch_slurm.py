@@ -7,6 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.requires import require
+
+require("omegaconf")
 
 from uccl_moe.cli import main
 from uccl_moe.config import available, compose, validate

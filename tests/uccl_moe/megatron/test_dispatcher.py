@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
 

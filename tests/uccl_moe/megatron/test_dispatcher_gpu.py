@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
 

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 import torch  # noqa: E402
 from helpers.mp import run_ranks_on as run_ranks  # noqa: E402

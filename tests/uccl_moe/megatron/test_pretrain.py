@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 from uccl_moe.errors import InvalidUsageError  # noqa: E402
 from uccl_moe.megatron import primus  # noqa: E402

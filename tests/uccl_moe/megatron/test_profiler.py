@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 from helpers.mp import run_ranks  # noqa: E402
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 import torch  # noqa: E402
 

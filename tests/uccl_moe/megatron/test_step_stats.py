@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.requires import require
+
+require("megatron.core")
+
 import torch
 
 from uccl_moe.megatron.step_stats import MoeTimer, format_ms_list, peak_memory_mib, process_cpu_s

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.requires import require
+
+require("megatron.core")
 
 from uccl_moe.megatron import timeline as tl
 

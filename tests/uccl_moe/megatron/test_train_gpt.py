@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip install -e ".[train]"')
 
 from helpers.mp import run_ranks_on as run_ranks  # noqa: E402
 
