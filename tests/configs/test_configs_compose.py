@@ -41,7 +41,7 @@ def test_recipe_selects_its_groups_and_values():
                                 "platform": "mi300x_broadcom", "recipe": "dsv3_mi300x_broadcom_16n",
                                 "train": "pretrain"}
     assert cfg.nodes == 16 and cfg.model.num_layers == 32 and cfg.model.derived is True
-    assert cfg.platform.uccl_env["UCCL_MOE_MAX_INFLIGHT_BYTES"] == "1572864"
+    assert cfg.platform.uccl_env["UCCL_MOE_TRANSPORT"] == "ibverbs"
     h200 = compose(["recipe=dsv3_h200_efa_4n", "nodes=8", "parallel.expert_model_parallel_size=64"])
     assert h200.nodes == 8 and h200.parallel.expert_model_parallel_size == 64 and h200.model.num_layers == 12
     assert h200.meta.overrides == ["recipe=dsv3_h200_efa_4n", "nodes=8", "parallel.expert_model_parallel_size=64"]

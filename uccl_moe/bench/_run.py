@@ -313,7 +313,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     gloo = dist.new_group(list(range(R)), backend="gloo")
     assert isinstance(gloo, dist.ProcessGroup)  # all ranks are members (torch >= 2.14 types non-members as -100)
-    from uccl_moe import Buffer, Config
+    from uccl_moe import Buffer
 
     points = list(itertools.product(args.tokens, args.hidden, args.experts, args.dtypes.split(","), args.sms,
                                     args.nvl_send or [None], args.nvl_recv or [None]))
