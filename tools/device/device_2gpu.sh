@@ -13,35 +13,36 @@ set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
 trap 'tar czf "$FINAL/results.tgz" -C "$OUT" . ; cp "$OUT"/*.log "$FINAL"/ 2>/dev/null' EXIT
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# shellcheck source=tools/device/device_setup.sh
 . tools/device/device_setup.sh || exit 1
-P="python3 -m pytest -q -p no:cacheprovider -rA"
-sum() { grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$1" | tail -${2:-8}; }
+P=(python3 -m pytest -q -p no:cacheprovider -rA)
+sum() { grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$1" | tail -"${2:-8}"; }
 for stage in ${STAGES:-quick bench}; do
   case $stage in
   quick)
-    timeout 240 $P --timeout 200 tests/gpu/test_gpu_mr_gpu.py tests/gpu/test_doctor_gpu.py \
+    timeout 240 "${P[@]}" --timeout 200 tests/gpu/test_gpu_mr_gpu.py tests/gpu/test_doctor_gpu.py \
       tests/gpu/test_default_device_gpu.py tests/gpu/test_streams_gpu.py tests/uccl_moe/test_native_core.py \
       tests/examples/test_examples.py -m gpu > "$OUT/quick.log" 2>&1
     echo "quick rc=$?"; sum "$OUT/quick.log" 12 ;;
   bench)
     timeout 120 python3 -m uccl_moe.bench --ranks 2 --json "$OUT/api.json" --png "$OUT/api.png" 2>&1 \
-      | grep -v "it/s\]" > "$OUT/bench.log"; echo "bench rc=$?"; tail -${BENCH_TAIL:-16} "$OUT/bench.log"
+      | grep -v "it/s\]" > "$OUT/bench.log"; echo "bench rc=$?"; tail -"${BENCH_TAIL:-16}" "$OUT/bench.log"
     timeout 200 python3 -m uccl_moe.bench.megatron_dispatcher --ranks 2 --json "$OUT/megatron.json" 2>&1 \
       | grep -vi warn > "$OUT/megatron_bench.log"; echo "megatron bench rc=$?"; tail -14 "$OUT/megatron_bench.log" ;;
   deepep)
-    UCCL_MOE_DEEPEP_V1_TESTS=$PWD/.deepep/tests timeout ${DEEPEP_T:-300} $P -s --timeout 290 \
+    UCCL_MOE_DEEPEP_V1_TESTS=$PWD/.deepep/tests timeout "${DEEPEP_T:-300}" "${P[@]}" -s --timeout 290 \
       tests/gpu/test_deepep_v1_intranode.py > "$OUT/deepep_v1.log" 2>&1
     echo "deepep rc=$?"; sum "$OUT/deepep_v1.log" 6 ;;
   inter)
-    timeout ${INTER_T:-240} $P --timeout 230 tests/gpu/test_internode_native.py -k "${INTER_K:-}" \
+    timeout "${INTER_T:-240}" "${P[@]}" --timeout 230 tests/gpu/test_internode_native.py -k "${INTER_K:-}" \
       > "$OUT/inter.log" 2>&1
     echo "inter rc=$?"; sum "$OUT/inter.log" ;;
   itest)
-    UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout ${ITEST_T:-330} $P --timeout 320 tests/gpu/test_intranode_native.py \
+    UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
     echo "itest rc=$?"; sum "$OUT/itest.log" ;;
   mtest)
-    UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout ${MTEST_T:-400} $P --timeout 390 \
+    UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
       tests/gpu/test_megatron_ep_overlap_gpu.py > "$OUT/mtest.log" 2>&1
     echo "mtest rc=$?"; sum "$OUT/mtest.log" 12; grep -E "under compute|max \|d" "$OUT/mtest.log" | tail -6 ;;
