@@ -379,17 +379,17 @@ def check_topk_pair(topk_idx: Any, topk_weights: Any, num_tokens: int, num_exper
 def check_combine_x(x: Any, h: DispatchHandle, supported: Sequence[torch.dtype], backend_name: str,
                     device: torch.device) -> torch.Tensor:
     """A combine's x: [T_recv, H], one row per token the dispatch that made `h` received."""
-    x = check_tensor("x", x, dtypes=ROW_DTYPES, ndim=2, device=device)
-    if x.dtype not in supported:
+    rows = check_tensor("x", x, dtypes=ROW_DTYPES, ndim=2, device=device)
+    if rows.dtype not in supported:
         want = ", ".join(str(d).replace("torch.", "") for d in supported)
-        raise InvalidTypeError(f"the {backend_name} backend combines {want}, got {x.dtype}")
+        raise InvalidTypeError(f"the {backend_name} backend combines {want}, got {rows.dtype}")
     num_rows = h.recv_src_idx.shape[0]
-    if x.shape[0] != num_rows:
+    if rows.shape[0] != num_rows:
         raise err(
-            f"x has {x.shape[0]} rows but the dispatch that made this handle received {num_rows}; combine takes "
+            f"x has {rows.shape[0]} rows but the dispatch that made this handle received {num_rows}; combine takes "
             f"one row per received token, in recv order"
         )
-    return x
+    return rows
 
 
 def check_combine_topk_weights(topk_weights: Any, num_rows: int, device: torch.device) -> torch.Tensor | None:

@@ -48,9 +48,16 @@ from ._checks import (  # noqa: E402
     int_arg,
     topk_idx_t,
 )
-from .backends.base import Backend, BufferContext, DispatchRequest, create_backend  # noqa: E402
+from .backends.base import Backend, BufferContext, DispatchRequest, backend_factory, create_backend  # noqa: E402
 from .errors import InvalidTypeError  # noqa: E402
-from .results import CombineResult, DispatchHandle, DispatchResult, LayoutResult, TensorOrFp8  # noqa: E402
+from .results import (  # noqa: E402
+    CombineResult,
+    DispatchHandle,
+    DispatchResult,
+    LayoutResult,
+    SupportedDtypes,
+    TensorOrFp8,
+)
 from .streams import CommStream  # noqa: E402
 from .topology import Topology, detect  # noqa: E402
 from .utils import EventHandle, EventOverlap  # noqa: E402
@@ -66,7 +73,7 @@ BackendName = Literal["auto", "native", "reference"]
 
 __all__ = [
     "FP8_SCALE_BLOCK", "MAX_EXPERTS_PER_RANK", "MAX_TOPK", "Buffer", "CombineResult", "Config", "DispatchHandle",
-    "DispatchResult", "LayoutResult", "TensorOrFp8", "topk_idx_t",
+    "DispatchResult", "LayoutResult", "SupportedDtypes", "TensorOrFp8", "topk_idx_t",
 ]
 
 
@@ -206,6 +213,40 @@ class Buffer:
                        f"num_topk >= 0")
         rows_end = -(-(_NVL_META_BYTES + num_rows * hidden * 2) // 128) * 128
         return -(-(rows_end + num_rows * num_topk * 4) // 4096) * 4096
+
+    @staticmethod
+    def get_internode_rdma_size_hint(max_tokens: int, hidden: int, num_topk: int, num_nodes: int,
+                                     num_scales: int = 0) -> int:
+        """``num_rdma_bytes`` with room for any routing of up to `max_tokens` tokens per rank across `num_nodes` nodes
+        on the native internode path: BF16 rows of `hidden` values (or FP8 rows with `num_scales` scales per token),
+        `num_topk` experts per token. A multiple of 4096 (uccl-moe extension; take the larger of it and the configs'
+        ``get_rdma_buffer_size_hint``)."""
+        from .backends.internode import rdma_bytes_for  # (the internode path loads the proxy: only when asked)
+
+        args = {n: int_arg(n, v) for n, v in (("max_tokens", max_tokens), ("hidden", hidden), ("num_topk", num_topk),
+                                              ("num_nodes", num_nodes), ("num_scales", num_scales))}
+        if args["hidden"] <= 0 or args["num_nodes"] <= 0 or min(args.values()) < 0:
+            raise err(f"get_internode_rdma_size_hint({args}): need hidden > 0, num_nodes > 0 and the rest >= 0")
+        return int(rdma_bytes_for(args["max_tokens"], args["hidden"], args["num_topk"], args["num_nodes"],
+                                  args["num_scales"]))
+
+    @staticmethod
+    def get_supported_dtypes(backend: str = "native") -> SupportedDtypes:
+        """The dtypes of x that backend `backend` dispatches (FP8 comes with its scales) and combines, without creating
+        it (uccl-moe extension). The native kernels combine BF16 rows only; the reference backend any float dtype."""
+        factory = backend_factory(backend)
+        return SupportedDtypes(
+            tuple(getattr(factory, "supported_dispatch_dtypes", Backend.supported_dispatch_dtypes)),
+            tuple(getattr(factory, "supported_combine_dtypes", Backend.supported_combine_dtypes)),
+        )
+
+    @staticmethod
+    def get_topology(group: Any) -> Topology:
+        """The node layout of `group` (ranks per node, nodes) that a Buffer over it detects and sizes its checks with;
+        a collective over `group`, like the Buffer constructor (uccl-moe extension)."""
+        if group is None or not isinstance(group, dist.ProcessGroup):
+            raise InvalidTypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+        return detect(group, dist.get_rank(group), dist.get_world_size(group))
 
     @staticmethod
     def get_low_latency_rdma_size_hint(*args: Any, **kwargs: Any) -> int:

@@ -63,3 +63,10 @@ class LayoutResult(NamedTuple):
     num_tokens_per_expert: torch.Tensor
     is_token_in_rank: torch.Tensor
     event: EventOverlap
+
+
+class SupportedDtypes(NamedTuple):
+    """The dtypes of x a backend dispatches (FP8 always with its scales) and combines (Buffer.get_supported_dtypes)."""
+
+    dispatch: tuple[torch.dtype, ...]
+    combine: tuple[torch.dtype, ...]

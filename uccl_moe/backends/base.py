@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -154,6 +155,9 @@ class Backend(abc.ABC):
 
 
 _REGISTRY: dict[str, Callable[[BufferContext], Backend]] = {}
+# The built-in backends, by name: imported on first use (creating the backend), not when this module is imported.
+_BUILTIN = {"native": ("uccl_moe.backends.native", "NativeBackend"),
+            "reference": ("uccl_moe.backends.reference", "ReferenceBackend")}
 
 
 def register_backend(name: str, factory: Callable[[BufferContext], Backend]) -> None:
@@ -162,16 +166,23 @@ def register_backend(name: str, factory: Callable[[BufferContext], Backend]) -> 
 
 
 def available_backends() -> list[str]:
-    _import_builtin()
-    return sorted(_REGISTRY)
+    """The names a Buffer's ``backend=`` takes (built-in and registered), without importing any backend."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
+
+
+def backend_factory(name: str) -> Callable[[BufferContext], Backend]:
+    """The factory (a Backend subclass, for the built-in ones) registered as `name`; imports a built-in one on first
+    use. An unknown name raises ``InvalidUsageError`` listing the registered ones."""
+    factory = _REGISTRY.get(name)
+    if factory is not None:
+        return factory
+    if name not in _BUILTIN:
+        raise InvalidUsageError(f"unknown uccl-moe backend {name!r}; registered: {available_backends()}")
+    module, attr = _BUILTIN[name]
+    cls: type[Backend] = getattr(importlib.import_module(module), attr)
+    return _REGISTRY.setdefault(name, cls)
 
 
 def create_backend(name: str, ctx: BufferContext) -> Backend:
-    _import_builtin()
-    if name not in _REGISTRY:
-        raise InvalidUsageError(f"unknown uccl-moe backend {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](ctx)
-
-
-def _import_builtin() -> None:
-    from . import native, reference  # noqa: F401  (they register themselves)
+    """A new backend `name` for the Buffer `ctx` describes."""
+    return backend_factory(name)(ctx)

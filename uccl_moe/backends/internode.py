@@ -34,8 +34,8 @@ from .. import _C
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..proxy import StoreBootstrap
 from ..utils import host_ints, tensor_at
+from ._operands import combine_operands, scale_layout
 from .base import BufferContext, DispatchRequest
-from .native import combine_operands, scale_layout
 
 _SLOT_DISPATCH, _SLOT_COMBINE = 0, 1
 _PLAN_ATTR = "_uccl_internode"

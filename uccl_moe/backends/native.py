@@ -34,7 +34,8 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..utils import current_raw_stream, tensor_at
-from .base import Backend, BufferContext, DispatchRequest, register_backend
+from ._operands import combine_operands, scale_layout
+from .base import Backend, BufferContext, DispatchRequest
 
 #: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
 _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
@@ -42,31 +43,6 @@ _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
-
-
-_Opt = torch.Tensor | None
-
-
-def combine_operands(
-    x: torch.Tensor, T: int, topk_weights: _Opt, bias: Any
-) -> tuple[_Opt, _Opt, _Opt, torch.Tensor, _Opt]:
-    """(top-k weights, bias0, bias1) made contiguous, and the outputs ([T, H] rows in x's dtype, [T, K] float32
-    weights or None) of a combine."""
-    tw = topk_weights.contiguous() if topk_weights is not None else None
-    b0 = bias[0].contiguous() if bias[0] is not None else None
-    b1 = bias[1].contiguous() if bias[1] is not None else None
-    out = torch.empty((T, x.shape[1]), dtype=x.dtype, device=x.device)
-    out_w = torch.empty((T, tw.shape[1]), dtype=torch.float32, device=x.device) if tw is not None else None
-    return tw, b0, b1, out, out_w
-
-
-def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
-    """(scales per token, token stride, hidden stride) of FP8 scales as the kernels index them; (0, 0, 0) if none."""
-    if x_scales is None:
-        return 0, 0, 0
-    if x_scales.dim() == 1:
-        return 1, x_scales.stride(0), 0
-    return x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
 
 
 class NativeBackend(Backend):
@@ -398,5 +374,3 @@ class NativeBackend(Backend):
             self._rt.destroy()
             self._rt = None
 
-
-register_backend("native", NativeBackend)
