@@ -13,8 +13,8 @@ PKG = Path(__file__).resolve().parents[2] / "uccl_moe"
 
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+def _module_name(path: Path, pkg: Path) -> str:
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -41,7 +41,7 @@ def _top_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom
 def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
     """module -> the uccl_moe modules it imports at module level (``from . import x`` is an edge to module x, not to
     the package, when x is a module)."""
-    files = {_module_name(p): p for p in pkg.rglob("*.py")}
+    files = {_module_name(p, pkg): p for p in pkg.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         is_pkg = path.name == "__init__.py"
