@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _C, env
 from .errors import InvalidTypeError, InvalidUsageError
-from .results import DispatchHandle
+from .results import DispatchHandle, handle_field
 from .utils import EventOverlap, host_ints
 
 #: dtype of top-k expert indices (DeepEP's ``topk_idx_t``).
@@ -246,7 +246,7 @@ def check_handle(handle: Any, key: Any) -> DispatchHandle:
         raise InvalidTypeError(
             f"handle must be the 6-tuple a dispatch returned, got {type(handle).__name__}"
         )
-    got = getattr(handle[0], HANDLE_KEY_ATTR, None)
+    got = getattr(handle_field(handle, "rank_prefix_matrix"), HANDLE_KEY_ATTR, None)
     if got is None:
         raise err(
             "handle was not returned by a uccl_moe Buffer's dispatch (a rebuilt or cloned handle loses its tag); "

@@ -6,7 +6,8 @@ T_recv = rows this rank receives.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -34,6 +35,15 @@ class DispatchHandle(NamedTuple):
     recv_src_idx: torch.Tensor
     is_token_in_rank: torch.Tensor
     send_head: torch.Tensor
+
+
+_HANDLE_FIELDS = {name: i for i, name in enumerate(DispatchHandle._fields)}
+
+
+def handle_field(handle: Sequence[Any], name: str) -> Any:
+    """Field `name` of a dispatch handle by name: a :class:`DispatchHandle`, or a plain tuple in DeepEP's order (as
+    DeepEP-style code rebuilds handles)."""
+    return handle[_HANDLE_FIELDS[name]]
 
 
 class DispatchResult(NamedTuple):

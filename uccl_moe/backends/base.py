@@ -10,6 +10,9 @@ Division of labour:
   the comm stream, or the caller's own stream for a synchronous op (``Buffer``'s module notes). Backends enqueue
   work on the current stream and allocate outputs there. They never validate user input again and never switch
   streams.
+- Handles reach a backend as :class:`uccl_moe.DispatchHandle` (fields by name); ``handle_num_sms``,
+  ``handle_tensors`` and ``combine_buffer_fits`` also take a plain tuple in DeepEP's order
+  (``uccl_moe.results.handle_field``).
 - A backend computes exactly DeepEP-V1 semantics (see ``reference.py``, the oracle) and returns plain tensors.
 """
 
@@ -24,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import InvalidUsageError
+from ..results import DispatchHandle
 from ..topology import Topology
 
 
@@ -103,7 +107,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def cached_dispatch(
-        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: tuple[Any, ...], config: Any
+        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dispatch along a previous dispatch's layout; returns (recv_x, recv_x_scales or None)."""
 
@@ -111,7 +115,7 @@ class Backend(abc.ABC):
     def combine(
         self,
         x: torch.Tensor,
-        handle: tuple[Any, ...],
+        handle: DispatchHandle,
         topk_weights: torch.Tensor | None,
         bias: tuple[torch.Tensor | None, torch.Tensor | None],
         config: Any,
@@ -140,7 +144,7 @@ class Backend(abc.ABC):
         used by the comm stream where that is needed). Default: the handle's own tensors."""
         return [t for t in handle if isinstance(t, torch.Tensor)]
 
-    def combine_buffer(self, handle: tuple[Any, ...], hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] memory of this backend's own that a combine reads in place (Buffer.get_combine_buffer),
         or None where there is none and the caller gets a tensor of its own. Default: None."""
         return None
