@@ -276,8 +276,7 @@ class Buffer:
                            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """A [T_recv, hidden] tensor to write a combine's input rows into (uccl-moe extension; DeepEP's HT API has
         none). ``combine(x=<this tensor>, handle)`` then reads each row where it lies, over NVLink, instead of
-        pushing it through the rings: one NVLink load per remote row, no ring hand-offs (EP2 on 2 x H200: 1.3x the
-        ring combine and faster than NCCL's all-to-all; docs/performance.md, round 13).
+        pushing it through the rings: one NVLink load per remote row, no ring hand-offs (figures: docs/benchmarks.md).
 
         The tensor is this rank's NVL buffer itself (the memory the rings use), so:
         - take it (and write it) after the dispatch that made `handle`, and call combine before any other dispatch

@@ -1,9 +1,11 @@
-"""A Buffer's comm stream and its joins with the caller's stream, at a low host cost.
+"""A Buffer's comm stream and its joins with the caller's stream, at a low host cost: the one owner of an op's
+stream joins (:func:`begin_op`, :func:`op_context`, :func:`finish_op`; ``Buffer`` calls them, the native side only
+records and waits, ``_C.stream_join``).
 
 Every dispatch and combine joins the comm stream to the caller's stream, makes the comm stream current while it
 allocates and launches, and (unless ``async_finish``) makes the caller's stream wait for it. Through torch's Python
-stream API that is three ``current_stream()`` lookups, two Event record/wait pairs and two ``set_stream`` calls: about
-21 us of host time per call on an H100 host (``tools/device/host_parts.py``: the Buffer's begin, switch and finish).
+stream API that is three ``current_stream()`` lookups, two Event record/wait pairs and two ``set_stream`` calls per
+op, a large share of a small op's host time (``tools/device/host_parts.py``; figures: docs/benchmarks.md).
 
 :class:`CommStream` does the same through torch's raw stream getter/setter and one C++ call per join
 (``_C.stream_join``: event record, then stream wait) when the caller's current device is the Buffer's and this build
