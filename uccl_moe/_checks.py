@@ -131,6 +131,16 @@ def choose_backend(backend: str | None, group: Any) -> tuple[str, torch.device]:
     return str(choice), torch.device("cpu")
 
 
+def check_staging_args(max_tokens: Any, hidden: Any, num_topk: Any, num_nodes: Any,
+                       num_scales: Any) -> tuple[int, int, int, int, int]:
+    """The arguments of ``Buffer.get_internode_rdma_size_hint`` as ints: hidden and num_nodes > 0, the rest >= 0."""
+    names = ("max_tokens", "hidden", "num_topk", "num_nodes", "num_scales")
+    args = {n: int_arg(n, v) for n, v in zip(names, (max_tokens, hidden, num_topk, num_nodes, num_scales))}
+    if args["hidden"] <= 0 or args["num_nodes"] <= 0 or min(args.values()) < 0:
+        raise err(f"get_internode_rdma_size_hint({args}): need hidden > 0, num_nodes > 0 and the rest >= 0")
+    return args["max_tokens"], args["hidden"], args["num_topk"], args["num_nodes"], args["num_scales"]
+
+
 # ---------------------------------------------------------------- shared by the ops
 def check_async(async_finish: Any, allocate_on_comm_stream: Any) -> None:
     for name, v in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):

@@ -39,15 +39,7 @@ except ImportError as _e:  # pragma: no cover - a broken install
     ) from _e
 
 from . import _checks, streams, tuning  # noqa: E402 - after the native module's own error
-from ._checks import (  # noqa: E402
-    FP8_SCALE_BLOCK,
-    HANDLE_KEY_ATTR,
-    MAX_EXPERTS_PER_RANK,
-    MAX_TOPK,
-    err,
-    int_arg,
-    topk_idx_t,
-)
+from ._checks import FP8_SCALE_BLOCK, HANDLE_KEY_ATTR, MAX_EXPERTS_PER_RANK, MAX_TOPK, err, int_arg, topk_idx_t  # noqa: E402
 from .backends.base import Backend, BufferContext, DispatchRequest, backend_factory, create_backend  # noqa: E402
 from .errors import InvalidTypeError  # noqa: E402
 from .results import (  # noqa: E402
@@ -223,12 +215,7 @@ class Buffer:
         ``get_rdma_buffer_size_hint``)."""
         from .backends.internode import rdma_bytes_for  # (the internode path loads the proxy: only when asked)
 
-        args = {n: int_arg(n, v) for n, v in (("max_tokens", max_tokens), ("hidden", hidden), ("num_topk", num_topk),
-                                              ("num_nodes", num_nodes), ("num_scales", num_scales))}
-        if args["hidden"] <= 0 or args["num_nodes"] <= 0 or min(args.values()) < 0:
-            raise err(f"get_internode_rdma_size_hint({args}): need hidden > 0, num_nodes > 0 and the rest >= 0")
-        return int(rdma_bytes_for(args["max_tokens"], args["hidden"], args["num_topk"], args["num_nodes"],
-                                  args["num_scales"]))
+        return int(rdma_bytes_for(*_checks.check_staging_args(max_tokens, hidden, num_topk, num_nodes, num_scales)))
 
     @staticmethod
     def get_supported_dtypes(backend: str = "native") -> SupportedDtypes:

@@ -127,6 +127,7 @@ def fp8_scales(T: int, H: int, layout: str, gen: Any, device: Any) -> Any:
     raise ValueError(f"scale layout {layout!r}: expected 'col' or 'row'")
 
 
+# long: one benchmark point: inputs, then each op timed against NCCL with the same inputs, in one scope
 def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, dcfg: Any, ccfg: Any,
            args: argparse.Namespace) -> dict[str, Any]:
     import torch
