@@ -3,9 +3,9 @@
 Notation: T = tokens of this rank, H = hidden, K = top-k, E = experts (all ranks), R = ranks of the group,
 E_loc = E / R local experts, T_recv = rows this rank receives, C = channels (``num_sms / 2``).
 
-Every public method validates its arguments first (``InvalidUsageError``/``InvalidTypeError``, subclasses of
-``ValueError``/``TypeError``, naming the argument and the fix), then runs on the Buffer's **comm stream** with
-DeepEP's stream rules:
+Every public method validates its arguments first (``_checks.py``: ``InvalidUsageError``/``InvalidTypeError``,
+subclasses of ``ValueError``/``TypeError``, naming the argument and the fix), then runs on the Buffer's **comm
+stream** with DeepEP's stream rules (the joins: ``streams.py``; the tuned presets: ``tuning.py``):
 
 - the comm stream first waits on ``previous_event`` if given, otherwise on the current (compute) stream;
 - ``async_finish=True`` returns an :class:`EventOverlap` recorded on the comm stream, and inputs/outputs are
@@ -60,7 +60,6 @@ log = logging.getLogger("uccl_moe.buffer")
 Config = _C.Config
 
 _NVL_META_BYTES = 1 << 20  # kNvlMetaBytes (native/include/uccl_moe/config.hpp): the rings start after it
-
 BackendName = Literal["auto", "native", "reference"]
 
 __all__ = [
