@@ -29,7 +29,7 @@ _env.prepare_cuda_module_loading()
 
 _LAZY = {
     "Buffer": "buffer", "Config": "buffer", "DispatchHandle": "buffer", "DispatchResult": "buffer",
-    "CombineResult": "buffer", "LayoutResult": "buffer", "topk_idx_t": "buffer",
+    "CombineResult": "buffer", "LayoutResult": "buffer", "SupportedDtypes": "buffer", "topk_idx_t": "buffer",
     "EventHandle": "utils", "EventOverlap": "utils",
 }
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         DispatchHandle,
         DispatchResult,
         LayoutResult,
+        SupportedDtypes,
         topk_idx_t,
     )
     from .utils import EventHandle, EventOverlap
@@ -62,6 +63,7 @@ __all__ = [
     "DispatchResult",
     "CombineResult",
     "LayoutResult",
+    "SupportedDtypes",
     "EventHandle",
     "EventOverlap",
     "topk_idx_t",

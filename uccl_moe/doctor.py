@@ -156,6 +156,7 @@ def _compact(cpus: list[int]) -> str:
 # the report
 
 
+# long: one checklist in report order (transport, per-rank NIC, memory registration, flow control); split in a follow-up
 def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[str, Any]:
     """Everything ``uccl-moe doctor`` prints, as a dict (``--json``); ``problems`` lists what will not work."""
     problems: list[dict[str, str]] = []
@@ -418,6 +419,7 @@ def _wait_counter(arr: Any, idx: int, want: int, timeout_s: float, what: str, at
         time.sleep(0)
 
 
+# long: the self-test steps are closures over one live proxy (start, writes, atomic, barrier, latency, bandwidth)
 def run_pair(rank: int, world: int, store: Any, *, local_rank: int, ranks_per_node: int, transport: str,
              job: str, gpu_pci_bus_id: str = "", bw_bytes: int = 1 << 20, bw_iters: int = 32, lat_iters: int = 200,
              timeout_s: float = 30.0, barrier: Any = None) -> dict[str, Any]:

@@ -1,9 +1,11 @@
-"""A Buffer's comm stream and its joins with the caller's stream, at a low host cost.
+"""A Buffer's comm stream and its joins with the caller's stream, at a low host cost: the one owner of an op's
+stream joins (:func:`begin_op`, :func:`op_context`, :func:`finish_op`; ``Buffer`` calls them, the native side only
+records and waits, ``_C.stream_join``).
 
 Every dispatch and combine joins the comm stream to the caller's stream, makes the comm stream current while it
 allocates and launches, and (unless ``async_finish``) makes the caller's stream wait for it. Through torch's Python
-stream API that is three ``current_stream()`` lookups, two Event record/wait pairs and two ``set_stream`` calls: about
-21 us of host time per call on an H100 host (``tools/device/host_parts.py``: the Buffer's begin, switch and finish).
+stream API that is three ``current_stream()`` lookups, two Event record/wait pairs and two ``set_stream`` calls per
+op, a large share of a small op's host time (``tools/device/host_parts.py``; figures: docs/benchmarks.md).
 
 :class:`CommStream` does the same through torch's raw stream getter/setter and one C++ call per join
 (``_C.stream_join``: event record, then stream wait) when the caller's current device is the Buffer's and this build
@@ -25,13 +27,16 @@ streams can delay its kernels (the caller's stream waits for them either way).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from . import env
+from .utils import EventHandle, EventOverlap
 
 log = logging.getLogger("uccl_moe.streams")
 
@@ -190,3 +195,116 @@ class CommStream:
             self._set(stream_id=token[0], device_index=token[1], device_type=token[2])
         else:
             token.__exit__(None, None, None)
+
+
+# ---------------------------------------------------------------- an op's joins (Buffer's op flow calls these)
+def begin_op(comm: CommStream | None, previous_event: EventOverlap | None, async_finish: bool,
+             allocate_on_comm_stream: bool) -> int | None:
+    """Join the comm stream to the caller's stream (or to `previous_event`) before an op.
+
+    Returns the caller's raw stream if the op runs there instead (synchronous, no previous_event, no
+    allocate_on_comm_stream: see the module notes), else None; pass it on to :func:`op_context` and
+    :func:`finish_op`. `comm` is None on CPU."""
+    if comm is None:
+        return None
+    if previous_event is None and not async_finish and not allocate_on_comm_stream and comm.runs_on_caller():
+        return comm.begin_on_caller()
+    if previous_event is not None and previous_event.event is not None:
+        comm.wait_event(previous_event.event)
+    else:
+        comm.wait_for_caller()
+    return None
+
+
+def op_context(comm: CommStream | None, on_caller: int | None) -> contextlib.AbstractContextManager[Any]:
+    """The comm stream is current inside (allocations and launches go to it); the caller's stream after. An op
+    that runs on the caller's stream (`on_caller`, from :func:`begin_op`) stays there, and the comm stream waits for
+    it after. (Classes, not a generator context manager: this runs on every op, and contextlib's machinery costs
+    host time.)"""
+    if comm is None:
+        return _STAY
+    if on_caller is not None:
+        return _OnCallerStream(comm, on_caller)
+    return _OnCommStream(comm)
+
+
+def finish_op(comm: CommStream | None, async_finish: bool, inputs: Sequence[Any], outputs: Sequence[Any],
+              on_caller: int | None, handle_tensors: Callable[[], Sequence[torch.Tensor]] | None = None
+              ) -> EventOverlap:
+    """Close an op: event on the comm stream, or make the compute stream wait (DeepEP semantics).
+
+    Each tensor is marked used by the stream it was not allocated on: outputs (allocated on the comm stream)
+    by the compute stream that consumes them; with async_finish, inputs (allocated on the compute stream) by
+    the comm stream that may still be reading them when the caller frees them. An op that ran on the caller's
+    stream (`on_caller`, from :func:`begin_op`) used one stream only (its :func:`op_context` joined the comm stream
+    after it). The tensors of the handle a cached dispatch or a combine read (`handle_tensors`) count as inputs once
+    a dispatch may have made them on a caller's stream (UCCL_MOE_CALLER_STREAM_OPS); on the comm stream, where they
+    are made otherwise, they need no mark.
+    """
+    if comm is None:
+        return EventOverlap(EventHandle() if async_finish else None)
+    if on_caller is not None:
+        return EventOverlap(None)
+    if async_finish and handle_tensors is not None and comm.ran_on_caller:
+        inputs = [*inputs, *handle_tensors()]
+    compute = comm.caller()
+    for t in _flatten(outputs):
+        if t.device.type == "cuda":
+            t.record_stream(compute)
+    if async_finish:
+        for t in _flatten(inputs):
+            if t.device.type == "cuda":
+                t.record_stream(comm.stream)
+        return EventOverlap(EventHandle(comm.stream))
+    comm.caller_waits()
+    return EventOverlap(None)
+
+
+class _OnCommStream:
+    """``with _OnCommStream(comm):`` makes the comm stream current inside and restores the caller's stream after."""
+
+    __slots__ = ("comm", "token")
+
+    def __init__(self, comm: CommStream) -> None:
+        self.comm = comm
+
+    def __enter__(self) -> None:
+        self.token = self.comm.enter()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.comm.leave(self.token)
+
+
+class _OnCallerStream:
+    """``with _OnCallerStream(comm, caller):`` around an op on the caller's stream: the comm stream waits for what it
+    enqueued there after, also when the op raises (later ops on the comm stream must not overlap it)."""
+
+    __slots__ = ("comm", "caller")
+
+    def __init__(self, comm: CommStream, caller: int) -> None:
+        self.comm, self.caller = comm, caller
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.comm.end_on_caller(self.caller)
+            return
+        try:
+            self.comm.end_on_caller(self.caller)
+        except Exception as e:  # noqa: BLE001 - e.g. a context a trapped kernel broke: the op's error is the news
+            log.debug("joining the comm stream after a failed op failed too: %s", e)
+
+
+_STAY = contextlib.nullcontext()  # an op that stays on the current stream (reusable: it holds no state)
+
+
+def _flatten(items: Sequence[Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        elif isinstance(t, (tuple, list)):
+            out.extend(_flatten(t))
+    return out

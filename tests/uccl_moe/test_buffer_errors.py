@@ -548,7 +548,7 @@ def test_value_checks_can_be_switched_off(buf, monkeypatch):
 
 
 def test_topk_range_check_reads_the_device_once_per_routing(buf, monkeypatch):
-    import uccl_moe.buffer as buffer_mod
+    import uccl_moe._checks as buffer_mod
 
     reads = []
     real = buffer_mod.host_ints

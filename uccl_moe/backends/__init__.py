@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
-from .base import Backend, BufferContext, DispatchRequest, available_backends, create_backend, register_backend
+from .base import (
+    Backend,
+    BufferContext,
+    DispatchRequest,
+    available_backends,
+    backend_factory,
+    create_backend,
+    register_backend,
+)
 
-__all__ = ["Backend", "BufferContext", "DispatchRequest", "available_backends", "create_backend", "register_backend"]
+__all__ = ["Backend", "BufferContext", "DispatchRequest", "available_backends", "backend_factory", "create_backend",
+           "register_backend"]

@@ -10,6 +10,9 @@ Division of labour:
   the comm stream, or the caller's own stream for a synchronous op (``Buffer``'s module notes). Backends enqueue
   work on the current stream and allocate outputs there. They never validate user input again and never switch
   streams.
+- Handles reach a backend as :class:`uccl_moe.DispatchHandle` (fields by name); ``handle_num_sms``,
+  ``handle_tensors`` and ``combine_buffer_fits`` also take a plain tuple in DeepEP's order
+  (``uccl_moe.results.handle_field``).
 - A backend computes exactly DeepEP-V1 semantics (see ``reference.py``, the oracle) and returns plain tensors.
 """
 
@@ -17,12 +20,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from ..errors import InvalidUsageError
+from ..results import DispatchHandle
 from ..topology import Topology
 
 
@@ -102,7 +107,7 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def cached_dispatch(
-        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: tuple[Any, ...], config: Any
+        self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Dispatch along a previous dispatch's layout; returns (recv_x, recv_x_scales or None)."""
 
@@ -110,7 +115,7 @@ class Backend(abc.ABC):
     def combine(
         self,
         x: torch.Tensor,
-        handle: tuple[Any, ...],
+        handle: DispatchHandle,
         topk_weights: torch.Tensor | None,
         bias: tuple[torch.Tensor | None, torch.Tensor | None],
         config: Any,
@@ -139,7 +144,7 @@ class Backend(abc.ABC):
         used by the comm stream where that is needed). Default: the handle's own tensors."""
         return [t for t in handle if isinstance(t, torch.Tensor)]
 
-    def combine_buffer(self, handle: tuple[Any, ...], hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] memory of this backend's own that a combine reads in place (Buffer.get_combine_buffer),
         or None where there is none and the caller gets a tensor of its own. Default: None."""
         return None
@@ -154,6 +159,9 @@ class Backend(abc.ABC):
 
 
 _REGISTRY: dict[str, Callable[[BufferContext], Backend]] = {}
+# The built-in backends, by name: imported on first use (creating the backend), not when this module is imported.
+_BUILTIN = {"native": ("uccl_moe.backends.native", "NativeBackend"),
+            "reference": ("uccl_moe.backends.reference", "ReferenceBackend")}
 
 
 def register_backend(name: str, factory: Callable[[BufferContext], Backend]) -> None:
@@ -162,16 +170,23 @@ def register_backend(name: str, factory: Callable[[BufferContext], Backend]) -> 
 
 
 def available_backends() -> list[str]:
-    _import_builtin()
-    return sorted(_REGISTRY)
+    """The names a Buffer's ``backend=`` takes (built-in and registered), without importing any backend."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN))
+
+
+def backend_factory(name: str) -> Callable[[BufferContext], Backend]:
+    """The factory (a Backend subclass, for the built-in ones) registered as `name`; imports a built-in one on first
+    use. An unknown name raises ``InvalidUsageError`` listing the registered ones."""
+    factory = _REGISTRY.get(name)
+    if factory is not None:
+        return factory
+    if name not in _BUILTIN:
+        raise InvalidUsageError(f"unknown uccl-moe backend {name!r}; registered: {available_backends()}")
+    module, attr = _BUILTIN[name]
+    cls: type[Backend] = getattr(importlib.import_module(module), attr)
+    return _REGISTRY.setdefault(name, cls)
 
 
 def create_backend(name: str, ctx: BufferContext) -> Backend:
-    _import_builtin()
-    if name not in _REGISTRY:
-        raise InvalidUsageError(f"unknown uccl-moe backend {name!r}; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](ctx)
-
-
-def _import_builtin() -> None:
-    from . import native, reference  # noqa: F401  (they register themselves)
+    """A new backend `name` for the Buffer `ctx` describes."""
+    return backend_factory(name)(ctx)

@@ -17,8 +17,8 @@ reduction over nodes (plus biases) at the origin. The only host synchronisation 
 needs for the receive count (none with ``num_worst_tokens``).
 
 Handle: the 6-tuple of the intranode path, where rank_prefix_matrix is global [R, R] and the lane matrices and
-send_head belong to the forwarding step ([G, L], [rows of x', G]); the internode plan rides on handle[0] as the
-attribute ``_uccl_internode``.
+send_head belong to the forwarding step ([G, L], [rows of x', G]); the internode plan rides on
+``handle.rank_prefix_matrix`` as the attribute ``_uccl_internode``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..proxy import StoreBootstrap
+from ..results import DispatchHandle, handle_field
 from ..utils import host_ints, tensor_at
+from ._operands import combine_operands, scale_layout
 from .base import BufferContext, DispatchRequest
-from .native import combine_operands, scale_layout
 
 _SLOT_DISPATCH, _SLOT_COMBINE = 0, 1
 _PLAN_ATTR = "_uccl_internode"
@@ -56,7 +57,7 @@ _AREA_SLACK = 16 * 256     # alignment of the arrays inside an area (6 arrays, 2
 
 def _plan_of(handle: Any) -> _Plan:
     """The internode plan a dispatch tagged onto its handle's rank prefix."""
-    plan = getattr(handle[0], _PLAN_ATTR, None)
+    plan = getattr(handle_field(handle, "rank_prefix_matrix"), _PLAN_ATTR, None)
     if plan is None:
         raise InvalidUsageError(
             "handle carries no internode plan: it was made by a dispatch inside one node (a Buffer whose group saw "
@@ -295,7 +296,7 @@ class InternodePath:
 
     def handle_tensors(self, handle: Any) -> list[torch.Tensor]:
         """The device tensors of `handle`'s plan (the handle's own six are the backend's to list)."""
-        plan = getattr(handle[0], _PLAN_ATTR, None)
+        plan = getattr(handle_field(handle, "rank_prefix_matrix"), _PLAN_ATTR, None)
         if plan is None:
             return []
         return [v for v in vars(plan).values() if isinstance(v, torch.Tensor)]
@@ -446,23 +447,23 @@ class InternodePath:
         """The SM count the handle's plan runs its NVLink legs on."""
         return _plan_of(handle).num_sms
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any,
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
                         config: Any) -> tuple[Any, Any]:
         plan = _plan_of(handle)
         self._check_cached(plan, x, x_scales)
         b = self.backend
         x = x.contiguous()
-        lay = self._stage(plan, x, x_scales, None, None, handle[4], self.R, barrier=True)
-        rows = int(handle[3].shape[0])
+        lay = self._stage(plan, x, x_scales, None, None, handle.is_token_in_rank, self.R, barrier=True)
+        rows = int(handle.recv_src_idx.shape[0])
         recv = b._alloc_recv(rows, x, x_scales, 0, False)
         assert plan.fwd_prefix is not None
-        self._forward(plan, lay, x, x_scales, 0, self.G, plan.fwd_prefix, handle[2], rows, recv, None, config,
-                      plan.num_sms, with_meta=False)
+        self._forward(plan, lay, x, x_scales, 0, self.G, plan.fwd_prefix, handle.recv_channel_prefix_matrix, rows,
+                      recv, None, config, plan.num_sms, with_meta=False)
         self._mark("nvlink forward")
         return recv[0], recv[1]
 
     # ---------------------------------------------------------------- combine
-    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
                 config: Any) -> tuple[Any, Any]:
         plan = _plan_of(handle)
         b = self.backend
@@ -471,7 +472,7 @@ class InternodePath:
         x = x.contiguous()
         H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
-        T = int(handle[4].shape[0])
+        T = int(handle.is_token_in_rank.shape[0])
         lay = self._combine_layout(plan, H, K)
         base = self.rt.buffer
         half = lay["half_bytes"]
@@ -484,7 +485,8 @@ class InternodePath:
         _C.combine_intranode(
             runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
             topk_weights=_ptr(tw), bias0=0, bias1=0, rank_prefix=_ptr(plan.fwd_prefix),
-            recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=plan.xp_rows, hidden=H,
+            recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), send_head=_ptr(handle.send_head),
+            num_tokens=plan.xp_rows, hidden=H,
             num_topk=K, out=base + lay["off_x"], out_topk_weights=base + lay["off_weights"] if K else 0,
             stream=stream, num_tokens_ptr=_ptr(plan.num_xp), row_map=_ptr(plan.row_map))
         self._mark("nvlink reduce")

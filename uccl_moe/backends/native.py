@@ -33,8 +33,10 @@ import torch.distributed as dist
 
 from .. import _C
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
+from ..results import DispatchHandle, handle_field
 from ..utils import current_raw_stream, tensor_at
-from .base import Backend, BufferContext, DispatchRequest, register_backend
+from ._operands import combine_operands, scale_layout
+from .base import Backend, BufferContext, DispatchRequest
 
 #: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
 _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
@@ -42,31 +44,6 @@ _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
-
-
-_Opt = torch.Tensor | None
-
-
-def combine_operands(
-    x: torch.Tensor, T: int, topk_weights: _Opt, bias: Any
-) -> tuple[_Opt, _Opt, _Opt, torch.Tensor, _Opt]:
-    """(top-k weights, bias0, bias1) made contiguous, and the outputs ([T, H] rows in x's dtype, [T, K] float32
-    weights or None) of a combine."""
-    tw = topk_weights.contiguous() if topk_weights is not None else None
-    b0 = bias[0].contiguous() if bias[0] is not None else None
-    b1 = bias[1].contiguous() if bias[1] is not None else None
-    out = torch.empty((T, x.shape[1]), dtype=x.dtype, device=x.device)
-    out_w = torch.empty((T, tw.shape[1]), dtype=torch.float32, device=x.device) if tw is not None else None
-    return tw, b0, b1, out, out_w
-
-
-def scale_layout(x_scales: torch.Tensor | None) -> tuple[int, int, int]:
-    """(scales per token, token stride, hidden stride) of FP8 scales as the kernels index them; (0, 0, 0) if none."""
-    if x_scales is None:
-        return 0, 0, 0
-    if x_scales.dim() == 1:
-        return 1, x_scales.stride(0), 0
-    return x_scales.shape[1], x_scales.stride(0), x_scales.stride(1)
 
 
 class NativeBackend(Backend):
@@ -147,7 +124,7 @@ class NativeBackend(Backend):
 
     def _sms_of(self, handle: Any) -> int:
         """num_sms the handle's lanes were laid out with (2 * channels)."""
-        lanes = int(handle[1].shape[1])
+        lanes = int(handle_field(handle, "channel_prefix_matrix").shape[1])
         if lanes % self.W:
             raise InvalidUsageError(
                 f"handle has {lanes} lanes, not a multiple of {self.W} lanes per channel for {self.R} ranks; pass a "
@@ -279,19 +256,21 @@ class NativeBackend(Backend):
         handle = (rank_prefix, lane_prefix, recv_lane_start, recv_src, in_rank, send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
-    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
+    def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Any):  # type: ignore[no-untyped-def]
         self._check_alive()
         if self._inter is not None:
             return self._inter.cached_dispatch(x, x_scales, handle, config)
         x = x.contiguous()
         num_sms = self._sms_of(handle)
-        rows = int(handle[3].shape[0])
+        rows = int(handle.recv_src_idx.shape[0])
         recv_x, recv_scales, _, _, _ = self._launch_dispatch(
-            num_sms, config, x, x_scales, None, None, handle[4], handle[0], handle[2], self.R, rows, False, None)
+            num_sms, config, x, x_scales, None, None, handle.is_token_in_rank, handle.rank_prefix_matrix,
+            handle.recv_channel_prefix_matrix, self.R, rows, False, None)
         return recv_x, recv_scales
 
     # ---------------------------------------------------------------- combine
-    def combine(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any, config: Any):  # type: ignore[no-untyped-def]
+    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,  # type: ignore[no-untyped-def]
+                config: Any):
         self._check_alive()
         if self._inter is not None:
             return self._inter.combine(x, handle, topk_weights, bias, config)
@@ -300,19 +279,20 @@ class NativeBackend(Backend):
         x = x.contiguous()
         num_sms = self._sms_of(handle)
         nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
-        T = int(handle[4].shape[0])
+        T = int(handle.is_token_in_rank.shape[0])
         H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         _C.combine_intranode(
             runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
-            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle[0]),
-            recv_lane_start=_ptr(handle[2]), send_head=_ptr(handle[5]), num_tokens=T, hidden=H, num_topk=K,
+            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
+            recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), send_head=_ptr(handle.send_head), num_tokens=T,
+            hidden=H, num_topk=K,
             out=_ptr(out), out_topk_weights=_ptr(out_w), stream=self._stream())
         return out, out_w
 
     # ---------------------------------------------------------------- combine from the buffer
-    def combine_buffer(self, handle: Any, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] view of this rank's NVL buffer that a combine from the buffer reads, or None where
         that path does not exist (across nodes: the caller gets a tensor of its own)."""
         self._check_alive()
@@ -322,7 +302,7 @@ class NativeBackend(Backend):
             raise InvalidTypeError(f"the native backend combines bfloat16 rows, got get_combine_buffer(dtype={dtype})")
         if (hidden * 2) % 16 != 0:
             raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
-        rows = int(handle[3].shape[0])
+        rows = int(handle.recv_src_idx.shape[0])
         offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
         self._refuse_over_buffer(int(end), f"get_combine_buffer: {rows} rows of hidden {hidden}")
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
@@ -340,8 +320,8 @@ class NativeBackend(Backend):
             return True  # no view: get_combine_buffer hands out a tensor of the caller's
         if (hidden * 2) % 16 != 0:
             return False
-        rows = getattr(handle[0], _MOST_ROWS_ATTR, None)
-        rows = int(handle[3].shape[0]) if rows is None else rows
+        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_ROWS_ATTR, None)
+        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
         return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
 
     def _refuse_over_buffer(self, end: int, what: str) -> None:
@@ -362,8 +342,8 @@ class NativeBackend(Backend):
         start = int(storage.data_ptr())
         return start != 0 and start < hi and start + max(int(storage.nbytes()), 1) > lo
 
-    def _combine_from_buffer(self, x: torch.Tensor, handle: Any, topk_weights: torch.Tensor | None, bias: Any,
-                             config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _combine_from_buffer(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                             bias: Any, config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every rank's rows already lie in its buffer: each rank pulls its tokens' copies (combine_pull.cu)."""
         rows, H = int(x.shape[0]), int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
@@ -375,12 +355,14 @@ class NativeBackend(Backend):
             )
         self._refuse_over_buffer(int(end), f"combine from the buffer with topk_weights of {K} per row (rows, then "
                                            f"the staged weights)")
-        T = int(handle[4].shape[0])
+        T = int(handle.is_token_in_rank.shape[0])
+        lanes = handle.channel_prefix_matrix
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         _C.combine_pull_intranode(
             runtime=self._rt, num_sms=int(config.num_sms), num_rows=rows, topk_weights=_ptr(tw), bias0=_ptr(b0),
-            bias1=_ptr(b1), rank_prefix=_ptr(handle[0]), lane_prefix=_ptr(handle[1]), send_head=_ptr(handle[5]),
-            num_tokens=T, hidden=H, num_topk=K, num_lanes=int(handle[1].shape[1]), out=_ptr(out),
+            bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix), lane_prefix=_ptr(lanes),
+            send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K, num_lanes=int(lanes.shape[1]),
+            out=_ptr(out),
             out_topk_weights=_ptr(out_w), stream=self._stream())
         return out, out_w
 
@@ -398,5 +380,3 @@ class NativeBackend(Backend):
             self._rt.destroy()
             self._rt = None
 
-
-register_backend("native", NativeBackend)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
-from .base import Backend, BufferContext, DispatchRequest, register_backend
+from .base import Backend, BufferContext, DispatchRequest
 
 # The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
 # do, and every rank checks the whole table. Ranks that disagree would otherwise post collectives of different sizes,
@@ -417,5 +417,3 @@ class ReferenceBackend(Backend):
                 acc += b.float()
         return acc.to(x.dtype), acc_w
 
-
-register_backend("reference", ReferenceBackend)

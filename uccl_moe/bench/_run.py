@@ -127,6 +127,7 @@ def fp8_scales(T: int, H: int, layout: str, gen: Any, device: Any) -> Any:
     raise ValueError(f"scale layout {layout!r}: expected 'col' or 'row'")
 
 
+# long: one benchmark point: inputs, then each op timed against NCCL with the same inputs, in one scope
 def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, dcfg: Any, ccfg: Any,
            args: argparse.Namespace) -> dict[str, Any]:
     import torch
@@ -148,7 +149,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     res = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
                        num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=dcfg)
     h = res.handle
-    rank_prefix = h[0].cpu()
+    rank_prefix = h.rank_prefix_matrix.cpu()
     col = rank_prefix[:, rank]
     recv_from = torch.diff(col, prepend=col.new_zeros(1)).tolist()  # rows from each source
     n_recv = int(col[-1])

@@ -53,7 +53,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     node = rank // G
     assert res.handle is not None
     torch.cuda.synchronize()  # GPU copies: no blocking pageable device-to-host copy while communication is in flight
-    counts = torch.diff(res.handle[0][:, rank].long(), prepend=torch.zeros(1, dtype=torch.long, device="cuda"))
+    prefix = res.handle.rank_prefix_matrix[:, rank].long()
+    counts = torch.diff(prefix, prepend=torch.zeros(1, dtype=torch.long, device="cuda"))
     remote_rows = int(counts.sum() - counts[node * G:(node + 1) * G].sum())
     y: Any = res.recv_x
     handle: Any = res.handle

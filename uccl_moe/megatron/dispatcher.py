@@ -6,6 +6,10 @@ Notation: T = tokens of this rank (S/TP * B), H = hidden, E = routed experts of 
 TP = expert tensor-parallel size, EP = expert-parallel size, R = TP * EP (the comm group), K = TP * top-k,
 N = rows this rank receives.
 
+Layout (Megatron-Core's split of ``token_dispatcher.py`` from ``fused_a2a.py``): this module is the dispatcher
+strategy; the autograd functions live in ``autograd.py`` and the Buffer management in ``buffer_manager.py``, which
+use only ``uccl_moe``'s public API.
+
 Semantics (the same as Megatron's flex dispatcher with the DeepEP backend):
 - The comm group is the expert TP x EP group. Every token goes to *each* TP rank of the EP rank that owns one of its
   experts; in that group, rank ``ep * TP + tp`` owns "comm experts" ``[(ep * TP + tp) * L, ... + L)``, which are copies
@@ -40,338 +44,24 @@ schedule, so the Buffer calls keep the same order on every rank, as the native k
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from ..errors import InvalidTypeError, InvalidUsageError
+from uccl_moe import Buffer, InvalidUsageError
+
 from . import _compat
 from . import knobs as _knobs
+from .autograd import UCCLCombine, UCCLDispatch, _combine_view, _DispatchState, _GatherGradIntoBuffer
+from .buffer_manager import backend_for, get_buffer, hidden_bytes_of
 
 log = logging.getLogger("uccl_moe.megatron")
 
 DISPATCHER_TYPE = "uccl"
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# One Buffer per (comm group, hidden bytes), shared by every layer and every step.
-# ----------------------------------------------------------------------------------------------------------------
-_BUFFERS: list[tuple[Any, int, str, Any]] = []  # (group, hidden_bytes, backend, Buffer)
-_BUFFERS_LOCK = threading.Lock()
-
-
-def hidden_bytes_of(x: torch.Tensor) -> int:
-    """Bytes of one row as the size hints count them: ``H * max(element_size, 2)`` (DeepEP's rule)."""
-    return int(x.size(-1)) * max(x.element_size(), 2)
-
-
-def buffer_sizes(
-    group_size: int,
-    hidden_bytes: int,
-    nvl_bytes: Optional[int],
-    rdma_bytes: Optional[int],
-    ranks_per_node: int = 0,
-    max_tokens: int = 0,
-    num_topk: int = 0,
-) -> tuple[int, int]:
-    """(num_nvl_bytes, num_rdma_bytes): the given values, else the largest size hint of the dispatch and combine
-    configs for a group of `group_size` ranks in nodes of `ranks_per_node` (0: min(group_size, 8), one node up to
-    8 ranks), the layout the Buffer checks its sizes against. Across nodes the RDMA default also holds the staging
-    of `max_tokens` tokens per rank with `num_topk` experts each (any routing; see backends/internode.py)."""
-    from uccl_moe import Buffer
-
-    configs = (Buffer.get_dispatch_config(group_size), Buffer.get_combine_config(group_size))
-    if nvl_bytes is None:
-        nvl_bytes = max(int(c.get_nvl_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
-    if rdma_bytes is None:
-        rdma_bytes = max(int(c.get_rdma_buffer_size_hint(hidden_bytes, group_size, ranks_per_node)) for c in configs)
-        per_node = ranks_per_node or min(group_size, 8)
-        if rdma_bytes > 0 and group_size > per_node and max_tokens > 0:
-            from uccl_moe.backends.internode import rdma_bytes_for
-
-            staged = rdma_bytes_for(max_tokens, hidden_bytes // 2, num_topk, group_size // per_node)
-            rdma_bytes = max(-(-rdma_bytes // 4096) * 4096, staged)
-    return nvl_bytes, rdma_bytes
-
-
-_FALLBACK_LOGGED: set[torch.dtype] = set()
-
-
-def backend_for(knob: str, dtype: torch.dtype) -> str:
-    """The Buffer backend for hidden states of `dtype` under the ``moe_uccl_backend`` knob `knob`.
-
-    ``auto`` keeps the Buffer's own choice (native kernels on GPUs) for BF16 models and takes ``reference`` (the
-    torch.distributed all-to-all, exact in any dtype) for others, saying so once; ``native`` refuses other dtypes.
-    """
-    # What the native kernels combine (BF16 rows, reduced in float32, as DeepEP's): the dtypes they can move both ways.
-    from uccl_moe.backends.native import NativeBackend
-
-    if knob == "reference" or dtype in NativeBackend.supported_combine_dtypes:
-        return knob
-    if knob == "native":
-        raise InvalidTypeError(
-            f"moe_uccl_backend=native moves BF16 hidden states only (combine reduces BF16 rows, like DeepEP's), but "
-            f"this model's are {str(dtype).replace('torch.', '')}: train with --bf16, or set --moe-uccl-backend auto "
-            f"or reference (all_to_all in the model's dtype)"
-        )
-    if dtype not in _FALLBACK_LOGGED:
-        _FALLBACK_LOGGED.add(dtype)
-        log.warning("uccl dispatcher: hidden states are %s and the native kernels move BF16 only; using the "
-                    "reference backend (all_to_all) for them. Train with --bf16 for the native kernels.",
-                    str(dtype).replace("torch.", ""))
-    return "reference"
-
-
-def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0,
-               backend: Optional[str] = None, combine_tokens: int = 0) -> Any:
-    """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`, `backend`), created on first use;
-    `max_tokens` (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans
-    nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive and `num_topk`
-    weights per row, for combine from the buffer (unless the nvl_bytes knob is set). `backend` defaults to the knob
-    (see :func:`backend_for`)."""
-    from uccl_moe import Buffer
-
-    backend = knobs.backend if backend is None else backend
-    with _BUFFERS_LOCK:
-        for g, hb, b, buf in _BUFFERS:
-            if g is group and hb == hidden_bytes and b == backend:
-                return buf
-        from uccl_moe.topology import detect
-
-        size = dist.get_world_size(group)
-        # The node layout the Buffer will detect and check the sizes against (a collective, like the Buffer's own).
-        topology = detect(group, dist.get_rank(group), size)
-        nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node,
-                                 max_tokens, num_topk)
-        if knobs.nvl_bytes is None and combine_tokens > 0 and topology.num_nodes == 1:
-            # Every rank's NVL buffer must have the same size (ring offsets in a peer's buffer are computed from
-            # one's own), so the size comes from the largest token count of the group, not this rank's.
-            counts: list[Any] = [None] * size
-            dist.all_gather_object(counts, int(combine_tokens), group=group)
-            # (with room for the top-k weights the dispatch's backward combine stages)
-            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * max(counts), hidden_bytes // 2, num_topk))
-        log.info(
-            "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
-            size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,
-        )
-        buf = Buffer(group, nvl, rdma, backend=backend)  # type: ignore[arg-type]  # validated by knobs
-        _BUFFERS.append((group, hidden_bytes, backend, buf))
-        return buf
-
-
-def clear_buffers() -> None:
-    """Forget the cached Buffers (they are destroyed when garbage collected). For tests and re-initialisation."""
-    with _BUFFERS_LOCK:
-        for *_, buf in _BUFFERS:
-            destroy = getattr(buf, "destroy", None)
-            if destroy is not None and getattr(buf, "explicitly_destroy", False):
-                destroy()
-        _BUFFERS.clear()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Autograd functions over the Buffer.
-# ----------------------------------------------------------------------------------------------------------------
-class _DispatchState:
-    """What one forward's dispatch leaves for the later steps (not tensors autograd must see)."""
-
-    __slots__ = ("handle", "recv_topk_idx", "tokens_per_expert", "event", "pull_backward", "backward_view")
-
-    def __init__(self, pull_backward: bool = False) -> None:
-        self.handle: Any = None
-        self.recv_topk_idx: Optional[torch.Tensor] = None
-        self.tokens_per_expert: Optional[torch.Tensor] = None
-        self.event: Any = None
-        # The dispatch's backward combine takes its rows from the Buffer where every rank's fit (knob on, unfused
-        # permute); backward_view is the Buffer memory the gather's backward summed the gradient into, if it did.
-        self.pull_backward = pull_backward
-        self.backward_view: Optional[torch.Tensor] = None
-
-
-class UCCLDispatch(torch.autograd.Function):
-    """x [T, H], topk_weights [T, K] float32 -> recv_x [N, H], recv_topk_weights [N, K] float32.
-
-    ``topk_idx`` [T, K] int64 (-1 = no expert) is a non-differentiable input; the received local expert ids, the
-    per-expert counts (CPU int64 [L]), the handle and the completion event go to ``state``.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_idx: torch.Tensor,
-        buffer: Any,
-        num_experts: int,
-        state: _DispatchState,
-        async_finish: bool,
-        allocate_on_comm_stream: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        previous_event = buffer.capture() if async_finish else None
-        num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event = (
-            buffer.get_dispatch_layout(
-                topk_idx,
-                num_experts,
-                previous_event=previous_event,
-                async_finish=async_finish,
-                allocate_on_comm_stream=allocate_on_comm_stream and async_finish,
-            )
-        )
-        recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(
-            x,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-            is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            previous_event=event if async_finish else None,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream and async_finish,
-        )
-        state.handle = handle
-        state.recv_topk_idx = recv_topk_idx
-        # The counts are a host list (the Buffer waited for them), so this is a CPU tensor: no device sync later.
-        state.tokens_per_expert = torch.tensor(counts, dtype=torch.int64, device="cpu")
-        state.event = event if async_finish else None
-        ctx.buffer = buffer
-        ctx.handle = handle
-        ctx.state = state
-        ctx.async_finish = async_finish
-        ctx.allocate_on_comm_stream = allocate_on_comm_stream
-        return recv_x, recv_topk_weights
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_recv_x: torch.Tensor, grad_recv_topk_weights: Optional[torch.Tensor]
-    ) -> tuple[Any, ...]:
-        if grad_recv_topk_weights is not None:
-            grad_recv_topk_weights = grad_recv_topk_weights.float().contiguous()
-        grad_recv_x = grad_recv_x.contiguous()
-        state, ctx.state = ctx.state, None
-        if state.pull_backward:
-            K = int(grad_recv_topk_weights.shape[1]) if grad_recv_topk_weights is not None else 0
-            grad_recv_x = _backward_combine_input(ctx.buffer, ctx.handle, grad_recv_x, K, state.backward_view)
-        state.backward_view = None
-        # captured after every write above (a copy into the Buffer's view included): the comm stream waits for it
-        previous_event = ctx.buffer.capture() if ctx.async_finish else None
-        grad_x, grad_topk_weights, event = ctx.buffer.combine(
-            grad_recv_x,
-            ctx.handle,
-            topk_weights=grad_recv_topk_weights,
-            previous_event=previous_event,
-            async_finish=ctx.async_finish,
-            allocate_on_comm_stream=ctx.allocate_on_comm_stream and ctx.async_finish,
-        )
-        if ctx.async_finish:
-            event.current_stream_wait()
-        ctx.handle = None
-        return grad_x, grad_topk_weights, None, None, None, None, None, None
-
-
-def _combine_view(buffer: Any, handle: Any, hidden: int, dtype: torch.dtype,
-                  num_topk: int = 0) -> Optional[torch.Tensor]:
-    """Buffer.get_combine_buffer(handle, hidden) when every rank's rows (and `num_topk` weights per row) fit it, else
-    None (a tensor of one's own: the ring combine). Buffer.combine_buffer_fits gives the same answer on every rank, as
-    the two paths require."""
-    if buffer is None or handle is None or not buffer.combine_buffer_fits(handle, hidden, num_topk):
-        return None
-    view: torch.Tensor = buffer.get_combine_buffer(handle, hidden, dtype=dtype)
-    return view
-
-
-def _backward_combine_input(buffer: Any, handle: Any, grad: torch.Tensor, num_topk: int,
-                            view: Optional[torch.Tensor]) -> torch.Tensor:
-    """What the dispatch's backward combine takes: the Buffer's memory when every rank's rows fit (the same answer on
-    every rank, so all pull or all push), else a tensor of our own. Normally the gather's backward already summed the
-    gradient there (`view`); a gradient that reached the dispatch another way (a hook on its output, a second
-    consumer) is copied in, so that this rank still pulls with its peers."""
-    lies_there = (view is not None and tuple(grad.shape) == tuple(view.shape)
-                  and grad.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
-    if not buffer.combine_buffer_fits(handle, int(grad.shape[1]), num_topk):
-        return grad.clone() if lies_there else grad
-    if lies_there:
-        return grad
-    out: torch.Tensor = buffer.get_combine_buffer(handle, int(grad.shape[1]), dtype=grad.dtype)
-    return out.copy_(grad)
-
-
-class _GatherGradIntoBuffer(torch.autograd.Function):
-    """tokens [N, H] -> tokens[sorted_indices] (the gather of Megatron's unfused permute). Its gradient is summed per
-    token as index_select's own backward sums it (zeros, then index_add_), but into the Buffer's memory when every
-    rank's rows fit (_combine_view): the dispatch's backward combine, which takes this gradient next, then pulls the
-    rows where they lie instead of pushing them through the rings (_backward_combine_input; `state` tells it)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, tokens: torch.Tensor, sorted_indices: torch.Tensor, buffer: Any, state: _DispatchState,
-        num_topk: int,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(sorted_indices)
-        ctx.buffer, ctx.handle, ctx.state, ctx.num_topk = buffer, state.handle, state, num_topk
-        ctx.shape = tokens.shape
-        return tokens.index_select(0, sorted_indices)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        (sorted_indices,) = ctx.saved_tensors
-        rows, hidden = ctx.shape
-        out = _combine_view(ctx.buffer, ctx.handle, int(hidden), grad.dtype, ctx.num_topk)
-        ctx.state.backward_view = out
-        ctx.buffer = ctx.handle = ctx.state = None
-        if out is None:
-            out = grad.new_zeros((rows, hidden))
-        else:
-            out.zero_()
-        out.index_add_(0, sorted_indices, grad)
-        return out, None, None, None, None
-
-
-class UCCLCombine(torch.autograd.Function):
-    """x [N, H] (one row per received token, already summed over local experts) -> [T, H]: the sum over ranks."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, buffer: Any, handle: Any, state: _DispatchState, async_finish: bool, allocate: bool
-    ) -> torch.Tensor:
-        previous_event = buffer.capture() if async_finish else None
-        combined, _, event = buffer.combine(
-            x,
-            handle,
-            previous_event=previous_event,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate and async_finish,
-        )
-        state.event = event if async_finish else None
-        ctx.buffer = buffer
-        ctx.handle = handle
-        ctx.async_finish = async_finish
-        ctx.allocate = allocate
-        return combined
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        grad = grad.contiguous()  # (a copy, if any, is enqueued before the event the comm stream waits for)
-        previous_event = ctx.buffer.capture() if ctx.async_finish else None
-        grad_x, _, _, _, _, event = ctx.buffer.dispatch(
-            grad,
-            handle=ctx.handle,
-            previous_event=previous_event,
-            async_finish=ctx.async_finish,
-            allocate_on_comm_stream=ctx.allocate and ctx.async_finish,
-        )
-        if ctx.async_finish:
-            event.current_stream_wait()
-        ctx.handle = None
-        return grad_x, None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The dispatcher.
-# ----------------------------------------------------------------------------------------------------------------
 def routing_to_topk(
     routing_map: torch.Tensor, probs: torch.Tensor, tp_size: int, ep_size: int, num_local_experts: int, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,8 +144,6 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.num_comm_experts = self.comm_size * self.num_local_experts
         self.knobs = _knobs.resolve(config)
         if self.knobs.num_sms is not None:
-            from uccl_moe import Buffer
-
             Buffer.set_num_sms(self.knobs.num_sms)
         self.async_finish = True
         self.allocate_on_comm_stream = True

@@ -111,7 +111,7 @@ def test_dropless_roundtrip_emulated_two_nodes():
 
 def test_backend_for_model_dtype(caplog):
     from uccl_moe import InvalidTypeError
-    from uccl_moe.megatron import dispatcher as d
+    from uccl_moe.megatron import buffer_manager as d
 
     assert d.backend_for("auto", torch.bfloat16) == "auto"
     assert d.backend_for("native", torch.bfloat16) == "native"
@@ -168,7 +168,7 @@ def test_permute_gradient_lands_in_the_buffer(fits):
     from megatron.core.transformer.moe.moe_utils import permute
 
     from uccl_moe.megatron import _compat
-    from uccl_moe.megatron import dispatcher as d
+    from uccl_moe.megatron import autograd as d
 
     gen = torch.Generator().manual_seed(5)
     N, H, E, K = 10, 16, 4, 3
@@ -215,7 +215,7 @@ def test_backward_combine_input_pulls_alike_on_every_rank():
     """The dispatch's backward combine takes the Buffer's memory exactly when every rank's rows fit: the gather's
     gradient as it lies there, any other gradient copied in (a hook, a second consumer); where they do not fit, a
     tensor of its own, never the Buffer's memory."""
-    from uccl_moe.megatron import dispatcher as d
+    from uccl_moe.megatron import autograd as d
 
     memory = torch.zeros((5, 8), dtype=torch.bfloat16)
     grad = torch.randn((5, 8)).bfloat16()
@@ -251,7 +251,7 @@ def test_dispatch_backward_captures_after_the_copy_into_the_buffer():
     comm stream could read the view before the copy lands)."""
     import types
 
-    from uccl_moe.megatron import dispatcher as d
+    from uccl_moe.megatron import autograd as d
 
     calls, memory = [], torch.zeros((4, 8), dtype=torch.bfloat16)
 

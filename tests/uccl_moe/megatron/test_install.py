@@ -174,7 +174,7 @@ def _unknown_type_rank(rank, world):
     layer = make_layer(make_config(case, "uccl"), torch.device("cpu"))
     # One Buffer per (group, hidden bytes), shared by layers; the SM knob reaches Buffer.set_num_sms.
     from uccl_moe import Buffer
-    from uccl_moe.megatron import dispatcher as disp
+    from uccl_moe.megatron import buffer_manager as disp
 
     cfg2 = make_config(case, "uccl")
     cfg2.moe_uccl_num_sms = 24

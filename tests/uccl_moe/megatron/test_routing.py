@@ -8,7 +8,8 @@ pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip
 
 import torch  # noqa: E402
 
-from uccl_moe.megatron.dispatcher import buffer_sizes, hidden_bytes_of, routing_to_topk  # noqa: E402
+from uccl_moe.megatron.buffer_manager import buffer_sizes, hidden_bytes_of  # noqa: E402
+from uccl_moe.megatron.dispatcher import routing_to_topk  # noqa: E402
 
 
 def _routing(num_tokens, num_experts, topk, seed=0):
