@@ -302,7 +302,7 @@ class NativeBackend(Backend):
             raise InvalidTypeError(f"the native backend combines bfloat16 rows, got get_combine_buffer(dtype={dtype})")
         if (hidden * 2) % 16 != 0:
             raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
-        rows = int(handle.recv_src_idx.shape[0])
+        rows = int(handle_field(handle, "recv_src_idx").shape[0])  # tests pass DeepEP-order tuples
         offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
         self._refuse_over_buffer(int(end), f"get_combine_buffer: {rows} rows of hidden {hidden}")
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
