@@ -29,7 +29,6 @@ from . import env as _env
 from .cli import subcommand
 from .errors import CommTimeoutError, TransportError, UcclMoeError
 
-THOR2_INFLIGHT_BYTES = 1572864  # UCCL-EP README: Thor-2 needs ~1.5 MiB in flight and 1 write per FIFO (CQE error 12)
 PEER_MODULES = ("nvidia_peermem", "efa_nv_peermem", "nv_peer_mem")
 
 
@@ -103,20 +102,22 @@ def _knob(name: str, problems: list[dict[str, str]]) -> Any:
         return _env.KNOBS[name].parse(_env.KNOBS[name].default)
 
 
+def _thor2_bytes_per_gpu() -> int:
+    """The in-flight byte budget per GPU the proxy gives Thor-2 (flow_control.cc nic_flow_defaults, one thread)."""
+    return int(_native().nic_flow_defaults("bnxt_re", 1)[0])
+
+
 def _qos(name: str, value: str, auto: int, hi: int, problems: list[dict[str, str]]) -> int:
     """A traffic class or service level as the ibverbs transport resolves it: `auto` is RoCE's lossless-class
     default (TC 104, SL 3, as in ibverbs.cc) or 0 on InfiniBand; otherwise an int in [0, hi]."""
     if value == "auto":
         return auto
     try:
-        v = int(value)
-        if 0 <= v <= hi:
-            return v
-    except ValueError:
-        pass
-    problems.append(_problem("error", f"UCCL_MOE_{name}={value!r} is not auto or an integer in [0, {hi}]",
-                             f"set UCCL_MOE_{name}=auto or a value in [0, {hi}]"))
-    return auto
+        return int(_native().env_parse_int(name, value, "0", str(hi)))  # the transport's parser (ibverbs.cc)
+    except UcclMoeError:
+        problems.append(_problem("error", f"UCCL_MOE_{name}={value!r} is not auto or an integer in [0, {hi}]",
+                                 f"set UCCL_MOE_{name}=auto or a value in [0, {hi}]"))
+        return auto
 
 
 def _pick_gid(gids: list[dict[str, Any]], link_layer: str, knob: str) -> tuple[int, str, str]:
@@ -124,21 +125,24 @@ def _pick_gid(gids: list[dict[str, Any]], link_layer: str, knob: str) -> tuple[i
     with an IPv4-mapped address, else a RoCE v2 ULA/global IPv6 one (Broadcom), never a link-local one
     (uccl include/rdma_util.hpp GID choice by gid_attrs/types; nic_rules.md RoCE GID); InfiniBand and EFA: 0."""
     if knob != "auto":
-        idx = int(knob)
+        try:
+            idx = int(_native().env_parse_int("IB_GID_INDEX", knob, "0", "255"))  # the transport's parser
+        except UcclMoeError as e:
+            return -1, "-", str(e)
         match = [g for g in gids if g["index"] == idx]
         if not match:
             return idx, "?", f"UCCL_MOE_IB_GID_INDEX={idx} is not in the GID table"
         return idx, match[0]["type"] or "-", ""
     if link_layer != "Ethernet":
         return 0, (gids[0]["type"] if gids else "") or "-", ""
-    v2 = [g for g in gids if g["type"] == "RoCE v2"]
-    for g in v2:
-        if g["gid"].startswith("0000:0000:0000:0000:0000:ffff:"):
-            return g["index"], "RoCE v2 IPv4", ""
-    for g in v2:
-        if not g["gid"].startswith("fe80"):
-            return g["index"], "RoCE v2 IPv6", ""
-    return -1, "-", "no routable RoCE v2 GID (only link-local or v1)"
+    # The ibverbs transport's preference (nic_select.hpp roce_gid_preference): lowest rank, then lowest index.
+    C = _native()
+    ranked = [(C.gid_preference(g["gid"]), g["index"]) for g in gids if g["type"] == "RoCE v2"]
+    ranked = sorted(r for r in ranked if r[0] >= 0)
+    if not ranked:
+        return -1, "-", "no routable RoCE v2 GID (only link-local or v1)"
+    pref, idx = ranked[0]
+    return idx, "RoCE v2 IPv4" if pref == 0 else "RoCE v2 IPv6", ""
 
 
 def _compact(cpus: list[int]) -> str:
@@ -169,7 +173,8 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
         return rep
     rep["transports"] = {n: bool(ok) for n, ok in C.proxy_transports()}
     has_verbs = hasattr(C, "rdma_device_caps")
-    sysfs = C.nic_sysfs(sysfs_root, int(_knob("IB_PORT", problems)))
+    port = int(_knob("IB_PORT", problems))
+    sysfs = C.nic_sysfs(sysfs_root, port)
     devices = sysfs["devices"]
     rep["rdma_devices"] = devices
     verbs_names = list(C.rdma_device_names()) if (has_verbs and live) else []
@@ -218,7 +223,7 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
             row.update(nic=[], reason="no NIC (loopback)", cpus="-")
             continue
         try:
-            ch = C.nic_choose(sysfs_root, family, gpu, lr, hca, verbs_names, int(_env.get("IB_PORT")))
+            ch = C.nic_choose(sysfs_root, family, gpu, lr, hca, verbs_names, port)
         except UcclMoeError as e:
             row.update(nic=[], reason=str(e), cpus="-")
             problems.append(_problem("error", f"local rank {lr}: {e}", "fix UCCL_MOE_IB_HCA (docs/internode.md)"))
@@ -251,7 +256,7 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
         if live and has_verbs:
             for name in ch["devices"]:
                 if name not in caps:
-                    caps[name] = dict(C.rdma_device_caps(name, int(_env.get("IB_PORT"))))
+                    caps[name] = dict(C.rdma_device_caps(name, port))
             c0 = caps[ch["devices"][0]]
             if c0.get("active_mtu"):
                 row["mtu"] = str(c0["active_mtu"])
@@ -263,7 +268,7 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
         if mode == "auto":
             numa = ch["numa_cpus"]
             row["cpus"] = f"NUMA {ch['numa_node']}: {numa}" if numa else "not pinned (NUMA unknown)"
-            node_cpus = set(_parse_cpus(ch["numa_cpus"]))
+            node_cpus = set(C.proxy_cpus_for_rank(ch["numa_cpus"], 0)[1]) if ch["numa_cpus"] else set()
             if allowed and node_cpus and not node_cpus & set(allowed):
                 problems.append(_problem(
                     "warn", f"local rank {lr}: this process may not run on NUMA node {ch['numa_node']} "
@@ -307,39 +312,27 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
     rep["settings"] = {_env.KNOBS[k].var: {"value": _knob(k, problems), "source": _env.source(k)} for k in fc_names}
     chosen = {d for r in ranks for d in r.get("nic", [])}
     if any(d.startswith("bnxt_re") for d in chosen):
-        # The limits the proxy will use (flow_control.cc resolve_flow_limits): a knob set in the environment, else
-        # the NIC family's default, else the knob's default. Bytes are per proxy thread.
+        # The limits the proxy will use (flow_control.cc resolve_flow_limits); bytes are per proxy thread.
         threads = int(_knob("PROXY_THREADS", problems))
-        nic_b, nic_w = C.nic_flow_defaults("bnxt_re", threads)
-
-        def in_force(knob: str, nic_default: int) -> int:
-            if _env.source(knob) == "env" or nic_default < 0:
-                return int(_knob(knob, problems))
-            return int(nic_default)
-
-        b, w = in_force("MAX_INFLIGHT_BYTES", nic_b), in_force("MAX_INFLIGHT_WRITES", nic_w)
+        thor2_bytes = _thor2_bytes_per_gpu()
+        try:
+            b, w, _, _ = C.flow_limits("bnxt_re", threads)
+        except UcclMoeError:  # a bad knob: already listed among the problems by the settings above
+            b, w = 0, 0
         rep["flow_control"] = {"max_inflight_bytes_per_thread": b, "max_inflight_writes_per_fifo": w,
                                "proxy_threads": threads}
-        if b == 0 or b * threads > THOR2_INFLIGHT_BYTES or w > 1:
+        if b == 0 or b * threads > thor2_bytes or w > 1:
             problems.append(_problem(
                 "warn", f"Broadcom Thor-2 with {'unlimited' if b == 0 else b * threads} bytes per GPU and {w} writes "
                 "per FIFO in flight: expect CQE error 12 (transport retry exceeded) under load",
                 "unset UCCL_MOE_MAX_INFLIGHT_BYTES and UCCL_MOE_MAX_INFLIGHT_WRITES (the Thor-2 defaults, "
-                f"{THOR2_INFLIGHT_BYTES} bytes per GPU and 1 write, then apply)"))
+                f"{thor2_bytes} bytes per GPU and 1 write, then apply)"))
     roce = any(by_name.get(d, {}).get("link_layer") == "Ethernet" for d in chosen)
     if roce and tc == 0:
         problems.append(_problem(
             "warn", "RoCE with UCCL_MOE_IB_TC=0: traffic goes in the best-effort class, which drops under congestion",
             "set UCCL_MOE_IB_TC to your fabric's lossless class (DSCP << 2, e.g. 104 for DSCP 26) and UCCL_MOE_IB_SL"))
     return rep
-
-
-def _parse_cpus(text: str) -> list[int]:
-    out: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
 
 
 def format_report(rep: dict[str, Any]) -> str:
@@ -398,7 +391,7 @@ def _fix_for(e: BaseException) -> str:
     msg = str(e)
     if "RETRY_EXC" in msg or "retry" in msg.lower():
         return (f"transport retries exhausted (CQE 12): lower UCCL_MOE_MAX_INFLIGHT_BYTES/WRITES (Thor-2: "
-                f"{THOR2_INFLIGHT_BYTES}/1), check PFC/ECN and that UCCL_MOE_IB_TC maps to the lossless class")
+                f"{_thor2_bytes_per_gpu()}/1), check PFC/ECN and that UCCL_MOE_IB_TC maps to the lossless class")
     if "RNR" in msg:
         return "receiver not ready: the peer posted no receive (EFA: a provider without unsolicited receive); report it"
     if "reg_mr" in msg or "dmabuf" in msg or "REM_ACCESS" in msg or "access" in msg.lower():

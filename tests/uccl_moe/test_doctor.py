@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from uccl_moe import _C
+from uccl_moe import _C, UcclMoeError
 from uccl_moe import doctor as doc
 from uccl_moe.cli import main
 from uccl_moe.errors import InvalidUsageError
@@ -252,3 +252,20 @@ def test_pair_cli_under_torchrun() -> None:
     single = subprocess.run([sys.executable, "-m", "uccl_moe.cli", "doctor", "--pair"], env=env, capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert single.returncode == 2 and "needs 2+ ranks" in single.stderr
+
+
+def test_gid_choice_is_the_transports_rule() -> None:
+    """doctor ranks GIDs with the transport's own rule (nic_select.hpp roce_gid_preference): IPv4-mapped, then ULA,
+    then another global IPv6, lowest index on ties; a bad UCCL_MOE_IB_GID_INDEX is a problem line, not a traceback."""
+    C = doc._native()
+    assert [C.gid_preference(t) for t in ("::ffff:10.0.0.1", "fd00::1", "2001:db8::1", "fe80::1", "::")] == \
+        [0, 1, 2, -1, -1]
+    with pytest.raises(UcclMoeError, match="not a GID"):
+        C.gid_preference("mlx5_0")
+    gids = [{"index": 0, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "type": "RoCE v2"},
+            {"index": 1, "gid": "2001:0db8:0000:0000:0000:0000:0000:0001", "type": "RoCE v2"},
+            {"index": 2, "gid": "fd00:0000:0000:0000:0000:0000:0000:0001", "type": "RoCE v1"},
+            {"index": 3, "gid": "fd00:0000:0000:0000:0000:0000:0000:0002", "type": "RoCE v2"}]
+    assert doc._pick_gid(gids, "Ethernet", "auto") == (3, "RoCE v2 IPv6", "")  # ULA before the earlier global one
+    idx, _, err = doc._pick_gid(gids, "Ethernet", "abc")
+    assert idx == -1 and "UCCL_MOE_IB_GID_INDEX" in err

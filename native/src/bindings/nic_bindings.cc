@@ -1,5 +1,6 @@
 // Bindings of the NIC choice per GPU (native/src/transport/nic_select.hpp) and of the device capability query, for
 // `uccl-moe doctor` and the tests that drive both against the recorded sysfs trees (tests/fixtures/sysfs).
+#include <arpa/inet.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -105,6 +106,15 @@ void register_nic(nb::module_& m) {
         },
         "sysfs_root"_a, "port"_a = 1, "RDMA devices (with GID tables) and GPUs as the sysfs tree lists them");
   m.def("numa_cpulist", &detail::numa_cpulist, "sysfs_root"_a, "node"_a);
+  m.def(
+      "gid_preference",
+      [](const std::string& text) {
+        uint8_t raw[16];
+        if (inet_pton(AF_INET6, text.c_str(), raw) != 1)
+          UCCL_THROW(kInvalidUsage, "'%s' is not a GID (an IPv6 address as sysfs prints it)", text.c_str());
+        return detail::roce_gid_preference(raw);
+      },
+      "text"_a, "RoCE v2 GID preference the ibverbs transport uses: 0 IPv4-mapped, 1 ULA, 2 global IPv6, -1 never");
   m.def("normalize_pci_bus_id", &detail::normalize_pci_bus_id, "text"_a);
   m.def("proxy_cpus_for_rank",
         [](const std::string& text, int local_rank) {

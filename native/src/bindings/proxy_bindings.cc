@@ -69,6 +69,15 @@ void register_proxy(nb::module_& m) {
       },
       "family"_a, "num_threads"_a,
       "(bytes per proxy thread, writes per FIFO) a NIC family ('mlx5', 'bnxt_re', ...) defaults to; -1 = no opinion");
+  m.def(
+      "flow_limits",
+      [](const std::string& family, int num_threads) {
+        const FlowLimits f = resolve_flow_limits(-1, -1, family, num_threads);
+        return nb::make_tuple(f.max_inflight_bytes, f.max_inflight_writes, f.bytes_source, f.writes_source);
+      },
+      "family"_a, "num_threads"_a,
+      "(bytes per thread, writes per FIFO, source of each) a proxy on that NIC family uses when no option is given: "
+      "the knob if set, else the family's default, else the knob's default");
 #if defined(UCCL_MOE_HAVE_IBVERBS)
   m.def(
       "gpu_export_dmabuf",

@@ -4,18 +4,13 @@
 
 #ifdef UCCL_MOE_HAVE_EFA
 #include <infiniband/efadv.h>
+
+#include "efa/efa_ops.hpp"  // kEfaCap*: the capability bits older efadv.h headers lack
 #endif
 
 namespace uccl_moe::detail {
 
 namespace {
-// EFA device capability bits (rdma-core providers/efa/efadv.h, enum EFADV_DEVICE_ATTR_CAPS_*); spelled here because
-// older efadv.h headers lack the RDMA-write and unsolicited-receive bits.
-constexpr uint32_t kEfaCapRdmaRead = 1u << 0;
-constexpr uint32_t kEfaCapRnrRetry = 1u << 1;
-constexpr uint32_t kEfaCapRdmaWrite = 1u << 3;
-constexpr uint32_t kEfaCapUnsolicitedWriteRecv = 1u << 4;
-
 const char* port_state_name(ibv_port_state s) {
   switch (s) {
     case IBV_PORT_DOWN: return "DOWN";

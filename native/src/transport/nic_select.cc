@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <set>
@@ -194,6 +195,14 @@ const char* nic_family_name(NicFamily f) {
     case NicFamily::kVerbs: return "ibverbs";
     default: return "any";
   }
+}
+
+int roce_gid_preference(const uint8_t raw[16]) {
+  static const uint8_t kZero[16] = {0};
+  static const uint8_t kV4Mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  if (std::memcmp(raw, kZero, 16) == 0) return -1;         // unpopulated entry
+  if (raw[0] == 0xfe && (raw[1] & 0xc0) == 0x80) return -1;  // link-local: never routes
+  return std::memcmp(raw, kV4Mapped, 12) == 0 ? 0 : raw[0] == 0xfd ? 1 : 2;
 }
 
 bool is_efa_name(const std::string& name) { return name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0; }

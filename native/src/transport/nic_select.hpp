@@ -13,6 +13,7 @@
 // and Documentation/ABI/testing/sysfs-bus-pci.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -26,8 +27,12 @@ enum class NicFamily : int {
   kEfa = 2,    ///< efa* / rdmap* (is_efa_device): the efa transport
 };
 const char* nic_family_name(NicFamily f);
-/// "efa*" or "rdmap*" (same rule as verbs_ops.hpp's is_efa_device, which needs no libibverbs here).
+/// "efa*" or "rdmap*": the one EFA device-name rule (verbs_ops.hpp's is_efa_device forwards here).
 bool is_efa_name(const std::string& name);
+/// How a RoCE v2 GID routes, by its address (UCCL-EP's and NCCL's preference): 0 IPv4-mapped, 1 IPv6 ULA fd00::/8
+/// (Broadcom bnxt_re ports with IPv6 only), 2 another global IPv6; -1 never (empty, or link-local fe80::/10). The one
+/// rule for the ibverbs transport's GID choice and `uccl-moe doctor`.
+int roce_gid_preference(const uint8_t raw[16]);
 /// "a, b, c".
 std::string join_names(const std::vector<std::string>& names);
 

@@ -225,22 +225,19 @@ int resolve_gid_index(VerbsOps& ops, ibv_context* ctx, uint8_t port, int gid_tab
   // gid_attrs/types as UCCL-EP ep/include/rdma_util.hpp reads it), not by its address: a v1 entry carries the same
   // address. Preference as UCCL-EP (NCCL's rule): IPv4-mapped, then, on NICs whose GIDs are all IPv6 ULA (Broadcom
   // bnxt_re), a ULA fd00::/8 GID, then another global IPv6. Link-local fe80::/10 and empty GIDs never route.
-  static const uint8_t kV4Mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
   int best = -1, best_rank = 4;
   std::string seen;
   for (int i = 0; i < gid_table_len; ++i) {
     ibv_gid g;
     if (ops.query_gid(ctx, port, i, &g) != 0) continue;
     static const uint8_t kZero[16] = {0};
-    if (std::memcmp(g.raw, kZero, 16) == 0) continue;  // unpopulated entry
+    if (std::memcmp(g.raw, kZero, 16) == 0) continue;  // unpopulated entry (not listed among the GIDs seen)
     ibv_gid_type type = IBV_GID_TYPE_IB;
     const int trc = ops.query_gid_type(ctx, port, i, &type);
     seen += format("%s[%d] %s (%s)", seen.empty() ? "" : ", ", i, gid_text(g).c_str(), gid_type_text(trc, type));
     if (trc != 0 || type != IBV_GID_TYPE_ROCE_V2) continue;
-    const bool link_local = g.raw[0] == 0xfe && (g.raw[1] & 0xc0) == 0x80;
-    if (link_local) continue;
-    const int rank = std::memcmp(g.raw, kV4Mapped, 12) == 0 ? 0 : g.raw[0] == 0xfd ? 1 : 2;
-    if (rank < best_rank) {
+    const int rank = roce_gid_preference(g.raw);  // nic_select.hpp
+    if (rank >= 0 && rank < best_rank) {
       best = i;
       best_rank = rank;
     }

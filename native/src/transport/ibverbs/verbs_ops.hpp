@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "../nic_select.hpp"
+
 namespace uccl_moe::detail {
 
 class VerbsOps {
@@ -47,8 +49,8 @@ std::shared_ptr<VerbsOps> real_verbs_ops();
 /// The text of sysfs ports/<port>/gid_attrs/types/<index> ("IB/RoCE v1", "RoCE v2") as a GID type; false if unknown.
 bool parse_sysfs_gid_type(const std::string& text, ibv_gid_type* type);
 
-/// EFA devices ("efa*", "rdmap*") belong to the efa transport; every other device to ibverbs.
-inline bool is_efa_device(const std::string& name) { return name.rfind("efa", 0) == 0 || name.rfind("rdmap", 0) == 0; }
+/// EFA devices belong to the efa transport; every other device to ibverbs (the rule: nic_select.hpp is_efa_name).
+inline bool is_efa_device(const std::string& name) { return is_efa_name(name); }
 
 /// "ibv_post_send qp=12: Cannot allocate memory (errno 12)" style message for a failed verbs call.
 std::string verbs_error(const char* call, int ret_or_errno);
