@@ -49,9 +49,20 @@ def meta(default: Any = MISSING, doc: str = "", **kw: Any) -> Any:
     return _field(default, {"arg": False, "doc": doc, **kw})
 
 
-def knob(env: str, doc: str = "", **kw: Any) -> Any:
-    """An uccl-moe env knob (``env_knobs.def``); None leaves it to the platform or the knob's default."""
-    return _field(None, {"arg": False, "env": env, "doc": doc, **kw})
+def knob(env: str, doc: str = "") -> Any:
+    """An uccl-moe env knob (``env_knobs.def``); None leaves it to the platform or the knob's default. A numeric
+    knob's range is the knob table's, so the config refuses exactly what the runtime would."""
+    from ..env import KNOBS
+
+    row = KNOBS[env.removeprefix("UCCL_MOE_")]
+    bounds: dict[str, Any] = {}
+    if row.type in ("INT", "FLOAT"):
+        parse: Any = (lambda t: int(t, 0)) if row.type == "INT" else float
+        if row.min_or_choices:
+            bounds["ge"] = parse(row.min_or_choices)
+        if row.max:
+            bounds["le"] = parse(row.max)
+    return _field(None, {"arg": False, "env": env, "doc": doc, **bounds})
 
 
 RANGE_KEYS = ("ge", "gt", "le", "lt")
@@ -295,10 +306,10 @@ class DispatcherConfig:
     moe_uccl_rdma_bytes: Optional[int] = arg(None, "RDMA buffer bytes; None = sized from the Buffer's hints", ge=0)
     moe_uccl_backend: Optional[UcclBackend] = arg(None, "auto | native | reference; CPU runs use reference")
     # uccl-moe env knobs (env_knobs.def); None = platform.uccl_env or the knob default
-    proxy_threads: Optional[int] = knob("UCCL_MOE_PROXY_THREADS", "CPU proxy threads per GPU", ge=1)
-    fifo_capacity: Optional[int] = knob("UCCL_MOE_FIFO_CAPACITY", "slots per GPU->CPU FIFO", ge=1)
-    max_inflight_bytes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_BYTES", "per proxy thread in-flight bytes", ge=1)
-    max_inflight_writes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_WRITES", "per FIFO in-flight writes", ge=1)
+    proxy_threads: Optional[int] = knob("UCCL_MOE_PROXY_THREADS", "CPU proxy threads per GPU")
+    fifo_capacity: Optional[int] = knob("UCCL_MOE_FIFO_CAPACITY", "slots per GPU->CPU FIFO")
+    max_inflight_bytes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_BYTES", "per proxy thread in-flight bytes")
+    max_inflight_writes: Optional[int] = knob("UCCL_MOE_MAX_INFLIGHT_WRITES", "per FIFO in-flight writes")
     transport: Optional[str] = knob("UCCL_MOE_TRANSPORT", "auto | ibverbs | efa | loopback")
 
 

@@ -90,6 +90,8 @@ def check_env_knobs(env: Mapping[str, str]) -> None:
         knob = KNOBS.get(var[len("UCCL_MOE_"):])
         if knob is None:
             continue  # not a knob (UCCL_MOE_CONFIG_DIR, build settings); uccl_moe.env warns about typos
+        if str(value) == "":
+            continue  # empty means unset, as uccl_moe.env and the C++ knobs read it
         try:
             knob.parse(str(value))
         except InvalidUsageError as e:

@@ -119,3 +119,11 @@ def test_memory_warning_when_parameters_do_not_fit():
         report = validate(cfg)
     assert not report.memory.fits and report.memory.total_gb > 141
     assert "h200_efa" in report.warnings[0]
+
+
+def test_dispatcher_knob_ranges_are_the_knob_tables():
+    """A dispatcher knob field is bounded by env_knobs.def, as the runtime parses it: 0 in-flight bytes (unlimited)
+    passes, a value over the knob's maximum is refused by the ranges rule."""
+    validate(compose(["recipe=tiny_cpu_moe", "dispatcher.max_inflight_bytes=0"]), warn=False)
+    with pytest.raises(LayoutError, match="proxy_threads"):
+        validate(compose(["recipe=tiny_cpu_moe", "dispatcher.proxy_threads=65"]), warn=False)

@@ -90,3 +90,7 @@ def test_the_supported_range_matches_the_compat_layer():
     text = (Path(preflight.__file__).parents[1] / "megatron" / "_compat.py").read_text()
     lo, hi = preflight.MEGATRON_SUPPORTED
     assert f"{lo[0]}.{lo[1]}" in text and f"{hi[0]}.{hi[1]}" in text
+
+
+def test_an_empty_knob_is_unset_as_the_ranks_read_it():
+    check_env_knobs({"UCCL_MOE_TRANSPORT": "", "UCCL_MOE_TIMEOUT_S": ""})
