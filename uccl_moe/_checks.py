@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -208,9 +208,10 @@ def check_num_experts(num_experts: Any, group_size: int) -> int:
     return n
 
 
-def check_config(config: Any, default: Any) -> Any:
+def check_config(config: Any, default: Callable[[], Any]) -> Any:
+    """`config`, or ``default()`` when it is None (built only then: Megatron passes none on every call)."""
     if config is None:
-        return default
+        return default()
     if not isinstance(config, _C.Config):
         raise InvalidTypeError(f"config must be a uccl_moe.Config, got {type(config).__name__}")
     return config

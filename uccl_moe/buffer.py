@@ -422,7 +422,7 @@ class Buffer:
         if data.dtype not in backend.supported_dispatch_dtypes:
             raise InvalidTypeError(f"the {self.backend_name} backend cannot dispatch {data.dtype}")
         hidden_bytes = _checks.hidden_bytes(data)
-        config = _checks.check_config(config, Buffer.get_dispatch_config(self.group_size))
+        config = _checks.check_config(config, lambda: Buffer.get_dispatch_config(self.group_size))
         h = self._check_handle(handle) if handle is not None else None
         if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)
@@ -485,7 +485,7 @@ class Buffer:
         h = self._check_handle(handle)
         x = _checks.check_combine_x(x, h, backend.supported_combine_dtypes, self.backend_name, self.device)
         hidden_bytes = _checks.hidden_bytes(x)
-        config = _checks.check_config(config, Buffer.get_combine_config(self.group_size))
+        config = _checks.check_config(config, lambda: Buffer.get_combine_config(self.group_size))
         _checks.check_buffer_size(self, hidden_bytes, config, "combine", h)
         topk_weights = _checks.check_combine_topk_weights(topk_weights, int(h.recv_src_idx.shape[0]), self.device)
         biases = _checks.check_bias(bias, x, int(h.is_token_in_rank.shape[0]), self.device)

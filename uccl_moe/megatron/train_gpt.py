@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -441,12 +442,18 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[to
     return loss, {"lm loss": loss.detach()}
 
 
+@functools.cache
+def _takes_loss_mask(build_schedule_plan: Any) -> bool:
+    """Whether this Megatron's GPTModel.build_schedule_plan takes loss_mask (read once, not per micro-batch)."""
+    return "loss_mask" in inspect.signature(build_schedule_plan).parameters
+
+
 def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any,
                   return_schedule_plan: bool = False) -> tuple[Any, Any]:
     batch = next(data_iterator)
     if return_schedule_plan:  # --overlap-moe-expert-parallel-comm: Megatron's combined 1F1B runs the model's plan
-        takes_mask = "loss_mask" in inspect.signature(model.build_schedule_plan).parameters
-        kw = {"loss_mask": batch["loss_mask"]} if takes_mask else {}
+        build = model.build_schedule_plan
+        kw = {"loss_mask": batch["loss_mask"]} if _takes_loss_mask(getattr(build, "__func__", build)) else {}
         plan = model.build_schedule_plan(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                                          labels=batch["labels"], **kw)
         return plan, partial(_loss_func, batch["loss_mask"])
