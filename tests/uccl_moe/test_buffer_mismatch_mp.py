@@ -38,6 +38,15 @@ def _x(T: int, H: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
     return torch.full((T, H), float(rank + 1), dtype=torch.float32).to(dtype)
 
 
+def _bad_layout_on(buf, rank: int, bad_rank: int):
+    """A dispatch whose num_tokens_per_rank is off on `bad_rank` only: its peers must not wait for it."""
+    idx, w = _routing(8, 4, 2, 0)
+    lay = buf.get_dispatch_layout(idx, 4)
+    ntr = lay.num_tokens_per_rank + (1 if rank == bad_rank else 0)
+    return buf.dispatch(_x(8, 128, torch.bfloat16, rank), topk_idx=idx, topk_weights=w, num_tokens_per_rank=ntr,
+                        is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
+
+
 def _mismatches(rank: int, world: int) -> dict[str, str]:
     from uccl_moe import Buffer
     from uccl_moe.errors import InvalidUsageError
@@ -57,6 +66,7 @@ def _mismatches(rank: int, world: int) -> dict[str, str]:
         "combine_topk_weights": lambda: _combine(buf, rank, weights=rank == 1),
         "combine_hidden": lambda: _combine(buf, rank, hidden=128 if rank == 0 else 64),
         "operation": lambda: _op_mismatch(buf, rank),
+        "layout_one_rank": lambda: _bad_layout_on(buf, rank, bad_rank=1),
     }
     want = {
         "num_experts": "num_experts: 4 on rank 0, 6 on rank 1",
@@ -68,6 +78,7 @@ def _mismatches(rank: int, world: int) -> dict[str, str]:
         "combine_topk_weights": "topk columns: 0 on rank 0, 2 on rank 1",
         "combine_hidden": "hidden: 128 on rank 0, 64 on rank 1",
         "operation": "operation: cached dispatch on rank 0, dispatch on rank 1",
+        "layout_one_rank": "num_tokens_per_rank does not match is_token_in_rank (column sums) on rank 1",
     }
     out: dict[str, str] = {}
     for name, fn in cases.items():

@@ -40,7 +40,8 @@ _DTYPES: dict[torch.dtype, int] = {
     )
 }
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPES.items()}
-#: (field, what the fix is about); the vector holds these, then this rank's pid and host hash (not compared).
+#: (field, what the fix is about); the vector holds these, then whether this rank's layout tensors are consistent
+#: (each rank checks its own; any rank's failure is every rank's error), then its pid and host hash (not compared).
 _AGREE_FIELDS = (
     ("operation", "call the same Buffer operation on every rank, in the same order"),
     ("num_experts", "pass the same num_experts (num_tokens_per_expert length) on every rank"),
@@ -201,16 +202,22 @@ class ReferenceBackend(Backend):
         return torch.stack(parts)
 
     def _agree(self, op: int, num_experts: int, x: torch.Tensor, scales: torch.Tensor | None,
-               topk: torch.Tensor | None) -> None:
+               topk: torch.Tensor | None, layout_ok: bool = True) -> None:
         """The agreement step (see _AGREE_FIELDS): every rank raises the same InvalidUsageError, naming each field
-        the ranks disagree on and which rank holds which value, before any data moves."""
+        the ranks disagree on and which rank holds which value, or the ranks whose layout tensors are inconsistent,
+        before any data moves."""
         mine = [op, num_experts, int(x.shape[1]), _dtype_code(x), _dtype_code(scales), _cols(scales), _cols(topk),
-                os.getpid(), _host_hash()]
+                int(layout_ok), os.getpid(), _host_hash()]
         table = self._all_gather_vec(torch.tensor(mine, dtype=torch.int64, device=x.device), f"{_OPS[op]}/agree")
         rows = [[int(v) for v in row] for row in table.tolist()]
         n = len(_AGREE_FIELDS)
-        self._peers = [(row[n], row[n + 1]) for row in rows]
+        self._peers = [(row[n + 1], row[n + 2]) for row in rows]
         problems, fixes = [], []
+        bad_layout = [r for r, row in enumerate(rows) if row[n] == 0]
+        if bad_layout:
+            problems.append(f"num_tokens_per_rank does not match is_token_in_rank (column sums) on "
+                            f"{self._ranks(bad_layout)}")
+            fixes.append("pass the tensors get_dispatch_layout returned for these tokens")
         for i, (field, fix) in enumerate(_AGREE_FIELDS):
             values: dict[int, list[int]] = {}
             for r, row in enumerate(rows):
@@ -310,12 +317,10 @@ class ReferenceBackend(Backend):
         T = req.x.shape[0]
         E = req.num_experts
         E_loc = E // R
-        if not torch.equal(req.is_token_in_rank.sum(0, dtype=torch.int32), req.num_tokens_per_rank):
-            raise InvalidUsageError(
-                "num_tokens_per_rank does not match is_token_in_rank (column sums); pass the tensors "
-                "get_dispatch_layout returned for these tokens"
-            )
-        self._agree(1, E, req.x, req.x_scales, req.topk_idx)
+        # Checked here, raised by the agreement step on every rank (a rank raising alone would leave its peers
+        # waiting in the step until the timeout).
+        layout_ok = torch.equal(req.is_token_in_rank.sum(0, dtype=torch.int32), req.num_tokens_per_rank)
+        self._agree(1, E, req.x, req.x_scales, req.topk_idx, layout_ok)
         # Counts: full [R, R] matrix (row i = what rank i sends to each rank) and per-local-expert counts.
         matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64), "dispatch/rank-counts")
         rank_prefix_matrix = torch.cumsum(matrix, 0).to(torch.int32)
