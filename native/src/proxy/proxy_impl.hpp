@@ -174,6 +174,14 @@ struct Proxy::Impl {
   bool post_new(Thread& t);
   void post_cmd(Thread& t, FifoState& fs, Entry& e);
   void post_write_piece(Thread& t, FifoState& fs, Entry& e);
+  /// The sequence-number slot of (dst, channel) in Thread::next_seq.
+  static size_t seq_slot(const Thread& t, int dst, const FifoState& fs) {
+    return size_t(dst) * t.fifos.size() + size_t(fs.channel);
+  }
+  /// The index of this rank's counter `f.counter_slot` in a peer's counters.
+  uint32_t counter_index_of(const TransferCmdFields& f) const {
+    return uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
+  }
 
   // ---- proxy_barrier.cc ----
   void setup_barrier_peers();

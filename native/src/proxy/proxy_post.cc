@@ -13,20 +13,17 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
   if (dst >= opt.num_ranks)
     UCCL_THROW(kTransport, "FIFO %d command %llu (%s): dst_rank %d >= num_ranks %d", fs.global_idx,
                (unsigned long long)e.idx, describe(f).c_str(), dst, opt.num_ranks);
-  const uint64_t wr_id = wr_id_of(fs, e.idx);
-  const bool ll = (f.flags & kCmdFlagLL) != 0;
-  const bool phase = (f.flags & kCmdFlagPhase) != 0;
-  const uint32_t counter_index = uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
-  auto next_seq = [&]() { return t.next_seq[size_t(dst) * t.fifos.size() + size_t(fs.channel)]++; };
-  WorkRequest wr;
-  wr.wr_id = wr_id;
-  wr.peer = dst;
-  if (f.op == CmdOp::kWrite) {
+  if (f.op == CmdOp::kWrite) {  // the common command: everything below is the ATOMIC's
     post_write_piece(t, fs, e);
     AtomicCounters::bump(t.stats.writes);
     AtomicCounters::bump(t.stats.bytes, f.bytes);
     return;
   }
+  const bool ll = (f.flags & kCmdFlagLL) != 0;
+  const bool phase = (f.flags & kCmdFlagPhase) != 0;
+  WorkRequest wr;
+  wr.wr_id = wr_id_of(fs, e.idx);
+  wr.peer = dst;
   // ATOMIC. An LL fence counts its group's writes at the receiver: they may come from several FIFOs of the thread,
   // posted in any order between FIFOs, so no NIC atomic could follow them all. LL goes as a write with immediate also
   // with native atomics; native adds carry HT counters only, which follow their FIFO's writes on the same QP.
@@ -34,10 +31,11 @@ void Proxy::Impl::post_cmd(Thread& t, FifoState& fs, Entry& e) {
     wr.op = WrOp::kWriteImm;
     wr.bytes = 0;
     wr.imm = ll ? detail::encode_imm_ll(true, phase, f.counter_slot, f.bytes)
-                : detail::encode_imm_ht(true, uint32_t(fs.channel), next_seq(), f.counter_slot, f.counter_value);
+                : detail::encode_imm_ht(true, uint32_t(fs.channel), t.next_seq[seq_slot(t, dst, fs)]++, f.counter_slot,
+                                        f.counter_value);
   } else {
     wr.op = WrOp::kAtomicAdd;
-    wr.counter_index = counter_index;
+    wr.counter_index = counter_index_of(f);
     wr.add = int64_t(f.counter_value);
   }
   ++e.pending_wrs;
@@ -71,7 +69,7 @@ void Proxy::Impl::post_write_piece(Thread& t, FifoState& fs, Entry& e) {
   wr.remote_offset = f.dst_offset + e.sent;
   wr.bytes = uint32_t(piece);
   if ((software_atomics || ll) && (last || !ll)) {  // LL: with immediate in both modes (see post_cmd)
-    const uint32_t seq = ll ? 0 : t.next_seq[size_t(dst) * t.fifos.size() + size_t(fs.channel)]++;
+    const uint32_t seq = ll ? 0 : t.next_seq[seq_slot(t, dst, fs)]++;
     wr.op = WrOp::kWriteImm;
     wr.imm = ll ? detail::encode_imm_ll(false, phase, f.counter_slot, 0)
                 : detail::encode_imm_ht(counter, uint32_t(fs.channel), seq, f.counter_slot, f.counter_value);
@@ -85,7 +83,7 @@ void Proxy::Impl::post_write_piece(Thread& t, FifoState& fs, Entry& e) {
     a.wr_id = wr.wr_id;
     a.op = WrOp::kAtomicAdd;
     a.peer = dst;
-    a.counter_index = uint32_t(opt.rank) * kCountersPerSrc + f.counter_slot;
+    a.counter_index = counter_index_of(f);
     a.add = f.counter_value;
     ++e.pending_wrs;
     t.ep->post(a);
