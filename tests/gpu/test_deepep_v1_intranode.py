@@ -1,4 +1,5 @@
-"""DeepEP V1's own ``tests/test_intranode.py`` runs unmodified through our ``deep_ep`` shim on 2 GPUs (issue 29).
+"""DeepEP V1's own ``tests/test_intranode.py`` runs unmodified through our ``deep_ep`` shim on 2 and 4 GPUs (issues 29
+and 32; each size needs that many GPUs).
 
 Point ``UCCL_MOE_DEEPEP_V1_TESTS`` at the ``tests`` folder of a DeepEP V1 checkout (commit 567632d, or any V1 tree
 whose ``tests/`` holds ``test_intranode.py`` with its ``utils.py`` and ``test_low_latency.py``); nothing of DeepEP is
@@ -50,10 +51,11 @@ def _deepep_tests() -> Path:
     return path
 
 
-def test_deepep_v1_test_intranode_passes_through_the_shim(tmp_path):
+@pytest.mark.parametrize("procs", [2, 4])
+def test_deepep_v1_test_intranode_passes_through_the_shim(tmp_path, procs):
     tests = _deepep_tests()
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+    if torch.cuda.device_count() < procs:
+        pytest.skip(f"needs {procs} GPUs (DeepEP's test runs one process per GPU)")
     shim = tmp_path / "shim"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -63,7 +65,7 @@ def test_deepep_v1_test_intranode_passes_through_the_shim(tmp_path):
     # init_dist: one node (WORLD_SIZE/RANK are the node count and rank), a rendezvous port of our own.
     env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "1", "RANK": "0"})
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run([sys.executable, str(tests / "test_intranode.py"), "--num-processes", "2"], cwd=tests,
+    proc = subprocess.run([sys.executable, str(tests / "test_intranode.py"), "--num-processes", str(procs)], cwd=tests,
                           env=env, capture_output=True, text=True, timeout=1700)
     out = proc.stdout + proc.stderr
     probe = "import deep_ep, uccl_moe; print(deep_ep.Buffer is uccl_moe.Buffer)"

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One 2-GPU device call in stages (STAGES, space-separated, in order); logs land in $OUT (one tarball + the .log files).
+# One 2- or 4-GPU device call in stages (STAGES, space-separated, in order); logs land in $OUT (one tarball + the .log files).
 #   quick    the small GPU test files: dma-buf export, doctor on GPUs, default device/dtype, streams, native core,
 #            the GPU example, the bench GPU tests
-#   bench    `uccl-moe bench` in its default mode (the API defaults, FP8 column-major scales) and the Megatron
-#            dispatcher benchmark (uccl vs alltoall vs flex over the deep_ep shim)
-#   deepep   DeepEP V1's own tests/test_intranode.py through the shim (carry .deepep: a 567632d tests/ snapshot)
+#   bench    `uccl-moe bench` in its default mode (the API defaults, FP8 column-major scales) at each EP size of
+#            BENCH_RANKS (default 2), and the Megatron dispatcher benchmark (uccl vs alltoall vs flex over the shim)
+#   deepep   DeepEP V1's own tests/test_intranode.py through the shim at 2 and (with 4 GPUs) 4 processes (carry .deepep:
+#            a 567632d tests/ snapshot)
 #   inter    emulated-internode GPU tests (ranks share the 2 GPUs)
 #   itest    the intranode GPU suite (UMOE_TEST_ITERS back-to-back calls; default 5)
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
@@ -25,8 +26,12 @@ for stage in ${STAGES:-quick bench}; do
       tests/examples/test_examples.py -m gpu > "$OUT/quick.log" 2>&1
     echo "quick rc=$?"; sum "$OUT/quick.log" 12 ;;
   bench)
-    timeout 120 python3 -m uccl_moe.bench --ranks 2 --json "$OUT/api.json" --png "$OUT/api.png" 2>&1 \
-      | grep -v "it/s\]" > "$OUT/bench.log"; echo "bench rc=$?"; tail -"${BENCH_TAIL:-16}" "$OUT/bench.log"
+    for r in ${BENCH_RANKS:-2}; do   # 256 experts do not split over 3 ranks: 255 there
+      e=256; [ "$r" = 3 ] && e=255
+      timeout 150 python3 -m uccl_moe.bench --ranks "$r" --experts $e --json "$OUT/api_ep$r.json" \
+        --png "$OUT/api_ep$r.png" 2>&1 | grep -v "it/s\]" > "$OUT/bench_ep$r.log"
+      echo "bench EP$r rc=$?"; tail -"${BENCH_TAIL:-16}" "$OUT/bench_ep$r.log"
+    done
     timeout 200 python3 -m uccl_moe.bench.megatron_dispatcher --ranks 2 --json "$OUT/megatron.json" 2>&1 \
       | grep -vi warn > "$OUT/megatron_bench.log"; echo "megatron bench rc=$?"; tail -14 "$OUT/megatron_bench.log" ;;
   deepep)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 4 x H200 device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
+# 4-GPU device call in stages (STAGES, space-separated, run in order); logs and results land in $OUT.
 #   itest    intranode GPU tests (ITEST_K selects, UMOE_TEST_ITERS back-to-back calls, default 200)
 #   caller   UCCL_MOE_CALLER_STREAM_OPS=1 (synchronous ops on the caller's stream): the streams tests, the intranode GPU
 #            tests with the knob on (ITEST_K selects), and the host time per op both ways (tools/device/profile_call.py)
@@ -8,7 +8,8 @@
 #   inter    emulated-internode GPU tests on 4 GPUs (2x2 and 4x1, both data paths, reordering)
 #   ibench   emulated-internode benchmark 2 nodes x 2 GPUs, GPU-copy and host-staged data paths
 #   smoke    `uccl-moe compare` of uccl vs alltoall, a few steps (EP4 DeepSeek-V3 proxy)
-#   compare  the 50-step compare: uccl, alltoall twice (run-to-run noise), allgather
+#   compare  the 50-step compare: uccl, alltoall twice (run-to-run noise), allgather (COMPARE_OVERRIDES: e.g.
+#            train.train_iters=30)
 #   fifo     FIFO flood with GPU producers (1/2/4/8 proxy threads), then 4 producers per FIFO
 #   profile  one profiled uccl run with --moe-shared-expert-overlap and one without; timeline summaries
 #   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (SAN_TESTS, default: the pull combine)
@@ -58,7 +59,7 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
       train.train_iters=${SMOKE_ITERS:-5} --run-dir "$OUT/smoke" --timeout-s 150 2>&1 | filt | tail -14 ;;
   compare)
     timeout ${COMPARE_T:-540} python3 -m uccl_moe.cli compare recipe=dsv3_proxy_local \
-      "dispatchers=${DISPATCHERS:-[uccl,alltoall,allgather]}" ${REPEAT---repeat-baseline} --baseline alltoall --warmup-steps 3 \
+      "dispatchers=${DISPATCHERS:-[uccl,alltoall,allgather]}" ${COMPARE_OVERRIDES:-} ${REPEAT---repeat-baseline} --baseline alltoall --warmup-steps 3 \
       --run-dir "$OUT/cmp" --timeout-s 200 ${COMPARE_ARGS:-} 2>&1 | filt | tail -20 ;;
   profile)
     for spec in ${PROFILE_RUNS:-uccl:true uccl:false}; do   # dispatcher:shared-expert-overlap
