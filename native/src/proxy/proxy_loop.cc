@@ -17,7 +17,7 @@ namespace {
 constexpr uint32_t kSpinsBeforeYield = 64;     ///< idle loops that keep polling before giving the core away
 constexpr uint32_t kYieldsBeforeSleep = 20000; ///< then yields, then short sleeps (a 2-core host runs several proxies)
 constexpr auto kIdleSleep = std::chrono::microseconds(50);
-constexpr uint32_t kTimeoutCheckEvery = 256;   ///< loops between watchdog passes (it reads the clock)
+constexpr uint32_t kTimeoutCheckEvery = 256;   ///< busy loops between watchdog passes (it reads the clock)
 }  // namespace
 
 void Proxy::Impl::run(Thread& t) {
@@ -54,6 +54,9 @@ void Proxy::Impl::run(Thread& t) {
       if (busy) {
         idle = 0;
       } else if (++idle > kSpinsBeforeYield) {  // idle: latency while busy is unaffected
+        // A yield or sleep can last milliseconds on a loaded host, so an idle thread runs the watchdog on every
+        // pass: its deadlines then follow the clock, not a loop count.
+        check_timeouts(t);
         if (idle > kYieldsBeforeSleep)
           std::this_thread::sleep_for(kIdleSleep);
         else
