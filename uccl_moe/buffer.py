@@ -409,7 +409,8 @@ class Buffer:
             expert_alignment: round each per-expert receive count up to a multiple of this.
             num_worst_tokens: if > 0, skip the host sync and return exactly this many rows (must be >= the real
                 count); padding rows have recv_topk_idx == -1, and the per-expert list is empty.
-            config: a :class:`Config`; default ``get_dispatch_config(R)``.
+            config: a :class:`Config`; default ``get_dispatch_config(R)`` (FP8 rows: the preset's FP8 chunks where
+                :data:`uccl_moe.tuning.INTRANODE` has them for R).
         Returns:
             DispatchResult(recv_x [T_recv, H] (tuple for FP8), recv_topk_idx [T_recv, K] int64 local expert ids in
             [0, E_loc) or -1, recv_topk_weights [T_recv, K] float32 (0 where idx is -1),
@@ -422,7 +423,9 @@ class Buffer:
         if data.dtype not in backend.supported_dispatch_dtypes:
             raise InvalidTypeError(f"the {self.backend_name} backend cannot dispatch {data.dtype}")
         hidden_bytes = _checks.hidden_bytes(data)
-        config = _checks.check_config(config, lambda: Buffer.get_dispatch_config(self.group_size))
+        # config=None: the preset of the group size, FP8 rows taking the row's dispatch_fp8 chunks where it has them
+        config = _checks.check_config(config, lambda: Buffer._preset(self.group_size).dispatch_chunks(
+            data.dtype in _checks.FP8_DTYPES).config(Buffer.num_sms))
         h = self._check_handle(handle) if handle is not None else None
         if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)

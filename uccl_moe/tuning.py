@@ -1,7 +1,15 @@
 """The tuned :class:`uccl_moe.Config` presets behind ``Buffer.get_dispatch_config``/``get_combine_config``.
 
 One row per EP size inside an NVLink domain (<= 8 ranks), and one for groups that span nodes; ``num_sms`` comes from
-``Buffer.num_sms``. Each row names the device it was measured on; the figures are in docs/benchmarks.md.
+``Buffer.num_sms``. Each row names the device, date and command it was measured with; the figures are in
+docs/benchmarks.md.
+
+The rows between the ``tune-rows`` markers are written by the bench's sweep: ``python -m uccl_moe.bench.tune --ranks
+R --write`` times the headline setting (4096 tokens per rank, hidden 7168, 256 experts, top-8, 24 SMs) through the
+public API over a grid of chunk and ring sizes, picks the fastest per op and rewrites row R only (one line per EP
+size; the other rows stay as they are). A row's ``dispatch_fp8`` is set where FP8 dispatch measured faster with other
+chunks than BF16's: ``Buffer.dispatch(config=None)`` of FP8 rows takes it (its ring is never larger than
+``dispatch``'s, so a Buffer sized by ``get_dispatch_config``'s hint holds it); None = ``dispatch`` for every dtype.
 """
 
 from __future__ import annotations
@@ -16,12 +24,13 @@ MAX_INTRANODE_RANKS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Chunks:
-    """The chunk and ring sizes of one op (``Config``'s fields other than ``num_sms``)."""
+    """The chunk and ring sizes of one op (``Config``'s fields other than ``num_sms``); the RDMA sizes only matter
+    across nodes."""
 
     nvl_send: int
     nvl_recv: int
-    rdma_send: int
-    rdma_recv: int
+    rdma_send: int = 6
+    rdma_recv: int = 128
 
     def config(self, num_sms: int) -> _C.Config:
         return _C.Config(
@@ -35,28 +44,31 @@ class Chunks:
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """The dispatch and combine chunks for one group size, and where they were measured."""
+    """The dispatch and combine chunks for one group size, and where they were measured. ``dispatch_fp8``: the
+    chunks of an FP8 dispatch where they differ from ``dispatch`` (BF16 and other dtypes), else None."""
 
     dispatch: Chunks
     combine: Chunks
     measured_on: str
+    dispatch_fp8: Chunks | None = None
+
+    def dispatch_chunks(self, fp8: bool) -> Chunks:
+        """The dispatch chunks for FP8 rows (`fp8`) or any other dtype."""
+        return self.dispatch_fp8 if fp8 and self.dispatch_fp8 is not None else self.dispatch
 
 
-# Dispatch takes ring 256 and chunk 8 inside a node, chunk 2 at EP2 (its direct warp releases the tails early);
-# combine takes chunk 2 everywhere (its receiver waits for every copy of a token, so early tails pay off).
-_RING = Chunks(nvl_send=8, nvl_recv=256, rdma_send=6, rdma_recv=128)
-_SHORT = Chunks(nvl_send=2, nvl_recv=256, rdma_send=6, rdma_recv=128)
-_UNMEASURED = "not measured at this size: takes the EP3-4 row"
-
+# One line per EP size; python -m uccl_moe.bench.tune --ranks R --write rewrites line R between these markers.
 INTRANODE: dict[int, Preset] = {
-    1: Preset(dispatch=_RING, combine=_SHORT, measured_on=_UNMEASURED),
-    2: Preset(dispatch=_SHORT, combine=_SHORT, measured_on="2 x H200"),
-    3: Preset(dispatch=_RING, combine=_SHORT, measured_on="4 x H200"),
-    4: Preset(dispatch=_RING, combine=_SHORT, measured_on="4 x H200"),
-    5: Preset(dispatch=_RING, combine=_SHORT, measured_on=_UNMEASURED),
-    6: Preset(dispatch=_RING, combine=_SHORT, measured_on=_UNMEASURED),
-    7: Preset(dispatch=_RING, combine=_SHORT, measured_on=_UNMEASURED),
-    8: Preset(dispatch=_RING, combine=_SHORT, measured_on=_UNMEASURED),
+    # tune-rows: begin
+    1: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    2: Preset(dispatch=Chunks(2, 256), combine=Chunks(2, 256), measured_on="2 x H200"),
+    3: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="4 x H200"),
+    4: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="4 x H200"),
+    5: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    6: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    7: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    8: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    # tune-rows: end
 }
 
 INTERNODE = Preset(

@@ -483,16 +483,23 @@ def test_set_num_sms():
 
 
 def test_presets_follow_the_group_size():
-    chunk = [Buffer.get_dispatch_config(r).num_max_nvl_chunked_send_tokens for r in (1, 2, 3, 4, 8)]
-    assert chunk == [8, 2, 8, 8, 8]  # EP2: chunk 2 since the direct warps release the tails (docs/performance.md)
-    combine = [Buffer.get_combine_config(r).num_max_nvl_chunked_send_tokens for r in (1, 2, 3, 4, 8)]
-    assert combine == [2, 2, 2, 2, 2]  # combine: chunk 2 (measured at EP2 and EP4, docs/performance.md)
+    # the rows are measured (python -m uccl_moe.bench.tune --write rewrites them): each size takes its own row
+    from uccl_moe import tuning
+
+    def fields(cfg):
+        return (cfg.num_sms, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_nvl_chunked_recv_tokens)
+
+    for r in range(1, 9):
+        row = tuning.INTRANODE[r]
+        assert fields(Buffer.get_dispatch_config(r)) == (Buffer.num_sms, row.dispatch.nvl_send, row.dispatch.nvl_recv)
+        assert fields(Buffer.get_combine_config(r)) == (Buffer.num_sms, row.combine.nvl_send, row.combine.nvl_recv)
     assert Buffer.get_dispatch_config(16).num_max_nvl_chunked_recv_tokens == 288  # across nodes
+    assert Buffer.get_combine_config(16).num_max_nvl_chunked_send_tokens == 8
     import numpy as np
 
     for n in (np.int64(2), torch.tensor(2)):  # any integer type, as for num_sms
-        assert Buffer.get_dispatch_config(n).num_max_nvl_chunked_send_tokens == 2
-        assert Buffer.get_combine_config(n).num_max_nvl_chunked_send_tokens == 2
+        assert fields(Buffer.get_dispatch_config(n)) == fields(Buffer.get_dispatch_config(2))
+        assert fields(Buffer.get_combine_config(n)) == fields(Buffer.get_combine_config(2))
     for bad in (True, 2.0, "2", 0):
         _raises(InvalidUsageError, "num_ranks must be a positive int", Buffer.get_dispatch_config, bad)
 

@@ -92,15 +92,18 @@ def kernel_table(events: list[tuple[str, float]], calls: int, skip: tuple[str, .
     return {n: round(statistics.median(d) * len(d) / calls, 1) for n, d in durations.items()}
 
 
-def point_configs(R: int, sms: int, nvl_send: int | None, nvl_recv: int | None) -> tuple[Any, Any, Any, Any]:
-    """(dispatch config to pass, combine config to pass, the dispatch and the combine config that run) for a point.
-    Sets ``Buffer.set_num_sms(sms)`` as a client does. API mode (`nvl_send` and `nvl_recv` None): None is passed,
-    so each call takes ``get_dispatch_config(R)``/``get_combine_config(R)`` itself. Otherwise one explicit Config
-    (a missing size from the dispatch preset) for both ops."""
-    from uccl_moe import Buffer, Config
+def point_configs(R: int, sms: int, nvl_send: int | None, nvl_recv: int | None,
+                  dtype: str = "bf16") -> tuple[Any, Any, Any, Any]:
+    """(dispatch config to pass, combine config to pass, the dispatch and the combine config that run) for a point
+    dispatching `dtype` rows. Sets ``Buffer.set_num_sms(sms)`` as a client does. API mode (`nvl_send` and `nvl_recv`
+    None): None is passed, so each call takes the preset itself (``get_dispatch_config(R)``, FP8 rows the row's FP8
+    chunks where it has them; ``get_combine_config(R)``). Otherwise one explicit Config (a missing size from the
+    dispatch preset) for both ops."""
+    from uccl_moe import Buffer, Config, tuning
 
     Buffer.set_num_sms(sms)
-    d_default, c_default = Buffer.get_dispatch_config(R), Buffer.get_combine_config(R)
+    d_default = tuning.preset_for(R).dispatch_chunks(dtype == "fp8").config(sms)
+    c_default = Buffer.get_combine_config(R)
     if nvl_send is None and nvl_recv is None:
         return None, None, d_default, c_default
     nr = nvl_recv if nvl_recv is not None else int(d_default.num_max_nvl_chunked_recv_tokens)
@@ -320,8 +323,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
                                     args.nvl_send or [None], args.nvl_recv or [None]))
     # sized as a DeepEP client sizes it: the largest size hint of the configs that run (BF16 rows)
     nvl = 0
-    for _, h, _, _, s, ns, nr in points:
-        _, _, dc, cc = point_configs(R, s, ns, nr)
+    for _, h, _, dt, s, ns, nr in points:
+        _, _, dc, cc = point_configs(R, s, ns, nr, dt)
         nvl = max(nvl, dc.get_nvl_buffer_size_hint(h * 2, R), cc.get_nvl_buffer_size_hint(h * 2, R))
     if args.combine_view:  # room for combine_view's rows too: every rank's tokens may come here
         nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
@@ -339,7 +342,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
             bar = None
     rows = []
     for i, (T, H, E, dt, sms, ns, nr) in enumerate(points):
-        dcfg, ccfg, d_run, c_run = point_configs(R, sms, ns, nr)
+        dcfg, ccfg, d_run, c_run = point_configs(R, sms, ns, nr, dt)
         row = {"ranks": R, "tokens": T, "hidden": H, "experts": E, "topk": args.topk, "dtype": dt, "num_sms": sms,
                "nvl_send": int(d_run.num_max_nvl_chunked_send_tokens),
                "nvl_recv": int(d_run.num_max_nvl_chunked_recv_tokens), "mode": args.mode, "scales": args.scales,
