@@ -125,6 +125,9 @@ class EfaTransport : public Transport {
       UCCL_THROW(kTransport, "efa: no EFA device opened (%s%s%s; UCCL_MOE_IB_HCA)", choice.reason.c_str(),
                  failed.empty() ? "" : "; ", join_names(failed).c_str());
     nic_ = transport_nic(choice, devs_[0]->name);
+    if (own == 0)
+      UCCL_LOG(WARN, NET, "efa: local rank %d: none of its EFA devices is usable (%s); using %s", ctx_.local_rank,
+               join_names(failed).c_str(), devs_[0]->name.c_str());
     if (own > 0 && own < choice.devices.size()) {
       std::vector<std::string> names;
       for (const auto& d : devs_) names.push_back(d->name);

@@ -20,8 +20,8 @@ namespace uccl_moe::detail {
 /// diagnostics), data region addr/bytes u64, chunk count u32, then per chunk addr u64, bytes u64, rkey u32. SRD is
 /// connectionless: one QP per proxy thread serves every peer. Each thread's blob describes the device its QP lives
 /// on (p5en: thread t on device t % 2), so the exchange carries every device's address and the rkeys of the data
-/// region's MRs on that device (an MR belongs to one device's protection domain: rdma-core providers/efa/verbs.c
-/// efa_reg_mr registers against one ibv_pd; pplx-garden's fabric-lib registers each buffer once per EFA domain).
+/// region's MRs on that device (an MR belongs to one device's protection domain: ibv_reg_mr takes one ibv_pd;
+/// aws-ofi-nccl's RDMA protocol, src/nccl_ofi_rdma.c, likewise keeps one MR per rail and sends every rail's key).
 /// Several chunks when the region is larger than the device's max_mr_size (efa_reg.cc).
 struct EfaPeerInfo {
   uint8_t gid[16] = {0};
