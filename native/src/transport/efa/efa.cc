@@ -146,8 +146,8 @@ class EfaTransport : public Transport {
       const int threads = (ctx_.num_threads - int(d) + int(n) - 1) / int(n);
       dv.plan = plan_efa_queues(dv.caps, dv.name, ctx_.num_ranks, std::max(1, threads));
       window_ = std::min(window_, dv.plan.window);
-      UCCL_LOG(INFO, NET, "efa: %s (SRD, software atomics, %s receives, send %u / recv %u / cq %u, max write %u, sl %d, "
-               "%d of %d proxy threads)", dv.name.c_str(), dv.plan.unsolicited ? "unsolicited" : "posted",
+      UCCL_LOG(INFO, NET, "efa: %s (SRD, software atomics, %s receives, send %u / recv %u / cq %u, max write %u, "
+               "sl %d, %d of %d proxy threads)", dv.name.c_str(), dv.plan.unsolicited ? "unsolicited" : "posted",
                dv.plan.send_depth, dv.plan.recv_depth, dv.plan.cqe, dv.plan.max_write_bytes, int(env::EFA_SL()),
                threads, ctx_.num_threads);
     }
@@ -203,13 +203,15 @@ class EfaTransport : public Transport {
       d->ctx = ops_->open_device(name);
       if (!d->ctx) UCCL_THROW(kTransport, "%s", verbs_error("ibv_open_device", 0).c_str());
       ibv_port_attr pa{};
-      if (int rc = ops_->query_port(d->ctx, 1, &pa)) UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_port", rc).c_str());
+      if (int rc = ops_->query_port(d->ctx, 1, &pa))
+        UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_port", rc).c_str());
       if (pa.state != IBV_PORT_ACTIVE)
         UCCL_THROW(kTransport, "port 1 is %s, not ACTIVE", ibv_port_state_str(pa.state));
       if (std::string err = query_efa_caps(*ops_, *efa_, d->ctx, &d->caps); !err.empty())
         UCCL_THROW(kTransport, "%s", err.c_str());
       d->plan = plan_efa_queues(d->caps, name, ctx_.num_ranks, std::max(1, threads));
-      if (int rc = ops_->query_gid(d->ctx, 1, 0, &d->gid)) UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_gid", rc).c_str());
+      if (int rc = ops_->query_gid(d->ctx, 1, 0, &d->gid))
+        UCCL_THROW(kTransport, "%s", verbs_error("ibv_query_gid", rc).c_str());
       d->pd = ops_->alloc_pd(d->ctx);
       if (!d->pd) UCCL_THROW(kTransport, "%s", verbs_error("ibv_alloc_pd", 0).c_str());
       if (!d->plan.unsolicited) {

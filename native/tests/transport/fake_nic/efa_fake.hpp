@@ -256,7 +256,8 @@ struct EfaFabric {
     if (d.state != IBV_QPS_RTR && d.state != IBV_QPS_RTS) return fail(IBV_WC_REM_INV_RD_REQ_ERR, 0x3);
     if (op.qkey != d.qkey) return fail(IBV_WC_REM_INV_RD_REQ_ERR, 0x4);
     auto mr = mrs.find(op.rkey);
-    if (mr == mrs.end() || mr->second.dev != dd || op.raddr < mr->second.addr || op.raddr + op.len > mr->second.addr + mr->second.len ||
+    if (mr == mrs.end() || mr->second.dev != dd || op.raddr < mr->second.addr ||
+        op.raddr + op.len > mr->second.addr + mr->second.len ||
         !(mr->second.access & IBV_ACCESS_REMOTE_WRITE))
       return fail(IBV_WC_REM_ACCESS_ERR, 0x5);
     uint64_t recv_wr_id = 0;
