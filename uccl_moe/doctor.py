@@ -229,6 +229,12 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
             problems.append(_problem("error", f"local rank {lr}: {e}", "fix UCCL_MOE_IB_HCA (docs/internode.md)"))
             continue
         row.update(nic=ch["devices"], reason=ch["reason"], numa_node=ch["numa_node"], pcie_hops=ch["pcie_distance"])
+        if family == "efa" and len(ch["devices"]) > 1:
+            row["reason"] += f"; proxy thread t uses {' / '.join(ch['devices'])}[t % {len(ch['devices'])}]"
+        elif family == "efa" and ch["devices"] and rep["gpus"] and len(efa) >= 2 * len(rep["gpus"]):
+            problems.append(_problem("warn", f"local rank {lr} gets one EFA device ({ch['devices'][0]}) on a host "
+                                     f"with {len(efa)} for {len(rep['gpus'])} GPUs: half the GPU's EFA bandwidth",
+                                     "bring the GPU's other EFA device up (see the DOWN devices above)"))
         if not ch["devices"]:
             problems.append(_problem("error", f"local rank {lr}: {ch['reason']}",
                                      "check the NIC ports (ibv_devinfo) or set UCCL_MOE_TRANSPORT"))

@@ -114,6 +114,20 @@ def test_report_p5en() -> None:
     assert rep["problems"] == [], _whats(rep)
 
 
+def test_report_p5en_both_efa_devices_per_gpu_or_a_warning(tmp_path: Path) -> None:
+    rep = doc.collect(P5EN)
+    r0 = rep["local_ranks"][0]
+    assert r0["nic"] == ["rdmap20s0", "rdmap21s0"] and "t % 2" in r0["reason"]
+    tree = _copy(P5EN, tmp_path)
+    (tree / "class/infiniband/rdmap21s0/ports/1/state").write_text("1: DOWN\n")
+    rep = doc.collect(str(tree))
+    assert rep["local_ranks"][0]["nic"] == ["rdmap20s0"]
+    text = _whats(rep)
+    assert "local rank 0 gets one EFA device (rdmap20s0)" in text
+    assert [p for p in rep["problems"] if "one EFA device" in p["what"]][0]["severity"] == "warn"
+    assert all(len(r["nic"]) == 2 for r in rep["local_ranks"][1:])
+
+
 def test_report_mi300x_flags_thor2_flow_control_and_tc(monkeypatch: pytest.MonkeyPatch) -> None:
     rep = doc.collect(MI300X)
     assert [r["nic"] for r in rep["local_ranks"]] == [[f"bnxt_re{g}"] for g in range(8)]

@@ -39,6 +39,10 @@ struct GpuMemoryOps {
   std::function<void(void* ptr)> close_ipc;
   /// One copy engine per endpoint; called from the thread that will use it.
   std::function<std::unique_ptr<CopyEngine>()> make_copy_engine;
+  /// Exports [ptr, ptr + bytes) (2 MiB aligned) of device memory as a dma-buf fd for the NIC transports' registration;
+  /// -1 with *why on failure. Unset: the GPU driver's export (native/src/transport/gpu_mr.hpp gpu_export_dmabuf);
+  /// host tests set a fake.
+  std::function<int(void* ptr, uint64_t bytes, std::string* why)> export_dmabuf;
 };
 
 }  // namespace uccl_moe

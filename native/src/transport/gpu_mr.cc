@@ -48,6 +48,11 @@ std::vector<GpuMrChunk> plan_chunks(uint64_t addr, uint64_t bytes, uint64_t max_
   return out;
 }
 
+DmabufExport dmabuf_exporter(const GpuMemoryOps* gpu) {
+  if (gpu && gpu->export_dmabuf) return gpu->export_dmabuf;
+  return gpu_export_dmabuf;
+}
+
 int gpu_access_flags(int access) {
 #ifdef IBV_ACCESS_OPTIONAL_FIRST
   return access | IBV_ACCESS_RELAXED_ORDERING;

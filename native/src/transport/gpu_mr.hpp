@@ -1,4 +1,4 @@
-// GPU memory registration for the verbs transports (ibverbs RC; efa to be wired by the lead). Order:
+// GPU memory registration for the verbs transports (ibverbs RC, efa SRD). Order:
 //   1. dma-buf: the GPU driver exports the 2 MiB aligned range as a dma-buf fd (cuMemGetHandleForAddressRange /
 //      hipMemGetHandleForAddressRange), ibv_reg_dmabuf_mr registers it; needs no peer-memory kernel module;
 //   2. ibv_reg_mr on the GPU pointer: works when a peer-memory module is loaded (nvidia-peermem, efa_nv_peermem,
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "transport/ibverbs/verbs_ops.hpp"
+#include "uccl_moe/gpu_memory.hpp"
 
 namespace uccl_moe::detail {
 
@@ -47,6 +48,9 @@ using DmabufExport = std::function<int(void* ptr, uint64_t bytes, std::string* w
 /// runtime's driver entry point (no libcuda link), hipMemGetHandleForAddressRange on ROCm; -1 with *why in a build
 /// without a GPU backend. Callable on its own (tests/gpu exports a cudaMalloc range with it).
 int gpu_export_dmabuf(void* ptr, uint64_t bytes, std::string* why);
+
+/// The export a transport uses: the GpuMemoryOps' export_dmabuf when set (tests), else gpu_export_dmabuf.
+DmabufExport dmabuf_exporter(const GpuMemoryOps* gpu);
 
 /// Access flags plus IBV_ACCESS_RELAXED_ORDERING.
 int gpu_access_flags(int access);

@@ -415,6 +415,7 @@ NicChoice choose_nics(const NicRequest& req) {
                    req.family == NicFamily::kEfa ? "EFA (efa*, rdmap*)" : "non-EFA");
     }
     c.devices = want;
+    c.explicit_choice = true;
     auto it = by_name.find(want[0]);
     const SysfsRdmaDevice* d0 = it == by_name.end() ? nullptr : it->second;
     set_numa(d0, -1);

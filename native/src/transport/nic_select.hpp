@@ -132,6 +132,7 @@ struct NicChoice {
   std::string gpu_pci_bus_id;          ///< normalized; the one assumed when the request had none
   std::string reason;                  ///< one line: why these devices
   std::string sysfs_root;              ///< the tree it was chosen from
+  bool explicit_choice = false;        ///< devices came from UCCL_MOE_IB_HCA (a device that fails is an error)
 };
 /// Throws InvalidUsage for a bad UCCL_MOE_IB_HCA, a named device that does not exist or belongs to the other family.
 NicChoice choose_nics(const NicRequest& req);

@@ -3,12 +3,14 @@
 // order in which counter adds become visible. Ranks run as threads of one process sharing the fake fabric (the fake
 // NIC lives in process memory); the proxy takes the fake through ProxyOptions::verbs.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <chrono>
 #include <mutex>
 #include <thread>
 
 #include "../transport/fake_nic/efa_fake.hpp"
+#include "uccl_moe/env.hpp"
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/proxy.hpp"
 
@@ -46,15 +48,27 @@ struct Failures {
 // Every rank writes chunks to every rank (itself included) over all FIFOs, each write carrying an HT counter add
 // (+1 on slot = FIFO). Whenever a receiver sees counter k for (src, FIFO), the first k chunks of that FIFO from src
 // must hold their data (the HT guarantee), although the fake NIC delivered them in any order.
-void ht_over_efa(int num_ranks, int chunks_per_fifo, test::EfaProfile prof, uint64_t seed) {
+// With `devices` > 1 each host has that many EFA devices, named for the rank in UCCL_MOE_IB_HCA, and the proxy threads
+// stripe over them (thread t on device t % devices): the guarantee holds per thread, so stripes must not interfere.
+void ht_over_efa(int num_ranks, int chunks_per_fifo, test::EfaProfile prof, uint64_t seed, int devices = 1) {
   auto fabric = std::make_shared<test::EfaFabric>(seed, /*reorder_window=*/16);
   auto store = std::make_shared<MemoryKvStore>();
   std::vector<std::unique_ptr<Proxy>> proxies;
+  std::vector<std::shared_ptr<test::FakeEfaNic>> nics;
+  std::vector<test::EfaProfile> host;
+  std::string hca;
+  for (int d = 0; d < devices; ++d) {
+    host.push_back(prof);
+    host.back().name = "rdmap" + std::to_string(d) + "s0";
+    hca += (d ? "+" : "") + host.back().name;
+  }
+  if (devices > 1) setenv("UCCL_MOE_IB_HCA", hca.c_str(), 1);
+  env::reset_cache();
   for (int r = 0; r < num_ranks; ++r) {
     ProxyOptions o;
     o.rank = r;
     o.num_ranks = num_ranks;
-    o.num_threads = 2;
+    o.num_threads = 2 * devices;
     o.fifos_per_thread = 2;
     o.fifo_capacity = 64;
     o.max_inflight_writes = 8;
@@ -63,10 +77,14 @@ void ht_over_efa(int num_ranks, int chunks_per_fifo, test::EfaProfile prof, uint
     o.cpus = "";
     o.data_bytes = 2 << 20;
     o.timeout_s = 20;
-    o.verbs = std::make_shared<test::FakeEfaNic>(fabric, prof);
+    nics.push_back(std::make_shared<test::FakeEfaNic>(fabric, host));
+    o.verbs = nics.back();
     proxies.push_back(std::make_unique<Proxy>(o, store));
     ASSERT_EQ(proxies.back()->transport_name(), "efa");
+    EXPECT_EQ(proxies.back()->nic().devices.size(), size_t(devices));
   }
+  unsetenv("UCCL_MOE_IB_HCA");
+  env::reset_cache();
   Failures fails;
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < num_ranks; ++rank)
@@ -154,6 +172,11 @@ void ht_over_efa(int num_ranks, int chunks_per_fifo, test::EfaProfile prof, uint
   }
   EXPECT_EQ(fails.text, "");
   EXPECT_GT(fabric->out_of_order, 0u);
+  for (auto& nic : nics)
+    for (int d = 0; d < devices; ++d) {
+      EXPECT_GT(nic->dev(size_t(d)).writes, 0u) << "device " << d << " carried no write";
+      EXPECT_GT(nic->dev(size_t(d)).imms_received, 0u) << "device " << d << " received no immediate";
+    }
 }
 
 TEST(ProxyEfa, HtOrderingTwoRanksUnsolicitedReceivesWithReordering) { ht_over_efa(2, 40, test::p5en_profile(), 3); }
@@ -163,6 +186,9 @@ TEST(ProxyEfa, HtOrderingThreeRanksPostedReceivesWithReordering) {
   prof.device_caps &= ~detail::kEfaCapUnsolicitedWriteRecv;
   ht_over_efa(3, 12, prof, 11);
 }
+
+// p5en: two EFA devices per GPU, four proxy threads striped over them, SRD reordering on each.
+TEST(ProxyEfa, HtOrderingTwoDevicesPerGpuStriped) { ht_over_efa(3, 12, test::p5en_profile(), 17, /*devices=*/2); }
 
 // Writes longer than the device's max_rdma_size are split by the transport; the HT guarantee still holds.
 TEST(ProxyEfa, HtOrderingWithSplitWrites) {

@@ -68,6 +68,7 @@ std::string query_efa_caps(VerbsOps& verbs, EfaOps& efa, ibv_context* ctx, EfaDe
   caps->max_cqe = da.max_cqe;
   caps->max_qp_wr = da.max_qp_wr;
   caps->max_ah = da.max_ah;
+  caps->max_mr_size = da.max_mr_size;
   return "";
 }
 

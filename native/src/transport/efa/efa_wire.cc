@@ -8,13 +8,14 @@ namespace uccl_moe::detail {
 
 namespace {
 constexpr uint32_t kMagic = 0x45464131;  // "EFA1"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;  // 2: device index and the data region's MR chunks (several devices per GPU)
 }  // namespace
 
 std::string encode_efa_info(const EfaPeerInfo& in) {
   BlobWriter w(kMagic, kVersion);
-  w.bytes(in.gid, 16).u32(in.qpn).u32(in.qkey);
-  w.u64(in.data_addr).u64(in.data_bytes).u32(in.data_rkey).u64(in.ctr_addr).u64(in.ctr_bytes).u32(in.ctr_rkey);
+  w.bytes(in.gid, 16).u32(in.qpn).u32(in.qkey).u32(in.device).u64(in.data_addr).u64(in.data_bytes);
+  w.u32(uint32_t(in.chunks.size()));
+  for (const RemoteMr& c : in.chunks) w.u64(c.addr).u64(c.bytes).u32(c.rkey);
   return w.data();
 }
 
@@ -24,13 +25,29 @@ EfaPeerInfo decode_efa_info(const std::string& blob) {
   r.bytes(o.gid, 16);
   o.qpn = r.u32();
   o.qkey = r.u32();
+  o.device = r.u32();
   o.data_addr = r.u64();
   o.data_bytes = r.u64();
-  o.data_rkey = r.u32();
-  o.ctr_addr = r.u64();
-  o.ctr_bytes = r.u64();
-  o.ctr_rkey = r.u32();
+  const uint32_t n = r.u32();
+  if (n > kEfaMaxChunks) UCCL_THROW(kTransport, "efa blob lists %u memory chunks (at most %u)", n, kEfaMaxChunks);
+  o.chunks.resize(n);
+  for (RemoteMr& c : o.chunks) {
+    c.addr = r.u64();
+    c.bytes = r.u64();
+    c.rkey = r.u32();
+  }
   if (!r.done()) UCCL_THROW(kTransport, "efa blob has trailing bytes (%zu)", blob.size());
+  // The chunks must tile the region in order: the post path looks them up by address.
+  uint64_t next = o.data_addr;
+  for (const RemoteMr& c : o.chunks) {
+    if (c.addr != next || c.bytes == 0)
+      UCCL_THROW(kTransport, "efa blob: memory chunks do not tile [0x%llx, +%llu)", (unsigned long long)o.data_addr,
+                 (unsigned long long)o.data_bytes);
+    next += c.bytes;
+  }
+  if (!o.chunks.empty() && next != o.data_addr + o.data_bytes)
+    UCCL_THROW(kTransport, "efa blob: memory chunks cover %llu of %llu bytes", (unsigned long long)(next - o.data_addr),
+               (unsigned long long)o.data_bytes);
   return o;
 }
 

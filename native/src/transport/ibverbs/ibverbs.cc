@@ -349,7 +349,7 @@ class IbverbsTransport : public Transport {
     if (kind == MemoryKind::kData && ctx_.gpu) {
       // GPU mode: the data region is GPU memory (dma-buf first, then peer memory; gpu_mr.hpp).
       std::string method;
-      mr = register_gpu_memory(*ops_, pd_, ptr, bytes, access, gpu_export_dmabuf, &method);
+      mr = register_gpu_memory(*ops_, pd_, ptr, bytes, access, dmabuf_exporter(ctx_.gpu.get()), &method);
       UCCL_LOG(INFO, MEM, "ibverbs %s: GPU data region of %zu bytes registered by %s", dev_name_.c_str(), bytes,
                method.c_str());
     } else {

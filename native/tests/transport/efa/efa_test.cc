@@ -15,18 +15,47 @@ TEST(EfaBootstrap, InfoRoundTripAndCorruption) {
   for (int i = 0; i < 16; ++i) a.gid[i] = uint8_t(0xf0 + i);
   a.qpn = 0x1234;
   a.qkey = 0x11111111;
+  a.device = 1;
   a.data_addr = 0x7000;
-  a.data_bytes = 1 << 20;
-  a.data_rkey = 99;
+  a.data_bytes = 3 << 20;
+  a.chunks = {{0x7000, 1 << 20, 99}, {0x7000 + (1 << 20), 2 << 20, 100}};
   const std::string blob = detail::encode_efa_info(a);
   const detail::EfaPeerInfo b = detail::decode_efa_info(blob);
   EXPECT_EQ(0, std::memcmp(a.gid, b.gid, 16));
   EXPECT_EQ(b.qpn, 0x1234u);
   EXPECT_EQ(b.qkey, 0x11111111u);
-  EXPECT_EQ(b.data_rkey, 99u);
+  EXPECT_EQ(b.device, 1u);
+  ASSERT_EQ(b.chunks.size(), 2u);
+  EXPECT_EQ(b.chunks[0].rkey, 99u);
+  EXPECT_EQ(b.chunks[1].addr, 0x7000u + (1 << 20));
+  EXPECT_EQ(b.chunks[1].bytes, 2u << 20);
+  EXPECT_EQ(b.chunks[1].rkey, 100u);
   EXPECT_THROW(detail::decode_efa_info(blob.substr(0, 20)), Error);
   EXPECT_THROW(detail::decode_efa_info(blob + "zz"), Error);
   EXPECT_THROW(detail::decode_efa_info(detail::encode_peer_info(detail::IbPeerInfo{})), Error) << "ibverbs blob";
+  // Chunks that leave a gap, or do not reach the region's end, are refused (the post path looks them up by address).
+  detail::EfaPeerInfo gap = a;
+  gap.chunks[1].addr += 4096;
+  EXPECT_THROW(detail::decode_efa_info(detail::encode_efa_info(gap)), Error);
+  detail::EfaPeerInfo shortc = a;
+  shortc.data_bytes += 1;
+  EXPECT_THROW(detail::decode_efa_info(detail::encode_efa_info(shortc)), Error);
+}
+
+// The chunk lookup and the piece length: a piece never crosses a local or remote chunk, nor max_rdma_size.
+TEST(EfaWr, ChunkLookupAndPieceBytes) {
+  const std::vector<detail::LocalMr> l = {{1000, 100, 1}, {1100, 200, 2}, {1300, 50, 3}};
+  EXPECT_EQ(detail::find_chunk(l, 999), nullptr);
+  EXPECT_EQ(detail::find_chunk(l, 1000)->lkey, 1u);
+  EXPECT_EQ(detail::find_chunk(l, 1099)->lkey, 1u);
+  EXPECT_EQ(detail::find_chunk(l, 1100)->lkey, 2u);
+  EXPECT_EQ(detail::find_chunk(l, 1349)->lkey, 3u);
+  EXPECT_EQ(detail::find_chunk(l, 1350), nullptr);
+  const detail::RemoteMr r{5000, 60, 9};
+  EXPECT_EQ(detail::next_piece_bytes(500, 1000, l[1], 1150, r, 5000), 60u) << "the remote chunk ends first";
+  EXPECT_EQ(detail::next_piece_bytes(500, 1000, l[1], 1250, r, 5000), 50u) << "the local chunk ends first";
+  EXPECT_EQ(detail::next_piece_bytes(500, 20, l[1], 1150, r, 5000), 20u) << "max_rdma_size";
+  EXPECT_EQ(detail::next_piece_bytes(7, 20, l[1], 1150, r, 5000), 7u) << "what is left";
 }
 
 TEST(EfaQp, SrdTransitions) {
