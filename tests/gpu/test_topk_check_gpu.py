@@ -99,13 +99,13 @@ def _worker(rank: int, world: int, gloo) -> None:
     _checks.host_ints = utils.host_ints = no_read
     try:
         idx, w, x = _inputs(rank, E, 4)
-        idx_d, x_d = idx.cuda(), x.cuda()
+        idx_d, x_d, y_d = idx.cuda(), x.cuda(), y.cuda()  # host-to-device copies of pageable memory sync: before
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             nat.get_dispatch_layout(idx_d, E)
             nat.dispatch(x_d, handle=got.handle)
-            nat.combine(y.cuda(), got.handle)
+            nat.combine(y_d, got.handle)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     except (AssertionError, RuntimeError) as e:
