@@ -155,12 +155,19 @@ def check_previous_event(previous_event: Any) -> None:
         )
 
 
-def value_checks_on(device: torch.device) -> bool:
-    """Host-side value checks cost a device sync on GPUs: skipped while capturing a CUDA graph, and when
-    UCCL_MOE_CHECK_INPUTS=0 (shape, dtype and device checks always run)."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
+def topk_checks_on() -> bool:
+    """UCCL_MOE_CHECK_INPUTS: whether topk_idx value ranges are checked (on the device or on the host)."""
     return bool(env.get("CHECK_INPUTS"))
+
+
+def value_checks_on(device: torch.device, on_device: bool = False) -> bool:
+    """Whether the host checks topk_idx values. Off where the backend's kernels check them (`on_device`: the native
+    backend records a bad id on the GPU and raises without a device sync), while capturing a CUDA graph (a host
+    check costs a device sync on GPUs), and when UCCL_MOE_CHECK_INPUTS=0 (shape, dtype and device checks always
+    run)."""
+    if not topk_checks_on() or on_device:
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 class TopkIdxCheck:
@@ -168,18 +175,20 @@ class TopkIdxCheck:
     get the same tensor, and a second read would drain the GPU queue again. Same object at the same version
     (in-place writes bump it) and expert count = checked."""
 
-    __slots__ = ("_seen",)
+    __slots__ = ("_seen", "on_device")
 
     def __init__(self) -> None:
         # The last tensor whose values passed the range check: (weak reference, (version, num_experts)).
         self._seen: tuple[weakref.ref[torch.Tensor], tuple[int, int]] | None = None
+        # The backend's kernels check the values (Backend.checks_topk_idx_on_device): no host check then.
+        self.on_device = False
 
     def __call__(self, topk_idx: Any, num_experts: int | None, device: torch.device,
                  name: str = "topk_idx") -> torch.Tensor:
         t = check_tensor(name, topk_idx, dtypes=(topk_idx_t,), ndim=2, device=device)
         if t.shape[1] < 1 or t.shape[1] > MAX_TOPK:
             raise err(f"{name} has {t.shape[1]} columns (top-k); supported: 1..{MAX_TOPK}")
-        if num_experts is not None and t.numel() > 0 and value_checks_on(device):
+        if num_experts is not None and t.numel() > 0 and value_checks_on(device, self.on_device):
             seen = self._seen
             if seen is not None and seen[0]() is t and seen[1] == (t._version, num_experts):
                 return t

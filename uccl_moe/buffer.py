@@ -136,6 +136,7 @@ class Buffer:
         self._combine_view: tuple[int, int, weakref.ref[torch.Tensor]] | None = None
         ctx = BufferContext(group, self.topology, num_nvl_bytes, num_rdma_bytes, device)
         self._backend = create_backend(choice, ctx)
+        self._check_topk_idx.on_device = self._backend.checks_topk_idx_on_device
         log.info("Buffer rank %d/%d backend=%s topology=%s", self.rank, self.group_size, choice, self.topology)
 
     # ---------------------------------------------------------------- lifecycle and static helpers
@@ -331,7 +332,7 @@ class Buffer:
 
     def _check_values(self) -> bool:
         """Whether host-side value checks run (:func:`uccl_moe._checks.value_checks_on`)."""
-        return _checks.value_checks_on(self.device)
+        return _checks.value_checks_on(self.device, self._check_topk_idx.on_device)
 
     def _check_handle(self, handle: Any) -> DispatchHandle:
         return _checks.check_handle(handle, self._handle_key)
@@ -345,10 +346,15 @@ class Buffer:
         return streams.begin_op(self._comm, previous_event, async_finish, allocate_on_comm_stream)
 
     def _finish(self, async_finish: bool, inputs: list[Any], outputs: list[Any], on_caller: int | None,
-                handle: DispatchHandle | None = None) -> EventOverlap:
-        """Close an op (:func:`uccl_moe.streams.finish_op`); `handle` is the one a cached dispatch or combine read."""
+                handle: DispatchHandle | None = None, collective: bool = True) -> EventOverlap:
+        """Close an op (:func:`uccl_moe.streams.finish_op`); `handle` is the one a cached dispatch or combine read.
+        A `collective` op (every rank enqueued it, so raising here leaves no peer waiting for this one) then raises
+        what the kernels recorded without a device sync (Backend.raise_device_faults: a bad topk_idx)."""
         tensors = None if handle is None else (lambda: self._live().handle_tensors(handle))
-        return streams.finish_op(self._comm, async_finish, inputs, outputs, on_caller, tensors)
+        event = streams.finish_op(self._comm, async_finish, inputs, outputs, on_caller, tensors)
+        if collective:
+            self._live().raise_device_faults()
+        return event
 
     # ---------------------------------------------------------------- the HT API
     def get_dispatch_layout(
@@ -376,7 +382,7 @@ class Buffer:
         on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=False)
         with streams.op_context(self._comm, on_caller):
             out = backend.get_dispatch_layout(topk_idx, num_experts)
-        event = self._finish(async_finish, [topk_idx], list(out), on_caller)
+        event = self._finish(async_finish, [topk_idx], list(out), on_caller, collective=False)
         return LayoutResult(*out, event)
 
     def dispatch(

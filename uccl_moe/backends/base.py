@@ -87,6 +87,9 @@ class Backend(abc.ABC):
     supported_dispatch_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+    #: The kernels check topk_idx value ranges themselves (raise_device_faults reports them); else Buffer checks
+    #: them on the host (UCCL_MOE_CHECK_INPUTS).
+    checks_topk_idx_on_device: ClassVar[bool] = False
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx
@@ -122,6 +125,10 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each token's rows back onto its source rank, in float32, in rank order 0..R-1 (deterministic),
         plus the biases. Returns (combined_x [T, H] x.dtype, combined_topk_weights [T, K] float32 or None)."""
+
+    def raise_device_faults(self) -> None:
+        """Raise what this backend's kernels recorded about their inputs, without a device sync (called by Buffer
+        at the end of every dispatch and combine, once every rank has enqueued it). Default: nothing recorded."""
 
     def check_config(self, config: Any) -> None:
         """Raise InvalidUsageError if this backend cannot lay out a dispatch with `config` on its device (called

@@ -26,12 +26,13 @@ rank, peer and phase; the Buffer is unusable afterwards (every later call raises
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .. import _C
+from .. import _C, _checks
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import current_raw_stream, tensor_at
@@ -49,6 +50,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
+    checks_topk_idx_on_device = True
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -78,6 +80,8 @@ class NativeBackend(Backend):
         self.me = topo.local_rank if topo.num_nodes > 1 else ctx.rank
         self.W = _C.intranode_lanes_per_channel(self.R)
         self._inter: Any = None
+        # The topk_idx the last layout kernel range-checked: (weak reference, version, num_experts).
+        self._layout_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
         self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
         self._rt.set_global_rank(ctx.rank)
         handles: list[Any] = [None] * self.R_all
@@ -122,6 +126,39 @@ class NativeBackend(Backend):
             msg += f"; the CPU proxy failed first: {proxy}"
         raise CommTimeoutError(msg, rec)
 
+    def _topk_fault(self) -> int:
+        """Device address the kernels record a bad top-k id at (UCCL_MOE_CHECK_INPUTS), else 0."""
+        return int(self._rt.topk_fault_device) if _checks.topk_checks_on() else 0
+
+    def _check_topk_on_device(self, topk_idx: torch.Tensor | None, num_experts: int) -> None:
+        """Range-check a dispatch's topk_idx on the GPU (no sync) unless the last layout kernel read this very tensor
+        (same version, same expert count): the usual layout-then-dispatch of one routing is checked once."""
+        fault = self._topk_fault()
+        if not fault or topk_idx is None or topk_idx.numel() == 0:
+            return
+        seen = self._layout_checked
+        if seen is not None and seen[0]() is topk_idx and seen[1:] == (topk_idx._version, num_experts):
+            return
+        t = topk_idx.contiguous()
+        _C.check_topk_idx(topk_idx=_ptr(t), num_tokens=t.shape[0], num_topk=t.shape[1], num_experts=num_experts,
+                          topk_fault=fault, stream=self._stream())
+
+    def raise_device_faults(self) -> None:
+        """InvalidUsageError for the first top-k id outside [-1, E) a kernel of this rank recorded (cleared, so the
+        Buffer stays usable: the kernels skipped the id as if it were -1)."""
+        if self._rt is None:
+            return
+        fault = self._rt.take_topk_fault()
+        if fault is None:
+            return
+        token, k, value, num_experts = fault
+        raise InvalidUsageError(
+            f"topk_idx holds expert id {value}, outside [-1, {num_experts}) (token {token}, k {k}); -1 marks an "
+            f"unused slot and ids must be < num_experts={num_experts}. Found on the GPU by this rank's layout or "
+            f"dispatch kernels, which treated it as -1 so the peers' results are sound; this call's results on this "
+            f"rank are not what the routing meant, the Buffer stays usable"
+        )
+
     def _sms_of(self, handle: Any) -> int:
         """num_sms the handle's lanes were laid out with (2 * channels)."""
         lanes = int(handle_field(handle, "channel_prefix_matrix").shape[1])
@@ -156,6 +193,7 @@ class NativeBackend(Backend):
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]
         self._check_alive()
+        given = topk_idx
         topk_idx = topk_idx.contiguous()
         T, K = topk_idx.shape
         dev = topk_idx.device
@@ -164,11 +202,14 @@ class NativeBackend(Backend):
         per_node = torch.empty(nodes, dtype=torch.int32, device=dev) if nodes > 1 else None
         per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
         in_rank = torch.empty((T, R), dtype=torch.bool, device=dev)
+        fault = self._topk_fault()
         _C.get_dispatch_layout(topk_idx=_ptr(topk_idx), num_tokens=T, num_topk=K, num_experts=num_experts,
                                num_ranks=R, ranks_per_node=self.ctx.topology.ranks_per_node,
                                num_tokens_per_rank=_ptr(per_rank), num_tokens_per_node=_ptr(per_node),
                                num_tokens_per_expert=_ptr(per_expert), is_token_in_rank=_ptr(in_rank),
-                               stream=self._stream())
+                               stream=self._stream(), topk_fault=fault)
+        if fault:
+            self._layout_checked = (weakref.ref(given), given._version, num_experts)
         return per_rank, per_node, per_expert, in_rank
 
     # ---------------------------------------------------------------- dispatch
@@ -213,6 +254,7 @@ class NativeBackend(Backend):
 
     def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
         self._check_alive()
+        self._check_topk_on_device(req.topk_idx, req.num_experts)  # before notify: seen by the count wait below
         if self._inter is not None:
             return self._inter.dispatch(req)
         R = self.R

@@ -67,6 +67,21 @@ struct DiagRecord {
 static_assert(sizeof(DiagRecord) == 64, "DiagRecord is a fixed 64-byte wire format");
 static_assert(std::is_trivially_copyable_v<DiagRecord>, "DiagRecord is copied out of host-mapped memory");
 
+/// The first top-k expert id outside [-1, num_experts) a kernel met: a usage error, not a wait, so it raises no abort
+/// flag and the Buffer stays usable (the kernels skip such an id as if it were -1 and never index memory with it).
+/// 32 bytes, host-mapped; the first writer claims it (state 0 -> 1), fills it and releases state = 2 last; the host
+/// reads it without a device sync where it waits on the GPU anyway, raises InvalidUsageError and clears it.
+struct TopkFault {
+  int32_t state = 0;        ///< 0 = empty, 1 = being written, 2 = filled
+  int32_t token = 0;        ///< row of topk_idx
+  int32_t k = 0;            ///< column of topk_idx
+  int32_t num_experts = 0;  ///< the valid range is [-1, num_experts)
+  int64_t value = 0;        ///< the id found there
+  int64_t reserved = 0;
+};
+static_assert(sizeof(TopkFault) == 32, "TopkFault is a fixed 32-byte wire format");
+static_assert(std::is_trivially_copyable_v<TopkFault>, "TopkFault is copied out of host-mapped memory");
+
 /// The error a filled record stands for: kInvalidUsage for the phases that are not waits but a wrong argument seen
 /// on the device (kRdmaCapacity, kCombinePullArgs), kTimeout for every wait.
 ErrorCode diag_error_code(const DiagRecord& rec);

@@ -40,6 +40,17 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
   }
 }
 
+/// Records (token, k, value) in `fault` unless a fault is recorded there already (first writer wins); null = off.
+/// Pairs with the acquire of `state` in NvlRuntime::take_topk_fault.
+UCCL_DEVICE_INLINE void report_bad_topk(TopkFault* fault, int token, int k, int64_t value, int num_experts) {
+  if (fault == nullptr || gpu::atomic_cas_sys(&fault->state, 0, 1) != 0) return;
+  fault->token = token;
+  fault->k = k;
+  fault->num_experts = num_experts;
+  fault->value = value;
+  gpu::store_release_sys(&fault->state, 2);
+}
+
 /// Usage: BoundedWait w(diag); while (!ready()) { if (w.expired()) { report...; return; } }
 struct BoundedWait {
   uint64_t start_ns;

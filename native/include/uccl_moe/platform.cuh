@@ -230,6 +230,17 @@ UCCL_DEVICE_INLINE int32_t atomic_add_sys(int32_t* p, int32_t v) {
 #endif
 }
 
+/// Compare-and-swap at system scope; returns the old value (== expected: this thread swapped).
+UCCL_DEVICE_INLINE int32_t atomic_cas_sys(int32_t* p, int32_t expected, int32_t desired) {
+#if defined(UCCL_MOE_HIP)
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+#else
+  return atomicCAS_system(p, expected, desired);
+#endif
+}
+
 /// One 16-byte store (used for FIFO commands: a command must never be observed half-written).
 UCCL_DEVICE_INLINE void store_128(void* p, const uint4& v) { *reinterpret_cast<uint4*>(p) = v; }
 

@@ -68,6 +68,13 @@ void register_runtime(nb::module_& m) {
       .def("check_num_sms", &NvlRuntime::check_num_sms, "num_sms"_a,
            "Raises InvalidUsageError if the GPU has fewer SMs than num_sms (every block of an op must be resident)")
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
+      .def_prop_ro("topk_fault_device", &NvlRuntime::topk_fault_device,
+                   "device view of the host-mapped record of the first top-k id outside [-1, num_experts)")
+      .def("take_topk_fault", [](NvlRuntime& r) -> nb::object {
+        const TopkFault f = r.take_topk_fault();
+        if (f.state != 2) return nb::none();
+        return nb::make_tuple(f.token, f.k, f.value, f.num_experts);
+      }, "(token, k, value, num_experts) of the recorded bad top-k id, cleared; None if none. No device sync")
       .def("reset_recv_counter", &NvlRuntime::reset_recv_counter)
       .def_prop_ro("timeout_s", [](const NvlRuntime& r) { return r.timeout().limit_s; },
                    "UCCL_MOE_TIMEOUT_S as resolved when this runtime was created (its kernels' and host's bound)")
@@ -126,13 +133,22 @@ void register_runtime(nb::module_& m) {
 
   m.def("get_dispatch_layout", [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
                                   int ranks_per_node, uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_node,
-                                  uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank, uintptr_t stream) {
+                                  uintptr_t num_tokens_per_expert, uintptr_t is_token_in_rank, uintptr_t stream,
+                                  uintptr_t topk_fault) {
     intranode::LayoutArgs a{ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
                             ranks_per_node, ptr<int32_t>(num_tokens_per_rank), ptr<int32_t>(num_tokens_per_node),
-                            ptr<int32_t>(num_tokens_per_expert), ptr<bool>(is_token_in_rank)};
+                            ptr<int32_t>(num_tokens_per_expert), ptr<bool>(is_token_in_rank), ptr<TopkFault>(topk_fault)};
     intranode::launch_get_dispatch_layout(a, stream_of(stream));
   }, "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "num_ranks"_a, "ranks_per_node"_a,
-  "num_tokens_per_rank"_a, "num_tokens_per_node"_a, "num_tokens_per_expert"_a, "is_token_in_rank"_a, "stream"_a);
+  "num_tokens_per_rank"_a, "num_tokens_per_node"_a, "num_tokens_per_expert"_a, "is_token_in_rank"_a, "stream"_a,
+  "topk_fault"_a = 0, "topk_fault: NvlRuntime.topk_fault_device, or 0 (no range record)");
+
+  m.def("check_topk_idx", [](uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts, uintptr_t topk_fault,
+                             uintptr_t stream) {
+    intranode::launch_check_topk_idx(ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts,
+                                     ptr<TopkFault>(topk_fault), stream_of(stream));
+  }, "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "topk_fault"_a, "stream"_a,
+  "Records the first id of topk_idx outside [-1, num_experts) in topk_fault (NvlRuntime.topk_fault_device); no sync");
 
   m.def("notify_dispatch", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t is_token_in_rank,
                               uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, int num_tokens,

@@ -19,9 +19,12 @@ namespace {
 // Host-mapped block layout (bytes). The record sits first so its 64 bytes share no line with counters.
 constexpr size_t kHostOffDiag = 0;
 constexpr size_t kHostOffAbort = 128;
+constexpr size_t kHostOffTopkFault = 192;  // TopkFault, 32 bytes
 constexpr size_t kHostOffRecvCounter = 256;
 constexpr size_t kHostOffExpertCounters = 512;
 constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
+static_assert(kHostOffDiag + sizeof(DiagRecord) <= kHostOffAbort && kHostOffTopkFault + sizeof(TopkFault) <= kHostOffRecvCounter,
+              "host-mapped records overlap");
 
 }  // namespace
 
@@ -138,6 +141,22 @@ DiagRecord NvlRuntime::diag() const {
   DiagRecord r{};
   if (host_ != nullptr) std::memcpy(&r, host_ + kHostOffDiag, sizeof(r));
   return r;
+}
+
+uintptr_t NvlRuntime::topk_fault_device() const {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
+  return reinterpret_cast<uintptr_t>(host_dev_ + kHostOffTopkFault);
+}
+
+TopkFault NvlRuntime::take_topk_fault() {
+  TopkFault f{};
+  if (host_ == nullptr) return f;
+  auto* slot = reinterpret_cast<TopkFault*>(host_ + kHostOffTopkFault);
+  if (reinterpret_cast<std::atomic<int32_t>*>(&slot->state)->load(std::memory_order_acquire) != 2) return f;
+  std::memcpy(&f, slot, sizeof(f));
+  // A fault a kernel records between the copy and this clear is lost; the first one is raised.
+  reinterpret_cast<std::atomic<int32_t>*>(&slot->state)->store(0, std::memory_order_release);
+  return f;
 }
 
 bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv,

@@ -51,6 +51,10 @@ class NvlRuntime {
   /// True once any wait of this buffer gave up; the buffer is then unusable (recreate it).
   bool aborted() const;
   DiagRecord diag() const;
+  /// Device view of the host-mapped TopkFault the layout and topk checks record a bad expert id in.
+  uintptr_t topk_fault_device() const;
+  /// The recorded TopkFault (state 2), cleared so the next one can be recorded; state 0 if none. No device sync.
+  TopkFault take_topk_fault();
 
   /// Channel count the ring counters were last reset for (-1: never). Rounds with the same count chain
   /// without a reset (nvl_layout.hpp); the bindings reset when it changes. Every rank sees the same calls,

@@ -100,8 +100,13 @@ struct LayoutArgs {
   int32_t* num_tokens_per_node;    ///< [R / ranks_per_node] out, or null
   int32_t* num_tokens_per_expert;  ///< [E] out
   bool* is_token_in_rank;          ///< [T, R] out
+  TopkFault* topk_fault = nullptr; ///< host-mapped: the first id outside [-1, E) is recorded here (null = off)
 };
 void launch_get_dispatch_layout(const LayoutArgs& a, void* stream);
+/// The range check of the layout kernel on its own (a dispatch whose topk_idx the layout did not read): records the
+/// first id of `topk_idx` [T, K] outside [-1, num_experts) in `fault`. No host sync.
+void launch_check_topk_idx(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, TopkFault* fault,
+                           void* stream);
 
 struct NotifyArgs {
   const bool* is_token_in_rank;           ///< [T, R]

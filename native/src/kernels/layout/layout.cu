@@ -1,7 +1,10 @@
 // get_dispatch_layout: per-rank / per-node / per-expert token counts and is_token_in_rank from top-k ids.
 // One thread per token; counts go through shared memory (one global atomic per block and counter).
-// A token counts once per rank (and per node) however many of its experts live there.
+// A token counts once per rank (and per node) however many of its experts live there. An id outside [-1, E) is a
+// usage error: it is skipped as if it were -1 (never used as an index) and the first one is recorded in the
+// host-mapped TopkFault (diag.hpp), which the host raises as InvalidUsageError without a device sync.
 #include "../intranode/intranode.hpp"
+#include "uccl_moe/diag_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -30,7 +33,10 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout_kernel(Lay
     const int64_t* idx = a.topk_idx + static_cast<int64_t>(t) * a.num_topk;
     for (int k = 0; k < a.num_topk; ++k) {
       const int64_t e = idx[k];
-      if (e < 0 || e >= a.num_experts) continue;
+      if (e < 0 || e >= a.num_experts) {
+        if (e != -1) report_bad_topk(a.topk_fault, t, k, e, a.num_experts);
+        continue;
+      }
       atomicAdd(expert_c + e, 1);
       const int r = static_cast<int>(e / experts_per_rank);
       bool seen_rank = false, seen_node = false;
@@ -60,7 +66,29 @@ __global__ void __launch_bounds__(kLayoutThreads) get_dispatch_layout_kernel(Lay
   }
 }
 
+__global__ void __launch_bounds__(kLayoutThreads) check_topk_idx_kernel(const int64_t* topk_idx, int64_t n,
+                                                                         int num_topk, int num_experts,
+                                                                         TopkFault* fault) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = topk_idx[i];
+    if (e < -1 || e >= num_experts)
+      report_bad_topk(fault, static_cast<int>(i / num_topk), static_cast<int>(i % num_topk), e, num_experts);
+  }
+}
+
 }  // namespace
+
+void launch_check_topk_idx(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, TopkFault* fault,
+                           void* stream) {
+  const int64_t n = static_cast<int64_t>(num_tokens) * num_topk;
+  if (n == 0 || fault == nullptr) return;
+  const int64_t want = (n + kLayoutThreads - 1) / kLayoutThreads;
+  const int blocks = static_cast<int>(want < 1024 ? want : 1024);
+  check_topk_idx_kernel<<<blocks, kLayoutThreads, 0, static_cast<gpu::Stream>(stream)>>>(topk_idx, n, num_topk,
+                                                                                         num_experts, fault);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
 
 void launch_get_dispatch_layout(const LayoutArgs& a, void* stream) {
   UCCL_ASSERT(a.num_ranks >= 1 && a.num_experts % a.num_ranks == 0,
