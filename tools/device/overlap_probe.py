@@ -110,8 +110,10 @@ def main() -> int:
     p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
                    help="gloo: a CPU smoke of the hooks only (train_gpt's CPU loop never builds the schedule plan)")
     a = p.parse_args()
-    if a.backend == "gloo":
+    env = None
+    if a.backend == "gloo":  # the reference backend for uccl and for the shim's Buffer
         DISPATCHERS["uccl"] = ["--moe-token-dispatcher-type", "uccl", "--moe-uccl-backend", "reference"]
+        env = {"UCCL_MOE_BACKEND": "reference"}
     elif torch.cuda.device_count() < 2:
         print("overlap_probe: needs 2 GPUs", file=sys.stderr)
         return 2
@@ -123,7 +125,8 @@ def main() -> int:
             label = f"{d} {' '.join(extra) or '(no overlap)'}"
             print(f"\n=== {label}", flush=True)
             try:
-                losses = run_ranks_on(_rank, 2, d, DISPATCHERS[d], extra, a.steps, backend=a.backend, timeout_s=600)[0]
+                losses = run_ranks_on(_rank, 2, d, DISPATCHERS[d], extra, a.steps, backend=a.backend, env=env,
+                                      timeout_s=600)[0]
             except AssertionError as e:  # the first failing rank's traceback
                 print(f"[probe] {label}: FAILED\n{str(e)[-3000:]}", flush=True)
                 failed += 1
