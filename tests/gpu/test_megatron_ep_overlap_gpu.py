@@ -23,13 +23,6 @@ from helpers.mp import run_ranks_on  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mp, pytest.mark.timeout(1800)]
 
-# Known failure (2 x H100/H200, megatron-core 0.19.2, 2026-11-25): under Megatron's combined 1F1B schedule plan,
-# train_gpt's model gets a float32 input at the first attention (linear_qkv: "expected mat1 and mat2 to have the same
-# dtype, but got: float != c10::BFloat16"), for alltoall as for uccl and flex, so no dispatcher step runs. Strict, so
-# the marks go as soon as train_gpt feeds the plan BF16.
-KNOWN_DTYPE_BUG = pytest.mark.xfail(strict=True, raises=AssertionError,
-                                    reason="train_gpt's schedule-plan path feeds attention float32 (docs/megatron.md)")
-
 ARGS = [
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--num-experts", "8",
     "--moe-router-topk", "2", "--expert-model-parallel-size", "2", "--moe-ffn-hidden-size", "512",
@@ -78,7 +71,6 @@ def _close(got: list[float], ref: list[float]) -> None:
     assert sum(got[-3:]) / 3 < got[0] - 0.2, f"loss did not fall: {got}"
 
 
-@KNOWN_DTYPE_BUG
 @pytest.mark.parametrize("dispatcher", ["uccl", "flex_shim"])
 @pytest.mark.parametrize("delay_wgrad", [False, True], ids=["overlap", "overlap+delay_wgrad"])
 def test_ep_overlap_loss_parity_with_alltoall(dispatcher, delay_wgrad):
@@ -102,7 +94,6 @@ def _hidden_fraction(tmp_path, name: str, extra: list[str]) -> float:
     return float(frac)
 
 
-@KNOWN_DTYPE_BUG
 def test_ep_overlap_hides_uccl_comm_under_the_other_micro_batch(tmp_path):
     _need_two_gpus()
     without = _hidden_fraction(tmp_path, "plain", [])

@@ -220,6 +220,12 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         """[*, H] tokens, [T, E] routing_map/probs -> ([T, H] tokens, [T, K] float32 top-k weights). No comm."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        if getattr(self.config, "overlap_moe_expert_parallel_comm", False):
+            # Megatron's 1F1B schedule plan frees the dispatch node's input storage once the dispatch has run
+            # (Megatron-LM megatron/core/models/common/utils.py should_free_input, "moe_dispatch"; 0.16:
+            # models/gpt/fine_grained_callables.py). A view would free the pre-MLP norm's output, which the router's
+            # and the shared expert's backward still read; alltoall's permute hands the node a fresh tensor too.
+            hidden_states = hidden_states.clone()
         self._topk_idx, topk_weights = routing_to_topk(
             routing_map, probs, self.tp_size, self.ep_size, self.num_local_experts, self.router_topk
         )

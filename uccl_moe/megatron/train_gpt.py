@@ -290,7 +290,8 @@ def setup(argv: Sequence[str]) -> TrainSetup:
 
 
 def build_model(ts: TrainSetup) -> Any:
-    """GPTModel (Megatron-Core) on the decoder block spec, wrapped in Megatron's DistributedDataParallel."""
+    """GPTModel (Megatron-Core) on the decoder block spec, in Megatron's Float16Module for BF16/FP16 training (as
+    Megatron-LM's get_model), wrapped in Megatron's DistributedDataParallel."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -299,7 +300,7 @@ def build_model(ts: TrainSetup) -> Any:
     args, config = ts.args, ts.config
     impl = args.transformer_impl or ("transformer_engine" if _te_available() and ts.device.type == "cuda" else "local")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=impl == "transformer_engine")
-    model = GPTModel(
+    model: Any = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.vocab_size,
@@ -310,6 +311,14 @@ def build_model(ts: TrainSetup) -> Any:
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
     ).to(ts.device)
+    if config.bf16 or config.fp16:
+        # As Megatron-LM's get_model (megatron/training/training.py) does: Float16Module casts every parameter to the
+        # training dtype. GPTModel leaves its learned position embedding and torch norms in float32, and a float32
+        # embedding sum would reach the BF16 linear layers; the combined-1F1B schedule plan
+        # (--overlap-moe-expert-parallel-comm) calls GPTModel's parts directly, past any wrapper's forward.
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=config.bf16 or config.fp16,
         use_distributed_optimizer=args.use_distributed_optimizer,
@@ -439,7 +448,9 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[to
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # A copy: Megatron's forward_step_calc_loss (pipeline_parallel/schedules.py) divides the returned loss in place
+    # by the number of micro-batches, which a detached view would show in the log.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 @functools.cache
