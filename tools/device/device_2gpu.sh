@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One 2- or 4-GPU device call in stages (STAGES, space-separated, in order); logs land in $OUT (one tarball + the .log files).
 #   quick    the small GPU test files: dma-buf export, doctor on GPUs, default device/dtype, streams, native core,
-#            the GPU example, the bench GPU tests
+#            the GPU example, the device-side topk_idx check, the preset sweep
 #   bench    `uccl-moe bench` in its default mode (the API defaults, FP8 column-major scales) at each EP size of
 #            BENCH_RANKS (default 2), and the Megatron dispatcher benchmark (uccl vs alltoall vs flex over the shim)
 #   deepep   DeepEP V1's own tests/test_intranode.py through the shim at 2 and (with 4 GPUs) 4 processes (carry .deepep:
@@ -23,7 +23,8 @@ for stage in ${STAGES:-quick bench}; do
   quick)
     timeout 240 "${P[@]}" --timeout 200 tests/gpu/test_gpu_mr_gpu.py tests/gpu/test_doctor_gpu.py \
       tests/gpu/test_default_device_gpu.py tests/gpu/test_streams_gpu.py tests/uccl_moe/test_native_core.py \
-      tests/examples/test_examples.py -m gpu > "$OUT/quick.log" 2>&1
+      tests/examples/test_examples.py tests/gpu/test_topk_check_gpu.py tests/uccl_moe/bench/test_tune_gpu.py -m gpu \
+      > "$OUT/quick.log" 2>&1
     echo "quick rc=$?"; sum "$OUT/quick.log" 12 ;;
   bench)
     for r in ${BENCH_RANKS:-2}; do   # 256 experts do not split over 3 ranks: 255 there
