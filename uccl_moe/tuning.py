@@ -60,14 +60,14 @@ class Preset:
 # One line per EP size; python -m uccl_moe.bench.tune --ranks R --write rewrites line R between these markers.
 INTRANODE: dict[int, Preset] = {
     # tune-rows: begin
-    1: Preset(dispatch=Chunks(2, 512), combine=Chunks(8, 128), measured_on="NVIDIA H200 x 1, 2026-11-26, python -m uccl_moe.bench.tune --ranks 1"),
+    1: Preset(dispatch=Chunks(8, 128), combine=Chunks(8, 128), measured_on="NVIDIA H200 x 1, 2026-11-26, python -m uccl_moe.bench.tune --ranks 1"),
     2: Preset(dispatch=Chunks(2, 128), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench.tune --ranks 2"),
-    3: Preset(dispatch=Chunks(4, 512), combine=Chunks(2, 512), measured_on="NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3", dispatch_fp8=Chunks(8, 128)),
-    4: Preset(dispatch=Chunks(8, 512), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 4, 2026-11-26, python -m uccl_moe.bench.tune --ranks 4"),
-    5: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
-    6: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
-    7: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
-    8: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured at this size: takes the EP3-4 row"),
+    3: Preset(dispatch=Chunks(4, 128), combine=Chunks(2, 256), measured_on="NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3"),
+    4: Preset(dispatch=Chunks(8, 128), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 4, 2026-11-26, python -m uccl_moe.bench.tune --ranks 4"),
+    5: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
+    6: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
+    7: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
+    8: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
     # tune-rows: end
 }
 

@@ -16,8 +16,10 @@ times the number of ranks it went to, bit for bit; a failing point is reported a
 Timing as ``uccl-moe bench`` (L2 flushed, ranks aligned by an untimed all-reduce, CUDA events): the median of
 ``--iters`` (10) per point, the slowest rank; the best ``--top`` (2) points per op are timed again with
 ``--final-iters`` (20), the dispatch ops on the union of both dtypes' finalists, and the fastest of those wins.
-``dispatch`` is BF16's pick; ``dispatch_fp8`` is FP8's pick among rings no larger than that, kept only where it beats
-FP8 at BF16's pick by more than ``--min-gain`` (2%). ``--write`` rewrites the ``INTRANODE[R]`` line of
+Each op takes the smallest ring within ``--min-gain`` (2%) of its fastest point (a larger ring costs every client
+memory); ``dispatch`` is BF16's pick; ``dispatch_fp8`` is FP8's pick among rings no larger than that, kept only where
+it beats FP8 at BF16's pick by more than ``--min-gain``. ``--repick TUNE_JSON`` picks again from a saved run's
+finalists (no GPU). ``--write`` rewrites the ``INTRANODE[R]`` line of
 ``uccl_moe/tuning.py`` (``--table`` names another file) with the picks and ``measured_on``; the JSON of every point
 goes to ``--json`` (default ``runs/tune/<time>/tune.json``).
 """
@@ -74,7 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write", action="store_true", help="rewrite INTRANODE[R] in the preset table")
     p.add_argument("--table", default=None, help="the table to rewrite (default: uccl_moe/tuning.py)")
     p.add_argument("--json", default=None, help="JSON output path (default runs/tune/<time>/tune.json; '' = none)")
+    p.add_argument("--repick", default=None, metavar="TUNE_JSON",
+                   help="no GPU run: pick again from the finalists of a saved tune JSON with this version's rule "
+                        "(--min-gain); with --write, rewrite its row, keeping the device and date it was measured on")
     return p
+
+
+def repick(path: str, min_gain: float, write: bool, table: str | None) -> int:
+    """--repick: the picks of a saved run's finalists under the current rule, printed and (`write`) written."""
+    data = json.loads(Path(path).read_text())
+    final = {op: {(e["nvl_send"], e["nvl_recv"]): float(e["us"]) for e in data["final"][op]} for op in OPS}
+    picks = pick(final, min_gain)
+    R = int(data["ranks"])
+    where = data["measured_on"]
+    print(f"repick of {path} ({where}): {row_line(R, picks, where).strip()}")
+    if data.get("bad_points"):
+        print(f"ERROR: that run had wrong results at {data['bad_points']}; nothing written", file=sys.stderr)
+        return 1
+    if write:
+        from uccl_moe import tuning
+
+        target = table or tuning.__file__
+        write_row(target, R, picks, where)
+        print(f"wrote row {R} of {target}")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ GPU-free parts
@@ -147,16 +172,25 @@ def finalists(sweep: dict[str, dict[Cand, float]], top: int) -> dict[str, list[C
     return out
 
 
+def _lean(times: dict[Cand, float], tol: float) -> Cand:
+    """The point with the smallest ring (the Buffer every client sizes from the hint) among those within `tol` (a
+    fraction) of the fastest; then the fastest of that ring."""
+    best = min(times.values())
+    near = {c: us for c, us in times.items() if us <= best * (1.0 + tol)}
+    return min(near, key=lambda c: (c[1], near[c], c[0]))
+
+
 def pick(final: dict[str, dict[Cand, float]], min_gain: float) -> dict[str, Cand | None]:
-    """The preset from the finalists' times: ``dispatch`` = BF16's fastest, ``combine`` = combine's fastest,
-    ``dispatch_fp8`` = FP8's fastest among rings no larger than ``dispatch``'s (so the Buffer a client sizes from
-    ``get_dispatch_config``'s hint holds it), or None where that is ``dispatch`` itself or beats FP8's time at
-    ``dispatch`` by no more than `min_gain` (a fraction)."""
-    d = _order(final["dispatch_bf16"])[0]
-    c = _order(final["combine"])[0]
+    """The preset from the finalists' times. A larger ring must pay for its memory: each op takes the smallest
+    ring within `min_gain` (a fraction) of its fastest point (:func:`_lean`). ``dispatch`` = BF16's pick,
+    ``combine`` = combine's, ``dispatch_fp8`` = FP8's pick among rings no larger than ``dispatch``'s (so the Buffer
+    a client sizes from ``get_dispatch_config``'s hint holds it), or None where that is ``dispatch`` itself or beats
+    FP8's time at ``dispatch`` by no more than `min_gain`."""
+    d = _lean(final["dispatch_bf16"], min_gain)
+    c = _lean(final["combine"], min_gain)
     fp8 = final["dispatch_fp8"]
     fits = {cand: us for cand, us in fp8.items() if cand[1] <= d[1]}
-    f: Cand | None = _order(fits)[0] if fits else None
+    f: Cand | None = _lean(fits, min_gain) if fits else None
     if f == d or f is None or (d in fp8 and fp8[f] >= fp8[d] * (1.0 - min_gain)):
         f = None
     return {"dispatch": d, "dispatch_fp8": f, "combine": c}
@@ -366,6 +400,8 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
 # ------------------------------------------------------------------------------------------------ driver
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.repick:
+        return repick(args.repick, args.min_gain, args.write, args.table)
     if args.sms <= 0 or args.sms % 2 or args.iters < 1 or args.final_iters < 20 or args.top < 1:
         print("--sms must be positive and even, --iters >= 1, --final-iters >= 20 (the method's median of 20), "
               "--top >= 1", file=sys.stderr)

@@ -103,6 +103,32 @@ def test_pick_per_op_and_the_fp8_field() -> None:
     assert pick({"dispatch_bf16": {(4, 512): 1.0, (8, 256): 1.0, (2, 256): 1.0}, "dispatch_fp8": {(2, 256): 1.0},
                  "combine": {(1, 512): 2.0, (16, 128): 2.0}}, 0.02) == {
         "dispatch": (2, 256), "dispatch_fp8": None, "combine": (16, 128)}
+    # a larger ring must pay for its memory: within min_gain of the fastest, the smallest ring wins
+    lean = {"dispatch_bf16": {(8, 512): 555.5, (4, 256): 556.1, (8, 256): 556.9, (8, 128): 580.0},
+            "dispatch_fp8": {(8, 512): 320.0, (4, 256): 330.0, (8, 256): 321.9, (8, 128): 322.9},
+            "combine": {(1, 256): 635.0, (4, 128): 678.3}}
+    assert pick(lean, 0.02) == {"dispatch": (4, 256), "dispatch_fp8": (8, 128), "combine": (1, 256)}
+    assert pick(lean, 0.0) == {"dispatch": (8, 512), "dispatch_fp8": None, "combine": (1, 256)}
+
+
+def test_repick_rewrites_a_row_from_a_saved_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from uccl_moe.bench.tune import main
+
+    table = _copy(tmp_path)
+    where = "NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3"
+    saved = {"ranks": 3, "measured_on": where, "bad_points": [], "final": {
+        "combine": [{"nvl_send": 2, "nvl_recv": 256, "us": 452.4}, {"nvl_send": 2, "nvl_recv": 512, "us": 449.5}],
+        "dispatch_fp8": [{"nvl_send": 4, "nvl_recv": 128, "us": 216.2}, {"nvl_send": 8, "nvl_recv": 128, "us": 215.8}],
+        "dispatch_bf16": [{"nvl_send": 4, "nvl_recv": 128, "us": 394.0}, {"nvl_send": 4, "nvl_recv": 512, "us": 389.8}]}}
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps(saved))
+    assert main(["--repick", str(path), "--write", "--table", str(table)]) == 0
+    row = load_table(table).preset_for(3)
+    assert (row.dispatch.nvl_send, row.dispatch.nvl_recv) == (4, 128) and row.dispatch_fp8 is None
+    assert (row.combine.nvl_send, row.combine.nvl_recv) == (2, 256) and row.measured_on == where
+    saved["bad_points"] = [[2, 256]]
+    path.write_text(json.dumps(saved))
+    assert main(["--repick", str(path), "--write", "--table", str(table)]) == 1
 
 
 def _copy(tmp_path: Path) -> Path:
