@@ -43,7 +43,9 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
 /// Records (token, k, value) in `fault` unless a fault is recorded there already (first writer wins); null = off.
 /// Pairs with the acquire of `state` in NvlRuntime::take_topk_fault.
 UCCL_DEVICE_INLINE void report_bad_topk(TopkFault* fault, int token, int k, int64_t value, int num_experts) {
-  if (fault == nullptr || gpu::atomic_cas_sys(&fault->state, 0, 1) != 0) return;
+  if (fault == nullptr) return;
+  // A plain read first: once a fault is recorded, the other bad ids of an all-garbage topk_idx cost no PCIe atomic.
+  if (gpu::load_volatile(&fault->state) != 0 || gpu::atomic_cas_sys(&fault->state, 0, 1) != 0) return;
   fault->token = token;
   fault->k = k;
   fault->num_experts = num_experts;
