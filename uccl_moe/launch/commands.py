@@ -110,9 +110,9 @@ LOG_DIR = "logs"
 
 
 def with_log_dir(cmd: list[str], cfg: Any, log_dir: Path) -> list[str]:
-    """`cmd` with ``--log-dir`` for our training entry (``uccl_moe.megatron.train_gpt`` writes one log per rank
+    """`cmd` with ``--log-dir`` for our training entry (``uccl_moe.train.train_gpt`` writes one log per rank
     there and the end-of-run summary); other entries are left as they are."""
-    if entry_argv(cfg) == ["-m", "uccl_moe.megatron.train_gpt"]:
+    if entry_argv(cfg) == ["-m", "uccl_moe.train.train_gpt"]:
         return [*cmd, "--log-dir", str(log_dir)]
     return cmd
 

@@ -5,9 +5,9 @@
 
 Each run is ``uccl-moe train`` of the recipe with ``dispatcher=<name>`` added to the overrides (same seed, steps and
 everything else). The runs go one after another on this host. From each run's log the per-step loss, step time,
-tokens/s, peak memory and (with the default entry ``uccl_moe.megatron.train_gpt``) the CPU seconds per step and the
+tokens/s, peak memory and (with the default entry ``uccl_moe.train.train_gpt``) the CPU seconds per step and the
 forward dispatch/combine time per MoE layer are read; for the default entry compare adds ``--log-throughput
---log-memory --log-cpu --log-moe-timing`` to the command (see :mod:`uccl_moe.megatron.step_stats`); the table
+--log-memory --log-cpu --log-moe-timing`` to the command (see :mod:`uccl_moe.train.step_stats`); the table
 reports CPU use as cores busy (CPU seconds / step seconds). Megatron-LM's ``pretrain_gpt.py`` log lines are read as
 well (loss, step time, tokens/s from the global batch size; peak memory from its memory report).
 
@@ -45,19 +45,19 @@ from typing import Any, TextIO
 from ..cli import subcommand
 from ..config import expand_sweeps, to_yaml
 from ..errors import InvalidUsageError
-from .commands import compose_and_validate, default_run_dir
-from .local import check_devices, child_env, format_command, torchrun_command
-from .megatron_args import entry_command
-from .preflight import check_env_knobs, check_training_stack
+from ..launch.commands import compose_and_validate, default_run_dir
+from ..launch.local import check_devices, child_env, format_command, torchrun_command
+from ..launch.megatron_args import entry_command
+from ..launch.preflight import check_env_knobs, check_training_stack
 
-DEFAULT_ENTRY = ["-m", "uccl_moe.megatron.train_gpt"]
+DEFAULT_ENTRY = ["-m", "uccl_moe.train.train_gpt"]
 STATS_FLAGS = ["--log-throughput", "--log-memory", "--log-cpu"]
 MOE_TIMING_FLAG = "--log-moe-timing"
 
 # ----------------------------------------------------------------------------------------------------- parsing
 
 _FLOAT = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
-# uccl_moe.megatron.train_gpt:
+# uccl_moe.train.train_gpt:
 # [train_gpt] iteration 3/4 | lm loss 5.51234 | lr 0.001 | grad norm 1.2345 | 812.3 ms | 630 tokens/s | peak mem ...
 _TRAIN_GPT = re.compile(
     rf"\[train_gpt\] iteration (\d+)/(\d+) \| lm loss ({_FLOAT}) \| lr ({_FLOAT}) \| grad norm ({_FLOAT}) \| "
@@ -155,7 +155,7 @@ class Run:
     env: dict[str, str]
     expected_steps: int
     config_yaml: str = ""
-    default_entry: bool = False  # uccl_moe.megatron.train_gpt: takes the --log-* flags and --loss-log
+    default_entry: bool = False  # uccl_moe.train.train_gpt: takes the --log-* flags and --loss-log
     returncode: int | None = None
     wall_s: float | None = None
     log: str | None = None

@@ -1,11 +1,11 @@
 """A small, self-contained GPT-MoE training entry on Megatron-Core's own model, DDP, optimizer and schedules.
 
-    python -m uccl_moe.megatron.train_gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
+    python -m uccl_moe.train.train_gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 \\
         --num-experts 8 --moe-router-topk 2 --expert-model-parallel-size 2 \\
         --moe-token-dispatcher-type uccl --seq-length 32 --micro-batch-size 2 --global-batch-size 4 \\
         --train-iters 20 --lr 1e-3
 
-Launch one process per rank (``torchrun --nproc-per-node N -m uccl_moe.megatron.train_gpt ...``); a plain
+Launch one process per rank (``torchrun --nproc-per-node N -m uccl_moe.train.train_gpt ...``); a plain
 ``python -m`` runs one rank. GPUs use NCCL; without CUDA it runs on CPU with gloo (``uccl_moe.megatron.cpu`` shims).
 
 Why this exists: ``pretrain_gpt.py`` is part of the Megatron-LM repository, not of the megatron-core wheel. This entry
@@ -19,10 +19,10 @@ True), plus Megatron's aliases listed in ``_ALIASES`` (``--num-experts``, ``--sw
 the training flags of :func:`build_parser`, and the ``--moe-uccl-*`` knobs. Unknown flags are an error.
 ``--loss-log FILE`` writes one JSON line per step (iteration, loss, grad norm, seconds) on the last rank.
 ``--log-throughput``, ``--log-memory``, ``--log-cpu`` and ``--log-moe-timing`` add tokens/s, peak memory, the step's
-CPU seconds and forward dispatch/combine ms per MoE layer to each log line (:mod:`uccl_moe.megatron.step_stats`);
-``--profile`` records a torch.profiler trace of a few steps (:mod:`uccl_moe.megatron.profiler`).
+CPU seconds and forward dispatch/combine ms per MoE layer to each log line (:mod:`uccl_moe.train.step_stats`);
+``--profile`` records a torch.profiler trace of a few steps (:mod:`uccl_moe.train.profiler`).
 ``--log-dir DIR`` copies each rank's output into ``DIR/rank<N>.log`` and writes the closing summary (steps, loss
-first -> last, tokens/s, wall time, versions, devices) to ``DIR/summary.json`` (:mod:`uccl_moe.megatron.run_log`).
+first -> last, tokens/s, wall time, versions, devices) to ``DIR/summary.json`` (:mod:`uccl_moe.train.run_log`).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidUsageError
-from . import knobs as _knobs
+from ..megatron import knobs as _knobs
+from ..megatron.install import install as _install_uccl
+from ..megatron.install import widen_parser
 from . import run_log
-from .install import install as _install_uccl
-from .install import widen_parser
 from .profiler import PROFILE_FLAGS, StepProfiler, check_profile_args
 from .step_stats import process_cpu_s
 
@@ -136,12 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of this entry: TransformerConfig fields, Megatron aliases, training flags and uccl knobs."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    p = argparse.ArgumentParser(prog="python -m uccl_moe.megatron.train_gpt", allow_abbrev=False,
+    p = argparse.ArgumentParser(prog="python -m uccl_moe.train.train_gpt", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
-    train = p.add_argument_group("training (uccl_moe.megatron.train_gpt)")
+    train = p.add_argument_group("training (uccl_moe.train.train_gpt)")
     for flag, kw in _TRAIN_FLAGS.items():
         train.add_argument(flag, **kw)
-    prof = p.add_argument_group("profiling (Megatron-LM's flags; uccl_moe.megatron.profiler)")
+    prof = p.add_argument_group("profiling (Megatron-LM's flags; uccl_moe.train.profiler)")
     for flag, kw in PROFILE_FLAGS.items():
         prof.add_argument(flag, **kw)
     for flag in _IGNORED:
@@ -523,7 +523,7 @@ def train(argv: Sequence[str]) -> list[dict[str, float]]:
 
         moe_timer = MoeTimer(model, ts.device)
     if rank == 0:
-        from .dispatcher import UCCLTokenDispatcher
+        from ..megatron.dispatcher import UCCLTokenDispatcher
 
         n = sum(isinstance(getattr(m, "token_dispatcher", None), UCCLTokenDispatcher) for m in model.modules())
         print(f"[train_gpt] world {dist.get_world_size()} DP {ts.dp_size} micro-batches/step {ts.num_microbatches} "
