@@ -143,5 +143,5 @@ class MoeTimer:
 
 
 def format_ms_list(values: list[float]) -> str:
-    """``[0.123,0.456]``: the log form of per-layer milliseconds (parsed by :mod:`uccl_moe.train.compare`)."""
+    """``[0.123,0.456]``: the log form of per-layer milliseconds (parsed by :mod:`uccl_moe.train.log_parse`)."""
     return "[" + ",".join(f"{v:.3f}" for v in values) + "]"
