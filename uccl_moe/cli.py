@@ -39,7 +39,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "slurm": ("uccl_moe.launch.commands", "render an sbatch script (torchrun per node); --submit sends it"),
     "primus": ("uccl_moe.launch.commands", "render a Primus experiment YAML and its primus-cli command"),
     "render-recipes": ("uccl_moe.launch.commands", "regenerate (or --check) the committed recipes/ folder"),
-    "compare": ("uccl_moe.launch.compare", "train one recipe once per dispatcher: loss parity, step time, tokens/s"),
+    "compare": ("uccl_moe.train.compare", "train one recipe once per dispatcher: loss parity, step time, tokens/s"),
     "bench": ("uccl_moe.bench.cli", "time dispatch/combine vs NCCL all_to_all_single on this host's GPUs"),
     "doctor": ("uccl_moe.doctor", "check this host's GPUs, NICs and settings for internode runs; --pair: self-test"),
 }

@@ -4,7 +4,7 @@ uccl dispatcher and with flex + our ``deep_ep`` shim, on 2 GPUs (issue 29):
 - loss parity: a tiny GPT-MoE (EP 2, BF16) trains with each under the overlap flags, step by step within BF16 noise of
   Megatron's alltoall dispatcher under the same flags;
 - the overlap is real: in a torch.profiler trace (``train_gpt --profile``), the share of uccl's kernel time that runs
-  under compute on another stream (``uccl_moe.megatron.timeline``) is larger with the flag than without it.
+  under compute on another stream (``uccl_moe.train.timeline``) is larger with the flag than without it.
 
     python -m pytest -q tests/gpu/test_megatron_ep_overlap_gpu.py
 """
@@ -46,7 +46,7 @@ def _train(rank: int, world: int, dispatcher: str, extra: list[str]) -> list[flo
         shim.install()
     from megatron.core import parallel_state
 
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     rows = train_gpt.train(ARGS + DISPATCHERS[dispatcher] + extra)
     parallel_state.destroy_model_parallel()
@@ -83,7 +83,7 @@ def test_ep_overlap_loss_parity_with_alltoall(dispatcher, delay_wgrad):
 
 
 def _hidden_fraction(tmp_path, name: str, extra: list[str]) -> float:
-    from uccl_moe.megatron import timeline
+    from uccl_moe.train import timeline
 
     d = tmp_path / name
     _losses("uccl", extra + ["--profile", "--profile-step-start", "8", "--profile-step-end", "10",

@@ -98,7 +98,7 @@ class _Layer(torch.nn.Module):
 
 
 def test_moe_timer_sees_side_stream_comm():
-    from uccl_moe.megatron.step_stats import MoeTimer
+    from uccl_moe.train.step_stats import MoeTimer
 
     layer = _Layer(comm_ms=5.0).cuda()
     timer = MoeTimer(layer, torch.device("cuda"))
@@ -125,8 +125,8 @@ def test_moe_timer_sees_side_stream_comm():
 
 
 def _nccl_under_compute(rank: int, world: int, gloo: Any, out_dir: str) -> dict[str, Any]:
-    from uccl_moe.megatron import timeline
-    from uccl_moe.megatron.profiler import StepProfiler
+    from uccl_moe.train import timeline
+    from uccl_moe.train.profiler import StepProfiler
 
     args = argparse.Namespace(profile=True, profile_step_start=2, profile_step_end=4, profile_ranks=[0],
                               profile_dir=out_dir, loss_log=None, train_iters=4)

@@ -50,7 +50,7 @@ def test_train_dry_run_prints_env_and_command(capsys):
     assert cli.main(["train", "recipe=tiny_cpu_moe", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "UCCL_MOE_BACKEND=reference" in out and "GLOO_SOCKET_IFNAME=lo" in out
-    assert "-m torch.distributed.run --nproc-per-node=2 --standalone -m uccl_moe.megatron.train_gpt" in out
+    assert "-m torch.distributed.run --nproc-per-node=2 --standalone -m uccl_moe.train.train_gpt" in out
     assert "--moe-token-dispatcher-type uccl" in out and "--distributed-backend gloo" in out
 
 

@@ -1,7 +1,8 @@
-"""No import circle inside ``uccl_moe`` (issue 31): a static graph of module-level imports, built with ``ast``.
+"""No import circle inside ``uccl_moe`` (issue 31): a static graph of imports, built with ``ast``.
 
-Only imports that run when a module is imported count: statements at module level (also inside a module-level
-``try``/``if``), not imports inside functions or under ``if TYPE_CHECKING:``.
+Two graphs: the imports that run when a module is imported (statements at module level, also inside a module-level
+``try``/``if``), and those plus the imports inside functions (a lazy import that closes a circle is a circle too).
+Neither counts imports under ``if TYPE_CHECKING:``; ``importlib.import_module`` by name is not seen.
 """
 
 from __future__ import annotations
@@ -38,14 +39,38 @@ def _top_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom
     return out
 
 
-def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
-    """module -> the uccl_moe modules it imports at module level (``from . import x`` is an edge to module x, not to
-    the package, when x is a module)."""
+def _all_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement in `body`, inside functions and classes too, except under ``if TYPE_CHECKING:``."""
+    out: list[ast.Import | ast.ImportFrom] = []
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for stmt in node.orelse:
+                    self.visit(stmt)
+            else:
+                self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            out.append(node)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            out.append(node)
+
+    for stmt in body:
+        Visitor().visit(stmt)
+    return out
+
+
+def import_graph(pkg: Path = PKG, function_level: bool = False) -> dict[str, set[str]]:
+    """module -> the uccl_moe modules it imports at module level, or anywhere with `function_level` (``from . import
+    x`` is an edge to module x, not to the package, when x is a module)."""
     files = {_module_name(p, pkg): p for p in pkg.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
+    collect = _all_imports if function_level else _top_level_imports
     for mod, path in files.items():
         is_pkg = path.name == "__init__.py"
-        for node in _top_level_imports(ast.parse(path.read_text()).body):
+        for node in collect(ast.parse(path.read_text()).body):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -122,3 +147,26 @@ def test_finder_sees_a_circle_and_ignores_function_level_imports(tmp_path: Path)
 def test_no_import_circle_in_uccl_moe() -> None:
     cycles = find_cycles(import_graph())
     assert cycles == [], f"import circles (module-level imports) in uccl_moe: {cycles}"
+
+
+def test_function_level_graph_sees_a_lazy_import_that_closes_a_circle(tmp_path: Path) -> None:
+    pkg = tmp_path / "uccl_moe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("import os\n\ndef f():\n    from .a import g\n    return g\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n"
+                              "else:\n    from . import e\n")
+    (pkg / "d.py").write_text("class K:\n    def m(self):\n        from . import c\n")
+    (pkg / "e.py").write_text("")
+    assert find_cycles(import_graph(pkg)) == []
+    graph = import_graph(pkg, function_level=True)
+    assert graph["uccl_moe.b"] == {"uccl_moe.a"}
+    assert graph["uccl_moe.c"] == {"uccl_moe.e"}  # not d: TYPE_CHECKING only
+    assert graph["uccl_moe.d"] == {"uccl_moe.c"}  # a method's import counts
+    assert find_cycles(graph) == [["uccl_moe.a", "uccl_moe.b"]]
+
+
+def test_no_import_circle_in_uccl_moe_counting_imports_inside_functions() -> None:
+    cycles = find_cycles(import_graph(function_level=True))
+    assert cycles == [], f"import circles (imports inside functions included) in uccl_moe: {cycles}"

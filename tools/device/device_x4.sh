@@ -68,7 +68,7 @@ for stage in ${STAGES:-mtest inter ibench smoke}; do
         dispatcher=$d dispatcher.moe_shared_expert_overlap=$ov \
         "train.extra_args=[--profile,--profile-step-start,5,--profile-step-end,7,--profile-dir,$P]" > "$P.log" 2>&1
       echo "profile $d overlap=$ov rc=$?"; grep -E "iteration [5-8]/|Error" "$P.log" | tail -4 | cut -c1-200
-      python3 -m uccl_moe.megatron.timeline "$P/trace_rank0.json" --json "$P/timeline.json"
+      python3 -m uccl_moe.train.timeline "$P/trace_rank0.json" --json "$P/timeline.json"
       gzip -c "$P/trace_rank0.json" > "$FINAL/trace_${d}_$ov.json.gz"; rm -f "$P/trace_rank0.json"
     done ;;
   fifo)

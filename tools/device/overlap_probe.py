@@ -72,7 +72,7 @@ def _rank(rank: int, world: int, dispatcher: str, dispatcher_args: list[str], ex
         shim.install()
     from megatron.core import parallel_state
 
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     seen: dict[str, int] = {}
     step = [1]

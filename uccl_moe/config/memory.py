@@ -211,7 +211,7 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: Any, assignment: list[list[int]], world_size: int) -> MemoryEstimate:
     """Estimate per-GPU memory for `cfg` given the layers of each pipeline rank (`assignment[r]` = layer indices
-    held by PP rank r, in any order; from :func:`uccl_moe.config.validate.pipeline_assignment`)."""
+    held by PP rank r, in any order; from :func:`uccl_moe.config.pipeline.pipeline_assignment`)."""
     m, p = cfg.model, cfg.parallel
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
                       p.expert_model_parallel_size)

@@ -318,7 +318,7 @@ class TrainConfig:
     """``configs/train/*.yaml``: the training loop, schedule, data and logging."""
 
     name: str = meta(MISSING)
-    entry: str = meta("-m uccl_moe.megatron.train_gpt", "training entry: '-m module' or a script path")
+    entry: str = meta("-m uccl_moe.train.train_gpt", "training entry: '-m module' or a script path")
     train_iters: int = arg(MISSING, ge=1)
     lr: float = arg(1.0e-4, ge=0)
     min_lr: Optional[float] = arg(None, ge=0)

@@ -1,7 +1,8 @@
 """Validation of a composed config: does the parallel layout divide the model and fit the nodes?
 
 Every check is a named rule; :func:`validate` runs all of them and raises one :class:`LayoutError` that lists each
-rule that failed with the numbers involved and a fix. Rules (``RULES`` documents each one):
+rule that failed with the numbers involved and a fix. The rules live in :mod:`uccl_moe.config.rules_layout` and
+:mod:`uccl_moe.config.rules_dispatcher`, in this order (``RULES`` documents each one):
 
 * sizes: parallel sizes, nodes and ranks per node are >= 1;
 * ranges: every other bounded number of the schema (``ge``/``gt``/``le``/``lt`` field metadata) is in its range;
@@ -24,19 +25,18 @@ intended), printed by the launchers.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from ..errors import InvalidUsageError
-from . import schema
-from .memory import MemoryEstimate, estimate_memory, parse_moe_layer_freq
+from . import rules_dispatcher, rules_layout
+from .memory import MemoryEstimate, estimate_memory
+from .pipeline import parse_pipeline_layout, pipeline_assignment
+from .rules import sizes
+from .rules_dispatcher import knob_env
+from .rules_layout import range_problem
 
 log = logging.getLogger("uccl_moe.config")
 
@@ -84,473 +84,9 @@ class ValidationReport:
         )
 
 
-RULES: dict[str, str] = {}
-_CHECKS: list[Callable[[Any, dict[str, Any]], list[str]]] = []
-
-
-def _rule(name: str, doc: str) -> Callable[[Callable[..., list[str]]], Callable[..., list[str]]]:
-    def deco(fn: Callable[..., list[str]]) -> Callable[..., list[str]]:
-        RULES[name] = doc
-        fn.rule_name = name  # type: ignore[attr-defined]
-        _CHECKS.append(fn)
-        return fn
-
-    return deco
-
-
-def _sizes(cfg: Any) -> dict[str, Any]:
-    p = cfg.parallel
-    tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
-                      p.expert_model_parallel_size)
-    etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else tp
-    world = cfg.nodes * cfg.platform.gpus_per_node
-    # mp: ranks of one dense model replica (TP x PP x CP); emp: of one expert replica (ETP x EP x PP)
-    return {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "world": world, "mp": tp * pp * cp,
-            "emp": etp * ep * pp}
-
-
-# ----------------------------------------------------------------------------------------------------- the rules
-
-
-@_rule("sizes", "parallel sizes, nodes and ranks per node are >= 1")
-def _check_sizes(cfg: Any, s: dict[str, Any]) -> list[str]:
-    bad = [f"parallel.{k}={v}" for k, v in cfg.parallel.items()
-           if k.endswith("_size") and v is not None and isinstance(v, int) and v < 1]
-    bad += [f"{k}={v}" for k, v in (("nodes", cfg.nodes), ("platform.gpus_per_node", cfg.platform.gpus_per_node))
-            if v < 1]
-    for k in ("micro_batch_size", "global_batch_size"):
-        if cfg.parallel[k] < 1:
-            bad.append(f"parallel.{k}={cfg.parallel[k]}")
-    return [f"{', '.join(bad)} must be >= 1"] if bad else []
-
-
-_SIZES_KEYS = {"nodes", "platform.gpus_per_node", "parallel.micro_batch_size", "parallel.global_batch_size"}
-"""Keys whose range the 'sizes' rule reports (with every ``parallel.*_size``); 'ranges' skips them."""
-
-_RANGE_TEXT = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-
-
-def _bounded_fields(cls: type, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(full key, {"ge": 1, ...})`` of every field of schema `cls` (and of its nested dataclasses) with bounds."""
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        bounds = {k: f.metadata[k] for k in schema.RANGE_KEYS if k in f.metadata}
-        if bounds:
-            yield key, bounds
-        elif isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):  # slurm, primus
-            yield from _bounded_fields(f.default_factory, key + ".")
-
-
-def _bounded_keys() -> list[tuple[str, dict[str, Any]]]:
-    out = list(_bounded_fields(schema.Config, ""))
-    for group, cls in schema.GROUPS.items():
-        out += list(_bounded_fields(cls, group + "."))
-    return out
-
-
-def range_problem(key: str, value: Any, bounds: dict[str, Any]) -> str | None:
-    """The message for `value` of `key` outside `bounds` ({"ge": 1, "lt": 1.0}), or None when inside."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    ok = all({"ge": value >= b, "gt": value > b, "le": value <= b, "lt": value < b}[k] for k, b in bounds.items())
-    if ok:
-        return None
-    rule = " and ".join(f"{_RANGE_TEXT[k]} {b}" for k, b in bounds.items())
-    return f"{key}={value} must be {rule}; set {key} to a value {rule}"
-
-
-@_rule("ranges", "every bounded number of the schema (ge/gt/le/lt field metadata) is in its range")
-def _check_ranges(cfg: Any, s: dict[str, Any]) -> list[str]:
-    out = []
-    for key, bounds in _bounded_keys():
-        if key in _SIZES_KEYS or (key.startswith("parallel.") and key.endswith("_size")):
-            continue
-        msg = range_problem(key, OmegaConf.select(cfg, key), bounds)
-        if msg:
-            out.append(msg)
-    return out
-
-
-@_rule("hidden_per_head", "without kv_channels, hidden_size is a multiple of num_attention_heads (Megatron's head dim)")
-def _check_hidden_per_head(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    if m.multi_latent_attention or m.kv_channels is not None or m.num_attention_heads < 1:
-        return []
-    if m.hidden_size % m.num_attention_heads:
-        return [(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
-                 f"{m.num_attention_heads}; use a multiple of {m.num_attention_heads} or set model.kv_channels")]
-    return []
-
-
-@_rule("lr_schedule", "min_lr <= lr")
-def _check_lr(cfg: Any, s: dict[str, Any]) -> list[str]:
-    t = cfg.train
-    if t.min_lr is not None and t.lr >= 0 and t.min_lr > t.lr:
-        return [f"train.min_lr={t.min_lr} is above train.lr={t.lr}; set train.min_lr <= train.lr"]
-    return []
-
-
-@_rule("uccl_hidden_alignment", "dispatcher uccl: a token row (hidden x element bytes) is a multiple of 16 bytes")
-def _check_uccl_hidden(cfg: Any, s: dict[str, Any]) -> list[str]:
-    # native/src/core/config.cc checks hidden_bytes % 16 == 0 (rows move in 16-byte vectors); fp32 on CPU, else bf16
-    if cfg.dispatcher.moe_token_dispatcher_type != schema.DispatcherType.uccl or not cfg.model.num_experts:
-        return []
-    elem = 2 if cfg.platform.bf16 else 4
-    h = cfg.model.hidden_size
-    if h >= 1 and (h * elem) % 16:
-        step = 16 // elem
-        return [(f"model.hidden_size={h} gives {h * elem}-byte token rows ({elem} bytes per element) but the uccl "
-                 f"dispatcher moves 16-byte vectors; use a multiple of {step} (e.g. {h + step - h % step})")]
-    return []
-
-
-@_rule("model_parallel_divides_world", "nodes x gpus_per_node is a multiple of TP x PP x CP")
-def _check_world_mp(cfg: Any, s: dict[str, Any]) -> list[str]:
-    mp = s["mp"]
-    if s["world"] % mp:
-        return [(f"world size {s['world']} (nodes={cfg.nodes} x platform.gpus_per_node={cfg.platform.gpus_per_node})"
-                f" is not a multiple of TP x PP x CP = {s['tp']} x {s['pp']} x {s['cp']} = {mp}; change nodes or "
-                f"the layout")]
-    return []
-
-
-@_rule("expert_parallel_divides_world", "nodes x gpus_per_node is a multiple of ETP x EP x PP")
-def _check_world_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
-    emp = s["emp"]
-    if s["world"] % emp:
-        return [(f"world size {s['world']} is not a multiple of ETP x EP x PP = {s['etp']} x {s['ep']} x {s['pp']} = "
-                f"{emp}; change parallel.expert_model_parallel_size or nodes")]
-    return []
-
-
-@_rule("ep_needs_experts", "EP > 1 only for MoE models")
-def _check_ep_needs_experts(cfg: Any, s: dict[str, Any]) -> list[str]:
-    if s["ep"] > 1 and not cfg.model.num_experts:
-        return [f"parallel.expert_model_parallel_size={s['ep']} but model {cfg.model.name} has no experts"]
-    return []
-
-
-@_rule("experts_divisible_by_ep", "num_experts is a multiple of EP")
-def _check_experts_ep(cfg: Any, s: dict[str, Any]) -> list[str]:
-    e = cfg.model.num_experts
-    if e and e % s["ep"]:
-        return [(f"model.num_experts={e} is not divisible by parallel.expert_model_parallel_size={s['ep']}; "
-                f"use an EP that divides {e}")]
-    return []
-
-
-@_rule("router_topk", "1 <= moe_router_topk <= num_experts")
-def _check_topk(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    if m.num_experts and not 1 <= m.moe_router_topk <= m.num_experts:
-        return [f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts={m.num_experts}]"]
-    return []
-
-
-@_rule("router_groups", "group-limited routing: groups divide the experts and leave >= top-k candidates")
-def _check_groups(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    g, gk = m.moe_router_num_groups, m.moe_router_group_topk
-    if not m.num_experts or (g is None and gk is None):
-        return []
-    if g is None or gk is None:
-        return ["model.moe_router_num_groups and model.moe_router_group_topk must be set together"]
-    out = []
-    if m.num_experts % g:
-        out.append(f"model.num_experts={m.num_experts} is not divisible by model.moe_router_num_groups={g}")
-    elif not 1 <= gk <= g:
-        out.append(f"model.moe_router_group_topk={gk} must be in [1, moe_router_num_groups={g}]")
-    elif gk * (m.num_experts // g) < m.moe_router_topk:
-        out.append(f"group_topk {gk} x {m.num_experts // g} experts per group < moe_router_topk {m.moe_router_topk}")
-    return out
-
-
-@_rule("moe_layer_freq", "moe_layer_freq gives one 0/1 per layer")
-def _check_freq(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    if not m.num_experts:
-        return []
-    try:
-        freq = parse_moe_layer_freq(m.moe_layer_freq, m.num_layers)
-    except InvalidUsageError as e:
-        return [str(e)]
-    if len(freq) != m.num_layers:
-        return [f"model.moe_layer_freq gives {len(freq)} entries but model.num_layers={m.num_layers}"]
-    if not any(freq):
-        return ["model.moe_layer_freq makes no layer MoE but model.num_experts is set"]
-    return []
-
-
-@_rule("heads_divisible_by_tp", "attention heads (and query groups) are multiples of TP")
-def _check_heads(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    out = []
-    if m.num_attention_heads % s["tp"]:
-        out.append(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-                   f"parallel.tensor_model_parallel_size={s['tp']}")
-    if m.group_query_attention and m.num_query_groups and m.num_query_groups % s["tp"]:
-        out.append(f"model.num_query_groups={m.num_query_groups} is not divisible by TP={s['tp']}")
-    return out
-
-
-@_rule("sequence_parallel_with_tp_and_ep", "MoE with TP > 1 and EP > 1 needs sequence_parallel (Megatron asserts it)")
-def _check_sp(cfg: Any, s: dict[str, Any]) -> list[str]:
-    if cfg.model.num_experts and s["tp"] > 1 and s["ep"] > 1 and not cfg.parallel.sequence_parallel:
-        return [f"TP={s['tp']} and EP={s['ep']} need parallel.sequence_parallel=true"]
-    return []
-
-
-@_rule("sequence_length", "seq_length <= max_position_embeddings")
-def _check_seq(cfg: Any, s: dict[str, Any]) -> list[str]:
-    m = cfg.model
-    if m.seq_length > m.max_position_embeddings:
-        return [f"model.seq_length={m.seq_length} > model.max_position_embeddings={m.max_position_embeddings}"]
-    return []
-
-
-@_rule("context_parallel_sequence", "with CP > 1 the sequence splits into 2 x CP chunks")
-def _check_cp(cfg: Any, s: dict[str, Any]) -> list[str]:
-    if s["cp"] > 1 and cfg.model.seq_length % (2 * s["cp"]):
-        return [f"model.seq_length={cfg.model.seq_length} is not divisible by 2 x CP = {2 * s['cp']}"]
-    return []
-
-
-@_rule("virtual_pipeline", "VPP needs PP > 1 and divides each rank's layers")
-def _check_vpp(cfg: Any, s: dict[str, Any]) -> list[str]:
-    p = cfg.parallel
-    v = p.num_layers_per_virtual_pipeline_stage
-    if v is None:
-        return []
-    if v < 1:
-        return [f"parallel.num_layers_per_virtual_pipeline_stage={v} must be >= 1"]
-    if s["pp"] == 1:
-        return ["parallel.num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1"]
-    if p.pipeline_model_parallel_layout:
-        return ["set either parallel.pipeline_model_parallel_layout or num_layers_per_virtual_pipeline_stage"]
-    per_rank = cfg.model.num_layers / s["pp"]
-    if per_rank != int(per_rank) or int(per_rank) % v:
-        return [(f"layers per PP rank ({cfg.model.num_layers}/{s['pp']}) is not a multiple of "
-                f"num_layers_per_virtual_pipeline_stage={v}")]
-    return []
-
-
-@_rule("layers_divisible_by_pp", "the decoder layers split evenly over the pipeline stages")
-def _check_pp_layers(cfg: Any, s: dict[str, Any]) -> list[str]:
-    p = cfg.parallel
-    if p.pipeline_model_parallel_layout:
-        return []
-    L, pp = cfg.model.num_layers, s["pp"]
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if first is None and last is None:
-        if L % pp:
-            return [(f"model.num_layers={L} is not divisible by parallel.pipeline_model_parallel_size={pp}; use a PP "
-                    f"that divides it, decoder_first/last_pipeline_num_layers, or pipeline_model_parallel_layout")]
-        return []
-    rest, rest_stages = _middle_stages(L, pp, first, last)
-    if rest < 0 or (rest_stages <= 0 and rest != 0) or (rest_stages > 0 and rest % rest_stages):
-        return [(f"after decoder_first/last_pipeline_num_layers ({first}/{last}) the remaining {rest} layers do not "
-                f"split evenly over {rest_stages} middle stage(s)")]
-    return []
-
-
-@_rule("pipeline_layout", "an explicit pipeline layout has PP x VPP stages, num_layers 't' and mtp_num_layers 'm'")
-def _check_layout(cfg: Any, s: dict[str, Any]) -> list[str]:
-    layout = cfg.parallel.pipeline_model_parallel_layout
-    if not layout:
-        return []
-    try:
-        stages = parse_pipeline_layout(layout)
-    except InvalidUsageError as e:
-        return [str(e)]
-    out = []
-    if len(stages) % s["pp"]:
-        out.append(f"layout has {len(stages)} stages, not a multiple of PP={s['pp']}")
-    n_t = sum(st.count("t") for st in stages)
-    if n_t != cfg.model.num_layers:
-        out.append(f"layout has {n_t} decoder layers ('t') but model.num_layers={cfg.model.num_layers}")
-    n_m = sum(st.count("m") for st in stages)
-    if n_m != (cfg.model.mtp_num_layers or 0):
-        out.append(f"layout has {n_m} MTP layers ('m') but model.mtp_num_layers={cfg.model.mtp_num_layers}")
-    if not stages[0].startswith("E"):
-        out.append("layout must start with the embedding 'E'")
-    if not stages[-1].endswith("L"):
-        out.append("layout must end with the loss 'L'")
-    return out
-
-
-@_rule("global_batch_divisible", "global_batch_size is a multiple of micro_batch_size x DP")
-def _check_gbs(cfg: Any, s: dict[str, Any]) -> list[str]:
-    if s["world"] % s["mp"]:
-        return []  # reported by model_parallel_divides_world
-    dp = s["world"] // s["mp"]
-    p = cfg.parallel
-    if p.global_batch_size % (p.micro_batch_size * dp):
-        return [(f"parallel.global_batch_size={p.global_batch_size} is not a multiple of micro_batch_size x DP = "
-                f"{p.micro_batch_size} x {dp} = {p.micro_batch_size * dp}")]
-    return []
-
-
-@_rule("recompute", "full recompute names a method and a layer count; a method needs full granularity")
-def _check_recompute(cfg: Any, s: dict[str, Any]) -> list[str]:
-    p = cfg.parallel
-    g, meth, n = p.recompute_granularity, p.recompute_method, p.recompute_num_layers
-    full = g == schema.RecomputeGranularity.full
-    if meth is not None and not full:
-        return [f"parallel.recompute_method={meth.name} needs recompute_granularity=full"]
-    if full and (meth is None or n is None):
-        return ["parallel.recompute_granularity=full needs recompute_method and recompute_num_layers"]
-    if full and meth == schema.RecomputeMethod.block and n is not None:
-        per_rank = cfg.model.num_layers // s["pp"]
-        if n > max(per_rank, 1):
-            return [f"parallel.recompute_num_layers={n} > layers per pipeline rank {per_rank}"]
-    return []
-
-
-@_rule("dispatcher_router_dtype", "uccl and flex dispatchers take fp32 top-k weights: model.moe_router_dtype=fp32")
-def _check_router_dtype(cfg: Any, s: dict[str, Any]) -> list[str]:
-    t = cfg.dispatcher.moe_token_dispatcher_type
-    needs_fp32 = t in (schema.DispatcherType.uccl, schema.DispatcherType.flex) and cfg.model.num_experts
-    if needs_fp32 and cfg.model.moe_router_dtype != schema.RouterDtype.fp32:
-        return [f"dispatcher {t.name} needs model.moe_router_dtype=fp32 (got {cfg.model.moe_router_dtype})"]
-    return []
-
-
-@_rule("shared_expert_overlap_dispatcher", "moe_shared_expert_overlap works with alltoall, flex and uccl only")
-def _check_overlap(cfg: Any, s: dict[str, Any]) -> list[str]:
-    d = cfg.dispatcher
-    if d.moe_shared_expert_overlap:
-        if d.moe_token_dispatcher_type == schema.DispatcherType.allgather:
-            return ["dispatcher.moe_shared_expert_overlap=true does not work with the allgather dispatcher"]
-        if not cfg.model.moe_shared_expert_intermediate_size:
-            return ["dispatcher.moe_shared_expert_overlap=true but the model has no shared expert"]
-    return []
-
-
-@_rule("flex_dispatcher", "flex needs TP x EP > 1, a backend, and CUDA")
-def _check_flex(cfg: Any, s: dict[str, Any]) -> list[str]:
-    d = cfg.dispatcher
-    if d.moe_token_dispatcher_type != schema.DispatcherType.flex:
-        return []
-    out = []
-    if s["tp"] * s["ep"] <= 1:
-        out.append("the flex dispatcher needs TP x EP > 1")
-    if d.moe_flex_dispatcher_backend is None and not d.moe_enable_deepep:
-        out.append("set dispatcher.moe_flex_dispatcher_backend (deepep or hybridep)")
-    return out
-
-
-@_rule("cpu_platform", "CPU runs use local layers, no fused CUDA features, and uccl's reference backend")
-def _check_cpu(cfg: Any, s: dict[str, Any]) -> list[str]:
-    pl, m, d = cfg.platform, cfg.model, cfg.dispatcher
-    if pl.accelerator != schema.Accelerator.cpu:
-        return []
-    out = []
-    if pl.distributed_backend != schema.DistributedBackend.gloo:
-        out.append("platform.distributed_backend must be gloo on CPU")
-    if pl.transformer_impl != schema.TransformerImpl.local:
-        out.append("platform.transformer_impl must be local on CPU (TransformerEngine needs CUDA)")
-    if pl.gradient_accumulation_fusion:
-        out.append("platform.gradient_accumulation_fusion must be false on CPU")
-    for k in ("moe_grouped_gemm", "moe_permute_fusion"):
-        if m[k]:
-            out.append(f"model.{k}=true needs TransformerEngine/CUDA; set model.{k}=false on CPU")
-    if d.moe_token_dispatcher_type == schema.DispatcherType.flex:
-        out.append("the flex dispatcher (DeepEP) needs CUDA GPUs; use dispatcher=uccl, alltoall or allgather")
-    if d.moe_token_dispatcher_type == schema.DispatcherType.uccl and d.moe_uccl_backend == schema.UcclBackend.native:
-        out.append("dispatcher.moe_uccl_backend=native needs GPUs; use reference (or auto) on CPU")
-    return out
-
-
-@_rule("env_knobs", "every UCCL_MOE_* value is a knob of uccl_moe/env_knobs.def and parses")
-def _check_env(cfg: Any, s: dict[str, Any]) -> list[str]:
-    from ..env import KNOBS
-
-    out = []
-    for where, env in (("platform.env", cfg.platform.env), ("platform.uccl_env", cfg.platform.uccl_env),
-                       ("dispatcher", knob_env(cfg.dispatcher))):
-        for k, v in env.items():
-            if not k.startswith("UCCL_MOE_"):
-                continue
-            name = k[len("UCCL_MOE_"):]
-            if name not in KNOBS:
-                out.append(f"{where}: {k} is not a uccl-moe knob (see `python -m uccl_moe.env`)")
-                continue
-            try:
-                KNOBS[name].parse(str(v))
-            except InvalidUsageError as e:
-                out.append(f"{where}: {e}")
-    return out
-
-
-# ------------------------------------------------------------------------------------------------------ helpers
-
-
-def knob_env(dispatcher: Any) -> dict[str, str]:
-    """The env vars set by the dispatcher's knob fields (those with metadata ``env``), None ones left out."""
-    out = {}
-    for f in dataclasses.fields(schema.DispatcherConfig):
-        env = f.metadata.get("env")
-        if env and dispatcher[f.name] is not None:
-            out[env] = str(dispatcher[f.name])
-    return out
-
-
-def _middle_stages(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, int]:
-    """(layers, stages) left between the first and last pipeline stages sized by decoder_first/last_*."""
-    return num_layers - (first or 0) - (last or 0), pp - (first is not None) - (last is not None)
-
-
-def parse_pipeline_layout(layout: str) -> list[str]:
-    """Expand Megatron's pipeline layout DSL into one token string per (virtual) stage.
-
-    Stages are separated by ``|``; ``E`` embedding, ``t`` decoder layer, ``m`` MTP layer, ``L`` loss; ``(X)*n`` and
-    ``x*n`` repeat; commas and spaces are cosmetic. ``"Et|(tt|)*2,mL"`` -> ``["Et", "tt", "tt", "mL"]``.
-    """
-    text = re.sub(r"[,\s]", "", layout)
-    for _ in range(100):
-        new = re.sub(r"\(([^()]*)\)\*(\d+)", lambda mo: mo.group(1) * int(mo.group(2)), text)
-        if new == text:
-            break
-        text = new
-    text = re.sub(r"([EtmL])\*(\d+)", lambda mo: mo.group(1) * int(mo.group(2)), text)
-    if not re.fullmatch(r"[EtmL|]*", text):
-        raise InvalidUsageError(f"parallel.pipeline_model_parallel_layout={layout!r}: only E t m L | ( ) * digits "
-                                f"and commas are allowed")
-    return text.split("|")
-
-
-def pipeline_assignment(cfg: Any) -> list[list[int]]:
-    """Decoder layer indices held by each PP rank (virtual stages v go to rank v % PP)."""
-    p, L = cfg.parallel, cfg.model.num_layers
-    pp = p.pipeline_model_parallel_size
-    ranks: list[list[int]] = [[] for _ in range(pp)]
-    if p.pipeline_model_parallel_layout:
-        i = 0
-        for v, st in enumerate(parse_pipeline_layout(p.pipeline_model_parallel_layout)):
-            for _ in range(st.count("t")):
-                ranks[v % pp].append(i)
-                i += 1
-        return ranks
-    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
-        sizes = [0] * pp
-        rest, rest_stages = _middle_stages(L, pp, first, last)
-        for r in range(pp):
-            if r == 0 and first is not None:
-                sizes[r] = first
-            elif r == pp - 1 and last is not None:
-                sizes[r] = last
-            else:
-                sizes[r] = rest // max(rest_stages, 1)
-        i = 0
-        for r, n in enumerate(sizes):
-            ranks[r] = list(range(i, i + n))
-            i += n
-        return ranks
-    vpp = p.num_layers_per_virtual_pipeline_stage or max(L // pp, 1)
-    for i in range(L):
-        ranks[(i // vpp) % pp].append(i)
-    return ranks
+RULES: dict[str, str] = {**rules_layout.RULESET.docs, **rules_dispatcher.RULESET.docs}
+"""Every rule's name and one-line statement, in the order :func:`validate` runs them."""
+_CHECKS = rules_layout.RULESET.checks + rules_dispatcher.RULESET.checks
 
 
 def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
@@ -559,7 +95,7 @@ def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
     Returns the derived sizes and the memory estimate. When the estimate exceeds ``platform.gpu_memory_gb`` a
     warning is added to the report (and issued through ``warnings`` when `warn`).
     """
-    s = _sizes(cfg)
+    s = sizes(cfg)
     failures: list[RuleFailure] = []
     for check in _CHECKS:
         try:
@@ -586,3 +122,7 @@ def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
         if warn:
             warnings.warn(msg, MemoryWarning, stacklevel=2)
     return report
+
+
+__all__ = ["RULES", "LayoutError", "MemoryWarning", "RuleFailure", "ValidationReport", "knob_env",
+           "parse_pipeline_layout", "pipeline_assignment", "range_problem", "validate"]

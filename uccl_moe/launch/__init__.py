@@ -1,5 +1,6 @@
 """Launchers: render a composed config into Megatron argv + env and run it on this host (torchrun), as a Slurm
-batch script, or as a Primus experiment. The ``uccl-moe`` subcommands live in :mod:`uccl_moe.launch.commands`."""
+batch script, or as a Primus experiment. The ``uccl-moe`` subcommands live in :mod:`uccl_moe.launch.commands`
+(``compare``, which runs the training application once per dispatcher, in :mod:`uccl_moe.train.compare`)."""
 
 from __future__ import annotations
 

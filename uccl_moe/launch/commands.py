@@ -21,8 +21,9 @@ from ..errors import InvalidUsageError
 from .local import check_devices, child_env, format_command, torchrun_command
 from .megatron_args import entry_argv
 from .preflight import check_env_knobs, check_training_stack
-from .primus import entry_lookup, primus_command, render_primus_yaml
-from .slurm import render_primus_sbatch, render_sbatch
+from .render import summary_text, write_primus
+from .render_all import check, render_all
+from .slurm import render_sbatch
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -71,11 +72,6 @@ def config_summary(cfg: Any) -> str:
     ])
 
 
-def summary_text(report: ValidationReport) -> str:
-    """The validation summary and its warnings, one ``WARNING:`` line each (printed, and recorded in rendered files)."""
-    return "\n".join([report.summary(), *(f"WARNING: {w}" for w in report.warnings)])
-
-
 def default_run_dir(cfg: Any, base: Path | None, tag: str = "") -> Path:
     """`base`/`tag` when `base` is given, else ``runs/<recipe>/<time>[-tag]``."""
     if base is not None:
@@ -110,9 +106,9 @@ LOG_DIR = "logs"
 
 
 def with_log_dir(cmd: list[str], cfg: Any, log_dir: Path) -> list[str]:
-    """`cmd` with ``--log-dir`` for our training entry (``uccl_moe.megatron.train_gpt`` writes one log per rank
+    """`cmd` with ``--log-dir`` for our training entry (``uccl_moe.train.train_gpt`` writes one log per rank
     there and the end-of-run summary); other entries are left as they are."""
-    if entry_argv(cfg) == ["-m", "uccl_moe.megatron.train_gpt"]:
+    if entry_argv(cfg) == ["-m", "uccl_moe.train.train_gpt"]:
         return [*cmd, "--log-dir", str(log_dir)]
     return cmd
 
@@ -199,21 +195,6 @@ def _primus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--submit", action="store_true", help="submit the rendered primus.sbatch with sbatch")
 
 
-def write_primus(cfg: Any, report: ValidationReport, out_dir: Path, rel_dir: str) -> tuple[Path, Path, list[str]]:
-    """Write ``primus_exp.yaml`` and ``primus.sbatch`` into `out_dir`; `rel_dir` is how scripts refer to it."""
-    exp_rel = f"{rel_dir}/primus_exp.yaml"
-    lines = [
-        f"export {entry_lookup(cfg)}",
-        " ".join(primus_command(cfg, exp_rel)) + "   # one node",
-        f"sbatch {rel_dir}/primus.sbatch   # {cfg.nodes} node(s); paths are relative to the submit directory",
-    ]
-    exp = out_dir / "primus_exp.yaml"
-    exp.write_text(render_primus_yaml(cfg, lines, summary_text(report)))
-    sb = out_dir / "primus.sbatch"
-    sb.write_text(render_primus_sbatch(cfg, exp_rel, summary_text(report)))
-    return exp, sb, lines
-
-
 @subcommand("primus", "render a Primus experiment YAML + the primus-cli command that uses uccl-moe's entry",
             _primus_args)
 def primus(args: argparse.Namespace) -> int:
@@ -243,8 +224,6 @@ def _render_args(p: argparse.ArgumentParser) -> None:
 @subcommand("render-recipes", "regenerate the committed recipes/ folder (sbatch + Primus YAML per headline recipe)",
             _render_args)
 def render_recipes(args: argparse.Namespace) -> int:
-    from .render_all import check, render_all
-
     if args.check:
         diffs = check(args.out)
         for d in diffs:

@@ -85,14 +85,14 @@ def launch_env(cfg: Any) -> dict[str, str]:
 
 
 def entry_argv(cfg: Any) -> list[str]:
-    """``train.entry`` as argv tokens: ``-m uccl_moe.megatron.train_gpt`` or ``path/to/pretrain_gpt.py``."""
+    """``train.entry`` as argv tokens: ``-m uccl_moe.train.train_gpt`` or ``path/to/pretrain_gpt.py``."""
     tokens = shlex.split(str(cfg.train.entry))
     if not tokens or (tokens[0] == "-m" and len(tokens) != 2) or (tokens[0] != "-m" and len(tokens) != 1):
         from ..errors import InvalidUsageError
 
         raise InvalidUsageError(
             f"train.entry={cfg.train.entry!r} must be '-m <module>' or one script path, e.g. "
-            f"'-m uccl_moe.megatron.train_gpt' or '/path/to/Megatron-LM/pretrain_gpt.py'"
+            f"'-m uccl_moe.train.train_gpt' or '/path/to/Megatron-LM/pretrain_gpt.py'"
         )
     return tokens
 
@@ -100,7 +100,7 @@ def entry_argv(cfg: Any) -> list[str]:
 def entry_command(cfg: Any) -> list[str]:
     """What each rank runs after the python interpreter and before the Megatron arguments.
 
-    * ``train.entry = "-m <module>"`` (default ``-m uccl_moe.megatron.train_gpt``, our wheel-only GPT-MoE entry, which
+    * ``train.entry = "-m <module>"`` (default ``-m uccl_moe.train.train_gpt``, our wheel-only GPT-MoE entry, which
       calls ``uccl_moe.megatron.install()`` itself): ``-m <module>``.
     * ``train.entry = <script path>`` (e.g. Megatron-LM's ``pretrain_gpt.py``): the installing wrapper,
       ``-m uccl_moe.megatron.pretrain <script>``, which calls ``install()`` (adds ``--moe-token-dispatcher-type uccl``

@@ -76,7 +76,7 @@ def check_training_stack(cfg: Any) -> None:
         raise PreflightError('torch is not installed: pip install "uccl-moe[train]" (or the torch build for your '
                              "CUDA/ROCm, see pytorch.org)")
     entry = entry_argv(cfg)
-    if entry[0] != "-m" or entry[1].startswith("uccl_moe.megatron"):
+    if entry[0] != "-m" or entry[1].startswith(("uccl_moe.megatron", "uccl_moe.train")):
         check_megatron(megatron_version())
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from ..config import compose, to_yaml, validate
 from .provenance import regenerate_command
+from .render import summary_text, write_primus
+from .slurm import render_sbatch
 
 HEADLINE: list[tuple[str, list[str]]] = [
     ("dsv3_mi300x_broadcom_16n", ["recipe=dsv3_mi300x_broadcom_16n"]),
@@ -33,9 +35,6 @@ def default_out() -> Path:
 
 def render_all(out: Path | None = None) -> list[Path]:
     """Render every HEADLINE recipe into `out` (default: the checkout's recipes/); returns the files written."""
-    from .commands import summary_text, write_primus
-    from .slurm import render_sbatch
-
     out = out or default_out()
     written: list[Path] = []
     index = ["# Rendered recipes", "",

@@ -1,8 +1,9 @@
 """Megatron-Core / Megatron-LM / Primus integration: ``--moe-token-dispatcher-type uccl``.
 
 ``import uccl_moe.megatron`` registers the ``uccl`` dispatcher type (see :func:`install`); other ways to launch:
-``python -m uccl_moe.megatron.pretrain <megatron pretrain script> <args...>``, ``python -m uccl_moe.megatron.train_gpt
-<args...>`` and the Primus entry ``uccl_moe/megatron/primus_entry.py``. See docs/megatron.md.
+``python -m uccl_moe.megatron.pretrain <megatron pretrain script> <args...>`` and the Primus entry
+``uccl_moe/megatron/primus_entry.py``. The training application built on this adapter (``python -m
+uccl_moe.train.train_gpt``) lives in :mod:`uccl_moe.train`. See docs/megatron.md.
 """
 
 from __future__ import annotations

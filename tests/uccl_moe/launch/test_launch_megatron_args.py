@@ -112,8 +112,8 @@ def test_every_uccl_env_knob_exists_in_the_knob_table():
 
 def test_entry_and_torchrun_command():
     cfg = compose(["recipe=tiny_cpu_moe"])
-    assert entry_argv(cfg) == ["-m", "uccl_moe.megatron.train_gpt"]
-    assert training_command(cfg)[:2] == ["-m", "uccl_moe.megatron.train_gpt"]
+    assert entry_argv(cfg) == ["-m", "uccl_moe.train.train_gpt"]
+    assert training_command(cfg)[:2] == ["-m", "uccl_moe.train.train_gpt"]
     script = compose(["recipe=tiny_cpu_moe", "train.entry=/opt/Megatron-LM/pretrain_gpt.py"])
     assert training_command(script)[:3] == ["-m", "uccl_moe.megatron.pretrain", "/opt/Megatron-LM/pretrain_gpt.py"]
     with pytest.raises(InvalidUsageError, match="train.entry"):
@@ -260,10 +260,10 @@ def _has(module: str) -> bool:
 
 
 def test_default_entry_parses_every_cpu_runnable_recipe():
-    """``uccl_moe.megatron.train_gpt`` (the default train.entry) accepts what the launcher renders."""
-    if not _has("uccl_moe.megatron.train_gpt"):
-        pytest.fail("uccl_moe.megatron.train_gpt is missing: it comes from the Megatron-integration branch (issue 3)")
-    from uccl_moe.megatron.train_gpt import build_parser
+    """``uccl_moe.train.train_gpt`` (the default train.entry) accepts what the launcher renders."""
+    if not _has("uccl_moe.train.train_gpt"):
+        pytest.fail("uccl_moe.train.train_gpt is missing: it comes from the Megatron-integration branch (issue 3)")
+    from uccl_moe.train.train_gpt import build_parser
 
     problems = []
     for overrides in (["recipe=tiny_cpu_moe"], ["recipe=dsv3_proxy_local"], ["recipe=dsv3_h200_efa_4n"],

@@ -1,6 +1,6 @@
 """End to end on CPU: `uccl-moe train recipe=tiny_cpu_moe platform=cpu` runs real optimizer steps (2 gloo ranks,
 EP=2, the uccl dispatcher on the reference backend) through torchrun and the default entry
-``uccl_moe.megatron.train_gpt``.
+``uccl_moe.train.train_gpt``.
 
 The entry comes from the Megatron-integration branch (issue 3). Until both branches are merged this test FAILS
 (on purpose: a skip would hide that the main CPU job is not proven)."""
@@ -34,8 +34,8 @@ def _has(module: str) -> bool:
 @pytest.mark.mp
 @pytest.mark.timeout(600)
 def test_uccl_moe_train_tiny_cpu_moe_runs_real_steps(tmp_path: Path):
-    if not _has("uccl_moe.megatron.train_gpt"):
-        pytest.fail("uccl_moe.megatron.train_gpt is not importable: the training entry comes from the "
+    if not _has("uccl_moe.train.train_gpt"):
+        pytest.fail("uccl_moe.train.train_gpt is not importable: the training entry comes from the "
                     "Megatron-integration branch (issue 3); merge it, then this test runs the CPU training job")
     loss_log = tmp_path / "loss.jsonl"
     cmd = [sys.executable, "-m", "uccl_moe.cli", "train", "recipe=tiny_cpu_moe", "platform=cpu", "--quiet",

@@ -45,7 +45,7 @@ DISPATCHERS = {
 def _train_rank(rank: int, world: int) -> list[float]:
     from megatron.core import parallel_state
 
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     rows = train_gpt.train(ARGS + UCCL + ["--train-iters", "10"])
     parallel_state.destroy_model_parallel()
@@ -127,7 +127,7 @@ def _plan_vs_plain_rank(rank: int, world: int, dispatcher: str) -> dict[str, obj
     from megatron.core.transformer.moe import fused_a2a
 
     import uccl_moe
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     ts = train_gpt.setup(ARGS + DISPATCHERS[dispatcher] + ["--overlap-moe-expert-parallel-comm", "--train-iters", "1"])
     model = train_gpt.build_model(ts)

@@ -15,7 +15,7 @@ from helpers.requires import require
 
 require("megatron.core")  # the module lives in uccl_moe.megatron, whose import loads Megatron-Core
 
-from uccl_moe.megatron import run_log
+from uccl_moe.train import run_log
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -24,7 +24,7 @@ def test_tee_copies_python_and_c_level_output_to_the_rank_log_and_the_console(tm
     script = textwrap.dedent(f"""
         import os, sys
         from pathlib import Path
-        from uccl_moe.megatron import run_log
+        from uccl_moe.train import run_log
         path = run_log.tee_to_file(Path({str(tmp_path / "logs")!r}), 3)
         print("from python stdout")
         print("from python stderr", file=sys.stderr)
@@ -87,7 +87,7 @@ def test_summary_of_a_rank_without_losses_and_of_one_step():
 
 def test_train_gpt_refuses_zero_steps_and_finds_its_log_dir_early():
     from uccl_moe.errors import InvalidUsageError
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     with pytest.raises(InvalidUsageError, match="--train-iters 0: give at least 1 step"):
         train_gpt.setup(["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",

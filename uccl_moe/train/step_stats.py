@@ -1,4 +1,4 @@
-"""Optional per-step statistics of :mod:`uccl_moe.megatron.train_gpt`: peak memory, CPU time and MoE dispatch/combine
+"""Optional per-step statistics of :mod:`uccl_moe.train.train_gpt`: peak memory, CPU time and MoE dispatch/combine
 time.
 
 All are off unless asked for (``--log-memory``, ``--log-cpu``, ``--log-moe-timing``); without them nothing here runs
@@ -143,5 +143,5 @@ class MoeTimer:
 
 
 def format_ms_list(values: list[float]) -> str:
-    """``[0.123,0.456]``: the log form of per-layer milliseconds (parsed by :mod:`uccl_moe.launch.compare`)."""
+    """``[0.123,0.456]``: the log form of per-layer milliseconds (parsed by :mod:`uccl_moe.train.log_parse`)."""
     return "[" + ",".join(f"{v:.3f}" for v in values) + "]"

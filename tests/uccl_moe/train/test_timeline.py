@@ -1,4 +1,4 @@
-"""``python -m uccl_moe.megatron.timeline``: kernel classes, interval arithmetic and the overlap figures, on small
+"""``python -m uccl_moe.train.timeline``: kernel classes, interval arithmetic and the overlap figures, on small
 synthetic chrome traces with exact answers (times in µs, multiples of 250 so every ms figure is exact in binary)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from helpers.requires import require
 
 require("megatron.core")
 
-from uccl_moe.megatron import timeline as tl
+from uccl_moe.train import timeline as tl
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -168,7 +168,7 @@ def test_cli_table_json_and_gzip(tmp_path: Path, capsys):
 def test_module_entry(tmp_path: Path):
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps(TRACE))
-    proc = subprocess.run([sys.executable, "-m", "uccl_moe.megatron.timeline", str(trace)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "uccl_moe.train.timeline", str(trace)], cwd=ROOT,
                           capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "10 kernels on 4 streams of 1 device(s), 9.000 ms" in proc.stdout

@@ -20,7 +20,7 @@ require("megatron.core")
 
 import torch
 
-from uccl_moe.megatron.step_stats import MoeTimer, format_ms_list, peak_memory_mib, process_cpu_s
+from uccl_moe.train.step_stats import MoeTimer, format_ms_list, peak_memory_mib, process_cpu_s
 
 ROOT = Path(__file__).resolve().parents[3]
 

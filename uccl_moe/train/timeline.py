@@ -1,6 +1,6 @@
 """GPU stream timeline of a torch.profiler chrome trace: what ran where, and how much communication hid under compute.
 
-    python -m uccl_moe.megatron.timeline profile/trace_rank0.json [--json timeline.json] [--main-stream 7]
+    python -m uccl_moe.train.timeline profile/trace_rank0.json [--json timeline.json] [--main-stream 7]
 
 Reads the kernel events of a chrome trace (``train_gpt --profile`` writes one per profiled rank; any
 ``torch.profiler`` ``export_chrome_trace`` file works, also gzipped): complete events (``ph`` ``X``) with ``cat`` ==
@@ -274,7 +274,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m uccl_moe.megatron.timeline",
+    p = argparse.ArgumentParser(prog="python -m uccl_moe.train.timeline",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("trace", type=Path, help="chrome trace JSON (torch.profiler export_chrome_trace; .gz too)")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here as JSON")

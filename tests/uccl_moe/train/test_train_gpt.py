@@ -26,8 +26,8 @@ ARGS = [
 
 
 def _train_rank(rank, world, dispatcher):
-    from uccl_moe.megatron import train_gpt
     from uccl_moe.megatron.dispatcher import UCCLTokenDispatcher
+    from uccl_moe.train import train_gpt
 
     extra = ["--moe-uccl-backend", "reference"] if dispatcher == "uccl" else []
     rows = train_gpt.train(ARGS + ["--moe-token-dispatcher-type", dispatcher] + extra)
@@ -49,7 +49,7 @@ def test_tiny_gpt_moe_trains_with_uccl_and_matches_allgather():
 
 def test_cli_rejects_unknown_flags_and_bad_batch(capsys):
     from uccl_moe.errors import InvalidUsageError
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     p = train_gpt.build_parser()
     with pytest.raises(SystemExit):
@@ -67,7 +67,7 @@ def test_every_recipe_renders_flags_train_gpt_accepts():
     """The launcher (`uccl-moe train`) renders Megatron argv from the Hydra recipes; train_gpt must take all of it."""
     compose = pytest.importorskip("uccl_moe.config.compose")
     from uccl_moe.launch.megatron_args import megatron_argv
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     recipes = compose.available("recipe")
     assert recipes
@@ -80,7 +80,7 @@ def test_every_recipe_renders_flags_train_gpt_accepts():
 def test_lr_schedule_shapes():
     import argparse
 
-    from uccl_moe.megatron.train_gpt import lr_at
+    from uccl_moe.train.train_gpt import lr_at
 
     a = argparse.Namespace(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_style="cosine", train_iters=12)
     assert [round(lr_at(a, i), 6) for i in (1, 2)] == [0.5, 1.0]

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core", reason='megatron-core is not installed: pip
 from helpers.mp import run_ranks  # noqa: E402
 
 from uccl_moe.errors import InvalidUsageError  # noqa: E402
-from uccl_moe.megatron.profiler import StepProfiler, check_profile_args, profile_dir  # noqa: E402
+from uccl_moe.train.profiler import StepProfiler, check_profile_args, profile_dir  # noqa: E402
 
 
 def _args(tmp_path: Path, **kw: Any) -> argparse.Namespace:
@@ -74,7 +74,7 @@ def test_profile_dir_defaults_and_checks(tmp_path: Path):
 
 
 def test_parser_takes_megatron_profile_flags():
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     p = train_gpt.build_parser()
     a = p.parse_args(["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "5",
@@ -100,7 +100,7 @@ ARGS = [
 def _train_rank(rank: int, world: int, loss_log: str) -> list[dict[str, Any]]:
     from megatron.core import parallel_state
 
-    from uccl_moe.megatron import train_gpt
+    from uccl_moe.train import train_gpt
 
     rows = train_gpt.train(ARGS + ["--loss-log", loss_log])
     parallel_state.destroy_model_parallel()
@@ -110,7 +110,7 @@ def _train_rank(rank: int, world: int, loss_log: str) -> list[dict[str, Any]]:
 @pytest.mark.mp
 @pytest.mark.timeout(300)
 def test_train_gpt_profiles_rank0_and_logs_cpu(tmp_path: Path):
-    from uccl_moe.megatron import timeline
+    from uccl_moe.train import timeline
 
     loss_log = tmp_path / "run" / "steps.jsonl"
     loss_log.parent.mkdir()

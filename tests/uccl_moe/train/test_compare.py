@@ -19,7 +19,7 @@ require("omegaconf")
 
 from uccl_moe import cli
 from uccl_moe.errors import InvalidUsageError
-from uccl_moe.launch import compare as cmp
+from uccl_moe.train import compare as cmp
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,4 +1,4 @@
-"""``--profile`` of :mod:`uccl_moe.megatron.train_gpt`: a ``torch.profiler`` trace of a few steps, Megatron-LM's flags.
+"""``--profile`` of :mod:`uccl_moe.train.train_gpt`: a ``torch.profiler`` trace of a few steps, Megatron-LM's flags.
 
     --profile --profile-step-start 10 --profile-step-end 12 --profile-ranks 0 1 --profile-dir runs/x/profile
 
@@ -7,7 +7,7 @@ Iterations ``start <= i < end`` (numbered as in the ``[train_gpt] iteration i/N`
 the recorded steps); this is what Megatron-LM's ``--use-pytorch-profiler`` schedule records
 (``wait=start-1, warmup=1, active=end-start``). Activities: CPU, plus CUDA on GPUs. The chrome trace goes to
 ``<dir>/trace_rank<R>.json`` (R = global rank) when the last recorded step ends, or when training stops earlier; open
-it in Perfetto / chrome://tracing, or summarize its GPU streams with ``python -m uccl_moe.megatron.timeline``.
+it in Perfetto / chrome://tracing, or summarize its GPU streams with ``python -m uccl_moe.train.timeline``.
 """
 
 from __future__ import annotations
