@@ -448,7 +448,8 @@ class Buffer:
         on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         with streams.op_context(self._comm, on_caller):
             recv_x, recv_scales, recv_idx, recv_w, counts, raw_handle = backend.dispatch(req)
-        out_handle = DispatchHandle(*raw_handle)
+        # Built-in backends return a DispatchHandle; a registered one may return DeepEP's plain 6-tuple.
+        out_handle = raw_handle if isinstance(raw_handle, DispatchHandle) else DispatchHandle._make(raw_handle)
         setattr(out_handle.rank_prefix_matrix, HANDLE_KEY_ATTR, self._handle_key)
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         event = self._finish(async_finish, [data, scales, topk_idx, topk_weights, per_rank, in_rank, per_expert],

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
+from ..results import DispatchHandle
 from .base import Backend, BufferContext, DispatchRequest
 
 # The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
@@ -376,8 +377,9 @@ class ReferenceBackend(Backend):
             recv_w = torch.cat([recv_w, recv_w.new_zeros((pad, recv_w.shape[1]))])
             recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_full((pad,), -1)])
             counts_list = []
-        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-                  req.is_token_in_rank, send_head)
+        handle = DispatchHandle(rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
+                                recv_channel_prefix_matrix=recv_channel_prefix_matrix, recv_src_idx=recv_src_idx,
+                                is_token_in_rank=req.is_token_in_rank, send_head=send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]
