@@ -168,7 +168,7 @@ TEST(IbverbsSeam, EndToEndOverFakeFabric) {
   std::vector<std::vector<int64_t>> ctr(2, std::vector<int64_t>(2 * kCountersPerSrc, 0));
   ScopedEnv native("IB_NATIVE_ATOMICS", "1");  // software atomics are the default; this test covers the native path
   for (int r = 0; r < 2; ++r) {
-    TransportContext c;
+    TransportContext c(Timeout::resolve());
     c.rank = r;
     c.num_ranks = 2;
     c.job = "ibtest";
@@ -247,7 +247,7 @@ struct Cluster {
     data.assign(size_t(n), std::vector<uint8_t>(1 << 16));
     ctr.assign(size_t(n), std::vector<int64_t>(size_t(n) * kCountersPerSrc, 0));
     for (int r = 0; r < n; ++r) {
-      TransportContext c;
+      TransportContext c(Timeout::resolve());
       c.rank = r;
       c.num_ranks = n;
       c.job = "cluster";
@@ -478,7 +478,7 @@ TEST(IbverbsGpuMemory, DataRegionRegistersThroughGpuMrAndNamesWhatIsMissing) {
   auto fabric = std::make_shared<test::FakeFabric>();
   std::vector<uint8_t> data(4 << 20), ctr(4096);
   for (bool peer_memory : {true, false}) {
-    TransportContext c;
+    TransportContext c(Timeout::resolve());
     c.gpu = std::make_shared<GpuMemoryOps>();
     auto ops = std::make_shared<test::FakeVerbs>(fabric, test::mlx5_cx7());
     ops->mark_gpu(data.data(), data.size());
