@@ -1,6 +1,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <exception>
 #include <functional>
 #include <thread>
@@ -513,6 +514,19 @@ TEST(IbverbsGid, SysfsGidTypeText) {
   EXPECT_EQ(t, IBV_GID_TYPE_IB);
   EXPECT_FALSE(detail::parse_sysfs_gid_type("", &t));
   EXPECT_FALSE(detail::parse_sysfs_gid_type("RoCE v3", &t));
+}
+
+TEST(IbverbsGid, SysfsGidTypeFileUnderTheGivenRoot) {
+  // The fallback of query_gid_type reads under UCCL_MOE_SYSFS_ROOT, like every other sysfs reader (fixture:
+  // tests/fixtures/sysfs/h100_mlx5, types 0/1 = "IB/RoCE v1"/"RoCE v2").
+  const std::string root = UCCL_MOE_SYSFS_FIXTURES "/h100_mlx5";
+  ibv_gid_type t = IBV_GID_TYPE_IB;
+  ASSERT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 1, &t), 0);
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V2);
+  ASSERT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 0, &t), 0);
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V1);
+  EXPECT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 999, &t), ENOENT);
+  EXPECT_EQ(detail::read_sysfs_gid_type(root + "/nowhere", "mlx5_1", 1, 1, &t), ENOENT);
 }
 
 TEST(IbverbsFake, RnrRetryHoldsTheSenderUntilAReceiveIsPosted) {
