@@ -51,75 +51,71 @@ void register_args(nb::module_& m) {
   using intranode::CombinePullArgs;
   using intranode::DispatchArgs;
   using intranode::NotifyArgs;
-  ArgsClass<NotifyArgs>(m, "NotifyArgs", "notify_dispatch's arguments (intranode.hpp NotifyArgs)")
-      .field("is_token_in_rank", &NotifyArgs::is_token_in_rank)
-      .field("num_tokens_per_rank", &NotifyArgs::num_tokens_per_rank)
-      .field("num_tokens_per_expert", &NotifyArgs::num_tokens_per_expert)
-      .field("num_tokens", &NotifyArgs::num_tokens)
-      .field("num_experts", &NotifyArgs::num_experts)
-      .field("expert_alignment", &NotifyArgs::expert_alignment)
-      .field("write_host_counters", &NotifyArgs::write_host_counters)
-      .field("lane_prefix", &NotifyArgs::lane_prefix)
-      .field("rank_prefix", &NotifyArgs::rank_prefix)
-      .field("recv_lane_start", &NotifyArgs::recv_lane_start)
-      .field("num_tokens_ptr", &NotifyArgs::num_tokens_ptr)
-      .finish();
-  ArgsClass<DispatchArgs>(m, "DispatchArgs", "dispatch_intranode's arguments (intranode.hpp DispatchArgs)")
-      .field("x", &DispatchArgs::x)
-      .field("x_scales", &DispatchArgs::x_scales)
-      .field("topk_idx", &DispatchArgs::topk_idx)
-      .field("topk_weights", &DispatchArgs::topk_weights)
-      .field("is_token_in_rank", &DispatchArgs::is_token_in_rank)
-      .field("rank_prefix", &DispatchArgs::rank_prefix)
-      .field("recv_lane_start", &DispatchArgs::recv_lane_start)
-      .field("num_tokens", &DispatchArgs::num_tokens)
-      .field("row_bytes", &DispatchArgs::row_bytes)
-      .field("num_topk", &DispatchArgs::num_topk)
-      .field("num_scales", &DispatchArgs::num_scales)
-      .field("num_experts", &DispatchArgs::num_experts)
-      .field("scale_token_stride", &DispatchArgs::scale_token_stride)
-      .field("scale_hidden_stride", &DispatchArgs::scale_hidden_stride)
-      .field("num_recv_rows", &DispatchArgs::num_recv_rows)
-      .field("recv_x", &DispatchArgs::recv_x)
-      .field("recv_scales", &DispatchArgs::recv_scales)
-      .field("recv_topk_idx", &DispatchArgs::recv_topk_idx)
-      .field("recv_topk_weights", &DispatchArgs::recv_topk_weights)
-      .field("recv_src_idx", &DispatchArgs::recv_src_idx)
-      .field("send_head", &DispatchArgs::send_head)
-      .field("num_tokens_ptr", &DispatchArgs::num_tokens_ptr)
-      .field("row_map", &DispatchArgs::row_map)
-      .field("src_tag", &DispatchArgs::src_tag)
-      .finish();
-  ArgsClass<CombineArgs>(m, "CombineArgs", "combine_intranode's arguments (intranode.hpp CombineArgs)")
-      .field("x", &CombineArgs::x)
-      .field("topk_weights", &CombineArgs::topk_weights)
-      .field("bias0", &CombineArgs::bias0)
-      .field("bias1", &CombineArgs::bias1)
-      .field("rank_prefix", &CombineArgs::rank_prefix)
-      .field("recv_lane_start", &CombineArgs::recv_lane_start)
-      .field("send_head", &CombineArgs::send_head)
-      .field("num_tokens", &CombineArgs::num_tokens)
-      .field("hidden", &CombineArgs::hidden)
-      .field("num_topk", &CombineArgs::num_topk)
-      .field("out", &CombineArgs::out)
-      .field("out_topk_weights", &CombineArgs::out_topk_weights)
-      .field("num_tokens_ptr", &CombineArgs::num_tokens_ptr)
-      .field("row_map", &CombineArgs::row_map)
-      .finish();
-  ArgsClass<CombinePullArgs>(m, "CombinePullArgs", "combine_pull_intranode's arguments (intranode.hpp CombinePullArgs)")
-      .field("topk_weights", &CombinePullArgs::topk_weights)
-      .field("bias0", &CombinePullArgs::bias0)
-      .field("bias1", &CombinePullArgs::bias1)
-      .field("rank_prefix", &CombinePullArgs::rank_prefix)
-      .field("lane_prefix", &CombinePullArgs::lane_prefix)
-      .field("send_head", &CombinePullArgs::send_head)
-      .field("num_tokens", &CombinePullArgs::num_tokens)
-      .field("hidden", &CombinePullArgs::hidden)
-      .field("num_topk", &CombinePullArgs::num_topk)
-      .field("num_lanes", &CombinePullArgs::num_lanes)
-      .field("out", &CombinePullArgs::out)
-      .field("out_topk_weights", &CombinePullArgs::out_topk_weights)
-      .finish();
+  bind_args(m, "NotifyArgs", "notify_dispatch's arguments (intranode.hpp NotifyArgs)",
+            UCCL_MOE_ARG(NotifyArgs, is_token_in_rank),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_per_rank),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_per_expert),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens),
+            UCCL_MOE_ARG(NotifyArgs, num_experts),
+            UCCL_MOE_ARG(NotifyArgs, expert_alignment),
+            UCCL_MOE_ARG(NotifyArgs, write_host_counters),
+            UCCL_MOE_ARG(NotifyArgs, lane_prefix),
+            UCCL_MOE_ARG(NotifyArgs, rank_prefix),
+            UCCL_MOE_ARG(NotifyArgs, recv_lane_start),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_ptr));
+  bind_args(m, "DispatchArgs", "dispatch_intranode's arguments (intranode.hpp DispatchArgs)",
+            UCCL_MOE_ARG(DispatchArgs, x),
+            UCCL_MOE_ARG(DispatchArgs, x_scales),
+            UCCL_MOE_ARG(DispatchArgs, topk_idx),
+            UCCL_MOE_ARG(DispatchArgs, topk_weights),
+            UCCL_MOE_ARG(DispatchArgs, is_token_in_rank),
+            UCCL_MOE_ARG(DispatchArgs, rank_prefix),
+            UCCL_MOE_ARG(DispatchArgs, recv_lane_start),
+            UCCL_MOE_ARG(DispatchArgs, num_tokens),
+            UCCL_MOE_ARG(DispatchArgs, row_bytes),
+            UCCL_MOE_ARG(DispatchArgs, num_topk),
+            UCCL_MOE_ARG(DispatchArgs, num_scales),
+            UCCL_MOE_ARG(DispatchArgs, num_experts),
+            UCCL_MOE_ARG(DispatchArgs, scale_token_stride),
+            UCCL_MOE_ARG(DispatchArgs, scale_hidden_stride),
+            UCCL_MOE_ARG(DispatchArgs, num_recv_rows),
+            UCCL_MOE_ARG(DispatchArgs, recv_x),
+            UCCL_MOE_ARG(DispatchArgs, recv_scales),
+            UCCL_MOE_ARG(DispatchArgs, recv_topk_idx),
+            UCCL_MOE_ARG(DispatchArgs, recv_topk_weights),
+            UCCL_MOE_ARG(DispatchArgs, recv_src_idx),
+            UCCL_MOE_ARG(DispatchArgs, send_head),
+            UCCL_MOE_ARG(DispatchArgs, num_tokens_ptr),
+            UCCL_MOE_ARG(DispatchArgs, row_map),
+            UCCL_MOE_ARG(DispatchArgs, src_tag));
+  bind_args(m, "CombineArgs", "combine_intranode's arguments (intranode.hpp CombineArgs)",
+            UCCL_MOE_ARG(CombineArgs, x),
+            UCCL_MOE_ARG(CombineArgs, topk_weights),
+            UCCL_MOE_ARG(CombineArgs, bias0),
+            UCCL_MOE_ARG(CombineArgs, bias1),
+            UCCL_MOE_ARG(CombineArgs, rank_prefix),
+            UCCL_MOE_ARG(CombineArgs, recv_lane_start),
+            UCCL_MOE_ARG(CombineArgs, send_head),
+            UCCL_MOE_ARG(CombineArgs, num_tokens),
+            UCCL_MOE_ARG(CombineArgs, hidden),
+            UCCL_MOE_ARG(CombineArgs, num_topk),
+            UCCL_MOE_ARG(CombineArgs, out),
+            UCCL_MOE_ARG(CombineArgs, out_topk_weights),
+            UCCL_MOE_ARG(CombineArgs, num_tokens_ptr),
+            UCCL_MOE_ARG(CombineArgs, row_map));
+  bind_args(m, "CombinePullArgs", "combine_pull_intranode's arguments (intranode.hpp CombinePullArgs)",
+            UCCL_MOE_ARG(CombinePullArgs, topk_weights),
+            UCCL_MOE_ARG(CombinePullArgs, bias0),
+            UCCL_MOE_ARG(CombinePullArgs, bias1),
+            UCCL_MOE_ARG(CombinePullArgs, rank_prefix),
+            UCCL_MOE_ARG(CombinePullArgs, lane_prefix),
+            UCCL_MOE_ARG(CombinePullArgs, send_head),
+            UCCL_MOE_ARG(CombinePullArgs, num_tokens),
+            UCCL_MOE_ARG(CombinePullArgs, hidden),
+            UCCL_MOE_ARG(CombinePullArgs, num_topk),
+            UCCL_MOE_ARG(CombinePullArgs, num_lanes),
+            UCCL_MOE_ARG(CombinePullArgs, out),
+            UCCL_MOE_ARG(CombinePullArgs, out_topk_weights));
 }
 
 }  // namespace
