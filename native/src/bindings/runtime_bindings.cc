@@ -5,13 +5,13 @@
 #include <nanobind/stl/vector.h>
 
 #include "../kernels/intranode/intranode.hpp"
+#include "../kernels/intranode/nvl_layout.hpp"
 #include "args_class.hpp"
 #include "bindings.hpp"
 #include "uccl_moe/diag.hpp"
 #include "uccl_moe/error.hpp"
 
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
-#include "../kernels/intranode/nvl_layout.hpp"
 #include "../runtime/nvl_runtime.hpp"
 #endif
 
@@ -24,8 +24,8 @@ namespace {
 
 using intranode::Geometry;
 
-/// The intranode geometry and the launchers' argument structs, built in Python by field name (args_class.hpp). Plain
-/// data: registered in every build, so CPU builds check them too.
+/// The intranode geometry, the launchers' argument structs (built in Python by field name: args_class.hpp) and the
+/// combine-input layout Buffer's size hint reads. Plain data: registered in every build.
 void register_args(nb::module_& m) {
   nb::class_<Geometry>(m, "IntranodeGeometry",
                        "Lane geometry of an op on one NVL buffer (NvlRuntime.geometry; read-only): notify, dispatch and "
@@ -116,6 +116,13 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, num_lanes),
             UCCL_MOE_ARG(CombinePullArgs, out),
             UCCL_MOE_ARG(CombinePullArgs, out_topk_weights));
+
+  m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
+    return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
+                          intranode::combine_input_bytes(rows, hidden, num_topk));
+  }, "rows"_a, "hidden"_a, "num_topk"_a,
+  "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
+  "bytes it needs from the buffer's start with num_topk staged weights per row");
 }
 
 }  // namespace
@@ -261,13 +268,6 @@ void register_runtime(nb::module_& m) {
     rt.check_num_sms(num_sms);
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
-
-  m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
-    return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
-                          intranode::combine_input_bytes(rows, hidden, num_topk));
-  }, "rows"_a, "hidden"_a, "num_topk"_a,
-  "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
-  "bytes it needs from the buffer's start with num_topk staged weights per row");
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
