@@ -199,3 +199,31 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     assert (comb.x, comb.rank_prefix, comb.recv_lane_start, comb.send_head, comb.out) == \
         (_ptr(y), _ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix), _ptr(h.send_head), _ptr(out))
     assert (comb.num_tokens, comb.hidden, comb.num_topk, comb.topk_weights) == (T, H, 0, 0)
+
+
+@pytest.mark.gpu
+def test_ops_run_on_the_runtimes_geometry_and_refuse_one_placed_for_another_buffer() -> None:
+    """NvlRuntime.geometry is the placed geometry plus the GPU's SM check; a launch handed a geometry placed for another
+    buffer size refuses before any kernel runs (one rank, one GPU)."""
+    from uccl_moe.errors import InvalidUsageError
+
+    big, small = _C.NvlRuntime(0, 1, 64 << 20, 0), _C.NvlRuntime(0, 1, 32 << 20, 0)
+    try:
+        for rt in (big, small):
+            rt.connect([rt.ipc_handle()])
+        g = big.geometry(24, 8, 256)
+        want = _C.intranode_placed_geometry(24, 1, 8, 256, 64 << 20)
+        assert repr(g) == repr(want) and (g.num_ranks, g.num_nvl_bytes) == (1, 64 << 20)
+        with pytest.raises(InvalidUsageError, match="exceeds the"):
+            big.geometry(100_000, 8, 256)
+        stream = torch.cuda.current_stream().cuda_stream
+        with pytest.raises(InvalidUsageError, match=r"notify: the lane geometry was placed for 1 ranks and 33554432"):
+            _C.notify_dispatch(big, small.geometry(24, 8, 256), _C.NotifyArgs(num_experts=1), stream)
+        with pytest.raises(InvalidUsageError, match=r"placed for 1 ranks and 33554432"):
+            _C.dispatch_intranode(big, small.geometry(24, 8, 256), _C.DispatchArgs(row_bytes=16), stream)
+        with pytest.raises(InvalidUsageError, match=r"placed for 1 ranks and 33554432"):
+            _C.combine_intranode(big, small.geometry(24, 8, 256), _C.CombineArgs(hidden=8), stream)
+        torch.cuda.synchronize()
+    finally:
+        big.destroy()
+        small.destroy()
