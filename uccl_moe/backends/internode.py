@@ -420,9 +420,9 @@ class InternodePath:
         setattr(rank_prefix, _PLAN_ATTR, plan)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
-    def _forward(self, plan: _Plan, geo: Any, lay: dict[str, int], x: torch.Tensor, x_scales: torch.Tensor | None,
-                 num_topk: int, E_fwd: int, handle: DispatchHandle, rows: int, recv: tuple[Any, ...],
-                 with_meta: bool) -> None:
+    def _forward(self, plan: _Plan, geo: _C.IntranodeGeometry, lay: dict[str, int], x: torch.Tensor,
+                 x_scales: torch.Tensor | None, num_topk: int, E_fwd: int, handle: DispatchHandle, rows: int,
+                 recv: tuple[Any, ...], with_meta: bool) -> None:
         """NVLink step: the intranode dispatch kernel over x' (our receive area), rows placed by row_map, along the
         forwarding step's lanes of `handle` (whose recv_src_idx and send_head it writes with metadata)."""
         base = self.rt.buffer

@@ -175,15 +175,16 @@ class NativeBackend(Backend):
                                stream=self._stream())
         return per_rank, per_node, per_expert, in_rank
 
-    def geometry(self, num_sms: int, config: Any) -> Any:
-        """The lane geometry (``_C.IntranodeGeometry``) of an op with `num_sms` blocks and `config`'s chunk sizes on
-        this rank's NVL buffer, as the runtime computes it (the only place it is computed; invalid settings raise
-        InvalidUsageError naming the Config field)."""
-        return self._rt.geometry(num_sms, config.num_max_nvl_chunked_send_tokens,
-                                 config.num_max_nvl_chunked_recv_tokens)
+    def geometry(self, num_sms: int, config: Any) -> _C.IntranodeGeometry:
+        """The lane geometry of an op with `num_sms` blocks and `config`'s chunk sizes on this rank's NVL buffer, as
+        the runtime computes it (the only place it is computed; invalid settings raise InvalidUsageError naming the
+        Config field)."""
+        geo: _C.IntranodeGeometry = self._rt.geometry(num_sms, config.num_max_nvl_chunked_send_tokens,
+                                                      config.num_max_nvl_chunked_recv_tokens)
+        return geo
 
     # ---------------------------------------------------------------- dispatch
-    def _launch_dispatch(self, geo: Any, x: torch.Tensor, x_scales: torch.Tensor | None,
+    def _launch_dispatch(self, geo: _C.IntranodeGeometry, x: torch.Tensor, x_scales: torch.Tensor | None,
                          topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, handle: DispatchHandle,
                          num_experts: int, rows: int, with_meta: bool) -> tuple[Any, ...]:
         """The intranode dispatch of x along `handle`'s layout into `rows` new rows: (recv_x, recv_scales,
