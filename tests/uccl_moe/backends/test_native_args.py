@@ -46,6 +46,11 @@ _SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_t
             "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes"}
 
 
+def test_geometry_properties_match_the_stub() -> None:
+    stub = {n.name for n in _stub_class("IntranodeGeometry").body if isinstance(n, ast.FunctionDef)}
+    assert stub == {n for n in dir(_C.IntranodeGeometry) if not n.startswith("_")}
+
+
 @pytest.mark.parametrize("name", ARGS_CLASSES)
 def test_args_struct_round_trips_every_field_by_name(name: str) -> None:
     """A struct built by keyword holds each value (pointers as full 64-bit addresses, bools as bools); unset fields
