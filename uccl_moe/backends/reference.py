@@ -123,6 +123,8 @@ class ReferenceBackend(Backend):
         self.group = ctx.group
         self.R = ctx.num_ranks
         self.me = ctx.rank
+        # UCCL_MOE_TIMEOUT_S, resolved once for this backend (like the native runtimes): every bounded wait uses it.
+        self._timeout_s = float(env.get("TIMEOUT_S"))
         # (pid, host hash) of every rank, from the last agreement step: names a peer that exits.
         self._peers: list[tuple[int, int]] | None = None
 
@@ -140,8 +142,7 @@ class ReferenceBackend(Backend):
             if device.type == "cuda":
                 work.wait()
                 return
-            timeout_s = float(env.get("TIMEOUT_S"))
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
         except RuntimeError as e:
             text = str(e).lower()
             if any(m in text for m in _PEER_LOST):
@@ -151,7 +152,7 @@ class ReferenceBackend(Backend):
                 ) from None
             if "timed out" not in text and "timeout" not in text:
                 raise
-            timeout_s = float(env.get("TIMEOUT_S"))
+            timeout_s = self._timeout_s
             record = {"rank": self.me, "peer": -1, "channel": -1, "phase": f"reference/{phase}", "waited_s": timeout_s}
             dead = self._exited_peers(wait_s=0.0)
             why = f"{self._ranks(dead)} exited" if dead else "a peer is stuck, dead or skipped this call"
