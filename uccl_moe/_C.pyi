@@ -269,9 +269,24 @@ class RdmaRuntime:
 def internode_dispatch_layout(num_rdma_bytes: int, row_bytes: int, num_scales: int, num_topk: int,
                               ranks_per_node: int) -> dict[str, int]: ...
 def internode_combine_layout(num_rdma_bytes: int, hidden: int, num_topk: int) -> dict[str, int]: ...
-def rdma_pack(runtime: RdmaRuntime, nvl: NvlRuntime, x: int, x_scales: int, scale_token_stride: int,
-              scale_hidden_stride: int, num_scales: int, topk_idx: int, topk_weights: int, is_token_in_rank: int,
-              send_pos: int, dst_row: int, num_tokens: int, row_bytes: int, num_topk: int, num_experts: int,
+class PackArgs:
+    """rdma_pack's arguments (internode.hpp PackArgs), keyword-only; unset fields are 0 (null pointers)."""
+    x: int
+    x_scales: int
+    scale_token_stride: int
+    scale_hidden_stride: int
+    topk_idx: int
+    topk_weights: int
+    is_token_in_rank: int
+    send_pos: int
+    dst_row: int
+    num_tokens: int
+    num_experts: int
+    def __init__(self, *, x: int = 0, x_scales: int = 0, scale_token_stride: int = 0, scale_hidden_stride: int = 0,
+                 topk_idx: int = 0, topk_weights: int = 0, is_token_in_rank: int = 0, send_pos: int = 0,
+                 dst_row: int = 0, num_tokens: int = 0, num_experts: int = 0) -> None: ...
+
+def rdma_pack(runtime: RdmaRuntime, nvl: NvlRuntime, args: PackArgs, row_bytes: int, num_scales: int, num_topk: int,
               stream: int) -> None: ...
 def rdma_post(runtime: RdmaRuntime, nvl: NvlRuntime, rows: int, src_row: int, dst_row: int,
               arrays: list[list[int]], slot: int, peer_cap: int, stream: int) -> None: ...

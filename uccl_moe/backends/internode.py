@@ -346,11 +346,11 @@ class InternodePath:
         if barrier:
             _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
             self._mark("rail barrier")
-        _C.rdma_pack(runtime=self.rt, nvl=nvl, x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok,
-                     scale_hidden_stride=s_hid, num_scales=ns, topk_idx=_ptr(topk_idx),
-                     topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
-                     send_pos=_ptr(plan.send_pos), dst_row=_ptr(plan.pack_dst_row), num_tokens=T,
-                     row_bytes=row_bytes, num_topk=K, num_experts=num_experts, stream=stream)
+        pack = _C.PackArgs(x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok, scale_hidden_stride=s_hid,
+                           topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+                           is_token_in_rank=_ptr(is_token_in_rank), send_pos=_ptr(plan.send_pos),
+                           dst_row=_ptr(plan.pack_dst_row), num_tokens=T, num_experts=num_experts)
+        _C.rdma_pack(self.rt, nvl, pack, row_bytes, ns, K, stream)
         half = lay["half_bytes"]
         arrays = [[half + lay["off_x"], lay["off_x"], row_bytes]]
         if ns:

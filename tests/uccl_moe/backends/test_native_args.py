@@ -13,7 +13,10 @@ import torch
 
 from uccl_moe import _C, Config, DispatchHandle
 
-ARGS_CLASSES = ("NotifyArgs", "DispatchArgs", "CombineArgs", "CombinePullArgs")
+# PackArgs (rdma_pack) exists in builds with the internode kernels only.
+ARGS_CLASSES = ("NotifyArgs", "DispatchArgs", "CombineArgs", "CombinePullArgs",
+                pytest.param("PackArgs", marks=pytest.mark.skipif(not hasattr(_C, "PackArgs"),
+                                                                  reason="build without internode kernels")))
 STUB = Path(__file__).resolve().parents[3] / "uccl_moe" / "_C.pyi"
 
 
@@ -41,7 +44,7 @@ def test_args_struct_fields_match_the_stub(name: str) -> None:
     assert attrs == kwonly == _fields_of(getattr(_C, name))
 
 
-# The integer (non-pointer) fields of the structs in intranode.hpp.
+# The integer (non-pointer) fields of the structs in intranode.hpp and internode.hpp.
 _SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_topk", "num_scales",
             "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes"}
 
@@ -232,3 +235,31 @@ def test_ops_run_on_the_runtimes_geometry_and_refuse_one_placed_for_another_buff
     finally:
         big.destroy()
         small.destroy()
+
+
+@pytest.mark.skipif(not hasattr(_C, "PackArgs"), reason="build without internode kernels")
+def test_internode_stage_packs_by_field_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """InternodePath._stage hands rdma_pack one PackArgs built by field name from the plan, plus the row sizes its
+    RDMA layout is computed from (the proxy legs are fakes: no GPU, no proxy)."""
+    from uccl_moe.backends.internode import InternodePath, rdma_bytes_for
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(_C, "rdma_pack", lambda *a: calls.append(a))
+    monkeypatch.setattr(_C, "rdma_post", lambda **kw: None)
+    monkeypatch.setattr(_C, "rdma_wait", lambda **kw: None)
+    path = object.__new__(InternodePath)
+    path.ctx = SimpleNamespace(num_rdma_bytes=rdma_bytes_for(64, 128, 2, 2))
+    path.G, path.timeline, path.rt = 1, None, object()
+    path.backend = SimpleNamespace(_stream=lambda: 7, _rt=object())
+    T, H, K = 3, 128, 2
+    plan = SimpleNamespace(send_pos=torch.zeros((T, 2), dtype=torch.int32), pack_dst_row=torch.zeros(2),
+                           send_rows=torch.zeros(2), send_row0=torch.zeros(2), peer_row0=torch.zeros(2))
+    x, idx, w = torch.zeros((T, H), dtype=torch.bfloat16), torch.zeros((T, K), dtype=torch.int64), torch.zeros((T, K))
+    in_rank = torch.ones((T, 2), dtype=torch.bool)
+    lay = path._stage(plan, x, None, idx, w, in_rank, 8, barrier=False)  # type: ignore[arg-type]
+    (rt, nvl, pack, row_bytes, num_scales, num_topk, stream), = calls
+    assert (rt, nvl, stream) == (path.rt, path.backend._rt, 7)
+    assert (row_bytes, num_scales, num_topk) == (H * 2, 0, K) and lay == path._dispatch_layout(H * 2, 0, K)
+    assert (pack.x, pack.topk_idx, pack.topk_weights, pack.is_token_in_rank, pack.send_pos, pack.dst_row) == \
+        (_ptr(x), _ptr(idx), _ptr(w), _ptr(in_rank), _ptr(plan.send_pos), _ptr(plan.pack_dst_row))
+    assert (pack.num_tokens, pack.num_experts, pack.x_scales) == (T, 8, 0)
