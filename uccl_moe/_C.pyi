@@ -113,6 +113,118 @@ class NvlRuntime:
     @property
     def timeout_s(self) -> float: ...
     def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, list[int]]: ...
+    def check_num_sms(self, num_sms: int) -> None: ...
+    def geometry(self, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int) -> IntranodeGeometry: ...
+
+class IntranodeGeometry:
+    """Read-only; made by NvlRuntime.geometry, taken by notify_dispatch, dispatch_intranode, combine_intranode."""
+    @property
+    def num_channels(self) -> int: ...
+    @property
+    def lanes_per_channel(self) -> int: ...
+    @property
+    def channel_slots(self) -> int: ...
+    @property
+    def lane_slots(self) -> int: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def num_lanes(self) -> int: ...
+    @property
+    def lane_region_bytes(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def num_nvl_bytes(self) -> int: ...
+    @property
+    def num_sms(self) -> int: ...
+
+# Argument structs of the intranode launchers (intranode.hpp), keyword-only; unset fields are 0 (null pointers).
+class NotifyArgs:
+    is_token_in_rank: int
+    num_tokens_per_rank: int
+    num_tokens_per_expert: int
+    num_tokens: int
+    num_experts: int
+    expert_alignment: int
+    write_host_counters: bool
+    lane_prefix: int
+    rank_prefix: int
+    recv_lane_start: int
+    num_tokens_ptr: int
+    def __init__(self, *, is_token_in_rank: int = 0, num_tokens_per_rank: int = 0, num_tokens_per_expert: int = 0,
+                 num_tokens: int = 0, num_experts: int = 0, expert_alignment: int = 0,
+                 write_host_counters: bool = False, lane_prefix: int = 0, rank_prefix: int = 0,
+                 recv_lane_start: int = 0, num_tokens_ptr: int = 0) -> None: ...
+
+class DispatchArgs:
+    x: int
+    x_scales: int
+    topk_idx: int
+    topk_weights: int
+    is_token_in_rank: int
+    rank_prefix: int
+    recv_lane_start: int
+    num_tokens: int
+    row_bytes: int
+    num_topk: int
+    num_scales: int
+    num_experts: int
+    scale_token_stride: int
+    scale_hidden_stride: int
+    num_recv_rows: int
+    recv_x: int
+    recv_scales: int
+    recv_topk_idx: int
+    recv_topk_weights: int
+    recv_src_idx: int
+    send_head: int
+    num_tokens_ptr: int
+    row_map: int
+    src_tag: int
+    def __init__(self, *, x: int = 0, x_scales: int = 0, topk_idx: int = 0, topk_weights: int = 0,
+                 is_token_in_rank: int = 0, rank_prefix: int = 0, recv_lane_start: int = 0, num_tokens: int = 0,
+                 row_bytes: int = 0, num_topk: int = 0, num_scales: int = 0, num_experts: int = 0,
+                 scale_token_stride: int = 0, scale_hidden_stride: int = 0, num_recv_rows: int = 0, recv_x: int = 0,
+                 recv_scales: int = 0, recv_topk_idx: int = 0, recv_topk_weights: int = 0, recv_src_idx: int = 0,
+                 send_head: int = 0, num_tokens_ptr: int = 0, row_map: int = 0, src_tag: int = 0) -> None: ...
+
+class CombineArgs:
+    x: int
+    topk_weights: int
+    bias0: int
+    bias1: int
+    rank_prefix: int
+    recv_lane_start: int
+    send_head: int
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    out: int
+    out_topk_weights: int
+    num_tokens_ptr: int
+    row_map: int
+    def __init__(self, *, x: int = 0, topk_weights: int = 0, bias0: int = 0, bias1: int = 0, rank_prefix: int = 0,
+                 recv_lane_start: int = 0, send_head: int = 0, num_tokens: int = 0, hidden: int = 0,
+                 num_topk: int = 0, out: int = 0, out_topk_weights: int = 0, num_tokens_ptr: int = 0,
+                 row_map: int = 0) -> None: ...
+
+class CombinePullArgs:
+    topk_weights: int
+    bias0: int
+    bias1: int
+    rank_prefix: int
+    lane_prefix: int
+    send_head: int
+    num_tokens: int
+    hidden: int
+    num_topk: int
+    num_lanes: int
+    out: int
+    out_topk_weights: int
+    def __init__(self, *, topk_weights: int = 0, bias0: int = 0, bias1: int = 0, rank_prefix: int = 0,
+                 lane_prefix: int = 0, send_head: int = 0, num_tokens: int = 0, hidden: int = 0, num_topk: int = 0,
+                 num_lanes: int = 0, out: int = 0, out_topk_weights: int = 0) -> None: ...
 
 def intranode_lanes_per_channel(num_ranks: int) -> int: ...
 def intranode_geometry(num_sms: int, num_ranks: int, nvl_send_tokens: int,
@@ -121,6 +233,8 @@ def intranode_combine_split(num_sms: int, num_ranks: int, senders: int, me: int 
         tuple[int, int], list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]: ...
 def intranode_required_nvl_bytes(num_sms: int, num_ranks: int, nvl_send_tokens: int, nvl_recv_tokens: int,
                                  row_bytes: int, num_topk: int, num_scales: int) -> int: ...
+def intranode_placed_geometry(num_sms: int, num_ranks: int, nvl_send_tokens: int, nvl_recv_tokens: int,
+                              num_nvl_bytes: int) -> IntranodeGeometry: ...
 def intranode_slot_placement(num_sms: int, num_ranks: int, nvl_send_tokens: int, nvl_recv_tokens: int,
                              num_nvl_bytes: int, row_bytes: int, num_topk: int,
                              num_scales: int) -> tuple[int, int, int]: ...
@@ -130,24 +244,10 @@ def get_dispatch_layout(topk_idx: int, num_tokens: int, num_topk: int, num_exper
                         topk_fault: int = 0) -> None: ...
 def check_topk_idx(topk_idx: int, num_tokens: int, num_topk: int, num_experts: int, topk_fault: int,
                    stream: int) -> None: ...
-def notify_dispatch(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int,
-                    is_token_in_rank: int, num_tokens_per_rank: int, num_tokens_per_expert: int, num_tokens: int,
-                    num_experts: int, expert_alignment: int, write_host_counters: bool, lane_prefix: int,
-                    rank_prefix: int, recv_lane_start: int, stream: int, num_tokens_ptr: int = 0) -> None: ...
-def dispatch_intranode(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int, x: int,
-                       x_scales: int, topk_idx: int, topk_weights: int, is_token_in_rank: int, rank_prefix: int,
-                       recv_lane_start: int, num_tokens: int, row_bytes: int, num_topk: int, num_scales: int,
-                       num_experts: int, scale_token_stride: int, scale_hidden_stride: int, num_recv_rows: int,
-                       recv_x: int, recv_scales: int, recv_topk_idx: int, recv_topk_weights: int, recv_src_idx: int,
-                       send_head: int, stream: int, num_tokens_ptr: int = 0, row_map: int = 0,
-                       src_tag: int = 0) -> None: ...
-def combine_intranode(runtime: NvlRuntime, num_sms: int, nvl_send_tokens: int, nvl_recv_tokens: int, x: int,
-                      topk_weights: int, bias0: int, bias1: int, rank_prefix: int, recv_lane_start: int,
-                      send_head: int, num_tokens: int, hidden: int, num_topk: int, out: int, out_topk_weights: int,
-                      stream: int, num_tokens_ptr: int = 0, row_map: int = 0) -> None: ...
-def combine_pull_intranode(runtime: NvlRuntime, num_sms: int, num_rows: int, topk_weights: int, bias0: int,
-                           bias1: int, rank_prefix: int, lane_prefix: int, send_head: int, num_tokens: int,
-                           hidden: int, num_topk: int, num_lanes: int, out: int, out_topk_weights: int,
+def notify_dispatch(runtime: NvlRuntime, geometry: IntranodeGeometry, args: NotifyArgs, stream: int) -> None: ...
+def dispatch_intranode(runtime: NvlRuntime, geometry: IntranodeGeometry, args: DispatchArgs, stream: int) -> None: ...
+def combine_intranode(runtime: NvlRuntime, geometry: IntranodeGeometry, args: CombineArgs, stream: int) -> None: ...
+def combine_pull_intranode(runtime: NvlRuntime, num_sms: int, num_rows: int, args: CombinePullArgs,
                            stream: int) -> None: ...
 def intranode_combine_input_layout(rows: int, hidden: int, num_topk: int) -> tuple[int, int]: ...
 def peer_copy(runtime: NvlRuntime, peer: int, bytes: int, stream: int) -> None: ...
@@ -175,9 +275,24 @@ class RdmaRuntime:
 def internode_dispatch_layout(num_rdma_bytes: int, row_bytes: int, num_scales: int, num_topk: int,
                               ranks_per_node: int) -> dict[str, int]: ...
 def internode_combine_layout(num_rdma_bytes: int, hidden: int, num_topk: int) -> dict[str, int]: ...
-def rdma_pack(runtime: RdmaRuntime, nvl: NvlRuntime, x: int, x_scales: int, scale_token_stride: int,
-              scale_hidden_stride: int, num_scales: int, topk_idx: int, topk_weights: int, is_token_in_rank: int,
-              send_pos: int, dst_row: int, num_tokens: int, row_bytes: int, num_topk: int, num_experts: int,
+class PackArgs:
+    """rdma_pack's arguments (internode.hpp PackArgs), keyword-only; unset fields are 0 (null pointers)."""
+    x: int
+    x_scales: int
+    scale_token_stride: int
+    scale_hidden_stride: int
+    topk_idx: int
+    topk_weights: int
+    is_token_in_rank: int
+    send_pos: int
+    dst_row: int
+    num_tokens: int
+    num_experts: int
+    def __init__(self, *, x: int = 0, x_scales: int = 0, scale_token_stride: int = 0, scale_hidden_stride: int = 0,
+                 topk_idx: int = 0, topk_weights: int = 0, is_token_in_rank: int = 0, send_pos: int = 0,
+                 dst_row: int = 0, num_tokens: int = 0, num_experts: int = 0) -> None: ...
+
+def rdma_pack(runtime: RdmaRuntime, nvl: NvlRuntime, args: PackArgs, row_bytes: int, num_scales: int, num_topk: int,
               stream: int) -> None: ...
 def rdma_post(runtime: RdmaRuntime, nvl: NvlRuntime, rows: int, src_row: int, dst_row: int,
               arrays: list[list[int]], slot: int, peer_cap: int, stream: int) -> None: ...

@@ -262,7 +262,8 @@ def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle:
 
 def check_handle(handle: Any, key: Any) -> DispatchHandle:
     """`handle` as a DispatchHandle if a dispatch on a Buffer with handle key `key` made it."""
-    if not isinstance(handle, tuple) or len(handle) != 6 or not isinstance(handle[0], torch.Tensor):
+    if (not isinstance(handle, tuple) or len(handle) != 6
+            or not isinstance(handle_field(handle, "rank_prefix_matrix"), torch.Tensor)):
         raise InvalidTypeError(
             f"handle must be the 6-tuple a dispatch returned, got {type(handle).__name__}"
         )

@@ -59,7 +59,6 @@ log = logging.getLogger("uccl_moe.buffer")
 #: The DeepEP-V1 ``Config`` (native), built by keyword: Config(num_sms=20, num_max_nvl_chunked_send_tokens=6, ...).
 Config = _C.Config
 
-_NVL_META_BYTES = 1 << 20  # kNvlMetaBytes (native/include/uccl_moe/config.hpp): the rings start after it
 BackendName = Literal["auto", "native", "reference"]
 
 __all__ = [
@@ -203,8 +202,8 @@ class Buffer:
         if num_rows < 0 or hidden <= 0 or num_topk < 0:
             raise err(f"get_combine_buffer_size_hint({num_rows}, {hidden}, {num_topk}): need rows >= 0, hidden > 0, "
                        f"num_topk >= 0")
-        rows_end = -(-(_NVL_META_BYTES + num_rows * hidden * 2) // 128) * 128
-        return -(-(rows_end + num_rows * num_topk * 4) // 4096) * 4096
+        end = int(_C.intranode_combine_input_layout(num_rows, hidden, num_topk)[1])  # the kernels' own layout
+        return -(-end // 4096) * 4096
 
     @staticmethod
     def get_internode_rdma_size_hint(max_tokens: int, hidden: int, num_topk: int, num_nodes: int,
@@ -457,7 +456,8 @@ class Buffer:
         on_caller = self._begin(previous_event, async_finish, allocate_on_comm_stream)
         with streams.op_context(self._comm, on_caller):
             recv_x, recv_scales, recv_idx, recv_w, counts, raw_handle = backend.dispatch(req)
-        out_handle = DispatchHandle(*raw_handle)
+        # Built-in backends return a DispatchHandle; a registered one may return DeepEP's plain 6-tuple.
+        out_handle = raw_handle if isinstance(raw_handle, DispatchHandle) else DispatchHandle._make(raw_handle)
         setattr(out_handle.rank_prefix_matrix, HANDLE_KEY_ATTR, self._handle_key)
         out_x = recv_x if recv_scales is None else (recv_x, recv_scales)
         event = self._finish(async_finish, [data, scales, topk_idx, topk_weights, per_rank, in_rank, per_expert],

@@ -104,9 +104,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def dispatch(
         self, req: DispatchRequest
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int], tuple[Any, ...]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, list[int],
+               DispatchHandle]:
         """Returns (recv_x [T_recv, H], recv_x_scales or None, recv_topk_idx [T_recv, K] int64 local ids or -1,
-        recv_topk_weights [T_recv, K] float32 (0 where idx is -1), num_recv_tokens_per_expert_list, handle)."""
+        recv_topk_weights [T_recv, K] float32 (0 where idx is -1), num_recv_tokens_per_expert_list, handle), the
+        handle built by field name (Buffer also accepts DeepEP's plain 6-tuple from a registered backend)."""
 
     @abc.abstractmethod
     def cached_dispatch(

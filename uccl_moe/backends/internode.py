@@ -231,11 +231,11 @@ class InternodePath:
         if barrier:
             _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
             self._mark("rail barrier")
-        _C.rdma_pack(runtime=self.rt, nvl=nvl, x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok,
-                     scale_hidden_stride=s_hid, num_scales=ns, topk_idx=_ptr(topk_idx),
-                     topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
-                     send_pos=_ptr(plan.send_pos), dst_row=_ptr(plan.pack_dst_row), num_tokens=T,
-                     row_bytes=row_bytes, num_topk=K, num_experts=num_experts, stream=stream)
+        pack = _C.PackArgs(x=_ptr(x), x_scales=_ptr(x_scales), scale_token_stride=s_tok, scale_hidden_stride=s_hid,
+                           topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+                           is_token_in_rank=_ptr(is_token_in_rank), send_pos=_ptr(plan.send_pos),
+                           dst_row=_ptr(plan.pack_dst_row), num_tokens=T, num_experts=num_experts)
+        _C.rdma_pack(self.rt, nvl, pack, row_bytes, ns, K, stream)
         half = lay["half_bytes"]
         arrays = [[half + lay["off_x"], lay["off_x"], row_bytes]]
         if ns:
@@ -279,54 +279,54 @@ class InternodePath:
         bits = self._area_view(lay["off_mask"], plan.xp_rows, torch.int32, 1)
         plan.mask = ((bits >> self._shifts) & 1).bool()
         E_fwd = req.num_experts // self.N
-        geo = _C.intranode_geometry(num_sms, G, cfg.num_max_nvl_chunked_send_tokens,
-                                    cfg.num_max_nvl_chunked_recv_tokens)
-        L = geo[0] * geo[1]
+        geo = b.geometry(num_sms, cfg)
         dev = x.device
-        lane_prefix = torch.empty((G, L), dtype=torch.int32, device=dev)
+        lane_prefix = torch.empty((G, geo.num_lanes), dtype=torch.int32, device=dev)
         fwd_prefix = torch.empty((G, G), dtype=torch.int32, device=dev)
-        recv_lane_start = torch.empty((G, L), dtype=torch.int32, device=dev)
+        recv_lane_start = torch.empty((G, geo.num_lanes), dtype=torch.int32, device=dev)
         no_experts = torch.zeros(E_fwd, dtype=torch.int32, device=dev)
-        _C.notify_dispatch(
-            runtime=b._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
-            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, is_token_in_rank=_ptr(plan.mask),
-            num_tokens_per_rank=_ptr(plan.fwd_counts), num_tokens_per_expert=_ptr(no_experts),
-            num_tokens=plan.xp_rows, num_experts=E_fwd, expert_alignment=1, write_host_counters=False,
-            lane_prefix=_ptr(lane_prefix), rank_prefix=_ptr(fwd_prefix), recv_lane_start=_ptr(recv_lane_start),
-            stream=b._stream(), num_tokens_ptr=_ptr(plan.num_xp))
-        send_head = torch.empty((plan.xp_rows, G), dtype=torch.int32, device=dev)
-        K = topk_idx.shape[1] if topk_idx is not None else 0
-        recv = b._alloc_recv(rows, x, req.x_scales, K, True)
-        self._forward(plan, lay, x, req.x_scales, K, E_fwd, fwd_prefix, recv_lane_start, rows, recv, send_head, cfg,
-                      num_sms, with_meta=True)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv
-        handle = (rank_prefix, lane_prefix, recv_lane_start, recv_src, in_rank, send_head)
+        notify = _C.NotifyArgs(
+            is_token_in_rank=_ptr(plan.mask), num_tokens_per_rank=_ptr(plan.fwd_counts),
+            num_tokens_per_expert=_ptr(no_experts), num_tokens=plan.xp_rows, num_experts=E_fwd, expert_alignment=1,
+            write_host_counters=False, lane_prefix=_ptr(lane_prefix), rank_prefix=_ptr(fwd_prefix),
+            recv_lane_start=_ptr(recv_lane_start), num_tokens_ptr=_ptr(plan.num_xp))
+        _C.notify_dispatch(b._rt, geo, notify, b._stream())
         plan.fwd_prefix = fwd_prefix
+        # Global rank prefix, with the forwarding step's lane matrices and send_head ([G, L], [rows of x', G]).
+        handle = DispatchHandle(rank_prefix_matrix=rank_prefix, channel_prefix_matrix=lane_prefix,
+                                recv_channel_prefix_matrix=recv_lane_start,
+                                recv_src_idx=torch.empty((rows,), dtype=torch.int32, device=dev),
+                                is_token_in_rank=in_rank,
+                                send_head=torch.empty((plan.xp_rows, G), dtype=torch.int32, device=dev))
+        K = topk_idx.shape[1] if topk_idx is not None else 0
+        recv_x, recv_scales, recv_idx, recv_w = b._alloc_recv(rows, x, req.x_scales, K, True)
+        self._forward(plan, geo, lay, x, req.x_scales, K, E_fwd, handle, rows, (recv_x, recv_scales, recv_idx, recv_w),
+                      with_meta=True)
         setattr(rank_prefix, _PLAN_ATTR, plan)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
-    def _forward(self, plan: _Plan, lay: dict[str, int], x: torch.Tensor, x_scales: torch.Tensor | None,
-                 num_topk: int, E_fwd: int, fwd_prefix: torch.Tensor, recv_lane_start: torch.Tensor, rows: int,
-                 recv: tuple[Any, ...], send_head: torch.Tensor | None, cfg: Any, num_sms: int,
-                 with_meta: bool) -> None:
-        """NVLink step: the intranode dispatch kernel over x' (our receive area), rows placed by row_map."""
-        b = self.backend
+    def _forward(self, plan: _Plan, geo: _C.IntranodeGeometry, lay: dict[str, int], x: torch.Tensor,
+                 x_scales: torch.Tensor | None, num_topk: int, E_fwd: int, handle: DispatchHandle, rows: int,
+                 recv: tuple[Any, ...], with_meta: bool) -> None:
+        """NVLink step: the intranode dispatch kernel over x' (our receive area), rows placed by row_map, along the
+        forwarding step's lanes of `handle` (whose recv_src_idx and send_head it writes with metadata)."""
         base = self.rt.buffer
-        row_bytes = x.shape[1] * x.element_size()
         ns = scale_layout(x_scales)[0]
         with_topk = num_topk > 0
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = recv
-        _C.dispatch_intranode(
-            runtime=b._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
-            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, x=base + lay["off_x"],
-            x_scales=base + lay["off_scales"] if ns else 0, topk_idx=base + lay["off_topk"] if with_topk else 0,
+        recv_x, recv_scales, recv_idx, recv_w = recv
+        assert plan.fwd_prefix is not None
+        args = _C.DispatchArgs(
+            x=base + lay["off_x"], x_scales=base + lay["off_scales"] if ns else 0,
+            topk_idx=base + lay["off_topk"] if with_topk else 0,
             topk_weights=base + lay["off_weights"] if with_topk else 0, is_token_in_rank=_ptr(plan.mask),
-            rank_prefix=_ptr(fwd_prefix), recv_lane_start=_ptr(recv_lane_start), num_tokens=plan.xp_rows,
-            row_bytes=row_bytes, num_topk=num_topk, num_scales=ns, num_experts=E_fwd, scale_token_stride=ns,
-            scale_hidden_stride=1, num_recv_rows=rows, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
-            recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w), recv_src_idx=_ptr(recv_src),
-            send_head=_ptr(send_head), stream=b._stream(), num_tokens_ptr=_ptr(plan.num_xp),
+            rank_prefix=_ptr(plan.fwd_prefix), recv_lane_start=_ptr(handle.recv_channel_prefix_matrix),
+            num_tokens=plan.xp_rows, row_bytes=x.shape[1] * x.element_size(), num_topk=num_topk, num_scales=ns,
+            num_experts=E_fwd, scale_token_stride=ns, scale_hidden_stride=1, num_recv_rows=rows,
+            recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_idx),
+            recv_topk_weights=_ptr(recv_w), recv_src_idx=_ptr(handle.recv_src_idx if with_meta else None),
+            send_head=_ptr(handle.send_head if with_meta else None), num_tokens_ptr=_ptr(plan.num_xp),
             row_map=_ptr(plan.row_map), src_tag=base + lay["off_src"] if with_meta else 0)
+        _C.dispatch_intranode(self.backend._rt, geo, args, self.backend._stream())
 
     def handle_num_sms(self, handle: Any) -> int:
         """The SM count the handle's plan runs its NVLink legs on."""
@@ -341,9 +341,8 @@ class InternodePath:
         lay = self._stage(plan, x, x_scales, None, None, handle.is_token_in_rank, self.R, barrier=True)
         rows = int(handle.recv_src_idx.shape[0])
         recv = b._alloc_recv(rows, x, x_scales, 0, False)
-        assert plan.fwd_prefix is not None
-        self._forward(plan, lay, x, x_scales, 0, self.G, plan.fwd_prefix, handle.recv_channel_prefix_matrix, rows,
-                      recv, None, config, plan.num_sms, with_meta=False)
+        self._forward(plan, b.geometry(plan.num_sms, config), lay, x, x_scales, 0, self.G, handle, rows, recv,
+                      with_meta=False)
         self._mark("nvlink forward")
         return recv[0], recv[1]
 
@@ -362,18 +361,18 @@ class InternodePath:
         base = self.rt.buffer
         half = lay["half_bytes"]
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
-        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
         # No origin still reads its combine receive area, no forwarder its partials, once the rail met here.
         self._mark("start")
         _C.rail_barrier(runtime=self.rt, nvl=nvl, stream=stream)
         self._mark("rail barrier")
-        _C.combine_intranode(
-            runtime=nvl, num_sms=plan.num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
-            topk_weights=_ptr(tw), bias0=0, bias1=0, rank_prefix=_ptr(plan.fwd_prefix),
+        geo = b.geometry(plan.num_sms, config)
+        args = _C.CombineArgs(
+            x=_ptr(x), topk_weights=_ptr(tw), rank_prefix=_ptr(plan.fwd_prefix),
             recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), send_head=_ptr(handle.send_head),
-            num_tokens=plan.xp_rows, hidden=H,
-            num_topk=K, out=base + lay["off_x"], out_topk_weights=base + lay["off_weights"] if K else 0,
-            stream=stream, num_tokens_ptr=_ptr(plan.num_xp), row_map=_ptr(plan.row_map))
+            num_tokens=plan.xp_rows, hidden=H, num_topk=K, out=base + lay["off_x"],
+            out_topk_weights=base + lay["off_weights"] if K else 0, num_tokens_ptr=_ptr(plan.num_xp),
+            row_map=_ptr(plan.row_map))
+        _C.combine_intranode(nvl, geo, args, stream)
         self._mark("nvlink reduce")
         arrays = [[lay["off_x"], half + lay["off_x"], 2 * H]]
         if K:

@@ -14,6 +14,10 @@ Handle (DeepEP-V1 positions; fields 1 and 2 are per *lane* here, not per channel
 A cached dispatch or combine reuses the lane geometry recorded in the handle (its channel count is
 L / W), whatever ``config.num_sms`` says; the other config fields (chunk sizes) still apply.
 
+Geometry: C, W, L, the ring slots and the ring placement in the NVL buffer are computed once per op by the runtime
+(``NvlRuntime.geometry``, C++); this module sizes the lane matrices from it and hands the same object to notify,
+dispatch and combine, each of which takes one argument struct built by field name (``_C.DispatchArgs`` ...).
+
 Across nodes (``ctx.topology.num_nodes > 1``), R and the lane matrices above are those of the node's G local
 ranks, and dispatch/combine go through :class:`uccl_moe.backends.internode.InternodePath` (CPU proxy + NVLink
 forwarding); see that module.
@@ -212,45 +216,53 @@ class NativeBackend(Backend):
             self._layout_checked = (weakref.ref(given), given._version, num_experts)
         return per_rank, per_node, per_expert, in_rank
 
+    def geometry(self, num_sms: int, config: Any) -> _C.IntranodeGeometry:
+        """The lane geometry of an op with `num_sms` blocks and `config`'s chunk sizes on this rank's NVL buffer, as
+        the runtime computes it (the only place it is computed; invalid settings raise InvalidUsageError naming the
+        Config field)."""
+        geo: _C.IntranodeGeometry = self._rt.geometry(num_sms, config.num_max_nvl_chunked_send_tokens,
+                                                      config.num_max_nvl_chunked_recv_tokens)
+        return geo
+
     # ---------------------------------------------------------------- dispatch
-    def _launch_dispatch(self, num_sms: int, config: Any, x: torch.Tensor, x_scales: torch.Tensor | None,
-                         topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None,
-                         is_token_in_rank: torch.Tensor, rank_prefix: torch.Tensor, recv_lane_start: torch.Tensor,
-                         num_experts: int, rows: int, with_meta: bool,
-                         send_head: torch.Tensor | None) -> tuple[Any, ...]:
-        T = x.shape[0]
+    def _launch_dispatch(self, geo: _C.IntranodeGeometry, x: torch.Tensor, x_scales: torch.Tensor | None,
+                         topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, handle: DispatchHandle,
+                         num_experts: int, rows: int, with_meta: bool) -> tuple[Any, ...]:
+        """The intranode dispatch of x along `handle`'s layout into `rows` new rows: (recv_x, recv_scales,
+        recv_topk_idx, recv_topk_weights). With metadata (a new handle's dispatch) it also writes the handle's
+        recv_src_idx and send_head; without (cached), it only reads the handle."""
         K = topk_idx.shape[1] if topk_idx is not None else 0
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = self._alloc_recv(rows, x, x_scales, K, with_meta)
+        recv_x, recv_scales, recv_idx, recv_w = self._alloc_recv(rows, x, x_scales, K, with_meta)
         num_scales, s_tok, s_hid = scale_layout(x_scales)
-        _C.dispatch_intranode(
-            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=config.num_max_nvl_chunked_send_tokens,
-            nvl_recv_tokens=config.num_max_nvl_chunked_recv_tokens, x=_ptr(x), x_scales=_ptr(x_scales),
-            topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights), is_token_in_rank=_ptr(is_token_in_rank),
-            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start), num_tokens=T,
+        args = _C.DispatchArgs(
+            x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
+            is_token_in_rank=_ptr(handle.is_token_in_rank), rank_prefix=_ptr(handle.rank_prefix_matrix),
+            recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), num_tokens=x.shape[0],
             row_bytes=x.shape[1] * x.element_size(), num_topk=K, num_scales=num_scales, num_experts=num_experts,
             scale_token_stride=s_tok, scale_hidden_stride=s_hid, num_recv_rows=rows, recv_x=_ptr(recv_x),
             recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w),
-            recv_src_idx=_ptr(recv_src), send_head=_ptr(send_head), stream=self._stream())
-        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+            recv_src_idx=_ptr(handle.recv_src_idx if with_meta else None),
+            send_head=_ptr(handle.send_head if with_meta else None))
+        _C.dispatch_intranode(self._rt, geo, args, self._stream())
+        return recv_x, recv_scales, recv_idx, recv_w
 
     @staticmethod
     def _alloc_recv(rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
                     with_meta: bool) -> tuple[Any, ...]:
-        """Outputs of a dispatch receiving `rows` rows: (recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
-        recv_src_idx); the last three are None without metadata (cached) and the middle two without top-k."""
+        """Outputs of a dispatch receiving `rows` rows: (recv_x, recv_scales, recv_topk_idx, recv_topk_weights);
+        the last two are None without metadata (cached) or without top-k. The handle's recv_src_idx is the
+        caller's."""
         dev = x.device
         recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=dev)
         recv_scales = None
         if x_scales is not None:
             shape = (rows,) if x_scales.dim() == 1 else (rows, x_scales.shape[1])
             recv_scales = torch.empty(shape, dtype=x_scales.dtype, device=dev)
-        recv_idx = recv_w = recv_src = None
-        if with_meta:
-            recv_src = torch.empty((rows,), dtype=torch.int32, device=dev)
-            if num_topk > 0:
-                recv_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=dev)
-                recv_w = torch.empty((rows, num_topk), dtype=torch.float32, device=dev)
-        return recv_x, recv_scales, recv_idx, recv_w, recv_src
+        recv_idx = recv_w = None
+        if with_meta and num_topk > 0:
+            recv_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=dev)
+            recv_w = torch.empty((rows, num_topk), dtype=torch.float32, device=dev)
+        return recv_x, recv_scales, recv_idx, recv_w
 
     def dispatch(self, req: DispatchRequest):  # type: ignore[no-untyped-def]
         self._check_alive()
@@ -262,27 +274,22 @@ class NativeBackend(Backend):
         T = x.shape[0]
         dev = x.device
         E = req.num_experts
-        cfg = req.config
-        num_sms = int(cfg.num_sms)
-        geo = _C.intranode_geometry(num_sms, R, cfg.num_max_nvl_chunked_send_tokens,
-                                    cfg.num_max_nvl_chunked_recv_tokens)
-        L = geo[0] * geo[1]
+        geo = self.geometry(int(req.config.num_sms), req.config)
         topk_idx = req.topk_idx.contiguous() if req.topk_idx is not None else None
         topk_weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
         in_rank = req.is_token_in_rank.contiguous()
-        lane_prefix = torch.empty((R, L), dtype=torch.int32, device=dev)
+        lane_prefix = torch.empty((R, geo.num_lanes), dtype=torch.int32, device=dev)
         rank_prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
-        recv_lane_start = torch.empty((R, L), dtype=torch.int32, device=dev)
+        recv_lane_start = torch.empty((R, geo.num_lanes), dtype=torch.int32, device=dev)
         worst = req.num_worst_tokens > 0
         if not worst:
             self._rt.reset_recv_counter()
-        _C.notify_dispatch(
-            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=cfg.num_max_nvl_chunked_send_tokens,
-            nvl_recv_tokens=cfg.num_max_nvl_chunked_recv_tokens, is_token_in_rank=_ptr(in_rank),
-            num_tokens_per_rank=_ptr(req.num_tokens_per_rank.contiguous()),
+        notify = _C.NotifyArgs(
+            is_token_in_rank=_ptr(in_rank), num_tokens_per_rank=_ptr(req.num_tokens_per_rank.contiguous()),
             num_tokens_per_expert=_ptr(req.num_tokens_per_expert.contiguous()), num_tokens=T, num_experts=E,
             expert_alignment=req.expert_alignment, write_host_counters=not worst, lane_prefix=_ptr(lane_prefix),
-            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start), stream=self._stream())
+            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start))
+        _C.notify_dispatch(self._rt, geo, notify, self._stream())
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
@@ -291,11 +298,12 @@ class NativeBackend(Backend):
                 self._raise_timeout()
             counts = list(counts)
             setattr(rank_prefix, _MOST_ROWS_ATTR, int(most))  # cached dispatches and combines reuse the handle
-        send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = self._launch_dispatch(
-            num_sms, cfg, x, req.x_scales, topk_idx, topk_weights, in_rank, rank_prefix, recv_lane_start, E, rows,
-            True, send_head)
-        handle = (rank_prefix, lane_prefix, recv_lane_start, recv_src, in_rank, send_head)
+        handle = DispatchHandle(rank_prefix_matrix=rank_prefix, channel_prefix_matrix=lane_prefix,
+                                recv_channel_prefix_matrix=recv_lane_start,
+                                recv_src_idx=torch.empty((rows,), dtype=torch.int32, device=dev),
+                                is_token_in_rank=in_rank, send_head=torch.empty((T, R), dtype=torch.int32, device=dev))
+        recv_x, recv_scales, recv_idx, recv_w = self._launch_dispatch(
+            geo, x, req.x_scales, topk_idx, topk_weights, handle, E, rows, with_meta=True)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Any):  # type: ignore[no-untyped-def]
@@ -303,11 +311,10 @@ class NativeBackend(Backend):
         if self._inter is not None:
             return self._inter.cached_dispatch(x, x_scales, handle, config)
         x = x.contiguous()
-        num_sms = self._sms_of(handle)
+        geo = self.geometry(self._sms_of(handle), config)
         rows = int(handle.recv_src_idx.shape[0])
-        recv_x, recv_scales, _, _, _ = self._launch_dispatch(
-            num_sms, config, x, x_scales, None, None, handle.is_token_in_rank, handle.rank_prefix_matrix,
-            handle.recv_channel_prefix_matrix, self.R, rows, False, None)
+        recv_x, recv_scales, _, _ = self._launch_dispatch(geo, x, x_scales, None, None, handle, self.R, rows,
+                                                          with_meta=False)
         return recv_x, recv_scales
 
     # ---------------------------------------------------------------- combine
@@ -319,18 +326,16 @@ class NativeBackend(Backend):
         if self._in_buffer(x):
             return self._combine_from_buffer(x, handle, topk_weights, bias, config)
         x = x.contiguous()
-        num_sms = self._sms_of(handle)
-        nvl_send, nvl_recv = config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens
+        geo = self.geometry(self._sms_of(handle), config)
         T = int(handle.is_token_in_rank.shape[0])
-        H = x.shape[1]
         K = topk_weights.shape[1] if topk_weights is not None else 0
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
-        _C.combine_intranode(
-            runtime=self._rt, num_sms=num_sms, nvl_send_tokens=nvl_send, nvl_recv_tokens=nvl_recv, x=_ptr(x),
-            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
-            recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), send_head=_ptr(handle.send_head), num_tokens=T,
-            hidden=H, num_topk=K,
-            out=_ptr(out), out_topk_weights=_ptr(out_w), stream=self._stream())
+        args = _C.CombineArgs(
+            x=_ptr(x), topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1),
+            rank_prefix=_ptr(handle.rank_prefix_matrix), recv_lane_start=_ptr(handle.recv_channel_prefix_matrix),
+            send_head=_ptr(handle.send_head), num_tokens=T, hidden=x.shape[1], num_topk=K, out=_ptr(out),
+            out_topk_weights=_ptr(out_w))
+        _C.combine_intranode(self._rt, geo, args, self._stream())
         return out, out_w
 
     # ---------------------------------------------------------------- combine from the buffer
@@ -400,12 +405,11 @@ class NativeBackend(Backend):
         T = int(handle.is_token_in_rank.shape[0])
         lanes = handle.channel_prefix_matrix
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
-        _C.combine_pull_intranode(
-            runtime=self._rt, num_sms=int(config.num_sms), num_rows=rows, topk_weights=_ptr(tw), bias0=_ptr(b0),
-            bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix), lane_prefix=_ptr(lanes),
-            send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K, num_lanes=int(lanes.shape[1]),
-            out=_ptr(out),
-            out_topk_weights=_ptr(out_w), stream=self._stream())
+        args = _C.CombinePullArgs(
+            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
+            lane_prefix=_ptr(lanes), send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K,
+            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w))
+        _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
         return out, out_w
 
     # ---------------------------------------------------------------- benchmark helpers and lifecycle

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
+from ..results import DispatchHandle
 from .base import Backend, BufferContext, DispatchRequest
 
 # The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
@@ -122,6 +123,8 @@ class ReferenceBackend(Backend):
         self.group = ctx.group
         self.R = ctx.num_ranks
         self.me = ctx.rank
+        # UCCL_MOE_TIMEOUT_S, resolved once for this backend (like the native runtimes): every bounded wait uses it.
+        self._timeout_s = float(env.get("TIMEOUT_S"))
         # (pid, host hash) of every rank, from the last agreement step: names a peer that exits.
         self._peers: list[tuple[int, int]] | None = None
 
@@ -139,8 +142,7 @@ class ReferenceBackend(Backend):
             if device.type == "cuda":
                 work.wait()
                 return
-            timeout_s = float(env.get("TIMEOUT_S"))
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            work.wait(timeout=datetime.timedelta(seconds=self._timeout_s))
         except RuntimeError as e:
             text = str(e).lower()
             if any(m in text for m in _PEER_LOST):
@@ -150,7 +152,7 @@ class ReferenceBackend(Backend):
                 ) from None
             if "timed out" not in text and "timeout" not in text:
                 raise
-            timeout_s = float(env.get("TIMEOUT_S"))
+            timeout_s = self._timeout_s
             record = {"rank": self.me, "peer": -1, "channel": -1, "phase": f"reference/{phase}", "waited_s": timeout_s}
             dead = self._exited_peers(wait_s=0.0)
             why = f"{self._ranks(dead)} exited" if dead else "a peer is stuck, dead or skipped this call"
@@ -376,8 +378,9 @@ class ReferenceBackend(Backend):
             recv_w = torch.cat([recv_w, recv_w.new_zeros((pad, recv_w.shape[1]))])
             recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_full((pad,), -1)])
             counts_list = []
-        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-                  req.is_token_in_rank, send_head)
+        handle = DispatchHandle(rank_prefix_matrix=rank_prefix_matrix, channel_prefix_matrix=channel_prefix_matrix,
+                                recv_channel_prefix_matrix=recv_channel_prefix_matrix, recv_src_idx=recv_src_idx,
+                                is_token_in_rank=req.is_token_in_rank, send_head=send_head)
         return recv_x, recv_scales, recv_idx, recv_w, counts_list, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: Any, config: Any):  # type: ignore[no-untyped-def]

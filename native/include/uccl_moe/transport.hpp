@@ -61,13 +61,16 @@ struct TransportCaps {
   std::string nic_family;       ///< "mlx5", "bnxt_re", "other" (NIC transports; picks flow-control defaults), "" = none
 };
 
-/// Per-proxy parameters a transport is created with.
+/// Per-proxy parameters a transport is created with. The timeout has no default of its own: the runtime that
+/// creates the transport passes the limit it resolved once (Proxy: its Timeout), so both wait on the same value.
 struct TransportContext {
+  explicit TransportContext(const Timeout& timeout) : timeout_s(timeout.limit_s) {}
+
   int rank = 0;
   int num_ranks = 1;
   int num_threads = 1;
   std::string job = "uccl";  ///< namespace for bootstrap keys and shared-memory names
-  double timeout_s = Timeout::resolve().limit_s;  ///< UCCL_MOE_TIMEOUT_S; the Proxy passes its own resolved value
+  double timeout_s;          ///< the creating runtime's resolved UCCL_MOE_TIMEOUT_S (bootstrap waits)
   /// GPU mode: the data region is GPU memory shared by IPC and copied by copy engines (loopback); see gpu_memory.hpp.
   std::shared_ptr<const GpuMemoryOps> gpu;
   std::shared_ptr<detail::VerbsOps> verbs;  ///< null: the real libibverbs (tests inject a fake)

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "args_class.hpp"
 #include "bindings.hpp"
 #include "uccl_moe/error.hpp"
 
@@ -80,30 +81,23 @@ void register_internode(nb::module_& m) {
     return layout_dict(internode::combine_layout(num_rdma_bytes, hidden, num_topk));
   }, "num_rdma_bytes"_a, "hidden"_a, "num_topk"_a);
 
-  m.def("rdma_pack", [](RdmaRuntime& rt, NvlRuntime& nvl, uintptr_t x, uintptr_t x_scales, int64_t scale_token_stride,
-                        int64_t scale_hidden_stride, int num_scales, uintptr_t topk_idx, uintptr_t topk_weights,
-                        uintptr_t is_token_in_rank, uintptr_t send_pos, uintptr_t dst_row, int num_tokens,
-                        int row_bytes, int num_topk, int num_experts, uintptr_t stream) {
+  bind_args(m, "PackArgs", "rdma_pack's arguments (internode.hpp PackArgs; the binding adds the RDMA layout and areas)",
+            UCCL_MOE_ARG(internode::PackArgs, x), UCCL_MOE_ARG(internode::PackArgs, x_scales),
+            UCCL_MOE_ARG(internode::PackArgs, scale_token_stride),
+            UCCL_MOE_ARG(internode::PackArgs, scale_hidden_stride), UCCL_MOE_ARG(internode::PackArgs, topk_idx),
+            UCCL_MOE_ARG(internode::PackArgs, topk_weights), UCCL_MOE_ARG(internode::PackArgs, is_token_in_rank),
+            UCCL_MOE_ARG(internode::PackArgs, send_pos), UCCL_MOE_ARG(internode::PackArgs, dst_row),
+            UCCL_MOE_ARG(internode::PackArgs, num_tokens), UCCL_MOE_ARG(internode::PackArgs, num_experts));
+  m.def("rdma_pack", [](RdmaRuntime& rt, NvlRuntime& nvl, const internode::PackArgs& args, int row_bytes,
+                        int num_scales, int num_topk, uintptr_t stream) {
     const auto ctx = rt.context(nvl);
-    internode::PackArgs a{};
-    a.x = ptr<const void>(x);
-    a.x_scales = ptr<const void>(x_scales);
-    a.scale_token_stride = scale_token_stride;
-    a.scale_hidden_stride = scale_hidden_stride;
-    a.topk_idx = ptr<const int64_t>(topk_idx);
-    a.topk_weights = ptr<const float>(topk_weights);
-    a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-    a.send_pos = ptr<const int32_t>(send_pos);
-    a.dst_row = ptr<const int64_t>(dst_row);
-    a.num_tokens = num_tokens;
-    a.num_experts = num_experts;
+    internode::PackArgs a = args;
     a.layout = dispatch_layout_of(rt, row_bytes, num_scales, num_topk, ctx.ranks_per_node);
     a.recv = internode::area_of(ctx.rdma_buffer, a.layout);
     a.send = internode::area_of(ctx.rdma_buffer + a.layout.half_bytes, a.layout);
     internode::launch_rdma_pack(ctx, a, stream_of(stream));
-  }, "runtime"_a, "nvl"_a, "x"_a, "x_scales"_a, "scale_token_stride"_a, "scale_hidden_stride"_a, "num_scales"_a,
-  "topk_idx"_a, "topk_weights"_a, "is_token_in_rank"_a, "send_pos"_a, "dst_row"_a, "num_tokens"_a, "row_bytes"_a,
-  "num_topk"_a, "num_experts"_a, "stream"_a);
+  }, "runtime"_a, "nvl"_a, "args"_a, "row_bytes"_a, "num_scales"_a, "num_topk"_a, "stream"_a,
+  "Stages each token once per destination node (the dispatch layout of these row sizes: internode_dispatch_layout)");
 
   m.def("rdma_post", [](RdmaRuntime& rt, NvlRuntime& nvl, uintptr_t rows, uintptr_t src_row, uintptr_t dst_row,
                         const std::vector<std::vector<int64_t>>& arrays, int slot, int64_t peer_cap,

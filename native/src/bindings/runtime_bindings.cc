@@ -4,13 +4,14 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "../kernels/intranode/intranode.hpp"
+#include "../kernels/intranode/nvl_layout.hpp"
+#include "args_class.hpp"
 #include "bindings.hpp"
 #include "uccl_moe/diag.hpp"
 #include "uccl_moe/error.hpp"
 
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
-#include "../kernels/intranode/intranode.hpp"
-#include "../kernels/intranode/nvl_layout.hpp"
 #include "../runtime/nvl_runtime.hpp"
 #endif
 
@@ -19,10 +20,116 @@ using namespace nb::literals;
 
 namespace uccl_moe::bindings {
 
-#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
 namespace {
 
 using intranode::Geometry;
+
+/// The intranode geometry, the launchers' argument structs (built in Python by field name: args_class.hpp) and the
+/// combine-input layout Buffer's size hint reads. Plain data: registered in every build.
+void register_args(nb::module_& m) {
+  nb::class_<Geometry>(m, "IntranodeGeometry",
+                       "Lane geometry of an op on one NVL buffer (NvlRuntime.geometry; read-only): notify, dispatch and "
+                       "combine take it as computed there")
+      .def_ro("num_channels", &Geometry::num_channels, "C = num_sms / 2")
+      .def_ro("lanes_per_channel", &Geometry::lanes_per_channel, "W = warps per block / ranks")
+      .def_ro("channel_slots", &Geometry::channel_slots, "T = num_max_nvl_chunked_recv_tokens")
+      .def_ro("lane_slots", &Geometry::lane_slots, "Tl = T / W: slots of one lane ring")
+      .def_ro("chunk_tokens", &Geometry::chunk_tokens, "tokens between two tail publications")
+      .def_ro("num_lanes", &Geometry::num_lanes, "L = C * W: columns of the handle's lane matrices")
+      .def_ro("lane_region_bytes", &Geometry::lane_region_bytes, "byte stride of the lane rings in the buffer")
+      .def_ro("num_ranks", &Geometry::num_ranks, "local ranks it was placed for")
+      .def_ro("num_nvl_bytes", &Geometry::num_nvl_bytes, "buffer size it was placed in")
+      .def_prop_ro("num_sms", [](const Geometry& g) { return 2 * g.num_channels; }, "blocks of a dispatch or combine")
+      .def("__repr__", [](const Geometry& g) {
+        return ::uccl_moe::detail::format(
+            "IntranodeGeometry(num_channels=%d, lanes_per_channel=%d, channel_slots=%d, lane_slots=%d, "
+            "chunk_tokens=%d, num_lanes=%d, lane_region_bytes=%lld)", g.num_channels, g.lanes_per_channel,
+            g.channel_slots, g.lane_slots, g.chunk_tokens, g.num_lanes, static_cast<long long>(g.lane_region_bytes));
+      });
+
+  using intranode::CombineArgs;
+  using intranode::CombinePullArgs;
+  using intranode::DispatchArgs;
+  using intranode::NotifyArgs;
+  bind_args(m, "NotifyArgs", "notify_dispatch's arguments (intranode.hpp NotifyArgs)",
+            UCCL_MOE_ARG(NotifyArgs, is_token_in_rank),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_per_rank),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_per_expert),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens),
+            UCCL_MOE_ARG(NotifyArgs, num_experts),
+            UCCL_MOE_ARG(NotifyArgs, expert_alignment),
+            UCCL_MOE_ARG(NotifyArgs, write_host_counters),
+            UCCL_MOE_ARG(NotifyArgs, lane_prefix),
+            UCCL_MOE_ARG(NotifyArgs, rank_prefix),
+            UCCL_MOE_ARG(NotifyArgs, recv_lane_start),
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_ptr));
+  bind_args(m, "DispatchArgs", "dispatch_intranode's arguments (intranode.hpp DispatchArgs)",
+            UCCL_MOE_ARG(DispatchArgs, x),
+            UCCL_MOE_ARG(DispatchArgs, x_scales),
+            UCCL_MOE_ARG(DispatchArgs, topk_idx),
+            UCCL_MOE_ARG(DispatchArgs, topk_weights),
+            UCCL_MOE_ARG(DispatchArgs, is_token_in_rank),
+            UCCL_MOE_ARG(DispatchArgs, rank_prefix),
+            UCCL_MOE_ARG(DispatchArgs, recv_lane_start),
+            UCCL_MOE_ARG(DispatchArgs, num_tokens),
+            UCCL_MOE_ARG(DispatchArgs, row_bytes),
+            UCCL_MOE_ARG(DispatchArgs, num_topk),
+            UCCL_MOE_ARG(DispatchArgs, num_scales),
+            UCCL_MOE_ARG(DispatchArgs, num_experts),
+            UCCL_MOE_ARG(DispatchArgs, scale_token_stride),
+            UCCL_MOE_ARG(DispatchArgs, scale_hidden_stride),
+            UCCL_MOE_ARG(DispatchArgs, num_recv_rows),
+            UCCL_MOE_ARG(DispatchArgs, recv_x),
+            UCCL_MOE_ARG(DispatchArgs, recv_scales),
+            UCCL_MOE_ARG(DispatchArgs, recv_topk_idx),
+            UCCL_MOE_ARG(DispatchArgs, recv_topk_weights),
+            UCCL_MOE_ARG(DispatchArgs, recv_src_idx),
+            UCCL_MOE_ARG(DispatchArgs, send_head),
+            UCCL_MOE_ARG(DispatchArgs, num_tokens_ptr),
+            UCCL_MOE_ARG(DispatchArgs, row_map),
+            UCCL_MOE_ARG(DispatchArgs, src_tag));
+  bind_args(m, "CombineArgs", "combine_intranode's arguments (intranode.hpp CombineArgs)",
+            UCCL_MOE_ARG(CombineArgs, x),
+            UCCL_MOE_ARG(CombineArgs, topk_weights),
+            UCCL_MOE_ARG(CombineArgs, bias0),
+            UCCL_MOE_ARG(CombineArgs, bias1),
+            UCCL_MOE_ARG(CombineArgs, rank_prefix),
+            UCCL_MOE_ARG(CombineArgs, recv_lane_start),
+            UCCL_MOE_ARG(CombineArgs, send_head),
+            UCCL_MOE_ARG(CombineArgs, num_tokens),
+            UCCL_MOE_ARG(CombineArgs, hidden),
+            UCCL_MOE_ARG(CombineArgs, num_topk),
+            UCCL_MOE_ARG(CombineArgs, out),
+            UCCL_MOE_ARG(CombineArgs, out_topk_weights),
+            UCCL_MOE_ARG(CombineArgs, num_tokens_ptr),
+            UCCL_MOE_ARG(CombineArgs, row_map));
+  bind_args(m, "CombinePullArgs", "combine_pull_intranode's arguments (intranode.hpp CombinePullArgs)",
+            UCCL_MOE_ARG(CombinePullArgs, topk_weights),
+            UCCL_MOE_ARG(CombinePullArgs, bias0),
+            UCCL_MOE_ARG(CombinePullArgs, bias1),
+            UCCL_MOE_ARG(CombinePullArgs, rank_prefix),
+            UCCL_MOE_ARG(CombinePullArgs, lane_prefix),
+            UCCL_MOE_ARG(CombinePullArgs, send_head),
+            UCCL_MOE_ARG(CombinePullArgs, num_tokens),
+            UCCL_MOE_ARG(CombinePullArgs, hidden),
+            UCCL_MOE_ARG(CombinePullArgs, num_topk),
+            UCCL_MOE_ARG(CombinePullArgs, num_lanes),
+            UCCL_MOE_ARG(CombinePullArgs, out),
+            UCCL_MOE_ARG(CombinePullArgs, out_topk_weights));
+
+  m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
+    return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
+                          intranode::combine_input_bytes(rows, hidden, num_topk));
+  }, "rows"_a, "hidden"_a, "num_topk"_a,
+  "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
+  "bytes it needs from the buffer's start with num_topk staged weights per row");
+}
+
+}  // namespace
+
+#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+namespace {
+
 using runtime::NvlRuntime;
 
 /// Resets the ring counters (prepare_round: two barriers) before a dispatch or combine whose channel count
@@ -34,12 +141,6 @@ void ensure_rings(NvlRuntime& rt, const intranode::NvlContext& ctx, const Geomet
   rt.set_ring_channels(g.num_channels);
 }
 
-/// The lane geometry of an op on `rt`'s GPU (refuses more SMs than it has: NvlRuntime::check_num_sms).
-Geometry op_geometry(const NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv) {
-  rt.check_num_sms(num_sms);
-  return intranode::make_geometry(num_sms, rt.num_ranks(), nvl_send, nvl_recv);
-}
-
 nb::tuple geometry_tuple(const Geometry& g) {
   return nb::make_tuple(g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens);
 }
@@ -47,6 +148,7 @@ nb::tuple geometry_tuple(const Geometry& g) {
 }  // namespace
 
 void register_runtime(nb::module_& m) {
+  register_args(m);
   nb::class_<NvlRuntime>(m, "NvlRuntime",
                          "Per-rank NVL buffer shared over CUDA/HIP IPC, host-mapped counters and diagnostics")
       .def(nb::init<int, int, int64_t, int>(), "rank"_a, "num_ranks"_a, "num_nvl_bytes"_a, "device"_a)
@@ -67,6 +169,9 @@ void register_runtime(nb::module_& m) {
       .def("aborted", &NvlRuntime::aborted)
       .def("check_num_sms", &NvlRuntime::check_num_sms, "num_sms"_a,
            "Raises InvalidUsageError if the GPU has fewer SMs than num_sms (every block of an op must be resident)")
+      .def("geometry", &NvlRuntime::geometry, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a,
+           "The lane geometry of an op with num_sms blocks and these Config chunk sizes on this buffer (validated: "
+           "InvalidUsageError names the Config field to change); notify, dispatch and combine take it")
       .def("diag", [](const NvlRuntime& r) { return diag_to_dict(r.diag()); })
       .def_prop_ro("topk_fault_device", &NvlRuntime::topk_fault_device,
                    "device view of the host-mapped record of the first top-k id outside [-1, num_experts)")
@@ -99,7 +204,7 @@ void register_runtime(nb::module_& m) {
   m.def("intranode_required_nvl_bytes", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int row_bytes,
                                            int num_topk, int num_scales) {
     return intranode::required_nvl_bytes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,
-                                         row_bytes, num_topk, num_scales);
+                                         intranode::SlotLayout::make(row_bytes, num_topk, num_scales));
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "row_bytes"_a, "num_topk"_a,
   "num_scales"_a);
 
@@ -122,10 +227,12 @@ void register_runtime(nb::module_& m) {
   }, "num_sms"_a, "num_ranks"_a, "senders"_a, "me"_a = 0,
   "((senders, receivers), sender pairs (block, warp, lane, dst), receiver blocks (block, first_lane, lanes, group))");
 
+  m.def("intranode_placed_geometry", &intranode::placed_geometry, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a,
+        "nvl_recv_tokens"_a, "num_nvl_bytes"_a,
+        "The IntranodeGeometry NvlRuntime.geometry returns for a buffer of num_nvl_bytes (without its SM count check)");
   m.def("intranode_slot_placement", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv, int64_t num_nvl_bytes,
                                        int row_bytes, int num_topk, int num_scales) {
-    const auto g = intranode::place_lanes(intranode::make_geometry(num_sms, num_ranks, nvl_send, nvl_recv), num_ranks,
-                                          num_nvl_bytes);
+    const auto g = intranode::placed_geometry(num_sms, num_ranks, nvl_send, nvl_recv, num_nvl_bytes);
     const auto s = intranode::SlotLayout::make(row_bytes, num_topk, num_scales);
     return nb::make_tuple(s.bytes, g.lane_region_bytes, static_cast<int64_t>(kNvlMetaBytes));
   }, "num_sms"_a, "num_ranks"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "num_nvl_bytes"_a, "row_bytes"_a,
@@ -150,107 +257,33 @@ void register_runtime(nb::module_& m) {
   }, "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "topk_fault"_a, "stream"_a,
   "Records the first id of topk_idx outside [-1, num_experts) in topk_fault (NvlRuntime.topk_fault_device); no sync");
 
-  m.def("notify_dispatch", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t is_token_in_rank,
-                              uintptr_t num_tokens_per_rank, uintptr_t num_tokens_per_expert, int num_tokens,
-                              int num_experts, int expert_alignment, bool write_host_counters, uintptr_t lane_prefix,
-                              uintptr_t rank_prefix, uintptr_t recv_lane_start, uintptr_t stream,
-                              uintptr_t num_tokens_ptr) {
-    const auto ctx = rt.context();
-    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
-    intranode::NotifyArgs a{ptr<const bool>(is_token_in_rank), ptr<const int32_t>(num_tokens_per_rank),
-                            ptr<const int32_t>(num_tokens_per_expert), num_tokens, num_experts, expert_alignment,
-                            write_host_counters, ptr<int32_t>(lane_prefix), ptr<int32_t>(rank_prefix),
-                            ptr<int32_t>(recv_lane_start), ptr<const int32_t>(num_tokens_ptr)};
+  // The ops take the geometry NvlRuntime.geometry computed and one argument struct built by field name.
+  m.def("notify_dispatch", [](NvlRuntime& rt, const Geometry& g, const intranode::NotifyArgs& a, uintptr_t stream) {
     rt.check_graph_channels(g.num_channels, stream_of(stream));
-    intranode::launch_notify_dispatch(ctx, g, a, stream_of(stream));
+    intranode::launch_notify_dispatch(rt.context(), g, a, stream_of(stream));
     rt.set_ring_channels(g.num_channels);  // notify resets the ring counters
-  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "is_token_in_rank"_a,
-  "num_tokens_per_rank"_a, "num_tokens_per_expert"_a, "num_tokens"_a, "num_experts"_a, "expert_alignment"_a,
-  "write_host_counters"_a, "lane_prefix"_a, "rank_prefix"_a, "recv_lane_start"_a, "stream"_a,
-  "num_tokens_ptr"_a = 0);
+  }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
-  m.def("dispatch_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
-                                 uintptr_t x_scales, uintptr_t topk_idx, uintptr_t topk_weights,
-                                 uintptr_t is_token_in_rank, uintptr_t rank_prefix, uintptr_t recv_lane_start,
-                                 int num_tokens, int row_bytes, int num_topk, int num_scales, int num_experts,
-                                 int64_t scale_token_stride, int64_t scale_hidden_stride, int num_recv_rows,
-                                 uintptr_t recv_x, uintptr_t recv_scales, uintptr_t recv_topk_idx,
-                                 uintptr_t recv_topk_weights, uintptr_t recv_src_idx, uintptr_t send_head,
-                                 uintptr_t stream, uintptr_t num_tokens_ptr, uintptr_t row_map, uintptr_t src_tag) {
+  m.def("dispatch_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
+                                 uintptr_t stream) {
     const auto ctx = rt.context();
-    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
-    intranode::DispatchArgs a{};
-    a.x = ptr<const void>(x);
-    a.x_scales = ptr<const void>(x_scales);
-    a.topk_idx = ptr<const int64_t>(topk_idx);
-    a.topk_weights = ptr<const float>(topk_weights);
-    a.is_token_in_rank = ptr<const bool>(is_token_in_rank);
-    a.rank_prefix = ptr<const int32_t>(rank_prefix);
-    a.recv_lane_start = ptr<const int32_t>(recv_lane_start);
-    a.num_tokens = num_tokens;
-    a.row_bytes = row_bytes;
-    a.num_topk = num_topk;
-    a.num_scales = num_scales;
-    a.num_experts = num_experts;
-    a.scale_token_stride = scale_token_stride;
-    a.scale_hidden_stride = scale_hidden_stride;
-    a.num_recv_rows = num_recv_rows;
-    a.recv_x = ptr<void>(recv_x);
-    a.recv_scales = ptr<void>(recv_scales);
-    a.recv_topk_idx = ptr<int64_t>(recv_topk_idx);
-    a.recv_topk_weights = ptr<float>(recv_topk_weights);
-    a.recv_src_idx = ptr<int32_t>(recv_src_idx);
-    a.send_head = ptr<int32_t>(send_head);
-    a.num_tokens_ptr = ptr<const int32_t>(num_tokens_ptr);
-    a.row_map = ptr<const int32_t>(row_map);
-    a.src_tag = ptr<const int32_t>(src_tag);
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
-  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "x_scales"_a, "topk_idx"_a,
-  "topk_weights"_a, "is_token_in_rank"_a, "rank_prefix"_a, "recv_lane_start"_a, "num_tokens"_a, "row_bytes"_a,
-  "num_topk"_a, "num_scales"_a, "num_experts"_a, "scale_token_stride"_a, "scale_hidden_stride"_a,
-  "num_recv_rows"_a, "recv_x"_a, "recv_scales"_a, "recv_topk_idx"_a, "recv_topk_weights"_a, "recv_src_idx"_a,
-  "send_head"_a, "stream"_a, "num_tokens_ptr"_a = 0, "row_map"_a = 0, "src_tag"_a = 0);
+  }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
-  m.def("combine_intranode", [](NvlRuntime& rt, int num_sms, int nvl_send, int nvl_recv, uintptr_t x,
-                                uintptr_t topk_weights, uintptr_t bias0, uintptr_t bias1, uintptr_t rank_prefix,
-                                uintptr_t recv_lane_start, uintptr_t send_head, int num_tokens, int hidden,
-                                int num_topk, uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream,
-                                uintptr_t num_tokens_ptr, uintptr_t row_map) {
+  m.def("combine_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::CombineArgs& a,
+                                uintptr_t stream) {
     const auto ctx = rt.context();
-    const Geometry g = op_geometry(rt, num_sms, nvl_send, nvl_recv);
-    intranode::CombineArgs a{ptr<const void>(x), ptr<const float>(topk_weights), ptr<const void>(bias0),
-                             ptr<const void>(bias1), ptr<const int32_t>(rank_prefix),
-                             ptr<const int32_t>(recv_lane_start), ptr<const int32_t>(send_head), num_tokens, hidden,
-                             num_topk, ptr<void>(out), ptr<float>(out_topk_weights),
-                             ptr<const int32_t>(num_tokens_ptr), ptr<const int32_t>(row_map)};
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
-  }, "runtime"_a, "num_sms"_a, "nvl_send_tokens"_a, "nvl_recv_tokens"_a, "x"_a, "topk_weights"_a, "bias0"_a,
-  "bias1"_a, "rank_prefix"_a, "recv_lane_start"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "out"_a,
-  "out_topk_weights"_a, "stream"_a, "num_tokens_ptr"_a = 0, "row_map"_a = 0);
+  }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
-  m.def("combine_pull_intranode", [](NvlRuntime& rt, int num_sms, int64_t num_rows, uintptr_t topk_weights,
-                                     uintptr_t bias0, uintptr_t bias1, uintptr_t rank_prefix, uintptr_t lane_prefix,
-                                     uintptr_t send_head, int num_tokens, int hidden, int num_topk, int num_lanes,
-                                     uintptr_t out, uintptr_t out_topk_weights, uintptr_t stream) {
+  m.def("combine_pull_intranode", [](NvlRuntime& rt, int num_sms, int64_t num_rows, const intranode::CombinePullArgs& a,
+                                     uintptr_t stream) {
     // No ring is used, so the ring counters need no reset (ensure_rings) and the op's SM count is free.
     rt.check_num_sms(num_sms);
-    intranode::CombinePullArgs a{ptr<const float>(topk_weights), ptr<const void>(bias0), ptr<const void>(bias1),
-                                 ptr<const int32_t>(rank_prefix), ptr<const int32_t>(lane_prefix),
-                                 ptr<const int32_t>(send_head), num_tokens, hidden, num_topk, num_lanes,
-                                 ptr<void>(out), ptr<float>(out_topk_weights)};
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
-  }, "runtime"_a, "num_sms"_a, "num_rows"_a, "topk_weights"_a, "bias0"_a, "bias1"_a, "rank_prefix"_a,
-  "lane_prefix"_a, "send_head"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "num_lanes"_a, "out"_a,
-  "out_topk_weights"_a, "stream"_a);
-
-  m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
-    return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
-                          intranode::combine_input_bytes(rows, hidden, num_topk));
-  }, "rows"_a, "hidden"_a, "num_topk"_a,
-  "(offset, end): where a combine from the buffer finds its [rows, hidden] BF16 input rows in the NVL buffer, and the "
-  "bytes it needs from the buffer's start with num_topk staged weights per row");
+  }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
@@ -260,7 +293,7 @@ void register_runtime(nb::module_& m) {
 
 #else
 
-void register_runtime(nb::module_&) {}
+void register_runtime(nb::module_& m) { register_args(m); }
 
 #endif
 

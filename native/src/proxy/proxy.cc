@@ -81,12 +81,11 @@ Proxy::Proxy(const ProxyOptions& options, std::shared_ptr<KvStore> store) : impl
   const detail::ProxyCpuSpec cpu_spec = detail::proxy_cpus_for_rank(*o.cpus, *o.local_rank);  // fails before resources
   m.setup_barrier_peers();
 
-  TransportContext ctx;
+  TransportContext ctx(m.timeout);
   ctx.rank = o.rank;
   ctx.num_ranks = o.num_ranks;
   ctx.num_threads = *o.num_threads;
   ctx.job = o.job;
-  ctx.timeout_s = m.timeout.limit_s;
   ctx.gpu = o.gpu_data ? o.gpu : nullptr;
   ctx.verbs = o.verbs;
   ctx.gpu_pci_bus_id = o.gpu_pci_bus_id;

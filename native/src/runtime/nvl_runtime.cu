@@ -218,4 +218,9 @@ void NvlRuntime::check_num_sms(int num_sms) const {
                device_name(device_).c_str(), device_sms_ - device_sms_ % 2);
 }
 
+intranode::Geometry NvlRuntime::geometry(int num_sms, int nvl_send_tokens, int nvl_recv_tokens) const {
+  check_num_sms(num_sms);
+  return intranode::placed_geometry(num_sms, num_ranks_, nvl_send_tokens, nvl_recv_tokens, num_nvl_bytes_);
+}
+
 }  // namespace uccl_moe::runtime

@@ -48,7 +48,7 @@ class NicWiring : public ::testing::Test {
   }
   TransportNic open(const std::string& gpu, int local_rank, std::set<std::string> broken = {},
                     std::vector<std::string>* opened = nullptr) {
-    TransportContext c;
+    TransportContext c(Timeout::resolve());
     c.gpu_pci_bus_id = gpu;
     c.local_rank = local_rank;
     auto ops = std::make_shared<NamedFakeVerbs>(std::make_shared<test::FakeFabric>(), std::move(broken));

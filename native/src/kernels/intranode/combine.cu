@@ -183,13 +183,13 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  check_geometry(ctx, g, "combine");
   CombineKernelArgs k{a, SlotLayout::make(a.hidden * 2, a.num_topk, 0),
                       combine_split(g, ctx.num_ranks, static_cast<int>(env::COMBINE_SENDER_SMS()))};
-  const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
-  UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
-              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
+  UCCL_ASSERT(g.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
+              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(g.lane_region_bytes),
               g.lane_slots, k.slot.bytes);
-  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.hidden * 2, a.num_topk, 0);
+  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, k.slot);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
               "combine needs %lld NVL bytes but the Buffer has %lld: create it with num_nvl_bytes >= "
               "Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)",
@@ -198,7 +198,7 @@ void launch_combine_intranode(const NvlContext& ctx, const Geometry& g, const Co
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
   // One instantiation per local rank count (the per-rank copies of a column live in registers).
   with_num_ranks(ctx.num_ranks, "combine", [&](auto n) {
-    combine_intranode_kernel<decltype(n)::value><<<grid, block, 0, st>>>(ctx, placed, k);
+    combine_intranode_kernel<decltype(n)::value><<<grid, block, 0, st>>>(ctx, g, k);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
 }

@@ -334,18 +334,18 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "element size)", a.row_bytes);
   UCCL_ASSERT(a.num_topk <= kMaxTopk, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
   UCCL_ASSERT(a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds the warp width", a.num_topk);
+  check_geometry(ctx, g, "dispatch");
   DispatchKernelArgs k{a, SlotLayout::make(a.row_bytes, a.num_topk, a.num_scales)};
-  const Geometry placed = place_lanes(g, ctx.num_ranks, ctx.num_nvl_bytes);
-  UCCL_ASSERT(placed.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
-              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(placed.lane_region_bytes),
+  UCCL_ASSERT(g.lane_region_bytes >= static_cast<int64_t>(g.lane_slots) * k.slot.bytes,
+              "lane ring of %lld bytes cannot hold %d slots of %d bytes", static_cast<long long>(g.lane_region_bytes),
               g.lane_slots, k.slot.bytes);
-  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, a.row_bytes, a.num_topk, a.num_scales);
+  const int64_t need = required_nvl_bytes(g, ctx.num_ranks, k.slot);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
               "dispatch needs %lld NVL bytes (%d channels x %d ranks x %d slots of %d bytes + meta) but the Buffer has "
               "%lld: create it with num_nvl_bytes >= Config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) or "
               "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
               ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
-  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, placed, k);
+  dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, k);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -55,13 +55,25 @@ CombineSplit combine_split(const Geometry& g, int num_ranks, int senders) {
 Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes) {
   const int64_t rings = static_cast<int64_t>(g.num_lanes) * num_ranks;
   g.lane_region_bytes = (num_nvl_bytes - static_cast<int64_t>(kNvlMetaBytes)) / rings / kSlotAlignBytes * kSlotAlignBytes;
+  g.num_ranks = num_ranks;
+  g.num_nvl_bytes = num_nvl_bytes;
   return g;
 }
 
-int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales) {
-  const SlotLayout s = SlotLayout::make(row_bytes, num_topk, num_scales);
+Geometry placed_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens, int64_t num_nvl_bytes) {
+  return place_lanes(make_geometry(num_sms, num_ranks, nvl_send_tokens, nvl_recv_tokens), num_ranks, num_nvl_bytes);
+}
+
+void check_geometry(const NvlContext& ctx, const Geometry& g, const char* op) {
+  UCCL_ASSERT(g.num_ranks == ctx.num_ranks && g.num_nvl_bytes == ctx.num_nvl_bytes,
+              "%s: the lane geometry was placed for %d ranks and %lld NVL bytes, but this buffer has %d ranks and "
+              "%lld bytes; take it from this buffer's NvlRuntime.geometry", op, g.num_ranks,
+              static_cast<long long>(g.num_nvl_bytes), ctx.num_ranks, static_cast<long long>(ctx.num_nvl_bytes));
+}
+
+int64_t required_nvl_bytes(const Geometry& g, int num_ranks, const SlotLayout& slot) {
   return static_cast<int64_t>(kNvlMetaBytes) +
-         static_cast<int64_t>(g.num_channels) * num_ranks * g.channel_slots * s.bytes;
+         static_cast<int64_t>(g.num_channels) * num_ranks * g.channel_slots * slot.bytes;
 }
 
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream) {

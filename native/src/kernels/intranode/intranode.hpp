@@ -37,7 +37,10 @@ struct NvlContext {
   int32_t diag_rank;         ///< rank named in diagnostics: the global rank (== rank inside one node)
 };
 
-/// Lane geometry of one dispatch (and of the combine / cached dispatch that reuse its handle).
+/// Lane geometry of one dispatch (and of the combine / cached dispatch that reuse its handle). Computed in one place,
+/// NvlRuntime::geometry (make_geometry, then place_lanes for the runtime's buffer); Python reads it from there
+/// (IntranodeGeometry) to size the handle's lane matrices and hands it back to every launch, which checks that it
+/// was placed for its buffer (check_geometry) instead of recomputing it.
 struct Geometry {
   int32_t num_channels;       ///< C = num_sms / 2
   int32_t lanes_per_channel;  ///< W = warps per block / num_ranks
@@ -46,6 +49,8 @@ struct Geometry {
   int32_t chunk_tokens;       ///< tokens a sender writes between two tail publications
   int32_t num_lanes;          ///< L = num_channels * lanes_per_channel
   int64_t lane_region_bytes;  ///< byte stride of the lane rings (fixed per channel count; 0 until placed)
+  int32_t num_ranks;          ///< local ranks the rings were placed for (0 until placed)
+  int64_t num_nvl_bytes;      ///< NVL buffer size the rings were placed in (0 until placed)
 };
 
 /// Which block of a combine launch serves which lane. The lanes, their token ranges and their rings come from the
@@ -87,11 +92,18 @@ int lanes_per_channel(int num_ranks);
 /// Validated geometry (throws InvalidUsage naming the Config field to change).
 Geometry make_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens);
 /// `g` with lane_region_bytes set for a buffer of `num_nvl_bytes` (the ring region split evenly over the
-/// C * N * W lane rings, 16-byte aligned).
+/// C * N * W lane rings, 128-byte aligned), and the ranks and buffer size it was placed for.
 Geometry place_lanes(Geometry g, int num_ranks, int64_t num_nvl_bytes);
-/// Bytes of NVL buffer a dispatch/combine with these rows needs (meta + rings); Buffer's hint is >= this
+/// make_geometry placed for a buffer of `num_nvl_bytes` shared by `num_ranks` ranks: what every op runs on
+/// (NvlRuntime::geometry adds the SM count check of its GPU).
+Geometry placed_geometry(int num_sms, int num_ranks, int nvl_send_tokens, int nvl_recv_tokens, int64_t num_nvl_bytes);
+/// Throws InvalidUsage unless `g` was placed (place_lanes) for ctx's ranks and buffer size: a launch runs on the
+/// geometry it is handed and never recomputes it.
+void check_geometry(const NvlContext& ctx, const Geometry& g, const char* op);
+struct SlotLayout;
+/// Bytes of NVL buffer a dispatch/combine with slots of `slot` needs (meta + rings); Buffer's hint is >= this
 /// whenever hidden_bytes was computed as hidden * max(element size, 2).
-int64_t required_nvl_bytes(const Geometry& g, int num_ranks, int row_bytes, int num_topk, int num_scales);
+int64_t required_nvl_bytes(const Geometry& g, int num_ranks, const SlotLayout& slot);
 
 struct LayoutArgs {
   const int64_t* topk_idx;         ///< [T, K]; -1 = unused

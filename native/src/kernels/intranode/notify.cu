@@ -113,6 +113,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) prepare_round_kernel(NvlC
 }  // namespace
 
 void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream) {
+  check_geometry(ctx, g, "notify");
   UCCL_ASSERT(a.num_experts % ctx.num_ranks == 0 && a.num_experts / ctx.num_ranks <= kMaxExpertsPerRank,
               "num_experts=%d must be a multiple of the %d ranks with at most %d experts per rank", a.num_experts,
               ctx.num_ranks, kMaxExpertsPerRank);
@@ -121,6 +122,7 @@ void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const Noti
 }
 
 void launch_prepare_round(const NvlContext& ctx, const Geometry& g, void* stream) {
+  check_geometry(ctx, g, "prepare_round");
   prepare_round_kernel<<<1, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }

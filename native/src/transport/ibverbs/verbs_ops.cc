@@ -5,6 +5,8 @@
 #include <fstream>
 #include <string>
 
+#include "uccl_moe/env.hpp"
+
 namespace uccl_moe::detail {
 
 namespace {
@@ -52,13 +54,8 @@ class RealVerbsOps : public VerbsOps {
       *type = ibv_gid_type(e.gid_type);
       return 0;
     }
-    // Older rdma-core: the kernel's sysfs text, "IB/RoCE v1" or "RoCE v2" (as UCCL-EP ep/include/rdma_util.hpp
-    // ncclIbRoceGetVersionNum reads it).
-    std::ifstream f("/sys/class/infiniband/" + std::string(ibv_get_device_name(c->device)) + "/ports/" +
-                    std::to_string(p) + "/gid_attrs/types/" + std::to_string(i));
-    std::string text;
-    if (!f || !std::getline(f, text)) return ENOENT;
-    return parse_sysfs_gid_type(text, type) ? 0 : EINVAL;
+    // Older rdma-core: the kernel's sysfs text, under the same root as every other sysfs reader.
+    return read_sysfs_gid_type(env::SYSFS_ROOT(), ibv_get_device_name(c->device), p, i, type);
   }
   ibv_mr* reg_dmabuf_mr(ibv_pd* pd, uint64_t off, size_t len, uint64_t iova, int fd, int acc) override {
     return ibv_reg_dmabuf_mr(pd, off, len, iova, fd, acc);
@@ -84,6 +81,16 @@ bool parse_sysfs_gid_type(const std::string& text, ibv_gid_type* type) {
     return false;
   }
   return true;
+}
+
+int read_sysfs_gid_type(const std::string& sysfs_root, const std::string& device, int port, int index,
+                        ibv_gid_type* type) {
+  // "IB/RoCE v1" or "RoCE v2", as UCCL-EP ep/include/rdma_util.hpp ncclIbRoceGetVersionNum reads it.
+  std::ifstream f(sysfs_root + "/class/infiniband/" + device + "/ports/" + std::to_string(port) + "/gid_attrs/types/" +
+                  std::to_string(index));
+  std::string text;
+  if (!f || !std::getline(f, text)) return ENOENT;
+  return parse_sysfs_gid_type(text, type) ? 0 : EINVAL;
 }
 
 std::shared_ptr<VerbsOps> real_verbs_ops() {

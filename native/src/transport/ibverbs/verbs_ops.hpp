@@ -36,8 +36,8 @@ class VerbsOps {
   virtual int poll_cq(ibv_cq* cq, int num, ibv_wc* wc) = 0;
 
   // Optional calls: the defaults fail with EOPNOTSUPP so every VerbsOps keeps compiling without them.
-  /// GID type (IB, RoCE v1, RoCE v2) of one GID table entry: ibv_query_gid_ex, else sysfs
-  /// /sys/class/infiniband/<dev>/ports/<port>/gid_attrs/types/<index>. Returns 0 or an errno.
+  /// GID type (IB, RoCE v1, RoCE v2) of one GID table entry: ibv_query_gid_ex, else read_sysfs_gid_type under
+  /// UCCL_MOE_SYSFS_ROOT. Returns 0 or an errno.
   virtual int query_gid_type(ibv_context* ctx, uint8_t port, int index, ibv_gid_type* type);
   /// ibv_reg_dmabuf_mr: registers [offset, offset + length) of dma-buf `fd` at virtual address `iova`.
   /// nullptr + errno on failure.
@@ -48,6 +48,10 @@ std::shared_ptr<VerbsOps> real_verbs_ops();
 
 /// The text of sysfs ports/<port>/gid_attrs/types/<index> ("IB/RoCE v1", "RoCE v2") as a GID type; false if unknown.
 bool parse_sysfs_gid_type(const std::string& text, ibv_gid_type* type);
+/// GID type of entry `index` from <sysfs_root>/class/infiniband/<device>/ports/<port>/gid_attrs/types/<index>:
+/// 0, ENOENT (no such file) or EINVAL (text parse_sysfs_gid_type does not know).
+int read_sysfs_gid_type(const std::string& sysfs_root, const std::string& device, int port, int index,
+                        ibv_gid_type* type);
 
 /// EFA devices belong to the efa transport; every other device to ibverbs (the rule: nic_select.hpp is_efa_name).
 inline bool is_efa_device(const std::string& name) { return is_efa_name(name); }

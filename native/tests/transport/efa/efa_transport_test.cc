@@ -40,7 +40,7 @@ struct Ranks {
       : fabric(std::make_shared<EfaFabric>(seed, reorder_window)), data(size_t(n), std::vector<uint8_t>(bytes)) {
     for (int r = 0; r < n; ++r) {
       nics.push_back(std::make_shared<FakeEfaNic>(fabric, prof));
-      TransportContext c;
+      TransportContext c(Timeout::resolve());
       c.rank = r;
       c.num_ranks = n;
       c.job = "efatest";
@@ -341,7 +341,7 @@ TEST(EfaTransport, NoRdmaWriteIsAClearErrorAndTheProbeSaysNo) {
   prof.device_caps &= ~detail::kEfaCapRdmaWrite;
   auto fabric = std::make_shared<EfaFabric>();
   auto nic = std::make_shared<FakeEfaNic>(fabric, prof);
-  TransportContext c;
+  TransportContext c(Timeout::resolve());
   c.verbs = nic;
   try {
     detail::create_efa_transport(c);
@@ -419,7 +419,7 @@ TEST(EfaTransport, ServiceLevelKnob) {
 
 // An injected verbs layer without the EFA half is a usage error, not a crash.
 TEST(EfaTransport, InjectedOpsMustImplementEfaOps) {
-  TransportContext c;
+  TransportContext c(Timeout::resolve());
   c.verbs = std::make_shared<test::FakeVerbs>(std::make_shared<test::FakeFabric>());
   try {
     detail::create_efa_transport(c);

@@ -1,6 +1,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <exception>
 #include <functional>
 #include <thread>
@@ -168,7 +169,7 @@ TEST(IbverbsSeam, EndToEndOverFakeFabric) {
   std::vector<std::vector<int64_t>> ctr(2, std::vector<int64_t>(2 * kCountersPerSrc, 0));
   ScopedEnv native("IB_NATIVE_ATOMICS", "1");  // software atomics are the default; this test covers the native path
   for (int r = 0; r < 2; ++r) {
-    TransportContext c;
+    TransportContext c(Timeout::resolve());
     c.rank = r;
     c.num_ranks = 2;
     c.job = "ibtest";
@@ -247,7 +248,7 @@ struct Cluster {
     data.assign(size_t(n), std::vector<uint8_t>(1 << 16));
     ctr.assign(size_t(n), std::vector<int64_t>(size_t(n) * kCountersPerSrc, 0));
     for (int r = 0; r < n; ++r) {
-      TransportContext c;
+      TransportContext c(Timeout::resolve());
       c.rank = r;
       c.num_ranks = n;
       c.job = "cluster";
@@ -478,7 +479,7 @@ TEST(IbverbsGpuMemory, DataRegionRegistersThroughGpuMrAndNamesWhatIsMissing) {
   auto fabric = std::make_shared<test::FakeFabric>();
   std::vector<uint8_t> data(4 << 20), ctr(4096);
   for (bool peer_memory : {true, false}) {
-    TransportContext c;
+    TransportContext c(Timeout::resolve());
     c.gpu = std::make_shared<GpuMemoryOps>();
     auto ops = std::make_shared<test::FakeVerbs>(fabric, test::mlx5_cx7());
     ops->mark_gpu(data.data(), data.size());
@@ -513,6 +514,19 @@ TEST(IbverbsGid, SysfsGidTypeText) {
   EXPECT_EQ(t, IBV_GID_TYPE_IB);
   EXPECT_FALSE(detail::parse_sysfs_gid_type("", &t));
   EXPECT_FALSE(detail::parse_sysfs_gid_type("RoCE v3", &t));
+}
+
+TEST(IbverbsGid, SysfsGidTypeFileUnderTheGivenRoot) {
+  // The fallback of query_gid_type reads under UCCL_MOE_SYSFS_ROOT, like every other sysfs reader (fixture:
+  // tests/fixtures/sysfs/h100_mlx5, types 0/1 = "IB/RoCE v1"/"RoCE v2").
+  const std::string root = UCCL_MOE_SYSFS_FIXTURES "/h100_mlx5";
+  ibv_gid_type t = IBV_GID_TYPE_IB;
+  ASSERT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 1, &t), 0);
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V2);
+  ASSERT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 0, &t), 0);
+  EXPECT_EQ(t, IBV_GID_TYPE_ROCE_V1);
+  EXPECT_EQ(detail::read_sysfs_gid_type(root, "mlx5_1", 1, 999, &t), ENOENT);
+  EXPECT_EQ(detail::read_sysfs_gid_type(root + "/nowhere", "mlx5_1", 1, 1, &t), ENOENT);
 }
 
 TEST(IbverbsFake, RnrRetryHoldsTheSenderUntilAReceiveIsPosted) {

@@ -154,7 +154,7 @@ TEST(GpuModeLoopback, CallerRegionsSharedByHandleAndAsyncCopies) {
     const size_t bytes = 1 << 16;
     auto* data = static_cast<uint8_t*>(gpu.make_shared_region("/ucclmoe-gputest." + job + "." + std::to_string(rank),
                                                               bytes));
-    TransportContext ctx;
+    TransportContext ctx(Timeout::resolve());
     ctx.rank = rank;
     ctx.num_ranks = 2;
     ctx.num_threads = 1;

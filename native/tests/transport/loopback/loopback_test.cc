@@ -55,7 +55,7 @@ struct Ctx {
 };
 
 Ctx make(int rank, int num_ranks, const std::string& job, std::shared_ptr<KvStore> store, size_t bytes = 1 << 16) {
-  TransportContext ctx;
+  TransportContext ctx(Timeout::resolve());
   ctx.rank = rank;
   ctx.num_ranks = num_ranks;
   ctx.num_threads = 1;
@@ -183,7 +183,7 @@ TEST(Loopback, RegistryListsLoopbackAndRejectsForeignMemory) {
   ASSERT_FALSE(names.empty());
   EXPECT_EQ(names.back().first, "loopback");
   EXPECT_TRUE(names.back().second);
-  TransportContext ctx;
+  TransportContext ctx(Timeout::resolve());
   ctx.job = test::unique_job("foreign");
   auto t = create_transport("loopback", ctx);
   std::vector<char> mine(4096);

@@ -1,0 +1,265 @@
+"""The Python↔C++ seam of the native intranode ops, host-side (no GPU): argument structs bound by field name, the
+geometry computed once in C++ and handed to every op, and the backends building handles by field name."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from uccl_moe import _C, Config, DispatchHandle
+
+# PackArgs (rdma_pack) exists in builds with the internode kernels only.
+ARGS_CLASSES = ("NotifyArgs", "DispatchArgs", "CombineArgs", "CombinePullArgs",
+                pytest.param("PackArgs", marks=pytest.mark.skipif(not hasattr(_C, "PackArgs"),
+                                                                  reason="build without internode kernels")))
+STUB = Path(__file__).resolve().parents[3] / "uccl_moe" / "_C.pyi"
+
+
+def _stub_class(name: str) -> ast.ClassDef:
+    tree = ast.parse(STUB.read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _fields_of(cls: Any) -> list[str]:
+    """The field names in the order the binding registered them (its repr lists every field)."""
+    text = repr(cls())
+    inner = text[text.index("(") + 1:-1]
+    return [part.split("=")[0] for part in inner.split(", ")]
+
+
+@pytest.mark.parametrize("name", ARGS_CLASSES)
+def test_args_struct_fields_match_the_stub(name: str) -> None:
+    """Every field the stub declares is a field of the bound struct, in both the attributes and the keyword-only
+    constructor, and nothing else: mypy checks the backends against the stub, so a drifted stub hides a typo."""
+    cls = _stub_class(name)
+    attrs = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert not init.args.args[1:], "the constructor is keyword-only"
+    kwonly = [a.arg for a in init.args.kwonlyargs]
+    assert attrs == kwonly == _fields_of(getattr(_C, name))
+
+
+# The integer (non-pointer) fields of the structs in intranode.hpp and internode.hpp.
+_SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_topk", "num_scales",
+            "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes"}
+
+
+def test_geometry_properties_match_the_stub() -> None:
+    stub = {n.name for n in _stub_class("IntranodeGeometry").body if isinstance(n, ast.FunctionDef)}
+    assert stub == {n for n in dir(_C.IntranodeGeometry) if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("name", ARGS_CLASSES)
+def test_args_struct_round_trips_every_field_by_name(name: str) -> None:
+    """A struct built by keyword holds each value (pointers as full 64-bit addresses, bools as bools); unset fields
+    are 0."""
+    cls = getattr(_C, name)
+    fields = _fields_of(cls)
+    values: dict[str, Any] = {}
+    for i, f in enumerate(fields):
+        current = getattr(cls(), f)
+        assert current in (0, False), (f, current)
+        if isinstance(current, bool):
+            values[f] = True
+        elif f in _SCALARS:
+            values[f] = i + 1
+        else:  # a pointer: a device address beyond 32 bits
+            values[f] = 0x7F00_0000_0000 + 16 * i
+    a = cls(**values)
+    assert {f: getattr(a, f) for f in fields} == values
+    a2 = cls()
+    setattr(a2, fields[0], values[fields[0]])
+    assert getattr(a2, fields[0]) == values[fields[0]] and getattr(a2, fields[-1]) in (0, False)
+
+
+def test_args_struct_refuses_unknown_fields_positional_values_and_wrong_types() -> None:
+    """The constructor is a plain keyword-only signature: a misspelt field, a positional value, a value of the wrong
+    type or out of a field's range is a TypeError that shows the signature and what was passed."""
+    with pytest.raises(TypeError, match=r"(?s)num_tokens: int = 0.*kwargs = \{ num_token: int \}"):
+        _C.DispatchArgs(num_token=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        _C.DispatchArgs(3)  # type: ignore[misc]
+    with pytest.raises(TypeError, match=r"kwargs = \{ num_tokens: str \}"):
+        _C.DispatchArgs(num_tokens="3")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"kwargs = \{ num_tokens: int \}"):
+        _C.NotifyArgs(num_tokens=2**31)  # an int32 field
+    with pytest.raises(TypeError):
+        _C.DispatchArgs(x=-1)  # an address is unsigned
+    with pytest.raises(AttributeError):
+        _C.CombineArgs().hiden = 3  # type: ignore[attr-defined]
+
+
+pytestmark_kernels = pytest.mark.skipif(not _C.has_intranode_kernels(), reason="build without intranode kernels")
+
+
+@pytestmark_kernels
+@pytest.mark.parametrize("ranks", [1, 2, 5, 8])
+def test_placed_geometry_is_the_tuples_geometry_placed_in_the_buffer(ranks: int) -> None:
+    """The geometry every op runs on (NvlRuntime.geometry, without its SM check) is the validated lane geometry plus
+    the ring placement of the buffer, one object Python sizes the lane matrices from."""
+    hint = Config(24, 8, 256, 6, 128).get_nvl_buffer_size_hint(7168 * 2, ranks)
+    g = _C.intranode_placed_geometry(24, ranks, 8, 256, hint)
+    assert (g.num_channels, g.lanes_per_channel, g.channel_slots, g.lane_slots, g.chunk_tokens) == \
+        _C.intranode_geometry(24, ranks, 8, 256)
+    assert g.num_lanes == g.num_channels * g.lanes_per_channel and g.num_sms == 24
+    assert (g.num_ranks, g.num_nvl_bytes) == (ranks, hint)
+    assert g.lane_region_bytes == _C.intranode_slot_placement(24, ranks, 8, 256, hint, 7168 * 2, 8, 0)[1]
+    with pytest.raises(AttributeError):
+        g.num_lanes = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        _C.IntranodeGeometry()  # only the runtime makes one
+    with pytest.raises(_C_error(), match="num_max_nvl_chunked_recv"):
+        _C.intranode_placed_geometry(24, 4, 8, 8, hint)
+
+
+def _C_error() -> type[Exception]:
+    from uccl_moe.errors import InvalidUsageError
+
+    return InvalidUsageError
+
+
+class _FakeRuntime:
+    """The NvlRuntime seam of NativeBackend: geometry comes from the real C++ computation (placed for a fake buffer),
+    counts from a fixed answer."""
+
+    def __init__(self, ranks: int, rows: int) -> None:
+        self.ranks, self.rows = ranks, rows
+        self.asked: list[tuple[int, int, int]] = []
+
+    local_buffer = 4096  # an NVL buffer no CPU tensor lies in (combine's get_combine_buffer check)
+
+    def aborted(self) -> bool:
+        return False
+
+    def geometry(self, num_sms: int, send: int, recv: int) -> Any:
+        self.asked.append((num_sms, send, recv))
+        return _C.intranode_placed_geometry(num_sms, self.ranks, send, recv, 1 << 30)
+
+    def reset_recv_counter(self) -> None:
+        pass
+
+    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, list[int]]:
+        return True, self.rows, self.rows + 1, [1] * num_local_experts
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+@pytestmark_kernels
+def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NativeBackend sizes the handle's lane matrices from the runtime's geometry, hands that same object to notify,
+    dispatch and combine, returns a DispatchHandle, and fills each launcher's struct from the handle's named fields
+    (the GPU suite checks the results; this checks the wiring on the host)."""
+    from uccl_moe.backends import native
+    from uccl_moe.backends.base import DispatchRequest
+
+    calls: list[tuple[str, Any, Any]] = []
+    for op in ("notify_dispatch", "dispatch_intranode", "combine_intranode"):
+        monkeypatch.setattr(native._C, op, lambda rt, geo, args, stream, op=op: calls.append((op, geo, args)))
+    R, T, H, K, E, rows = 2, 5, 64, 2, 4, 7
+    backend = object.__new__(native.NativeBackend)  # no GPU: the runtime is a fake, the tensors live on the CPU
+    backend._rt, backend._inter, backend.R = _FakeRuntime(R, rows), None, R
+    backend.W = _C.intranode_lanes_per_channel(R)
+    backend._stream = lambda: 0  # type: ignore[method-assign]
+    backend.ctx = SimpleNamespace(num_nvl_bytes=1 << 20)
+    cfg = Config(24, 8, 256, 6, 128)
+    x = torch.zeros((T, H), dtype=torch.bfloat16)
+    req = DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
+                          topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                          num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                          num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
+                          num_worst_tokens=0, config=cfg)
+    recv_x, _, recv_idx, recv_w, counts, h = backend.dispatch(req)
+    assert isinstance(h, DispatchHandle) and counts == [1, 1]
+    (_, geo_n, notify), (_, geo_d, disp) = calls
+    assert backend._rt.asked == [(24, 8, 256)]
+    assert geo_n is geo_d
+    assert h.channel_prefix_matrix.shape == h.recv_channel_prefix_matrix.shape == (R, geo_n.num_lanes)
+    assert (notify.lane_prefix, notify.rank_prefix, notify.recv_lane_start, notify.is_token_in_rank) == \
+        (_ptr(h.channel_prefix_matrix), _ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix),
+         _ptr(h.is_token_in_rank))
+    assert notify.write_host_counters and (notify.num_tokens, notify.num_experts) == (T, E)
+    assert (disp.rank_prefix, disp.recv_lane_start, disp.recv_src_idx, disp.send_head) == \
+        (_ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix), _ptr(h.recv_src_idx), _ptr(h.send_head))
+    assert (disp.recv_x, disp.recv_topk_idx, disp.recv_topk_weights) == (_ptr(recv_x), _ptr(recv_idx), _ptr(recv_w))
+    assert (disp.num_recv_rows, disp.num_tokens, disp.row_bytes, disp.num_topk) == (rows, T, H * 2, K)
+    assert h.recv_src_idx.shape == (rows,) and h.send_head.shape == (T, R)
+
+    calls.clear()
+    backend.cached_dispatch(x, None, h, Config(20, 4, 128, 6, 128))  # runs on the handle's lanes (24 SMs)
+    (_, geo_c, cached), = calls
+    assert backend._rt.asked[-1] == (24, 4, 128) and geo_c.num_lanes == geo_n.num_lanes
+    assert (cached.recv_src_idx, cached.send_head, cached.topk_idx) == (0, 0, 0)  # reads the handle, writes no meta
+    assert (cached.rank_prefix, cached.recv_lane_start) == (_ptr(h.rank_prefix_matrix),
+                                                            _ptr(h.recv_channel_prefix_matrix))
+
+    calls.clear()
+    y = torch.zeros((rows, H), dtype=torch.bfloat16)
+    out, _ = backend.combine(y, h, None, (None, None), cfg)
+    (_, _, comb), = calls
+    assert (comb.x, comb.rank_prefix, comb.recv_lane_start, comb.send_head, comb.out) == \
+        (_ptr(y), _ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix), _ptr(h.send_head), _ptr(out))
+    assert (comb.num_tokens, comb.hidden, comb.num_topk, comb.topk_weights) == (T, H, 0, 0)
+
+
+@pytest.mark.gpu
+def test_ops_run_on_the_runtimes_geometry_and_refuse_one_placed_for_another_buffer() -> None:
+    """NvlRuntime.geometry is the placed geometry plus the GPU's SM check; a launch handed a geometry placed for another
+    buffer size refuses before any kernel runs (one rank, one GPU)."""
+    from uccl_moe.errors import InvalidUsageError
+
+    big, small = _C.NvlRuntime(0, 1, 64 << 20, 0), _C.NvlRuntime(0, 1, 32 << 20, 0)
+    try:
+        for rt in (big, small):
+            rt.connect([rt.ipc_handle()])
+        g = big.geometry(24, 8, 256)
+        want = _C.intranode_placed_geometry(24, 1, 8, 256, 64 << 20)
+        assert repr(g) == repr(want) and (g.num_ranks, g.num_nvl_bytes) == (1, 64 << 20)
+        with pytest.raises(InvalidUsageError, match="exceeds the"):
+            big.geometry(100_000, 8, 256)
+        stream = torch.cuda.current_stream().cuda_stream
+        with pytest.raises(InvalidUsageError, match=r"notify: the lane geometry was placed for 1 ranks and 33554432"):
+            _C.notify_dispatch(big, small.geometry(24, 8, 256), _C.NotifyArgs(num_experts=1), stream)
+        with pytest.raises(InvalidUsageError, match=r"placed for 1 ranks and 33554432"):
+            _C.dispatch_intranode(big, small.geometry(24, 8, 256), _C.DispatchArgs(row_bytes=16), stream)
+        with pytest.raises(InvalidUsageError, match=r"placed for 1 ranks and 33554432"):
+            _C.combine_intranode(big, small.geometry(24, 8, 256), _C.CombineArgs(hidden=8), stream)
+        torch.cuda.synchronize()
+    finally:
+        big.destroy()
+        small.destroy()
+
+
+@pytest.mark.skipif(not hasattr(_C, "PackArgs"), reason="build without internode kernels")
+def test_internode_stage_packs_by_field_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """InternodePath._stage hands rdma_pack one PackArgs built by field name from the plan, plus the row sizes its
+    RDMA layout is computed from (the proxy legs are fakes: no GPU, no proxy)."""
+    from uccl_moe.backends.internode import InternodePath, rdma_bytes_for
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(_C, "rdma_pack", lambda *a: calls.append(a))
+    monkeypatch.setattr(_C, "rdma_post", lambda **kw: None)
+    monkeypatch.setattr(_C, "rdma_wait", lambda **kw: None)
+    path = object.__new__(InternodePath)
+    path.ctx = SimpleNamespace(num_rdma_bytes=rdma_bytes_for(64, 128, 2, 2))
+    path.G, path.timeline, path.rt = 1, None, object()
+    path.backend = SimpleNamespace(_stream=lambda: 7, _rt=object())
+    T, H, K = 3, 128, 2
+    plan = SimpleNamespace(send_pos=torch.zeros((T, 2), dtype=torch.int32), pack_dst_row=torch.zeros(2),
+                           send_rows=torch.zeros(2), send_row0=torch.zeros(2), peer_row0=torch.zeros(2))
+    x, idx, w = torch.zeros((T, H), dtype=torch.bfloat16), torch.zeros((T, K), dtype=torch.int64), torch.zeros((T, K))
+    in_rank = torch.ones((T, 2), dtype=torch.bool)
+    lay = path._stage(plan, x, None, idx, w, in_rank, 8, barrier=False)  # type: ignore[arg-type]
+    (rt, nvl, pack, row_bytes, num_scales, num_topk, stream), = calls
+    assert (rt, nvl, stream) == (path.rt, path.backend._rt, 7)
+    assert (row_bytes, num_scales, num_topk) == (H * 2, 0, K) and lay == path._dispatch_layout(H * 2, 0, K)
+    assert (pack.x, pack.topk_idx, pack.topk_weights, pack.is_token_in_rank, pack.send_pos, pack.dst_row) == \
+        (_ptr(x), _ptr(idx), _ptr(w), _ptr(in_rank), _ptr(plan.send_pos), _ptr(plan.pack_dst_row))
+    assert (pack.num_tokens, pack.num_experts, pack.x_scales) == (T, 8, 0)
