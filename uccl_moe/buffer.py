@@ -40,6 +40,7 @@ except ImportError as _e:  # pragma: no cover - a broken install
 
 from . import _checks, streams, tuning  # noqa: E402 - after the native module's own error
 from ._checks import FP8_SCALE_BLOCK, HANDLE_KEY_ATTR, MAX_EXPERTS_PER_RANK, MAX_TOPK, err, int_arg, topk_idx_t  # noqa: E402
+from ._low_latency import LowLatencyNotImplemented  # noqa: E402
 from .backends.base import Backend, BufferContext, DispatchRequest, backend_factory, create_backend  # noqa: E402
 from .errors import InvalidTypeError  # noqa: E402
 from .results import (  # noqa: E402
@@ -67,7 +68,7 @@ __all__ = [
 ]
 
 
-class Buffer:
+class Buffer(LowLatencyNotImplemented):
     """Communication buffers for HT expert-parallel dispatch and combine; a drop-in for ``deep_ep.Buffer``.
 
     Args:
@@ -234,10 +235,6 @@ class Buffer:
             raise InvalidTypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
         return detect(group, dist.get_rank(group), dist.get_world_size(group))
 
-    @staticmethod
-    def get_low_latency_rdma_size_hint(*args: Any, **kwargs: Any) -> int:
-        raise NotImplementedError("low-latency mode is not implemented in uccl-moe yet (HT mode only)")
-
     def get_comm_stream(self) -> Any:
         """The comm stream (``torch.cuda.Stream``), or None on CPU. Every later op then waits for what the caller
         enqueues on it, also an op that runs on the caller's stream (see the module notes)."""
@@ -313,15 +310,6 @@ class Buffer:
         if hidden <= 0 or num_topk < 0:
             raise err(f"combine_buffer_fits(hidden={hidden}, num_topk={num_topk}): need hidden > 0 and num_topk >= 0")
         return bool(backend.combine_buffer_fits(h, hidden, num_topk))
-
-    def low_latency_dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("low_latency_dispatch is not implemented in uccl-moe yet (HT mode only)")
-
-    def low_latency_combine(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("low_latency_combine is not implemented in uccl-moe yet (HT mode only)")
-
-    def clean_low_latency_buffer(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("low-latency mode is not implemented in uccl-moe yet (HT mode only)")
 
     # ---------------------------------------------------------------- op flow helpers
     def _live(self) -> Backend:

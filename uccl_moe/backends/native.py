@@ -158,9 +158,10 @@ class NativeBackend(Backend):
         token, k, value, num_experts = fault
         raise InvalidUsageError(
             f"topk_idx holds expert id {value}, outside [-1, {num_experts}) (token {token}, k {k}); -1 marks an "
-            f"unused slot and ids must be < num_experts={num_experts}. Found on the GPU by this rank's layout or "
-            f"dispatch kernels, which treated it as -1 so the peers' results are sound; this call's results on this "
-            f"rank are not what the routing meant, the Buffer stays usable"
+            f"unused slot and ids must be < num_experts={num_experts}. Recorded on the GPU by a layout or dispatch "
+            f"of this rank since its last dispatch/combine returned (with num_worst_tokens or a layout computed "
+            f"earlier, possibly one before this call), which treated it as -1: the peers' results are sound, this "
+            f"rank's results of that routing are not what it meant; the Buffer stays usable"
         )
 
     def _sms_of(self, handle: Any) -> int:

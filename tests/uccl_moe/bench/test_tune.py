@@ -118,8 +118,10 @@ def test_repick_rewrites_a_row_from_a_saved_run(tmp_path: Path, capsys: pytest.C
     where = "NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3"
     saved = {"ranks": 3, "measured_on": where, "bad_points": [], "final": {
         "combine": [{"nvl_send": 2, "nvl_recv": 256, "us": 452.4}, {"nvl_send": 2, "nvl_recv": 512, "us": 449.5}],
-        "dispatch_fp8": [{"nvl_send": 4, "nvl_recv": 128, "us": 216.2}, {"nvl_send": 8, "nvl_recv": 128, "us": 215.8}],
-        "dispatch_bf16": [{"nvl_send": 4, "nvl_recv": 128, "us": 394.0}, {"nvl_send": 4, "nvl_recv": 512, "us": 389.8}]}}
+        "dispatch_fp8": [{"nvl_send": 4, "nvl_recv": 128, "us": 216.2},
+                         {"nvl_send": 8, "nvl_recv": 128, "us": 215.8}],
+        "dispatch_bf16": [{"nvl_send": 4, "nvl_recv": 128, "us": 394.0},
+                          {"nvl_send": 4, "nvl_recv": 512, "us": 389.8}]}}
     path = tmp_path / "tune.json"
     path.write_text(json.dumps(saved))
     assert main(["--repick", str(path), "--write", "--table", str(table)]) == 0
