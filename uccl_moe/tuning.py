@@ -61,9 +61,9 @@ class Preset:
 INTRANODE: dict[int, Preset] = {
     # tune-rows: begin
     1: Preset(dispatch=Chunks(8, 128), combine=Chunks(8, 128), measured_on="NVIDIA H200 x 1, 2026-11-26, python -m uccl_moe.bench.tune --ranks 1"),
-    2: Preset(dispatch=Chunks(2, 128), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench.tune --ranks 2"),
-    3: Preset(dispatch=Chunks(4, 128), combine=Chunks(2, 256), measured_on="NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3"),
-    4: Preset(dispatch=Chunks(8, 128), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 4, 2026-11-26, python -m uccl_moe.bench.tune --ranks 4"),
+    2: Preset(dispatch=Chunks(2, 256), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench.tune --ranks 2"),
+    3: Preset(dispatch=Chunks(4, 512), combine=Chunks(2, 256), measured_on="NVIDIA H200 x 3, 2026-11-26, python -m uccl_moe.bench.tune --ranks 3", dispatch_fp8=Chunks(8, 128)),
+    4: Preset(dispatch=Chunks(4, 256), combine=Chunks(1, 256), measured_on="NVIDIA H200 x 4, 2026-11-26, python -m uccl_moe.bench.tune --ranks 4", dispatch_fp8=Chunks(8, 128)),
     5: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
     6: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),
     7: Preset(dispatch=Chunks(8, 256), combine=Chunks(2, 256), measured_on="not measured (no machine of this size lent): the defaults from before the sweep"),

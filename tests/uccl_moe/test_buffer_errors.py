@@ -482,6 +482,22 @@ def test_set_num_sms():
         Buffer.set_num_sms(old)
 
 
+def test_the_dispatch_preset_hint_holds_the_combine():
+    # clients size the Buffer by get_dispatch_config's hint alone (the repository's examples do); bench.tune keeps
+    # dispatch's ring no smaller than combine's so that stays enough
+    old = Buffer.num_sms
+    try:
+        for sms in (20, 24, 32):
+            Buffer.set_num_sms(sms)
+            for r in range(1, 9):
+                for hidden_bytes in (512, 4096 * 2, 7168 * 2):
+                    d = Buffer.get_dispatch_config(r).get_nvl_buffer_size_hint(hidden_bytes, r)
+                    c = Buffer.get_combine_config(r).get_nvl_buffer_size_hint(hidden_bytes, r)
+                    assert d >= c, (sms, r, hidden_bytes, d, c)
+    finally:
+        Buffer.set_num_sms(old)
+
+
 def test_presets_follow_the_group_size():
     # the rows are measured (python -m uccl_moe.bench.tune --write rewrites them): each size takes its own row
     from uccl_moe import tuning

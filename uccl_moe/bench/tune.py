@@ -17,7 +17,8 @@ Timing as ``uccl-moe bench`` (L2 flushed, ranks aligned by an untimed all-reduce
 ``--iters`` (10) per point, the slowest rank; the best ``--top`` (2) points per op are timed again with
 ``--final-iters`` (20), the dispatch ops on the union of both dtypes' finalists, and the fastest of those wins.
 Each op takes the smallest ring within ``--min-gain`` (2%) of its fastest point (a larger ring costs every client
-memory); ``dispatch`` is BF16's pick; ``dispatch_fp8`` is FP8's pick among rings no larger than that, kept only where
+memory); ``dispatch`` is BF16's pick among rings no smaller than combine's (a Buffer sized by the dispatch hint
+alone holds both); ``dispatch_fp8`` is FP8's pick among rings no larger than that, kept only where
 it beats FP8 at BF16's pick by more than ``--min-gain``. ``--repick TUNE_JSON`` picks again from a saved run's
 finalists (no GPU). ``--write`` rewrites the ``INTRANODE[R]`` line of
 ``uccl_moe/tuning.py`` (``--table`` names another file) with the picks and ``measured_on``; the JSON of every point
@@ -182,12 +183,17 @@ def _lean(times: dict[Cand, float], tol: float) -> Cand:
 
 def pick(final: dict[str, dict[Cand, float]], min_gain: float) -> dict[str, Cand | None]:
     """The preset from the finalists' times. A larger ring must pay for its memory: each op takes the smallest
-    ring within `min_gain` (a fraction) of its fastest point (:func:`_lean`). ``dispatch`` = BF16's pick,
+    ring within `min_gain` (a fraction) of its fastest point (:func:`_lean`). ``combine`` = combine's pick,
+    ``dispatch`` = BF16's pick among rings no smaller than combine's (so ``get_dispatch_config``'s size hint covers
+    both ops),
     ``combine`` = combine's, ``dispatch_fp8`` = FP8's pick among rings no larger than ``dispatch``'s (so the Buffer
     a client sizes from ``get_dispatch_config``'s hint holds it), or None where that is ``dispatch`` itself or beats
     FP8's time at ``dispatch`` by no more than `min_gain`."""
-    d = _lean(final["dispatch_bf16"], min_gain)
     c = _lean(final["combine"], min_gain)
+    # dispatch's ring no smaller than combine's: a Buffer sized by get_dispatch_config's hint alone (as many clients
+    # size it) then holds the combine too
+    holds = {cand: us for cand, us in final["dispatch_bf16"].items() if cand[1] >= c[1]}
+    d = _lean(holds or final["dispatch_bf16"], min_gain)
     fp8 = final["dispatch_fp8"]
     fits = {cand: us for cand, us in fp8.items() if cand[1] <= d[1]}
     f: Cand | None = _lean(fits, min_gain) if fits else None

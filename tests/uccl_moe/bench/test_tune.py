@@ -108,6 +108,10 @@ def test_pick_per_op_and_the_fp8_field() -> None:
             "dispatch_fp8": {(8, 512): 320.0, (4, 256): 330.0, (8, 256): 321.9, (8, 128): 322.9},
             "combine": {(1, 256): 635.0, (4, 128): 678.3}}
     assert pick(lean, 0.02) == {"dispatch": (4, 256), "dispatch_fp8": (8, 128), "combine": (1, 256)}
+    # dispatch's ring is never below combine's (the dispatch hint must hold the combine)
+    wide = {"dispatch_bf16": {(2, 128): 204.0, (2, 256): 204.1}, "dispatch_fp8": {(2, 128): 134.8, (2, 256): 134.1},
+            "combine": {(1, 256): 266.8, (2, 512): 270.7}}
+    assert pick(wide, 0.02) == {"dispatch": (2, 256), "dispatch_fp8": None, "combine": (1, 256)}
     assert pick(lean, 0.0) == {"dispatch": (8, 512), "dispatch_fp8": None, "combine": (1, 256)}
 
 
