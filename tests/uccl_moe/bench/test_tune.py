@@ -130,7 +130,8 @@ def test_repick_rewrites_a_row_from_a_saved_run(tmp_path: Path, capsys: pytest.C
     path.write_text(json.dumps(saved))
     assert main(["--repick", str(path), "--write", "--table", str(table)]) == 0
     row = load_table(table).preset_for(3)
-    assert (row.dispatch.nvl_send, row.dispatch.nvl_recv) == (4, 128) and row.dispatch_fp8 is None
+    assert (row.dispatch.nvl_send, row.dispatch.nvl_recv) == (4, 512)  # the only ring >= combine's 256
+    assert row.dispatch_fp8 is not None and (row.dispatch_fp8.nvl_send, row.dispatch_fp8.nvl_recv) == (8, 128)
     assert (row.combine.nvl_send, row.combine.nvl_recv) == (2, 256) and row.measured_on == where
     saved["bad_points"] = [[2, 256]]
     path.write_text(json.dumps(saved))
