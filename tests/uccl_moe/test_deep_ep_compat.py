@@ -48,3 +48,24 @@ def test_on_disk_shim(tmp_path):
     assert out.stdout.strip() == "ok", out.stderr
     run("uninstall")
     assert not (tmp_path / "deep_ep").exists()
+
+
+def test_install_after_megatron_was_imported_rebinds_its_deep_ep_names():
+    """Megatron-Core binds deep_ep when megatron.core is first imported (fused_a2a); install() afterwards must still
+    give flex's token dispatcher our Buffer (a fresh interpreter, so the import order is the one under test)."""
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    probe = (
+        "import megatron.core\n"
+        "from megatron.core.transformer.moe import fused_a2a, token_dispatcher as td\n"
+        "assert not fused_a2a.HAVE_DEEP_EP and td.fused_dispatch is None\n"
+        "import uccl_moe, uccl_moe.deep_ep_compat as shim\n"
+        "shim.install()\n"
+        "assert fused_a2a.HAVE_DEEP_EP and fused_a2a.Buffer is uccl_moe.Buffer\n"
+        "assert td.fused_dispatch is fused_a2a.fused_dispatch is not None\n"
+        "assert td.fused_combine is fused_a2a.fused_combine is not None\n"
+        "print('rebound')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "rebound" in out.stdout, out.stdout + out.stderr[-3000:]
