@@ -84,7 +84,7 @@ struct Cluster {
       mem.emplace_back(o.bytes + o.region_offset + 2 * o.align);
       const uint64_t a = (uint64_t(reinterpret_cast<uintptr_t>(mem.back().data())) + o.align - 1) / o.align * o.align;
       data.push_back(reinterpret_cast<uint8_t*>(a + o.region_offset));
-      TransportContext c;
+      TransportContext c(Timeout::resolve());
       c.rank = r;
       c.num_ranks = n;
       c.num_threads = o.threads;
