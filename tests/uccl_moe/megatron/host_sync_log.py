@@ -147,8 +147,12 @@ class Recorder:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Recorder]:
-        from megatron.core.models.common import utils as mc_utils
         from megatron.core.pipeline_parallel import utils as pp_utils
+
+        try:  # 0.19: models/common/utils.py; 0.16: models/gpt/fine_grained_callables.py
+            from megatron.core.models.common.utils import TransformerLayerNode
+        except ImportError:
+            from megatron.core.models.gpt.fine_grained_callables import TransformerLayerNode
         from megatron.core.transformer.moe import token_dispatcher as td
 
         import uccl_moe
@@ -186,8 +190,7 @@ class Recorder:
             (uccl_moe.Buffer, "combine", self._wrap("", uccl_moe.Buffer.combine, lambda *a, **k: False)),
             (pp_utils.ScheduleNode, "_forward", self._node_wrap("fwd", pp_utils.ScheduleNode._forward)),
             (pp_utils.ScheduleNode, "_backward", self._node_wrap("bwd", pp_utils.ScheduleNode._backward)),
-            (mc_utils.TransformerLayerNode, "backward_dw",
-             self._node_wrap("bwd_dw", mc_utils.TransformerLayerNode.backward_dw)),
+            (TransformerLayerNode, "backward_dw", self._node_wrap("bwd_dw", TransformerLayerNode.backward_dw)),
             (torch.Tensor, "__getitem__", self._wrap("bool_index", torch.Tensor.__getitem__, bool_index)),
             (torch.Tensor, "repeat_interleave",
              self._wrap("repeat_interleave", torch.Tensor.repeat_interleave, tensor_repeats)),
