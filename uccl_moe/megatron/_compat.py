@@ -56,13 +56,29 @@ def default_pg_collection() -> Any:
 def permute(
     tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, num_out_tokens: int, fused: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's ``moe_utils.permute`` (TE fused when ``fused``), normalised to (tokens, probs, sorted_indices)."""
-    from megatron.core.transformer.moe.moe_utils import permute as mc_permute
+    """Megatron's ``moe_utils.permute`` (TE fused when ``fused``), normalised to (tokens, probs, sorted_indices).
 
-    res = mc_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused)
-    permuted_probs = res[1]
-    assert permuted_probs is not None  # probs were given
-    return res[0], permuted_probs, res[2]
+    Unfused, the rows are ordered as Megatron orders them (by expert, then by row) with a stable argsort of the
+    transposed map cut at `num_out_tokens` (the count the dispatch returned on the host), not ``masked_select``:
+    Megatron <= 0.18's unfused permute takes ``masked_select``, whose output size makes the host wait for the
+    device, and that wait in the expert node would stall the CPU's enqueuing of the other micro-batch's nodes under
+    the 1F1B EP overlap (Megatron-LM megatron/core/transformer/moe/moe_utils.py, permute: 0.19 made the same change
+    for CUDA graphs). Same indices, same values, same gradients.
+    """
+    if fused:
+        from megatron.core.transformer.moe.moe_utils import permute as mc_permute
+
+        res = mc_permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=True)
+        permuted_probs = res[1]
+        assert permuted_probs is not None  # probs were given
+        return res[0], permuted_probs, res[2]
+    num_tokens = routing_map.shape[0]
+    # [T, E] -> [E * T], expert-major; the selected entries first, each expert's rows in ascending order
+    flat = routing_map.bool().T.contiguous().reshape(-1)
+    order = flat.to(torch.int8).argsort(descending=True, stable=True)[:num_out_tokens]
+    sorted_indices = order % num_tokens
+    permuted_probs = probs.T.contiguous().reshape(-1).index_select(0, order)
+    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
 
 
 def unpermute(
