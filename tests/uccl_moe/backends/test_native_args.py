@@ -132,6 +132,10 @@ class _FakeRuntime:
         self.asked: list[tuple[int, int, int]] = []
 
     local_buffer = 4096  # an NVL buffer no CPU tensor lies in (combine's get_combine_buffer check)
+    topk_fault_device = 0  # no device range record: the kernels' fault path is not what this fake checks
+
+    def take_topk_fault(self) -> None:
+        return None
 
     def aborted(self) -> bool:
         return False
