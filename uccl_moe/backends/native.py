@@ -59,6 +59,7 @@ class NativeBackend(Backend):
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
         self._rt: Any = None
+        self._geos: dict[tuple[int, int, int], _C.IntranodeGeometry] = {}  # geometry()'s answers
         missing = []
         if _C.gpu_backend() == "none":
             missing.append("this build has no GPU support (no nvcc/hipcc was found at install time)")
@@ -221,8 +222,13 @@ class NativeBackend(Backend):
         """The lane geometry of an op with `num_sms` blocks and `config`'s chunk sizes on this rank's NVL buffer, as
         the runtime computes it (the only place it is computed; invalid settings raise InvalidUsageError naming the
         Config field)."""
-        geo: _C.IntranodeGeometry = self._rt.geometry(num_sms, config.num_max_nvl_chunked_send_tokens,
-                                                      config.num_max_nvl_chunked_recv_tokens)
+        key = (num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        geo: _C.IntranodeGeometry | None = self._geos.get(key)
+        if geo is None:  # a function of the key and this runtime's fixed ranks and bytes: computed once per key
+            geo = self._rt.geometry(*key)
+            if len(self._geos) >= 32:
+                self._geos.clear()
+            self._geos[key] = geo
         return geo
 
     # ---------------------------------------------------------------- dispatch
