@@ -325,13 +325,13 @@ def split_x(x: Any, device: torch.device, name: str = "x") -> tuple[torch.Tensor
 
 def hidden_bytes(x: torch.Tensor) -> int:
     """Bytes of one row as the size hints count them (``H * max(element_size, 2)``); rows must be 16-byte multiples."""
-    out = x.shape[1] * max(x.element_size(), 2)
-    if (x.shape[1] * x.element_size()) % 16 != 0:
+    hidden, size = x.shape[1], x.element_size()
+    if (hidden * size) % 16 != 0:
         raise err(
-            f"a row of x is {x.shape[1] * x.element_size()} bytes (hidden={x.shape[1]}, {x.dtype}); rows must be "
+            f"a row of x is {hidden * size} bytes (hidden={hidden}, {x.dtype}); rows must be "
             f"a multiple of 16 bytes"
         )
-    return out
+    return hidden * (size if size > 2 else 2)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -362,9 +362,9 @@ def check_layout(num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, is_tok
                  num_tokens_per_expert: Any, num_tokens: int, group_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
     """The layout a non-cached dispatch takes (get_dispatch_layout's): the four tensors and E."""
-    missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                              ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
-    if missing:
+    if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+        missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                  ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
         raise err(
             f"dispatch without handle needs the layout: {', '.join(missing)} missing; pass what "
             f"get_dispatch_layout(topk_idx, num_experts) returned (or handle= for a cached dispatch)"

@@ -154,3 +154,25 @@ def test_native_geometry_is_asked_once_per_setting_and_errors_every_time() -> No
     for n in range(2, 100, 2):
         b.geometry(min(n, 64), cfg.__class__(n, 1, 256))
     assert len(b._geos) <= 32
+
+
+def test_knobs_follow_the_environment_on_every_read(monkeypatch) -> None:
+    """env.get remembers a knob's parsed value against the variable's current value, however the environment is set
+    (os.environ, pytest's monkeypatch, a replaced os.environ), and refuses a bad value on every read."""
+    from uccl_moe import env
+    from uccl_moe.errors import InvalidUsageError as Bad
+
+    monkeypatch.delenv("UCCL_MOE_CHECK_INPUTS", raising=False)
+    assert env.get("CHECK_INPUTS") is True  # the default
+    monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "0")
+    assert env.get("CHECK_INPUTS") is False and env.get("CHECK_INPUTS") is False
+    os.environ["UCCL_MOE_CHECK_INPUTS"] = "1"
+    assert env.get("CHECK_INPUTS") is True
+    monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "maybe")
+    for _ in range(2):
+        with pytest.raises(Bad, match="UCCL_MOE_CHECK_INPUTS"):
+            env.get("CHECK_INPUTS")
+    monkeypatch.setenv("UCCL_MOE_CHECK_INPUTS", "")
+    assert env.get("CHECK_INPUTS") is True  # empty = the default
+    monkeypatch.setattr(os, "environ", {"UCCL_MOE_CHECK_INPUTS": "off"})  # a replaced mapping is read as it is
+    assert env.get("CHECK_INPUTS") is False
