@@ -140,7 +140,7 @@ class _GeoRt:
 
 def test_native_geometry_is_asked_once_per_setting_and_errors_every_time() -> None:
     b = NativeBackend.__new__(NativeBackend)  # only geometry(): no GPU runtime behind it
-    b._rt, b._geos = _GeoRt(), {}
+    b._rt = _GeoRt()
     cfg = Buffer.get_dispatch_config(2)
     assert b.geometry(20, cfg) == (20, cfg.num_max_nvl_chunked_send_tokens, cfg.num_max_nvl_chunked_recv_tokens)
     assert b.geometry(20, cfg) is b.geometry(20, cfg) and b._rt.calls == 1

@@ -55,11 +55,12 @@ class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
     checks_topk_idx_on_device = True
+    #: geometry()'s answers by (num_sms, nvl send, nvl recv); made on first use
+    _geos: dict[tuple[int, int, int], _C.IntranodeGeometry] | None = None
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
         self._rt: Any = None
-        self._geos: dict[tuple[int, int, int], _C.IntranodeGeometry] = {}  # geometry()'s answers
         missing = []
         if _C.gpu_backend() == "none":
             missing.append("this build has no GPU support (no nvcc/hipcc was found at install time)")
@@ -223,12 +224,15 @@ class NativeBackend(Backend):
         the runtime computes it (the only place it is computed; invalid settings raise InvalidUsageError naming the
         Config field)."""
         key = (num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
-        geo: _C.IntranodeGeometry | None = self._geos.get(key)
+        geos = self._geos
+        if geos is None:
+            geos = self._geos = {}
+        geo: _C.IntranodeGeometry | None = geos.get(key)
         if geo is None:  # a function of the key and this runtime's fixed ranks and bytes: computed once per key
             geo = self._rt.geometry(*key)
-            if len(self._geos) >= 32:
-                self._geos.clear()
-            self._geos[key] = geo
+            if len(geos) >= 32:
+                geos.clear()
+            geos[key] = geo
         return geo
 
     # ---------------------------------------------------------------- dispatch
