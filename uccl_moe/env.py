@@ -131,7 +131,7 @@ def get(name: str) -> Any:
     if _ENV_DATA is not None and os.environ is _ENVIRON:
         key = _ENV_KEYS.get(name)
         if key is None:
-            key = _ENV_KEYS[name] = os.environ.encodekey(knob.var)  # type: ignore[attr-defined]
+            key = _ENV_KEYS[name] = os.environ.encodekey(knob.var)
         stamp = ("data", _ENV_DATA.get(key))
     else:
         stamp = ("text", os.environ.get(knob.var, ""))
