@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import _C, env
 from .errors import InvalidTypeError, InvalidUsageError
-from .results import DispatchHandle, handle_field
+from .results import DispatchHandle
 from .utils import EventOverlap, host_ints
 
 #: dtype of top-k expert indices (DeepEP's ``topk_idx_t``).
@@ -143,6 +143,8 @@ def check_staging_args(max_tokens: Any, hidden: Any, num_topk: Any, num_nodes: A
 
 # ---------------------------------------------------------------- shared by the ops
 def check_async(async_finish: Any, allocate_on_comm_stream: Any) -> None:
+    if type(async_finish) is bool and type(allocate_on_comm_stream) is bool:  # (bool has no subclasses)
+        return
     for name, v in (("async_finish", async_finish), ("allocate_on_comm_stream", allocate_on_comm_stream)):
         if not isinstance(v, bool):
             raise InvalidTypeError(f"{name} must be a bool, got {v!r}")
@@ -165,7 +167,7 @@ def value_checks_on(device: torch.device, on_device: bool = False) -> bool:
     backend records a bad id on the GPU and raises without a device sync), while capturing a CUDA graph (a host
     check costs a device sync on GPUs), and when UCCL_MOE_CHECK_INPUTS=0 (shape, dtype and device checks always
     run)."""
-    if not topk_checks_on() or on_device:
+    if on_device or not topk_checks_on():
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -230,9 +232,15 @@ def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle:
     """Raise if `op` with `config` does not fit the buffers of `buf` (a live Buffer). With a handle (a cached dispatch
     or a combine), the op runs on the handle's lanes: the SM count its dispatch laid them out with, not config's."""
     backend = buf._live()
+    sms = backend.handle_num_sms(handle) if handle is not None else None
+    # What the answer depends on (a Config is read-only, the topology fixed at construction); the Buffer keeps the
+    # keys that passed, so an op with the same config and rows (a preset: one shared object) pays a set lookup.
+    key = (backend, config, hidden_bytes, sms, buf.num_nvl_bytes, buf.num_rdma_bytes, buf.group_size)
+    fits = buf._fits
+    if key in fits:
+        return
     per_node = buf.topology.ranks_per_node
     ran_on = ""
-    sms = backend.handle_num_sms(handle) if handle is not None else None
     if sms is not None and sms != config.num_sms:
         config = _C.Config(
             num_sms=sms,
@@ -258,16 +266,20 @@ def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle:
                 f"Buffer with num_rdma_bytes >= {need} (config.get_rdma_buffer_size_hint(hidden_bytes, "
                 f"{buf.group_size}))"
             )
+    if len(fits) >= 16:
+        fits.clear()
+    fits.add(key)
 
 
 def check_handle(handle: Any, key: Any) -> DispatchHandle:
     """`handle` as a DispatchHandle if a dispatch on a Buffer with handle key `key` made it."""
-    if (not isinstance(handle, tuple) or len(handle) != 6
-            or not isinstance(handle_field(handle, "rank_prefix_matrix"), torch.Tensor)):
+    # (handle_field's DeepEP order, read directly: this runs on every cached dispatch and combine)
+    rank_prefix = handle[0] if isinstance(handle, tuple) and len(handle) == 6 else None
+    if not isinstance(rank_prefix, torch.Tensor):
         raise InvalidTypeError(
             f"handle must be the 6-tuple a dispatch returned, got {type(handle).__name__}"
         )
-    got = getattr(handle_field(handle, "rank_prefix_matrix"), HANDLE_KEY_ATTR, None)
+    got = getattr(rank_prefix, HANDLE_KEY_ATTR, None)
     if got is None:
         raise err(
             "handle was not returned by a uccl_moe Buffer's dispatch (a rebuilt or cloned handle loses its tag); "
@@ -313,17 +325,20 @@ def split_x(x: Any, device: torch.device, name: str = "x") -> tuple[torch.Tensor
 
 def hidden_bytes(x: torch.Tensor) -> int:
     """Bytes of one row as the size hints count them (``H * max(element_size, 2)``); rows must be 16-byte multiples."""
-    out = x.shape[1] * max(x.element_size(), 2)
-    if (x.shape[1] * x.element_size()) % 16 != 0:
+    hidden, size = x.shape[1], x.element_size()
+    if (hidden * size) % 16 != 0:
         raise err(
-            f"a row of x is {x.shape[1] * x.element_size()} bytes (hidden={x.shape[1]}, {x.dtype}); rows must be "
+            f"a row of x is {hidden * size} bytes (hidden={hidden}, {x.dtype}); rows must be "
             f"a multiple of 16 bytes"
         )
-    return out
+    return hidden * (size if size > 2 else 2)
 
 
 # ---------------------------------------------------------------- dispatch
 def check_dispatch_counts(expert_alignment: Any, num_worst_tokens: Any) -> tuple[int, int]:
+    if type(expert_alignment) is int and type(num_worst_tokens) is int and expert_alignment >= 1 \
+            and num_worst_tokens >= 0:  # the usual plain ints, as int_arg would return them
+        return expert_alignment, num_worst_tokens
     expert_alignment = int_arg("expert_alignment", expert_alignment)
     num_worst_tokens = int_arg("num_worst_tokens", num_worst_tokens)
     if expert_alignment < 1:
@@ -347,9 +362,9 @@ def check_layout(num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, is_tok
                  num_tokens_per_expert: Any, num_tokens: int, group_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, int]:
     """The layout a non-cached dispatch takes (get_dispatch_layout's): the four tensors and E."""
-    missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                              ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
-    if missing:
+    if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+        missing = [n for n, v in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                                  ("num_tokens_per_expert", num_tokens_per_expert)) if v is None]
         raise err(
             f"dispatch without handle needs the layout: {', '.join(missing)} missing; pass what "
             f"get_dispatch_layout(topk_idx, num_experts) returned (or handle= for a cached dispatch)"

@@ -124,6 +124,7 @@ class Buffer(LowLatencyNotImplemented):
         # The comm stream with host-cheap joins and switches (uccl_moe/streams.py); None on CPU.
         self._comm: CommStream | None = CommStream(device) if device.type == "cuda" else None
         self._check_topk_idx = _checks.TopkIdxCheck()
+        self._fits: set[tuple[Any, ...]] = set()  # what passed _checks.check_buffer_size
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
@@ -179,12 +180,12 @@ class Buffer(LowLatencyNotImplemented):
     def get_dispatch_config(num_ranks: int) -> Any:
         """Tuned dispatch :class:`Config` for a group of `num_ranks` (any size >= 1): the row of
         :data:`uccl_moe.tuning.INTRANODE` (<= 8 ranks) or :data:`uccl_moe.tuning.INTERNODE`, at :attr:`num_sms`."""
-        return Buffer._preset(num_ranks).dispatch.config(Buffer.num_sms)
+        return tuning.shared_config(Buffer._preset(num_ranks).dispatch, Buffer.num_sms)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Any:
         """Tuned combine :class:`Config` for a group of `num_ranks` (any size >= 1), as :meth:`get_dispatch_config`."""
-        return Buffer._preset(num_ranks).combine.config(Buffer.num_sms)
+        return tuning.shared_config(Buffer._preset(num_ranks).combine, Buffer.num_sms)
 
     @staticmethod
     def _preset(num_ranks: Any) -> tuning.Preset:
@@ -327,7 +328,8 @@ class Buffer(LowLatencyNotImplemented):
     def _begin(self, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
                uses_nvl_buffer: bool = True) -> int | None:
         """Count the call if it writes the NVL buffer, then join the streams (:func:`uccl_moe.streams.begin_op`)."""
-        _checks.check_previous_event(previous_event)
+        if previous_event is not None:
+            _checks.check_previous_event(previous_event)
         if uses_nvl_buffer:  # get_dispatch_layout and a combine from the view do not write it
             self._op_seq += 1
         return streams.begin_op(self._comm, previous_event, async_finish, allocate_on_comm_stream)
@@ -417,8 +419,8 @@ class Buffer(LowLatencyNotImplemented):
             raise InvalidTypeError(f"the {self.backend_name} backend cannot dispatch {data.dtype}")
         hidden_bytes = _checks.hidden_bytes(data)
         # config=None: the preset of the group size, FP8 rows taking the row's dispatch_fp8 chunks where it has them
-        config = _checks.check_config(config, lambda: Buffer._preset(self.group_size).dispatch_chunks(
-            data.dtype in _checks.FP8_DTYPES).config(Buffer.num_sms))
+        config = _checks.check_config(config, lambda: tuning.shared_config(
+            tuning.preset_for(self.group_size).dispatch_chunks(data.dtype in _checks.FP8_DTYPES), Buffer.num_sms))
         h = self._check_handle(handle) if handle is not None else None
         if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)
@@ -482,7 +484,8 @@ class Buffer(LowLatencyNotImplemented):
         h = self._check_handle(handle)
         x = _checks.check_combine_x(x, h, backend.supported_combine_dtypes, self.backend_name, self.device)
         hidden_bytes = _checks.hidden_bytes(x)
-        config = _checks.check_config(config, lambda: Buffer.get_combine_config(self.group_size))
+        config = _checks.check_config(config, lambda: tuning.shared_config(
+            tuning.preset_for(self.group_size).combine, Buffer.num_sms))
         _checks.check_buffer_size(self, hidden_bytes, config, "combine", h)
         topk_weights = _checks.check_combine_topk_weights(topk_weights, int(h.recv_src_idx.shape[0]), self.device)
         biases = _checks.check_bias(bias, x, int(h.is_token_in_rank.shape[0]), self.device)

@@ -105,8 +105,14 @@ def _load() -> dict[str, Knob]:
 KNOBS: dict[str, Knob] = _load()
 _logged: set[str] = set()
 _warned_unknown = False
-#: name -> (the variable's text, its parsed value): hot paths read knobs per call, and parsing costs microseconds.
-_parsed: dict[str, tuple[str, Any]] = {}
+#: name -> (the variable's stamp, its parsed value): hot paths read knobs per call, and parsing costs microseconds.
+_parsed: dict[str, tuple[Any, Any]] = {}
+# CPython's os.environ keeps its variables in a dict of encoded names and values (os._Environ._data), updated by
+# every assignment through os.environ: one lookup there is the stamp, without os.environ.get's encode and decode on
+# each call. Where os.environ has no such dict, or was replaced, the stamp is the text itself.
+_ENVIRON = os.environ
+_ENV_DATA: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+_ENV_KEYS: dict[str, Any] = {}  # knob name -> its encoded variable name in _ENV_DATA
 
 
 def get(name: str) -> Any:
@@ -122,12 +128,19 @@ def get(name: str) -> Any:
                 stacklevel=2,
             )
     knob = KNOBS[name]
-    text = os.environ.get(knob.var, "")
+    if _ENV_DATA is not None and os.environ is _ENVIRON:
+        key = _ENV_KEYS.get(name)
+        if key is None:
+            key = _ENV_KEYS[name] = os.environ.encodekey(knob.var)
+        stamp = ("data", _ENV_DATA.get(key))
+    else:
+        stamp = ("text", os.environ.get(knob.var, ""))
     hit = _parsed.get(name)
-    if hit is not None and hit[0] == text:  # the environment may change at run time: the text is the key
+    if hit is not None and hit[0] == stamp:  # the environment may change at run time: its value is the key
         return hit[1]
+    text = os.environ.get(knob.var, "")
     value = knob.parse(text if text != "" else knob.default)  # a bad value raises here, every time
-    _parsed[name] = (text, value)
+    _parsed[name] = (stamp, value)
     if text != "" and name not in _logged:
         _logged.add(name)
         logging.getLogger("uccl_moe.env").info("%s=%s (default %s)", knob.var, text, knob.default)

@@ -73,6 +73,9 @@ class CommStream:
         self._events: tuple[int, int] | None = None
         if api is not None:
             self._get, self._set, self._get_raw, self._capturing = api
+            # The caller's current device: torch's raw getter where it has one (CUDA is initialised here: this object
+            # made a stream, so torch.cuda.current_device's lazy-init checks would only repeat themselves).
+            self._device: Any = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
             self._stream_join = _C.stream_join
             try:
                 self._events = self._create_events(_C)
@@ -108,7 +111,7 @@ class CommStream:
 
     def _fast(self) -> bool:
         """The raw path applies: the build and torch support it, and the caller is on this stream's device."""
-        return self._events is not None and torch.cuda.current_device() == self.index
+        return self._events is not None and self._device() == self.index
 
     def caller(self) -> Any:
         """The caller's current stream on its current device (``torch.cuda.current_stream()``); the object is cached

@@ -20,11 +20,13 @@ def current_stream() -> Any:
     return torch.cuda.current_stream(torch.cuda.current_device())
 
 
+_GET_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # torch's private getter (absent: None)
+
+
 def current_raw_stream(device_index: int) -> int:
     """The cudaStream_t / hipStream_t of the current stream on `device_index`, as an int for the kernels."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get is not None:
-        return int(get(device_index))
+    if _GET_RAW_STREAM is not None:
+        return int(_GET_RAW_STREAM(device_index))
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 

@@ -1,6 +1,7 @@
 """Host microseconds of Buffer's own Python path per op (validation, argument set-up, stream plumbing), on a CPU with
 no GPU: a world-of-one gloo Buffer whose backend returns ready-made tensors, so only Buffer's code is timed (plus two
-small allocations per non-cached dispatch).
+small allocations per non-cached dispatch). Each figure is the median over 7 rounds of --calls / 7 calls (this
+machine's other load shows as slow rounds).
 Usage: python tools/device/python_path.py [--calls 3000] [--profile dispatch]
 """
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -77,10 +79,14 @@ def main() -> None:
         for name, fn in ops.items():
             for _ in range(200):
                 fn()
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn()
-            print(f"{name}: {(time.perf_counter() - t0) / args.calls * 1e6:.1f} us per call")
+            n = max(1, args.calls // 7)
+            rounds = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                rounds.append((time.perf_counter() - t0) / n * 1e6)
+            print(f"{name}: {statistics.median(rounds):.1f} us per call")
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()

@@ -55,6 +55,8 @@ class NativeBackend(Backend):
     name = "native"
     supported_combine_dtypes = (torch.bfloat16,)
     checks_topk_idx_on_device = True
+    #: geometry()'s answers by (num_sms, nvl send, nvl recv); made on first use
+    _geos: dict[tuple[int, int, int], _C.IntranodeGeometry] | None = None
 
     def __init__(self, ctx: BufferContext) -> None:
         super().__init__(ctx)
@@ -221,8 +223,16 @@ class NativeBackend(Backend):
         """The lane geometry of an op with `num_sms` blocks and `config`'s chunk sizes on this rank's NVL buffer, as
         the runtime computes it (the only place it is computed; invalid settings raise InvalidUsageError naming the
         Config field)."""
-        geo: _C.IntranodeGeometry = self._rt.geometry(num_sms, config.num_max_nvl_chunked_send_tokens,
-                                                      config.num_max_nvl_chunked_recv_tokens)
+        key = (num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens)
+        geos = self._geos
+        if geos is None:
+            geos = self._geos = {}
+        geo: _C.IntranodeGeometry | None = geos.get(key)
+        if geo is None:  # a function of the key and this runtime's fixed ranks and bytes: computed once per key
+            geo = self._rt.geometry(*key)
+            if len(geos) >= 32:
+                geos.clear()
+            geos[key] = geo
         return geo
 
     # ---------------------------------------------------------------- dispatch
