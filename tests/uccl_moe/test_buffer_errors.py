@@ -207,7 +207,8 @@ def test_backend_config_check_comes_before_the_size_check(group, monkeypatch):
     """The native backend refuses more SMs than the GPU has (NvlRuntime::check_num_sms, GPU-tested); Buffer asks
     the backend before its buffer-size check on a dispatch that lays out lanes, so that error is the one a user
     sees. A cached dispatch or a combine runs on the handle's lanes, so its config's num_sms is not asked about."""
-    b = Buffer(group, Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H * 2, 1), backend="reference")
+    # sized by a fixed ring-256 config (not the measured preset, whose ring may shrink) so `small` below fits
+    b = Buffer(group, Config(20, 8, 256, 6, 128).get_nvl_buffer_size_hint(H * 2, 1), backend="reference")
     idx, ntr, nte, itr = _layout(b)
     x = torch.randn((idx.shape[0], H)).bfloat16()
     res = b.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte, topk_idx=idx,
