@@ -5,24 +5,12 @@ A world-of-one gloo group is enough: every check runs before the backend is reac
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from uccl_moe import Buffer, Config, InvalidTypeError, InvalidUsageError, UcclMoeError
 
 H = 256
-
-
-@pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 @pytest.fixture()

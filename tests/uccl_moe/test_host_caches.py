@@ -5,25 +5,15 @@ a replaced preset row, other rows, another handle's lanes, a resized group, a de
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from uccl_moe import Buffer, InvalidUsageError, _checks, tuning
 from uccl_moe.backends.native import NativeBackend
 
 H = 256
-
-
-@pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 @pytest.fixture()

@@ -3,23 +3,11 @@ backend for what its kernels recorded, and the error the native backend raises f
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from uccl_moe import Buffer, InvalidUsageError, _checks
 from uccl_moe.backends.native import NativeBackend
-
-
-@pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 class _Rt:

@@ -4,15 +4,12 @@ the rewrite of one row of the preset table (on a copy of uccl_moe/tuning.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from dataclasses import astuple
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from uccl_moe import Buffer, _checks, tuning
 from uccl_moe.bench import _run
@@ -205,14 +202,6 @@ def test_installed_table_rows_are_valid() -> None:
                 c.config(24)  # Config validates
         if p.dispatch_fp8 is not None:  # a Buffer sized by get_dispatch_config's hint holds the FP8 chunks
             assert p.dispatch_fp8.nvl_recv <= p.dispatch.nvl_recv
-
-
-@pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp()
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'init')}", rank=0, world_size=1)
-    yield dist.group.WORLD
 
 
 def test_fp8_dispatch_without_config_takes_the_fp8_chunks(monkeypatch: pytest.MonkeyPatch, group) -> None:
