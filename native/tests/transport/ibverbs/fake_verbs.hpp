@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "../fake_nic/dmabuf_exporter.hpp"
 #include "transport/gpu_mr.hpp"
 #include "transport/ibverbs/verbs_ops.hpp"
 
@@ -584,24 +585,7 @@ class FakeVerbs : public detail::VerbsOps {
   std::vector<std::function<void()>> owned_;
 };
 
-/// A dma-buf exporter for the registration tests: records each export, refuses unaligned ranges (the real export
-/// works on whole GPU pages) and hands out real fds (of /dev/null) so the caller's close() is checked.
-struct FakeExporter {
-  std::shared_ptr<FakeFabric> fabric;
-  bool fail = false;
-  std::vector<std::pair<uint64_t, uint64_t>> exports;  ///< (base, bytes)
-  int operator()(void* ptr, uint64_t bytes, std::string* why) {
-    const uint64_t base = uint64_t(reinterpret_cast<uintptr_t>(ptr));
-    exports.emplace_back(base, bytes);
-    if (fail || base % detail::kDmabufAlignBytes != 0 || bytes % detail::kDmabufAlignBytes != 0) {
-      if (why) *why = "export refused";
-      return -1;
-    }
-    const int fd = open("/dev/null", O_RDONLY);
-    std::lock_guard<std::mutex> l(fabric->mu);
-    fabric->dmabuf_fds[fd] = bytes;
-    return fd;
-  }
-};
+/// The dma-buf exporter of the registration tests over this fake (fake_nic/dmabuf_exporter.hpp).
+using FakeExporter = DmabufExporter<FakeFabric>;
 
 }  // namespace uccl_moe::test
