@@ -15,6 +15,7 @@ chunks than BF16's: ``Buffer.dispatch(config=None)`` of FP8 rows takes it (its r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from . import _C
 
@@ -83,22 +84,15 @@ def preset_for(num_ranks: int) -> Preset:
     return INTRANODE[num_ranks] if num_ranks <= MAX_INTRANODE_RANKS else INTERNODE
 
 
-# (id(chunks), num_sms) -> (chunks, its Config): the entry holds `chunks`, so its id names no other object meanwhile.
-_CONFIGS: dict[tuple[int, int], tuple[Chunks, _C.Config]] = {}
-
-
 def shared_config(chunks: Chunks, num_sms: int) -> _C.Config:
     """``chunks.config(num_sms)`` as one shared object per row and SM count (a Config is read-only): the presets
     that ``config=None`` ops run, which Buffer's per-op checks then recognise by identity. A row replaced in the
-    table is a new Chunks object and gets its own Config."""
+    table is a new Chunks value and gets its own Config."""
     if type(num_sms) is not int:  # (anything else: Config's own checks, every time)
         return chunks.config(num_sms)
-    key = (id(chunks), num_sms)
-    hit = _CONFIGS.get(key)
-    if hit is not None and hit[0] is chunks:
-        return hit[1]
-    config = chunks.config(num_sms)
-    if len(_CONFIGS) >= 64:
-        _CONFIGS.clear()
-    _CONFIGS[key] = (chunks, config)
-    return config
+    return _shared_config(chunks, num_sms)
+
+
+@functools.lru_cache(maxsize=64)
+def _shared_config(chunks: Chunks, num_sms: int) -> _C.Config:
+    return chunks.config(num_sms)
