@@ -75,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
     p.add_argument("--no-align", action="store_true",
                    help="do not align the ranks (tiny NCCL all-reduce, untimed) before each timed run")
+    p.add_argument("--device-time", action="store_true",
+                   help="hold each GPU in a ~1 ms sleep kernel before every timed call, so the timed window holds the "
+                        "GPU's work only, with the host time of the call hidden (ours and NCCL's alike): for "
+                        "comparing kernels on a noisy host; not what a caller sees, and the output says so")
     p.add_argument("--kernel-times", action="store_true",
                    help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
     p.add_argument("--json", default=None, help="JSON output path ('' = none; default runs/bench/<time>/bench.json)")
@@ -104,14 +108,19 @@ def mode_label(args: argparse.Namespace) -> str:
     """One line saying which path the numbers are for."""
     if args.mode == "api":
         return ("API defaults: Buffer.set_num_sms(SMs), get_dispatch_config/get_combine_config(R), cached dispatch, "
-                "column-major FP8 scales, combine of the caller's tensor")
+                "column-major FP8 scales, combine of the caller's tensor" + _device_time_note(args))
     knobs = []
     if args.nvl_send is not None or args.nvl_recv is not None:
         knobs.append(f"explicit Config(nvl_send={args.nvl_send or 'preset'}, nvl_recv={args.nvl_recv or 'preset'})")
     knobs.append(f"{'row' if args.scales == 'row' else 'column'}-major FP8 scales")
     if args.combine_view:
         knobs.append("combine from the buffer timed too")
-    return "TUNED (not the API defaults): " + ", ".join(knobs)
+    return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
+
+
+def _device_time_note(args: argparse.Namespace) -> str:
+    return ("; DEVICE TIME (--device-time: host time per call hidden behind a GPU sleep, not what a caller sees)"
+            if getattr(args, "device_time", False) else "")
 
 
 def output_paths(args: argparse.Namespace, stamp: str | None = None) -> tuple[str, str]:

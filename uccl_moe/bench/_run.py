@@ -39,23 +39,32 @@ def spawn(worker: Callable[..., None], R: int, args: argparse.Namespace) -> dict
             return result
 
 
+HOLD_CYCLES = 2_000_000  # --device-time: the GPU sleep before each timed call (~1 ms at H100/H200 clocks)
+
+
 def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
-             align: Callable[[], Any] | None = None) -> tuple[float, float]:
+             align: Callable[[], Any] | None = None, hold: bool = False) -> tuple[float, float]:
     """(GPU, host) median microseconds of fn() with L2 flushed before each run. GPU: CUDA events on the current
     stream around the call. Host: the CPU time the Python call takes to return (it enqueues work and does not wait
     for the GPU, so this is what a caller pays per call on its own thread, e.g. at decode size where the GPU waits for
     it). `align` (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the
     same moment: without it a rank's time includes how late its peers launched, which is host noise, not
-    communication."""
+    communication. `hold` (--device-time): the flush runs before the alignment and the GPU sleeps for HOLD_CYCLES
+    after it, so the call is enqueued before the timed window opens and the GPU time excludes the host's."""
     import torch
 
     for _ in range(warmup):
         fn()
     times, host = [], []
     for _ in range(iters):
+        if hold:  # flush first: the ranks leave the alignment together and sleep alike, whatever the host does
+            flush.zero_()
         if align is not None:
             align()
-        flush.zero_()
+        if hold:
+            torch.cuda._sleep(HOLD_CYCLES)
+        else:
+            flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
@@ -171,6 +180,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         def align() -> None:
             dist.all_reduce(token)
 
+    hold = bool(getattr(args, "device_time", False))
     out: dict[str, Any] = {}
     # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
     # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
@@ -189,7 +199,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
-        out[f"{op}_us"], out[f"{op}_host_us"] = _time_op(fn, flush, args.iters, args.warmup, align)
+        out[f"{op}_us"], out[f"{op}_host_us"] = _time_op(fn, flush, args.iters, args.warmup, align, hold)
     if args.combine_view:
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
@@ -204,12 +214,13 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
         recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
         out["nccl_dispatch_us"], out["nccl_dispatch_host_us"] = _time_op(
-            lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align)
+            lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align,
+            hold)
         back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
         back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
         out["nccl_combine_us"], out["nccl_combine_host_us"] = _time_op(
             lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup,
-            align)
+            align, hold)
     out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
                row_bytes=row_bytes, combine_row_bytes=2 * H)
     gathered: list[Any] = [None] * R

@@ -35,6 +35,13 @@ def test_no_flags_is_the_api_default_mode_with_the_deepseek_v3_setting() -> None
     assert args.dtypes == "fp8,bf16"
 
 
+@pytest.mark.parametrize("argv", [["--device-time"], ["--tuned", "--device-time"]])
+def test_device_time_is_labelled_as_not_what_a_caller_sees(argv) -> None:
+    args = _args(*argv)
+    assert args.device_time and "DEVICE TIME" in mode_label(args) and "not what a caller sees" in mode_label(args)
+    assert "DEVICE TIME" not in mode_label(_args(*[a for a in argv if a != "--device-time"]))
+
+
 @pytest.mark.parametrize("argv, nvl_send, nvl_recv, scales, view", [
     (["--tuned"], [TUNED_NVL_SEND], [TUNED_NVL_RECV], "row", True),
     (["--tuned", "--nvl-send", "2", "--scales", "col"], [2], [TUNED_NVL_RECV], "col", True),
