@@ -545,7 +545,7 @@ def test_native_dispatch_ordering_stress(world: int) -> None:
 def _skip_worker(rank: int, world: int, gloo) -> None:
     from uccl_moe import Buffer, CommTimeoutError, Config
 
-    nvl = Config(24, 8, 256, 6, 128).get_nvl_buffer_size_hint(2048 * 2, world)
+    nvl = Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(2048 * 2, world)  # the dispatch takes the preset
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 3)
     skipper = world - 1
