@@ -543,7 +543,7 @@ def test_native_dispatch_ordering_stress(world: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ timeout
 def _skip_worker(rank: int, world: int, gloo) -> None:
-    from uccl_moe import Buffer, CommTimeoutError, Config
+    from uccl_moe import Buffer, CommTimeoutError
 
     nvl = Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(2048 * 2, world)  # the dispatch takes the preset
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)

@@ -3,7 +3,8 @@
 #   BASE=<dir with baseline kernel files (.cu/.cuh/.hpp of native/src/kernels/intranode)> [ALT=<dir>] [AB_RANKS=1] [AB_ARGS="..."] [TESTS=...] tools/device/device_ab.sh
 # Builds the baseline (the tree with BASE's kernel files swapped in), then this tree (incremental), runs the
 # benchmark alternately with each extension (AB_ORDER, default base new base new; a run may set env for itself:
-# new@UCCL_MOE_COMBINE_SENDER_SMS=8), then the GPU tests on the new build.
+# new@UCCL_MOE_COMBINE_SENDER_SMS=8), prints the per-variant summary (tools/device/ab_summary.py: median over
+# runs, ratio to base, a verdict only where the ranges are apart), then the GPU tests on the new build.
 # On a one-GPU machine use AB_RANKS=1 (one process: the kernels' SM-side cost; ranks sharing a GPU time-slice).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,7 +26,9 @@ build_variant base "$BASE"
 build_variant new
 grep -E "spill" "$OUT/build.log" | sort | uniq -c | head; echo "builds $(( $(date +%s) - t0 )) s" | tee -a "$L"
 # $B and $TESTS are word-split on purpose.
-B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---hidden 7168 --tokens 4096 --experts 256 --dtypes fp8,bf16 --sms 24 --nvl-recv 1024 --iters 30}"
+# Default: the API defaults at the headline setting, in device time (host time hidden; a noisy host otherwise swamps
+# kernel differences: docs/benchmarks.md).
+B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---tokens 4096 --iters 25 --device-time}"
 i=0; mkdir -p /tmp/abj
 for spec in ${AB_ORDER:-base new base new}; do   # a run is NAME or NAME@VAR=VAL[,VAR=VAL...] (env for that run)
   v=${spec%%@*}; envs=(); [ "$spec" != "$v" ] && IFS=, read -r -a envs <<< "${spec#*@}"
@@ -41,6 +44,7 @@ for spec in ${AB_ORDER:-base new base new}; do   # a run is NAME or NAME@VAR=VAL
   fi
 done
 tar -czf "$OUT/ab_json.tgz" -C /tmp abj
+python3 tools/device/ab_summary.py /tmp/abj | tee -a "$L"
 echo "bench $(( $(date +%s) - t0 )) s" | tee -a "$L"
 cp /tmp/ab_new.so "$SO"
 if [ -n "${TESTS:-}" ]; then

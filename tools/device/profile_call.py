@@ -21,10 +21,10 @@ def _timeline(name: str, fn: Callable[[], Any], flush: torch.Tensor) -> None:
     the end event, for the last two iterations."""
     from torch.profiler import ProfilerActivity, profile
 
-    from uccl_moe.bench._run import _time_op
+    from uccl_moe.bench._timing import time_op
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _time_op(fn, flush, 6, 0)
+        time_op(fn, flush, 6, 0)
     evs = sorted(prof.events(), key=lambda ev: ev.time_range.start)
     marks = [ev for ev in evs if "Fill" in ev.name and ev.device_type.name == "CUDA"]
     t0 = marks[-2].time_range.start
@@ -73,7 +73,7 @@ def main() -> None:
                         "op both ways, one after the other")
     args = p.parse_args()
     with one_gpu_case(args.tokens, args.hidden) as c:
-        from uccl_moe.bench._run import _time_op
+        from uccl_moe.bench._timing import time_op
 
         buf, cfg, idx, w, x, layout, r, T = c.buf, c.cfg, c.idx, c.w, c.x, c.layout, c.result, args.tokens
         E, y, view = 256, r.recv_x, c.view
@@ -107,7 +107,7 @@ def main() -> None:
                     fn()
                 torch.cuda.synchronize()
             else:
-                med, med_host = _time_op(fn, flush, 20, 0)
+                med, med_host = time_op(fn, flush, 20, 0)
                 print(f"--- {name}: event time, flushed, not profiled: median {med:.1f} us (host {med_host:.1f} us)")
                 if args.timeline:
                     _timeline(name, fn, flush)

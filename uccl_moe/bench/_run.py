@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-FLUSH_BYTES = 256 << 20
+from ._timing import FLUSH_BYTES, kernel_us, time_op
 
 
 # ------------------------------------------------------------------------------------------------ per rank
@@ -37,68 +35,6 @@ def spawn(worker: Callable[..., None], R: int, args: argparse.Namespace) -> dict
         with open(result_file) as f:
             result: dict[str, Any] = json.load(f)
             return result
-
-
-HOLD_CYCLES = 2_000_000  # --device-time: the GPU sleep before each timed call (~1 ms at H100/H200 clocks)
-
-
-def _time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
-             align: Callable[[], Any] | None = None, hold: bool = False) -> tuple[float, float]:
-    """(GPU, host) median microseconds of fn() with L2 flushed before each run. GPU: CUDA events on the current
-    stream around the call. Host: the CPU time the Python call takes to return (it enqueues work and does not wait
-    for the GPU, so this is what a caller pays per call on its own thread, e.g. at decode size where the GPU waits for
-    it). `align` (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the
-    same moment: without it a rank's time includes how late its peers launched, which is host noise, not
-    communication. `hold` (--device-time): the flush runs before the alignment and the GPU sleeps for HOLD_CYCLES
-    after it, so the call is enqueued before the timed window opens and the GPU time excludes the host's."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times, host = [], []
-    for _ in range(iters):
-        if hold:  # flush first: the ranks leave the alignment together and sleep alike, whatever the host does
-            flush.zero_()
-        if align is not None:
-            align()
-        if hold:
-            torch.cuda._sleep(HOLD_CYCLES)
-        else:
-            flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e6)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(statistics.median(times)), float(statistics.median(host))
-
-
-def _kernel_us(fn: Callable[[], Any], flush: Any, iters: int, align: Callable[[], Any] | None) -> dict[str, float]:
-    """GPU time per call of each kernel fn() launches: _time_op's loop under torch.profiler (the flush's and the
-    alignment's kernels are left out), the kernel-only view next to the event time of the whole Python call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _time_op(fn, flush, iters, 0, align)
-    events = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type.name == "CUDA"]
-    return kernel_table(events, iters, skip=("AllReduce",) if align is not None else ())
-
-
-def kernel_table(events: list[tuple[str, float]], calls: int, skip: tuple[str, ...] = ()) -> dict[str, float]:
-    """Microseconds per call by short kernel name ("dispatch_intranode_kernel", "ncclDevKernel_SendRecv", ...)
-    from (profiler name, duration us) per launch: the median launch times launches per call. Fill kernels (the L2
-    flush) and names containing a `skip` entry are dropped; names that shorten alike are pooled."""
-    durations: dict[str, list[float]] = {}
-    for name, us in events:
-        if "FillFunctor" in name or "fill_kernel" in name or any(k in name for k in skip):
-            continue
-        bare = name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
-        short = bare.split("::")[-1].split()[-1] if bare.split() else name
-        durations.setdefault(short, []).append(us)
-    return {n: round(statistics.median(d) * len(d) / calls, 1) for n, d in durations.items()}
 
 
 def point_configs(R: int, sms: int, nvl_send: int | None, nvl_recv: int | None,
@@ -199,7 +135,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
-        out[f"{op}_us"], out[f"{op}_host_us"] = _time_op(fn, flush, args.iters, args.warmup, align, hold)
+        out[f"{op}_us"], out[f"{op}_host_us"] = time_op(fn, flush, args.iters, args.warmup, align, hold)
     if args.combine_view:
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
@@ -208,17 +144,17 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         for op, (fn, prep) in ops.items():
             if prep is not None:
                 prep()
-            out[f"{op}_kernels"] = _kernel_us(fn, flush, args.iters, align)
+            out[f"{op}_kernels"] = kernel_us(fn, flush, args.iters, align)
     if not args.no_nccl and nccl_ok:
         send_rows = sum(send_to)
         send_d = torch.randint(0, 255, (send_rows, row_bytes), dtype=torch.uint8, device=dev)
         recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
-        out["nccl_dispatch_us"], out["nccl_dispatch_host_us"] = _time_op(
+        out["nccl_dispatch_us"], out["nccl_dispatch_host_us"] = time_op(
             lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align,
             hold)
         back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
         back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
-        out["nccl_combine_us"], out["nccl_combine_host_us"] = _time_op(
+        out["nccl_combine_us"], out["nccl_combine_host_us"] = time_op(
             lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup,
             align, hold)
     out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
@@ -268,7 +204,7 @@ def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args
         dev = torch.device("cuda", torch.cuda.current_device())
         flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
         if rank == 0:
-            us = _time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)[0]
+            us = time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)[0]
             gbps = nbytes / (us * 1e3)
     vals: list[Any] = [None] * R
     dist.all_gather_object(vals, gbps, group=gloo)
@@ -312,7 +248,7 @@ def _sm_push_ceiling(rank: int, R: int, gloo: Any, nbytes: int, args: argparse.N
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=me)
     token = torch.zeros(1, dtype=torch.float32, device=me)
 
-    us = _time_op(push, flush, args.iters, args.warmup, lambda: dist.all_reduce(token))[0]
+    us = time_op(push, flush, args.iters, args.warmup, lambda: dist.all_reduce(token))[0]
     times: list[Any] = [None] * R
     dist.all_gather_object(times, us, group=gloo)
     dsts.clear()

@@ -35,7 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._run import FLUSH_BYTES, spawn
+from ._run import spawn
+from ._timing import FLUSH_BYTES
 
 DISPATCHERS = ("uccl", "alltoall", "flex")
 SECTIONS = ("fwd_dispatch", "fwd_combine", "bwd_combine", "bwd_dispatch")

@@ -299,7 +299,8 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
     import torch
     import torch.distributed as dist
 
-    from ._run import FLUSH_BYTES, _time_op, fp8_scales
+    from ._run import fp8_scales
+    from ._timing import FLUSH_BYTES, time_op
 
     if args.cpu:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
@@ -347,7 +348,7 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
         flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
         def timed(fn: Callable[[], Any], iters: int) -> float:
-            return _time_op(fn, flush, iters, args.warmup, align)[0]
+            return time_op(fn, flush, iters, args.warmup, align)[0]
 
     if not args.cpu and 1 < R <= torch.cuda.device_count() and not args.no_align:
         token = torch.zeros(1, dtype=torch.float32, device=dev)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from uccl_moe.bench.__main__ import build_parser, main
-from uccl_moe.bench._run import _kernel_lines, _summarise, _table, kernel_table
+from uccl_moe.bench._run import _kernel_lines, _summarise, _table
+from uccl_moe.bench._timing import kernel_table
 
 
 def _rank(us: float, n_recv: int, n_remote: int) -> dict:
