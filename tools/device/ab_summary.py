@@ -32,17 +32,27 @@ def load_runs(folder: Path) -> list[tuple[int, str, dict[str, Any]]]:
     return sorted(runs, key=lambda r: r[0])
 
 
+_SETTING = ("ranks", "tokens", "hidden", "experts", "num_sms")
+
+
+def _setting(op: dict[str, Any]) -> str:
+    return " ".join(f"{k}={op[k]}" for k in _SETTING if k in op)
+
+
 def summarise(runs: list[tuple[int, str, dict[str, Any]]], base: str, noise: float) -> list[dict[str, Any]]:
     """One entry per (op, variant): median/min/max of ours_us over the variant's runs, NCCL's median, the ratio to
     `base` and a verdict (`faster`, `slower` or `same`; "(noisy host: rerun)" added when NCCL moved more than
     `noise`)."""
     per: dict[tuple[str, str], list[float]] = {}
     nccl: dict[str, list[float]] = {}
+    # Only the same op at the same setting is pooled; the setting joins the name where the runs have several.
+    several = len({_setting(op) for _, _, data in runs for op in data.get("ops", [])}) > 1
     for _, variant, data in runs:
         for op in data.get("ops", []):
-            per.setdefault((op["op"], variant), []).append(float(op["ours_us"]))
+            name = op["op"] + (f" [{_setting(op)}]" if several else "")
+            per.setdefault((name, variant), []).append(float(op["ours_us"]))
             if op.get("nccl_us"):
-                nccl.setdefault(op["op"], []).append(float(op["nccl_us"]))
+                nccl.setdefault(name, []).append(float(op["nccl_us"]))
     out = []
     for (op, variant), times in per.items():
         entry: dict[str, Any] = {"op": op, "variant": variant, "runs": len(times),
@@ -62,6 +72,8 @@ def summarise(runs: list[tuple[int, str, dict[str, Any]]], base: str, noise: flo
                 entry["verdict"] = "slower"
             else:
                 entry["verdict"] = "same"
+            if min(len(times), len(ref)) < 2:
+                entry["verdict"] += " (1 run: rerun)"
             if entry["nccl_spread"] is not None and entry["nccl_spread"] > noise:
                 entry["verdict"] += " (noisy host: rerun)"
         out.append(entry)
@@ -69,14 +81,15 @@ def summarise(runs: list[tuple[int, str, dict[str, Any]]], base: str, noise: flo
 
 
 def table(entries: list[dict[str, Any]]) -> str:
-    lines = [f"{'op':<15} {'variant':<18} {'runs':>4} {'median_us':>9} {'range_us':>15} {'vs_base':>7} "
+    w = max([15] + [len(e["op"]) for e in entries])
+    lines = [f"{'op':<{w}} {'variant':<18} {'runs':>4} {'median_us':>9} {'range_us':>15} {'vs_base':>7} "
              f"{'nccl_us':>8} {'nccl_moved':>10}  verdict"]
     for e in entries:
         rng = f"{e['min_us']:.1f}-{e['max_us']:.1f}"
         vs = f"{e['vs_base']:.3f}" if e["vs_base"] is not None else "-"
         nm = f"{e['nccl_median_us']:.1f}" if e["nccl_median_us"] is not None else "-"
         ns = f"{100 * e['nccl_spread']:.1f}%" if e["nccl_spread"] is not None else "-"
-        lines.append(f"{e['op']:<15} {e['variant']:<18} {e['runs']:>4} {e['median_us']:>9.1f} {rng:>15} {vs:>7} "
+        lines.append(f"{e['op']:<{w}} {e['variant']:<18} {e['runs']:>4} {e['median_us']:>9.1f} {rng:>15} {vs:>7} "
                      f"{nm:>8} {ns:>10}  {e['verdict']}")
     return "\n".join(lines)
 

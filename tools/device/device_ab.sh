@@ -29,7 +29,7 @@ grep -E "spill" "$OUT/build.log" | sort | uniq -c | head; echo "builds $(( $(dat
 # Default: the API defaults at the headline setting, in device time (host time hidden; a noisy host otherwise swamps
 # kernel differences: docs/benchmarks.md).
 B="python3 -m uccl_moe.bench --ranks ${AB_RANKS:-1} --png= ${AB_ARGS:---tokens 4096 --iters 25 --device-time}"
-i=0; mkdir -p /tmp/abj
+i=0; rm -rf /tmp/abj; mkdir -p /tmp/abj  # only this call's runs (a warm machine keeps /tmp)
 for spec in ${AB_ORDER:-base new base new}; do   # a run is NAME or NAME@VAR=VAL[,VAR=VAL...] (env for that run)
   v=${spec%%@*}; envs=(); [ "$spec" != "$v" ] && IFS=, read -r -a envs <<< "${spec#*@}"
   for e in "${envs[@]}"; do [[ $e == [A-Za-z_]*=* ]] || { echo "AB_ORDER run '$spec': '$e' is not VAR=VALUE"; exit 2; }; done

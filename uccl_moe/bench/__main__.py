@@ -198,7 +198,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
-    if args.png and rows and _plot(rows, args.png):
+    note = "DEVICE TIME (--device-time): host time hidden, not what a caller sees" if args.device_time else ""
+    if args.png and rows and _plot(rows, args.png, note):
         print(f"wrote {args.png}")
     return out
 

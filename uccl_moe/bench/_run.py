@@ -403,7 +403,8 @@ def _kernel_lines(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> bool:
+def _plot(rows: list[dict[str, Any]], path: str, note: str = "") -> bool:
+    """nvlink_GBps per op against tokens per rank; `note` goes into the title (e.g. that the times are device time)."""
     try:
         import matplotlib
 
@@ -430,7 +431,8 @@ def _plot(rows: list[dict[str, Any]], path: str) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("nvlink_GBps (slowest rank)")
-    ax.set_title(f"uccl-moe intranode HT, EP{rows[0]['ranks'] if rows else '?'}")
+    ax.set_title(f"uccl-moe intranode HT, EP{rows[0]['ranks'] if rows else '?'}" + (f"\n{note}" if note else ""),
+                 fontsize=9)
     ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

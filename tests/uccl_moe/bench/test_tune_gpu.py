@@ -38,17 +38,19 @@ def test_tune_two_ranks_tiny_grid(tmp_path) -> None:
     picks = data["picks"]
 
     def check_lean(entries, chosen, min_ring=0):
-        """The memory rule, restated: among the finalists with a ring >= min_ring, `chosen` is within 2% of the
-        fastest and no smaller ring is."""
-        pool = [e for e in entries if e["nvl_recv"] >= min_ring]
+        """The memory rule, restated: among the finalists with a ring >= min_ring (all of them where none has),
+        `chosen` is within 2% of the fastest and no smaller ring is. The JSON's times are rounded to 0.1 us, the
+        pick used the raw ones: 0.1 us of slack either way."""
+        pool = [e for e in entries if e["nvl_recv"] >= min_ring] or entries
         best = min(e["us"] for e in pool)
         us = {(e["nvl_send"], e["nvl_recv"]): e["us"] for e in pool}
-        assert tuple(chosen) in us and us[tuple(chosen)] <= best * 1.02, (chosen, pool)
-        assert not any(e["us"] <= best * 1.02 and e["nvl_recv"] < chosen[1] for e in pool), (chosen, pool)
+        assert tuple(chosen) in us and us[tuple(chosen)] <= best * 1.02 + 0.1, (chosen, pool)
+        assert not any(e["us"] < best * 1.02 - 0.1 and e["nvl_recv"] < chosen[1] for e in pool), (chosen, pool)
 
     check_lean(data["final"]["combine"], picks["combine"])
     check_lean(data["final"]["dispatch_bf16"], picks["dispatch"], min_ring=picks["combine"][1])
-    assert picks["dispatch"][1] >= picks["combine"][1]  # the dispatch hint alone sizes a Buffer for both ops
+    if any(e["nvl_recv"] >= picks["combine"][1] for e in data["final"]["dispatch_bf16"]):
+        assert picks["dispatch"][1] >= picks["combine"][1]  # the dispatch hint alone sizes a Buffer for both ops
     assert data["written"] == str(table) and data["measured_on"].endswith("python -m uccl_moe.bench.tune --ranks 2")
     p = load_table(table).preset_for(2)
     assert (p.dispatch.nvl_send, p.dispatch.nvl_recv) == tuple(picks["dispatch"])
