@@ -15,13 +15,13 @@ MASTER_ADDR/MASTER_PORT, and WORLD_SIZE/RANK as node count and node rank) and mu
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.mp import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1800)]
 
@@ -29,12 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV_VAR = "UCCL_MOE_DEEPEP_V1_TESTS"
 # test_main's loops: previous event x async x {random BF16, rank-valued BF16, FP8 if sm90} x with/without top-k.
 CASES_WITH_FP8, CASES_WITHOUT_FP8 = 24, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _deepep_tests() -> Path:
@@ -63,7 +57,7 @@ def test_deepep_v1_test_intranode_passes_through_the_shim(tmp_path, procs):
                    check=True, capture_output=True, text=True)
     env["PYTHONPATH"] = os.pathsep.join([str(shim), env["PYTHONPATH"]])
     # init_dist: one node (WORLD_SIZE/RANK are the node count and rank), a rendezvous port of our own.
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "1", "RANK": "0"})
+    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1", "RANK": "0"})
     env.pop("LOCAL_RANK", None)
     proc = subprocess.run([sys.executable, str(tests / "test_intranode.py"), "--num-processes", str(procs)], cwd=tests,
                           env=env, capture_output=True, text=True, timeout=1700)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.mp import free_port
 
 from uccl_moe import _C
 from uccl_moe import doctor as doc
@@ -38,7 +39,7 @@ def test_pair_with_gpu_identity() -> None:
     n = min(2, torch.cuda.device_count())
     if n < 2:
         pytest.skip("needs 2 GPUs")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29563",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "uccl_moe.cli", "doctor", "--pair", "--json", "--bytes", "1048576", "--iters", "16"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

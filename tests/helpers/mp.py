@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import time
@@ -25,6 +26,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a torchrun --master-port or MASTER_PORT): a fixed one collides with
+    whatever else the machine runs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _entry(rank: int, world: int, mode: str, init_file: str, out_dir: str, fn: Callable[..., Any], args: tuple,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.mp import free_port
 
 from uccl_moe import _C, UcclMoeError
 from uccl_moe import doctor as doc
@@ -257,7 +258,7 @@ def test_pair_names_the_failure_and_fix() -> None:
 def test_pair_cli_under_torchrun() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCCL_MOE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "uccl_moe.cli", "doctor", "--pair", "--bytes", "65536", "--iters", "4", "--timeout", "30"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
