@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_intranode_native import Checks, _Case, _close_bf16, _dispatch
+from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, pull_buffers, pull_cases, pull_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -33,30 +33,15 @@ def _combine(nat, staged: bool, *args, **kw):
 
 
 def _staged_worker(rank: int, world: int, gloo) -> None:
-    from uccl_moe import Buffer, Config
+    from uccl_moe import Buffer
 
     R = world
-    cfg = Config(24, 8, 256, 6, 128)
-    worst_T = 1100
-    rows_max = worst_T * R
-    nvl = max(cfg.get_nvl_buffer_size_hint(7168 * 2, R), (1 << 20) + rows_max * 7168 * 2 + rows_max * 8 * 4 + 4096)
-    nvl = -(-nvl // 4096) * 4096
-    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
-    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
-    check = Checks(rank, R)
-    cases = [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
-             ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
-             ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
-             ("7168", 1024, 7168, 64, 8, "random")]
-    for seed, (name, T, H, per_rank, K, routing) in enumerate(cases):
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    worst_T = PULL_WORST_T
+    for seed, (name, T, H, per_rank, K, routing) in enumerate(pull_cases(rank)):
         case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 400 + seed)
-        _, rn = _dispatch(nat, case, "cuda", config=cfg)
-        _, rr = _dispatch(ref, case, "cpu", config=cfg)
+        rn, rr, y, b0, b1, yc, b0c, b1c = pull_inputs(nat, ref, case, cfg)
         n = rn.recv_x.shape[0]
-        y = torch.randn((n, H), generator=case.gen).bfloat16()
-        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
-        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
-        yc, b0c, b1c = y.cuda(), b0.cuda(), b1.cuda()
         check(f"{name}: the rows fit (the staged path runs)", nat.combine_buffer_fits(rn.handle, H, K))
         extras = dict(topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
         ring = _combine(nat, False, yc, rn.handle, **extras)
