@@ -51,14 +51,26 @@ def _staged_worker(rank: int, world: int, gloo) -> None:
         check(f"{name}: staged weights == ring", torch.equal(staged.combined_topk_weights, ring.combined_topk_weights))
         check(f"{name}: staged vs reference", _close_bf16(staged.combined_x, want.combined_x, None))
         check(f"{name}: the caller's rows are untouched", torch.equal(yc.cpu(), y))
-        plain = _combine(nat, True, yc, rn.handle, config=cfg).combined_x
-        check(f"{name}: staged without extras", torch.equal(plain, _combine(nat, False, yc, rn.handle,
+        y2 = (yc.float() * 2 - 1).bfloat16()  # other rows: a copy the stage kernel skipped would show
+        plain = _combine(nat, True, y2, rn.handle, config=cfg).combined_x
+        check(f"{name}: staged without extras", torch.equal(plain, _combine(nat, False, y2, rn.handle,
                                                                             config=cfg).combined_x))
         _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst_T * R)
         yw = torch.cat([yc, torch.randn((worst_T * R - n, H), device="cuda").bfloat16()])
         got = _combine(nat, True, yw, wn.handle, **{**extras, "topk_weights": wn.recv_topk_weights})
         check(f"{name}: staged via the worst handle", torch.equal(got.combined_x, ring.combined_x)
               and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+
+    # The staged path ran: its two kernels, not the ring's.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _combine(nat, True, yc, rn.handle, config=cfg)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
+    check(f"the staged kernels ran ({names[:200]})", "combine_pull_kernel" in names
+          and "combine_intranode_kernel" not in names and (rn.recv_x.shape[0] == 0 or R == 1
+                                                            or "stage_combine_rows_kernel" in names))
 
     # Interleaved on one Buffer: staged, ring, pull from the view, cached dispatch; then 24 staged back to back.
     case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 500)

@@ -50,7 +50,7 @@ for stage in ${STAGES:-quick bench}; do
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
     echo "itest rc=$?"; sum "$OUT/itest.log" ;;
   staged)
-    timeout "${STAGED_T:-400}" "${P[@]}" --timeout 390 tests/gpu/test_combine_staged_gpu.py > "$OUT/staged.log" 2>&1
+    timeout "${STAGED_T:-540}" "${P[@]}" --timeout 300 tests/gpu/test_combine_staged_gpu.py > "$OUT/staged.log" 2>&1
     echo "staged test rc=$?"; sum "$OUT/staged.log"
     for r in ${BENCH_RANKS:-2}; do
       e=256; [ "$r" = 3 ] && e=255

@@ -346,7 +346,6 @@ class NativeBackend(Backend):
             return self._pull(x, handle, topk_weights, bias, config, own_x=_ptr(x))
         geo = self.geometry(self._sms_of(handle), config)
         T = int(handle.is_token_in_rank.shape[0])
-        K = topk_weights.shape[1] if topk_weights is not None else 0
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         args = _C.CombineArgs(
             x=_ptr(x), topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1),

@@ -197,6 +197,9 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
             if r.get(key) is False:  # a correctness check, not a timing: say it loudly
                 print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from combine",
                       file=sys.stderr)
+        if r.get("combine_staged_fits") is False:
+            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer, so "
+                  f"'combine staged' timed the ring combine", file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
     out = {"device": dev, "ranks": R, "argv": sys.argv[1:], "mode": args.mode, "mode_label": mode_label(args),

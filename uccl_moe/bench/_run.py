@@ -143,6 +143,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
     if getattr(args, "combine_staged", False):
+        out["combine_staged_fits"] = bool(buf.combine_buffer_fits(h, H))  # else "staged" timed the ring
         staged = _staged_combine(buf, y, h, ccfg).combined_x
         out["combine_staged_equal"] = bool(torch.equal(staged, buf.combine(y, h, config=ccfg).combined_x))
     if args.kernel_times:
@@ -170,14 +171,19 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
 
 
 def _staged_combine(buf: Any, y: Any, h: Any, cfg: Any) -> Any:
-    """buf.combine(y) through the staged path (UCCL_MOE_COMBINE_STAGED=1 for this call; every rank alike)."""
+    """buf.combine(y) through the staged path (UCCL_MOE_COMBINE_STAGED=1 for this call, every rank alike; the
+    caller's own setting comes back after it)."""
     import os
 
+    before = os.environ.get("UCCL_MOE_COMBINE_STAGED")
     os.environ["UCCL_MOE_COMBINE_STAGED"] = "1"
     try:
         return buf.combine(y, h, config=cfg)
     finally:
-        del os.environ["UCCL_MOE_COMBINE_STAGED"]
+        if before is None:
+            del os.environ["UCCL_MOE_COMBINE_STAGED"]
+        else:
+            os.environ["UCCL_MOE_COMBINE_STAGED"] = before
 
 
 def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -200,7 +206,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
         if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
             row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
-    for key in ("combine_view_equal", "combine_staged_equal"):
+    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
     for op in ("dispatch", "combine", "combine_view", "combine_staged"):

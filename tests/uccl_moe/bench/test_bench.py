@@ -74,6 +74,8 @@ def test_staged_combine_columns_and_equality_flag() -> None:
     row = _summarise([a, b])
     assert row["combine_staged_us"] == 130.0 and row["combine_staged_nvlink_GBps"] == round(300 * 2000 / 130e3, 1)
     assert row["combine_staged_equal"] is False and _summarise([a, a])["combine_staged_equal"] is True
+    assert _summarise([{**a, "combine_staged_fits": True}, {**b, "combine_staged_fits": False}])[
+        "combine_staged_fits"] is False
     row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8)
     header = _table([row]).splitlines()[0].split()
     assert header.index("comb_us") < header.index("combs_us") < header.index("combs_nvl")
