@@ -9,6 +9,8 @@
 #   inter    emulated-internode GPU tests (ranks share the 2 GPUs)
 #   itest    the intranode GPU suite (UMOE_TEST_ITERS back-to-back calls; default 5)
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
+#   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
+#            and whether Nsight Compute / Systems are on the machine
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -47,6 +49,15 @@ for stage in ${STAGES:-quick bench}; do
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
     echo "itest rc=$?"; sum "$OUT/itest.log" ;;
+  scales)
+    mkdir -p "$OUT/scales"; i=0
+    for s in col row col row; do
+      i=$((i + 1))
+      timeout 120 python3 -m uccl_moe.bench --ranks 2 --dtypes fp8 --scales "$s" --device-time --png= \
+        --json "$OUT/scales/ab${i}_$s.json" > "$OUT/scales_$i.log" 2>&1 || tail -5 "$OUT/scales_$i.log"
+    done
+    python3 tools/device/ab_summary.py "$OUT/scales" --base col
+    echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
