@@ -11,6 +11,8 @@
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
 #   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
+#   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
+#            and whether Nsight Compute / Systems are on the machine
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -58,6 +60,15 @@ for stage in ${STAGES:-quick bench}; do
         --json "$OUT/staged_ep$r.json" 2>&1 | grep -v "it/s\]" > "$OUT/staged_bench_ep$r.log"
       echo "staged bench EP$r rc=$?"; head -8 "$OUT/staged_bench_ep$r.log"
     done ;;
+  scales)
+    mkdir -p "$OUT/scales"; i=0
+    for s in col row col row; do
+      i=$((i + 1))
+      timeout 120 python3 -m uccl_moe.bench --ranks 2 --dtypes fp8 --scales "$s" --device-time --png= \
+        --json "$OUT/scales/ab${i}_$s.json" > "$OUT/scales_$i.log" 2>&1 || tail -5 "$OUT/scales_$i.log"
+    done
+    python3 tools/device/ab_summary.py "$OUT/scales" --base col
+    echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-gain", type=float, default=0.02,
                    help="FP8 dispatch gets chunks of its own only where they beat BF16's pick by this fraction")
     p.add_argument("--no-align", action="store_true", help="do not align the ranks before each timed run")
+    p.add_argument("--device-time", action="store_true",
+                   help="time each point with its host time hidden behind a GPU sleep (bench --device-time): the "
+                        "chunk and ring sizes change the GPU's work only, so on a loaded host this keeps Python "
+                        "noise out of the picks")
     p.add_argument("--cpu", action="store_true",
                    help="the same flow on gloo with the reference backend (checks the tool, not timings; no --write)")
     p.add_argument("--write", action="store_true", help="rewrite INTRANODE[R] in the preset table")
@@ -348,7 +352,7 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
         flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
         def timed(fn: Callable[[], Any], iters: int) -> float:
-            return time_op(fn, flush, iters, args.warmup, align)[0]
+            return time_op(fn, flush, iters, args.warmup, align, args.device_time)[0]
 
     if not args.cpu and 1 < R <= torch.cuda.device_count() and not args.no_align:
         token = torch.zeros(1, dtype=torch.float32, device=dev)

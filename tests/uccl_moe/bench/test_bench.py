@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from uccl_moe.bench.__main__ import build_parser, main
 from uccl_moe.bench._run import _kernel_lines, _summarise, _table
 from uccl_moe.bench._timing import kernel_table
@@ -95,3 +97,40 @@ def test_host_time_per_call_is_the_slowest_ranks_and_tabled() -> None:
     assert "comb_host" not in header
     assert lines[1].split()[header.index("disp_host")] == "15.5"
     assert lines[1].split()[header.index("nccl_host")] == "8.0"
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_time_op_orders_flush_align_and_the_hold(monkeypatch: pytest.MonkeyPatch, hold: bool) -> None:
+    """time_op on a fake torch.cuda: by default align, flush, then the call inside the events; with hold
+    (--device-time) flush, align, the GPU sleep, then the call, so the ranks leave the alignment together and the
+    call is enqueued before the timed window opens. Warm-up calls run untimed first; GPU time comes from the events."""
+    import torch
+
+    from uccl_moe.bench import _timing
+
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.t = 0.0
+
+        def record(self) -> None:
+            log.append("record")
+            self.t = float(len(log))
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.t - self.t
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(f"sleep {cycles}"))
+    flush = type("Flush", (), {"zero_": lambda self: log.append("flush")})()
+    gpu, host = _timing.time_op(lambda: log.append("call"), flush, iters=2, warmup=1,
+                                align=lambda: log.append("align"), hold=hold)
+    one = (["flush", "align", f"sleep {_timing.HOLD_CYCLES}"] if hold else ["align", "flush"]) + \
+        ["record", "call", "record"]
+    assert log == ["call"] + one + one
+    assert gpu == 2e3 and host >= 0.0  # the events are 2 "ms" apart in the fake: microseconds out

@@ -35,6 +35,7 @@ def test_defaults_are_the_headline_setting_and_the_grid() -> None:
     assert (a.tokens, a.hidden, a.experts, a.topk, a.sms) == (4096, 7168, 256, 8, 24)
     assert (a.nvl_send, a.nvl_recv) == ([1, 2, 4, 8, 16], [128, 256, 512])
     assert (a.iters, a.final_iters, a.top, a.write, a.json) == (10, 20, 2, False, None)
+    assert not a.device_time and build_parser().parse_args(["--device-time"]).device_time
 
 
 @pytest.mark.parametrize("ranks, want", [(1, 256), (2, 256), (3, 255), (4, 256), (5, 255), (6, 252), (7, 252),
