@@ -124,9 +124,11 @@ def mode_label(args: argparse.Namespace) -> str:
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 
 
+DEVICE_TIME_NOTE = "DEVICE TIME (--device-time: host time per call hidden behind a GPU sleep, not what a caller sees)"
+
+
 def _device_time_note(args: argparse.Namespace) -> str:
-    return ("; DEVICE TIME (--device-time: host time per call hidden behind a GPU sleep, not what a caller sees)"
-            if getattr(args, "device_time", False) else "")
+    return f"; {DEVICE_TIME_NOTE}" if args.device_time else ""
 
 
 def output_paths(args: argparse.Namespace, stamp: str | None = None) -> tuple[str, str]:
@@ -209,8 +211,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
-    note = "DEVICE TIME (--device-time): host time hidden, not what a caller sees" if args.device_time else ""
-    if args.png and rows and _plot(rows, args.png, note):
+    if args.png and rows and _plot(rows, args.png, DEVICE_TIME_NOTE if args.device_time else ""):
         print(f"wrote {args.png}")
     return out
 

@@ -116,7 +116,6 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         def align() -> None:
             dist.all_reduce(token)
 
-    hold = bool(getattr(args, "device_time", False))
     out: dict[str, Any] = {}
     # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
     # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
@@ -137,7 +136,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
-        out[f"{op}_us"], out[f"{op}_host_us"] = time_op(fn, flush, args.iters, args.warmup, align, hold)
+        out[f"{op}_us"], out[f"{op}_host_us"] = time_op(fn, flush, args.iters, args.warmup, align, args.device_time)
     if args.combine_view:
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
@@ -157,12 +156,12 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         recv_d = torch.empty((n_recv, row_bytes), dtype=torch.uint8, device=dev)
         out["nccl_dispatch_us"], out["nccl_dispatch_host_us"] = time_op(
             lambda: dist.all_to_all_single(recv_d, send_d, recv_from, send_to), flush, args.iters, args.warmup, align,
-            hold)
+            args.device_time)
         back_send = torch.empty((n_recv, 2 * H), dtype=torch.uint8, device=dev)
         back_recv = torch.empty((send_rows, 2 * H), dtype=torch.uint8, device=dev)
         out["nccl_combine_us"], out["nccl_combine_host_us"] = time_op(
             lambda: dist.all_to_all_single(back_recv, back_send, send_to, recv_from), flush, args.iters, args.warmup,
-            align, hold)
+            align, args.device_time)
     out.update(n_recv=n_recv, n_remote=n_remote, n_sent=sum(send_to), n_sent_remote=n_sent_remote,
                row_bytes=row_bytes, combine_row_bytes=2 * H)
     gathered: list[Any] = [None] * R

@@ -1,7 +1,8 @@
-// A dma-buf exporter for the registration tests of every fake NIC (the verbs fake and the EFA fake): records each
-// export, refuses unaligned ranges (the real export works on whole GPU pages) and hands out real fds (of /dev/null)
-// so the caller's close() is checked. `Fabric` is the fake's shared state, with a mutex `mu` and the open dma-buf fds
-// in `dmabuf_fds` (fd -> bytes).
+// The GPU-memory side of every fake NIC (the verbs fake and the EFA fake) for the registration tests: the ranges a
+// fake treats as device memory (GpuRanges), and a dma-buf exporter (DmabufExporter) that records each export, refuses
+// unaligned ranges (the real export works on whole GPU pages) and hands out real fds (of /dev/null) so the caller's
+// close() is checked. `Fabric` is the fake's shared state, with a mutex `mu` and the open dma-buf fds in `dmabuf_fds`
+// (fd -> bytes).
 #pragma once
 
 #include <fcntl.h>
@@ -16,6 +17,18 @@
 #include "transport/gpu_mr.hpp"
 
 namespace uccl_moe::test {
+
+/// Address ranges a fake treats as GPU memory (a plain registration of them needs peer-memory support).
+struct GpuRanges {
+  std::vector<std::pair<uint64_t, size_t>> ranges;  ///< (base, bytes)
+  void mark(void* p, size_t bytes) { ranges.emplace_back(uint64_t(reinterpret_cast<uintptr_t>(p)), bytes); }
+  bool contains(void* p) const {
+    const uint64_t a = uint64_t(reinterpret_cast<uintptr_t>(p));
+    for (const auto& [b, n] : ranges)
+      if (a >= b && a < b + n) return true;
+    return false;
+  }
+};
 
 template <typename Fabric>
 struct DmabufExporter {

@@ -339,7 +339,7 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
     return f_->qps.at(q->qp_num);
   }
   /// GPU-looking memory for the registration tests: ranges the fake treats as device memory.
-  void mark_gpu(void* p, size_t bytes) { gpu_.emplace_back(uint64_t(reinterpret_cast<uintptr_t>(p)), bytes); }
+  void mark_gpu(void* p, size_t bytes) { gpu_.mark(p, bytes); }
 
   // ---- VerbsOps ----
   std::vector<std::string> device_names() override {
@@ -387,7 +387,7 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
   ibv_mr* reg_mr(ibv_pd* pd, void* addr, size_t len, int access) override {
     EfaFabric::Dev& d = of_pd(pd);
     if (!access_ok(d, access) || !size_ok(d, len)) return nullptr;
-    if (is_gpu(addr) && !d.prof.peer_memory) {  // no efa_nv_peermem: the kernel cannot pin GPU pages
+    if (gpu_.contains(addr) && !d.prof.peer_memory) {  // no efa_nv_peermem: the kernel cannot pin GPU pages
       errno = EOPNOTSUPP;
       return nullptr;
     }
@@ -697,12 +697,6 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
     }
     return true;
   }
-  bool is_gpu(void* p) const {
-    const uint64_t a = uint64_t(reinterpret_cast<uintptr_t>(p));
-    for (auto& [b, n] : gpu_)
-      if (a >= b && a < b + n) return true;
-    return false;
-  }
   ibv_mr* add_mr(EfaFabric::Dev& d, uint64_t addr, size_t len, int access) {
     auto mr = std::make_unique<ibv_mr>();
     std::lock_guard<std::mutex> l(f_->mu);
@@ -739,7 +733,7 @@ class FakeEfaNic : public detail::VerbsOps, public detail::EfaOps {
   std::vector<std::unique_ptr<EfaFabric::Qp>> qps_;
   std::vector<std::unique_ptr<EfaFabric::Ah>> ahs_;
   std::map<ibv_ah*, EfaFabric::Ah*> ahs_by_ptr_;
-  std::vector<std::pair<uint64_t, size_t>> gpu_;
+  GpuRanges gpu_;
 };
 
 /// The dma-buf exporter of the registration tests over this fake (fake_nic/dmabuf_exporter.hpp).

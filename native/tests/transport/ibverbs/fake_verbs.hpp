@@ -356,7 +356,7 @@ class FakeVerbs : public detail::VerbsOps {
   int dealloc_pd(ibv_pd*) override { return 0; }
   ibv_mr* reg_mr(ibv_pd*, void* addr, size_t len, int access) override {
     if (!mr_access_ok(access)) return nullptr;
-    if (is_gpu(addr) && !dev_.peer_memory) {  // no nvidia-peermem: the kernel cannot pin GPU pages
+    if (gpu_.contains(addr) && !dev_.peer_memory) {  // no nvidia-peermem: the kernel cannot pin GPU pages
       errno = EFAULT;
       return nullptr;
     }
@@ -541,7 +541,7 @@ class FakeVerbs : public detail::VerbsOps {
   int drop_every = 0;
 
   /// GPU-looking memory for the registration tests: ranges the fake treats as device memory.
-  void mark_gpu(void* p, size_t bytes) { gpu_.emplace_back(uint64_t(reinterpret_cast<uintptr_t>(p)), bytes); }
+  void mark_gpu(void* p, size_t bytes) { gpu_.mark(p, bytes); }
 
  private:
   bool mr_access_ok(int access) {
@@ -551,12 +551,6 @@ class FakeVerbs : public detail::VerbsOps {
       return false;
     }
     return true;
-  }
-  bool is_gpu(void* p) const {
-    const uint64_t a = uint64_t(reinterpret_cast<uintptr_t>(p));
-    for (auto& [b, n] : gpu_)
-      if (a >= b && a < b + n) return true;
-    return false;
   }
   ibv_mr* add_mr(uint64_t addr, size_t len, int access, bool dmabuf) {
     auto* mr = keep(new ibv_mr{});
@@ -581,7 +575,7 @@ class FakeVerbs : public detail::VerbsOps {
   int num_qps_ = 0;
   std::vector<uint32_t> my_qps_, my_keys_;
   std::vector<ibv_cq*> my_cqs_;
-  std::vector<std::pair<uint64_t, size_t>> gpu_;
+  GpuRanges gpu_;
   std::vector<std::function<void()>> owned_;
 };
 
