@@ -119,7 +119,7 @@ def mode_label(args: argparse.Namespace) -> str:
     knobs.append(f"{'row' if args.scales == 'row' else 'column'}-major FP8 scales")
     if args.combine_view:
         knobs.append("combine from the buffer timed too")
-    if getattr(args, "combine_staged", False):
+    if args.combine_staged:
         knobs.append("staged combine timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 

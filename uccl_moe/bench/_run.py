@@ -131,7 +131,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         "combine": (lambda: buf.combine(y, h, config=ccfg), None)}
     if args.combine_view:
         ops["combine_view"] = (lambda: buf.combine(view[0], h, config=ccfg), fill_view)
-    if getattr(args, "combine_staged", False):
+    if args.combine_staged:
         ops["combine_staged"] = (lambda: _staged_combine(buf, y, h, ccfg), None)
     for op, (fn, prep) in ops.items():
         if prep is not None:
@@ -141,7 +141,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
-    if getattr(args, "combine_staged", False):
+    if args.combine_staged:
         out["combine_staged_fits"] = bool(buf.combine_buffer_fits(h, H))  # else "staged" timed the ring
         staged = _staged_combine(buf, y, h, ccfg).combined_x
         out["combine_staged_equal"] = bool(torch.equal(staged, buf.combine(y, h, config=ccfg).combined_x))
@@ -296,7 +296,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     for _, h, _, dt, s, ns, nr in points:
         _, _, dc, cc = point_configs(R, s, ns, nr, dt)
         nvl = max(nvl, dc.get_nvl_buffer_size_hint(h * 2, R), cc.get_nvl_buffer_size_hint(h * 2, R))
-    if args.combine_view or getattr(args, "combine_staged", False):  # room for the rows: any rank's tokens may come
+    if args.combine_view or args.combine_staged:  # room for the rows: any rank's tokens may come
         nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
     buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ceiling_bytes = min(1 << 30, nvl - (2 << 20)) // 2
