@@ -606,6 +606,43 @@ def test_native_timeout_when_a_rank_skips_a_combine() -> None:
 
 
 # -------------------------------------------------------------------------------------------- combine from the buffer
+PULL_WORST_T = 1100  # the num_worst_tokens of the pull tests' worst-case handles
+
+
+def pull_buffers(rank: int, R: int, gloo):
+    """(config, native Buffer, reference Buffer, checks) for the tests of the combines that read the NVL buffer (from
+    the buffer, staged): room for every rank's rows of PULL_WORST_T tokens at hidden 7168 with 8 weights each."""
+    from uccl_moe import Buffer, Config
+
+    cfg = Config(24, 8, 256, 6, 128)
+    rows_max = PULL_WORST_T * R
+    nvl = max(cfg.get_nvl_buffer_size_hint(7168 * 2, R), (1 << 20) + rows_max * 7168 * 2 + rows_max * 8 * 4 + 4096)
+    nvl = -(-nvl // 4096) * 4096
+    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
+    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
+    return cfg, nat, ref, Checks(rank, R)
+
+
+def pull_inputs(nat, ref, case: _Case, cfg):
+    """One pull-test case dispatched by both Buffers, and fresh combine inputs: (native result, reference result,
+    rows y, biases b0, b1 on the CPU, and y, b0, b1 on the GPU)."""
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    _, rr = _dispatch(ref, case, "cpu", config=cfg)
+    y = torch.randn((rn.recv_x.shape[0], case.H), generator=case.gen).bfloat16()
+    b0 = torch.randn((case.T, case.H), generator=case.gen).bfloat16()
+    b1 = torch.randn((case.T, case.H), generator=case.gen).bfloat16()
+    return rn, rr, y, b0, b1, y.cuda(), b0.cuda(), b1.cuda()
+
+
+def pull_cases(rank: int) -> list[tuple[str, int, int, int, int, str]]:
+    """(name, tokens, hidden, experts per rank, top-k, routing): random, -1 entries with a token count that differs
+    per rank, skewed, a rank that receives nothing, an odd hidden (257 x 16 B), one token, hidden 7168."""
+    return [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
+            ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
+            ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
+            ("7168", 1024, 7168, 64, 8, "random")]
+
+
 def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False) -> None:
     """Combine from the buffer (get_combine_buffer + combine_pull.cu) against the ring combine and the reference.
     The same rows, weights and biases go through both paths: the sums must be bitwise equal (same rank order), and
@@ -619,14 +656,8 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
 
     small = small or os.environ.get("UMOE_TEST_SMALL", "0") == "1"
     R = world
-    cfg = Config(24, 8, 256, 6, 128)
-    worst_T = 1100
-    rows_max = worst_T * R
-    nvl = max(cfg.get_nvl_buffer_size_hint(7168 * 2, R), (1 << 20) + rows_max * 7168 * 2 + rows_max * 8 * 4 + 4096)
-    nvl = -(-nvl // 4096) * 4096
-    nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
-    ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
-    check = Checks(rank, R)
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    nvl, worst_T = nat.num_nvl_bytes, PULL_WORST_T
     pull_cfgs = [cfg, Config(20, 8, 256, 6, 128), Config(2, 8, 256, 6, 128)]
 
     def pull(res, y, **kw):
@@ -656,21 +687,13 @@ def _combine_from_buffer_worker(rank: int, world: int, gloo, small: bool = False
               and (most == 0 or (got[0] and not got[2]))
               and (int(worst_res.recv_x.shape[0]) <= most or not got[4]))
 
-    cases = [("random", 512, 2048, 16, 8, "random"), ("neg", 300 + 17 * rank, 4096, 8, 4, "neg"),
-             ("skew", 700, 2048, 16, 8, "skew"), ("empty-last", 256, 2048, 16, 4, "empty_last"),
-             ("odd-hidden", 333, 2056, 4, 3, "random"), ("1-token", 1, 2048, 4, 4, "random"),
-             ("7168", 1024, 7168, 64, 8, "random")]
+    cases = pull_cases(rank)
     if small:
         cases, pull_cfgs = cases[:2], pull_cfgs[:1]
     for seed, (name, T, H, per_rank, K, routing) in enumerate(cases):
         case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 200 + seed)
-        _, rn = _dispatch(nat, case, "cuda", config=cfg)
-        _, rr = _dispatch(ref, case, "cpu", config=cfg)
+        rn, rr, y, b0, b1, yc, b0c, b1c = pull_inputs(nat, ref, case, cfg)
         n = rn.recv_x.shape[0]
-        y = torch.randn((n, H), generator=case.gen).bfloat16()
-        b0 = torch.randn((T, H), generator=case.gen).bfloat16()
-        b1 = torch.randn((T, H), generator=case.gen).bfloat16()
-        yc, b0c, b1c = y.cuda(), b0.cuda(), b1.cuda()
         ring = nat.combine(yc, rn.handle, topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
         ring_plain = nat.combine(yc, rn.handle, config=cfg).combined_x
         want = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)

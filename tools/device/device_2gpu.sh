@@ -9,6 +9,8 @@
 #   inter    emulated-internode GPU tests (ranks share the 2 GPUs)
 #   itest    the intranode GPU suite (UMOE_TEST_ITERS back-to-back calls; default 5)
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
+#   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each
+#            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
@@ -49,6 +51,15 @@ for stage in ${STAGES:-quick bench}; do
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
     echo "itest rc=$?"; sum "$OUT/itest.log" ;;
+  staged)
+    timeout "${STAGED_T:-540}" "${P[@]}" --timeout 300 tests/gpu/test_combine_staged_gpu.py > "$OUT/staged.log" 2>&1
+    echo "staged test rc=$?"; sum "$OUT/staged.log"
+    for r in ${BENCH_RANKS:-2}; do
+      e=256; [ "$r" = 3 ] && e=255
+      timeout 150 python3 -m uccl_moe.bench --ranks "$r" --experts $e --combine-staged --device-time --png= \
+        --json "$OUT/staged_ep$r.json" 2>&1 | grep -v "it/s\]" > "$OUT/staged_bench_ep$r.log"
+      echo "staged bench EP$r rc=$?"; head -8 "$OUT/staged_bench_ep$r.log"
+    done ;;
   scales)
     mkdir -p "$OUT/scales"; i=0
     for s in col row col row; do

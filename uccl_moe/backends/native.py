@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C, _checks
+from .. import _C, _checks, env
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import current_raw_stream, tensor_at
@@ -337,9 +337,15 @@ class NativeBackend(Backend):
         if self._in_buffer(x):
             return self._combine_from_buffer(x, handle, topk_weights, bias, config)
         x = x.contiguous()
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        if env.get("COMBINE_STAGED") and self.combine_buffer_fits(handle, int(x.shape[1]), K):
+            # Staged (UCCL_MOE_COMBINE_STAGED, alike on every rank; the fit is too): the other ranks' rows into
+            # the buffer with the whole GPU, then the pull, which reads our own rows from x.
+            _C.stage_combine_rows_intranode(self._rt, _ptr(x), int(x.shape[1]), int(x.shape[0]),
+                                            _ptr(handle.rank_prefix_matrix), self._stream())
+            return self._pull(x, handle, topk_weights, bias, config, own_x=_ptr(x))
         geo = self.geometry(self._sms_of(handle), config)
         T = int(handle.is_token_in_rank.shape[0])
-        K = topk_weights.shape[1] if topk_weights is not None else 0
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         args = _C.CombineArgs(
             x=_ptr(x), topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1),
@@ -413,13 +419,21 @@ class NativeBackend(Backend):
             )
         self._refuse_over_buffer(int(end), f"combine from the buffer with topk_weights of {K} per row (rows, then "
                                            f"the staged weights)")
+        return self._pull(x, handle, topk_weights, bias, config)
+
+    def _pull(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
+              config: Any, own_x: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launches combine_pull over `x`'s rows (the view, or with `own_x` a staged caller's tensor whose other
+        ranks' rows were copied into the buffer)."""
+        rows, H = int(x.shape[0]), int(x.shape[1])
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
         T = int(handle.is_token_in_rank.shape[0])
         lanes = handle.channel_prefix_matrix
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
         args = _C.CombinePullArgs(
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
             lane_prefix=_ptr(lanes), send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K,
-            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w))
+            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w), own_x=own_x)
         _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
         return out, out_w
 

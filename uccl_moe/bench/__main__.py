@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "row = row-major (contiguous)")
     p.add_argument("--combine-view", action="store_true",
                    help="also time combine from the Buffer's own memory (get_combine_buffer; a uccl-moe extension)")
+    p.add_argument("--combine-staged", action="store_true",
+                   help="also time the staged combine of the same tensor (UCCL_MOE_COMBINE_STAGED=1: the other ranks' "
+                        "rows copied into the Buffer, then pulled; off by default until measured; a Buffer with room "
+                        "for the rows)")
     p.add_argument("--tuned", action="store_true",
                    help=f"the tuned path instead of the API defaults: explicit Config(sms, {TUNED_NVL_SEND}, "
                         f"{TUNED_NVL_RECV}) (unless --nvl-send/--nvl-recv say otherwise), row-major scales, "
@@ -101,7 +105,7 @@ def resolve_mode(args: argparse.Namespace) -> None:
         args.combine_view = True
     explicit = args.nvl_send is not None or args.nvl_recv is not None  # a missing one: the API's preset value
     args.scales = args.scales or "col"
-    args.mode = "tuned" if explicit or args.scales != "col" or args.combine_view else "api"
+    args.mode = "tuned" if explicit or args.scales != "col" or args.combine_view or args.combine_staged else "api"
 
 
 def mode_label(args: argparse.Namespace) -> str:
@@ -115,6 +119,8 @@ def mode_label(args: argparse.Namespace) -> str:
     knobs.append(f"{'row' if args.scales == 'row' else 'column'}-major FP8 scales")
     if args.combine_view:
         knobs.append("combine from the buffer timed too")
+    if args.combine_staged:
+        knobs.append("staged combine timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 
 
@@ -188,9 +194,14 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
     print("all columns:")
     print(_table(rows))
     for r in rows:
-        if r.get("combine_view_equal") is False:  # a correctness check, not a timing: say it loudly
-            print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: combine from the buffer differs from "
-                  f"combine", file=sys.stderr)
+        for key, what in (("combine_view_equal", "combine from the buffer"),
+                          ("combine_staged_equal", "staged combine")):
+            if r.get(key) is False:  # a correctness check, not a timing: say it loudly
+                print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from combine",
+                      file=sys.stderr)
+        if r.get("combine_staged_fits") is False:
+            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer, so "
+                  f"'combine staged' timed the ring combine", file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
     out = {"device": dev, "ranks": R, "argv": sys.argv[1:], "mode": args.mode, "mode_label": mode_label(args),

@@ -115,7 +115,8 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, num_topk),
             UCCL_MOE_ARG(CombinePullArgs, num_lanes),
             UCCL_MOE_ARG(CombinePullArgs, out),
-            UCCL_MOE_ARG(CombinePullArgs, out_topk_weights));
+            UCCL_MOE_ARG(CombinePullArgs, out_topk_weights),
+            UCCL_MOE_ARG(CombinePullArgs, own_x));
 
   m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
     return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
@@ -284,6 +285,15 @@ void register_runtime(nb::module_& m) {
     rt.check_num_sms(num_sms);
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
+
+  m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t num_rows,
+                                           uintptr_t rank_prefix, uintptr_t stream) {
+    // The whole GPU (two blocks per SM): an HBM-bound copy, done before the pull's SMs start.
+    const int blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
+    intranode::launch_stage_combine_rows(rt.context(), reinterpret_cast<const void*>(x), hidden, num_rows,
+                                         reinterpret_cast<const int32_t*>(rank_prefix), blocks, stream_of(stream));
+  }, "runtime"_a, "x"_a, "hidden"_a, "num_rows"_a, "rank_prefix"_a, "stream"_a,
+  "A staged combine's first half: the rows of x that came from other ranks into this rank's buffer (intranode.hpp)");
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));

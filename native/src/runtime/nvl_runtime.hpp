@@ -69,6 +69,8 @@ class NvlRuntime {
   /// dispatch or combine must be resident at once (a sender spins until its channel's receiver drains the ring),
   /// so a larger grid would run some channels only after others finished, or time out.
   void check_num_sms(int num_sms) const;
+  /// SMs / CUs of the device (0: unknown).
+  int device_sms() const { return device_sms_; }
   /// The lane geometry of an op with `num_sms` blocks and these Config chunk sizes on this buffer: the one place it
   /// is computed (check_num_sms, then intranode::placed_geometry for this buffer). Throws
   /// InvalidUsage naming the Config field to change.

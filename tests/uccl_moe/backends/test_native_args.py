@@ -155,6 +155,18 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
+def _fake_backend(R: int, rows: int) -> Any:
+    """A NativeBackend without a GPU: the runtime is a fake (_FakeRuntime), the tensors live on the CPU."""
+    from uccl_moe.backends import native
+
+    backend = object.__new__(native.NativeBackend)
+    backend._rt, backend._inter, backend.R = _FakeRuntime(R, rows), None, R
+    backend.W = _C.intranode_lanes_per_channel(R)
+    backend._stream = lambda: 0  # type: ignore[method-assign]
+    backend.ctx = SimpleNamespace(num_nvl_bytes=1 << 20)
+    return backend
+
+
 @pytestmark_kernels
 def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -168,11 +180,7 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     for op in ("notify_dispatch", "dispatch_intranode", "combine_intranode"):
         monkeypatch.setattr(native._C, op, lambda rt, geo, args, stream, op=op: calls.append((op, geo, args)))
     R, T, H, K, E, rows = 2, 5, 64, 2, 4, 7
-    backend = object.__new__(native.NativeBackend)  # no GPU: the runtime is a fake, the tensors live on the CPU
-    backend._rt, backend._inter, backend.R = _FakeRuntime(R, rows), None, R
-    backend.W = _C.intranode_lanes_per_channel(R)
-    backend._stream = lambda: 0  # type: ignore[method-assign]
-    backend.ctx = SimpleNamespace(num_nvl_bytes=1 << 20)
+    backend = _fake_backend(R, rows)
     cfg = Config(24, 8, 256, 6, 128)
     x = torch.zeros((T, H), dtype=torch.bfloat16)
     req = DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
@@ -211,6 +219,57 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     assert (comb.x, comb.rank_prefix, comb.recv_lane_start, comb.send_head, comb.out) == \
         (_ptr(y), _ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix), _ptr(h.send_head), _ptr(out))
     assert (comb.num_tokens, comb.hidden, comb.num_topk, comb.topk_weights) == (T, H, 0, 0)
+
+
+@pytestmark_kernels
+def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_in_x(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCCL_MOE_COMBINE_STAGED=1: a caller's tensor that fits the buffer is combined by the stage kernel (x, its rows,
+    the handle's rank prefix) followed by the pull with own_x = x, not by the ring combine; unset, or when the rows do
+    not fit, the ring combine runs (the GPU suite checks the bits)."""
+    from uccl_moe.backends import native
+
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(native._C, "combine_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
+    monkeypatch.setattr(native._C, "combine_pull_intranode",
+                        lambda rt, num_sms, num_rows, args, stream: calls.append(("pull", (num_sms, num_rows, args))))
+    monkeypatch.setattr(native._C, "stage_combine_rows_intranode",
+                        lambda rt, x, hidden, num_rows, rank_prefix, stream:
+                        calls.append(("stage", (x, hidden, num_rows, rank_prefix))))
+    R, T, H, K, rows = 2, 5, 64, 2, 7
+    backend = _fake_backend(R, rows)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)  # the meta region (1 MiB), then the rows
+    L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
+    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
+                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_src_idx=torch.zeros(rows, dtype=torch.int32),
+                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    cfg = Config(24, 8, 256, 6, 128)
+    y = torch.ones((rows, H), dtype=torch.bfloat16)
+    w = torch.ones((rows, K))
+    monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "1")
+    out, out_w = backend.combine(y, h, w, (None, None), cfg)
+    (op1, stage), (op2, (num_sms, num_rows, pull)) = calls
+    assert (op1, op2) == ("stage", "pull")
+    assert stage == (_ptr(y), H, rows, _ptr(h.rank_prefix_matrix))
+    assert (num_sms, num_rows) == (24, rows)
+    assert (pull.own_x, pull.topk_weights, pull.out, pull.out_topk_weights) == (_ptr(y), _ptr(w), _ptr(out),
+                                                                                 _ptr(out_w))
+    assert (pull.num_tokens, pull.hidden, pull.num_topk, pull.num_lanes) == (T, H, K, L)
+    assert (pull.rank_prefix, pull.lane_prefix, pull.send_head) == (
+        _ptr(h.rank_prefix_matrix), _ptr(h.channel_prefix_matrix), _ptr(h.send_head))
+
+    calls.clear()
+    backend.ctx = SimpleNamespace(num_nvl_bytes=1 << 20)  # the rows do not fit: the ring, on every rank alike
+    backend.combine(y, h, w, (None, None), cfg)
+    assert [op for op, _ in calls] == ["ring"]
+    calls.clear()
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "0")
+    backend.combine(y, h, w, (None, None), cfg)
+    assert [op for op, _ in calls] == ["ring"]
 
 
 @pytest.mark.gpu

@@ -68,6 +68,21 @@ def test_combine_from_the_buffer_columns_and_equality_flag() -> None:
     assert header.index("comb_us") < header.index("combv_us") < header.index("combv_nvl")
 
 
+def test_staged_combine_columns_and_equality_flag() -> None:
+    """combine_staged (--combine-staged) is summarised like combine, gets its columns, and its bitwise check against
+    the ring combine is false if any rank saw a difference."""
+    a = {**_rank(100.0, 400, 300), "combine_staged_us": 120.0, "combine_staged_equal": True}
+    b = {**_rank(90.0, 400, 300), "combine_staged_us": 130.0, "combine_staged_equal": False}
+    row = _summarise([a, b])
+    assert row["combine_staged_us"] == 130.0 and row["combine_staged_nvlink_GBps"] == round(300 * 2000 / 130e3, 1)
+    assert row["combine_staged_equal"] is False and _summarise([a, a])["combine_staged_equal"] is True
+    assert _summarise([{**a, "combine_staged_fits": True}, {**b, "combine_staged_fits": False}])[
+        "combine_staged_fits"] is False
+    row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8)
+    header = _table([row]).splitlines()[0].split()
+    assert header.index("comb_us") < header.index("combs_us") < header.index("combs_nvl")
+
+
 def test_host_time_per_call_is_the_slowest_ranks_and_tabled() -> None:
     """Each op's host time (CPU us for the Python call to return) is summarised per op as the slowest rank's, next to
     (not mixed into) its GPU time, and gets a table column."""

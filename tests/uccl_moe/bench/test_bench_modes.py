@@ -48,6 +48,7 @@ def test_device_time_is_labelled_as_not_what_a_caller_sees(argv) -> None:
     (["--nvl-send", "4"], [4], None, "col", False),
     (["--scales", "row"], None, None, "row", False),
     (["--combine-view"], None, None, "col", True),
+    (["--combine-staged"], None, None, "col", False),
 ])
 def test_any_tuning_knob_is_the_tuned_mode_and_says_so(argv, nvl_send, nvl_recv, scales, view) -> None:
     args = _args(*argv)
@@ -110,6 +111,9 @@ def test_per_op_summary_ratio_combine_row_and_fp8_over_bf16() -> None:
     ops = op_summary([_row("bf16", 400.0, None, combine_view_us=200.0)])
     assert [e["op"] for e in ops] == ["dispatch bf16", "combine", "combine from the buffer"]
     assert ops[0]["speedup"] is None and ops[2]["ours_us"] == 200.0 and ops[2]["speedup"] == 1.5
+    ops = op_summary([_row("bf16", 400.0, 300.0, combine_staged_us=250.0)])
+    assert [e["op"] for e in ops] == ["dispatch bf16", "combine", "combine staged"]
+    assert ops[2]["ours_us"] == 250.0 and ops[2]["speedup"] == round(300.0 / 250.0, 2)
 
 
 def test_per_op_table_lists_each_op_with_ours_nccl_ratio_host_and_ceilings() -> None:

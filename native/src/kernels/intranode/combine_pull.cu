@@ -100,8 +100,12 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int num_16 = static_cast<int>(row_bytes / 16);
   const int per_lane = (T + L - 1) / L;
-  // Per lane d < N: rank d's rows and staged weights, and where its rows from us start.
-  const char* rows_d = lane < N ? static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput : nullptr;
+  // Per lane d < N: rank d's rows and staged weights, and where its rows from us start. A staged combine left our
+  // own rows in the caller's tensor (own_x): the same row numbers there.
+  const char* rows_d = nullptr;
+  if (lane < N)
+    rows_d = lane == me && a.own_x != nullptr ? static_cast<const char*>(a.own_x)
+                                              : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
   // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
   // topk_weights pointer is null because it received no rows.
   const float* weights_d = nullptr;
@@ -166,7 +170,54 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   }
 }
 
+constexpr int kStageThreads = 512;
+constexpr int kStageUnroll = 4;  // 16-B words per thread in flight
+
+/// launch_stage_combine_rows: the 16-B words of the received rows that came from other ranks, as one index space
+/// (the rows before our own block, then the rows after it), each copied to the same place of the buffer's rows.
+__global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const int4* __restrict__ x,
+                                                                            int4* __restrict__ rows, int64_t row_words,
+                                                                            const int32_t* rank_prefix, int N, int me) {
+  const int64_t received = rank_prefix[(N - 1) * N + me];
+  const int64_t own_begin = me > 0 ? rank_prefix[(me - 1) * N + me] : 0;
+  const int64_t own_end = rank_prefix[me * N + me];
+  const int64_t before = own_begin * row_words;          // words of rows [0, own_begin)
+  const int64_t skip = (own_end - own_begin) * row_words;  // words of our own rows, left in x
+  const int64_t total = before + (received - own_end) * row_words;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
+       base += stride * kStageUnroll) {
+    int4 v[kStageUnroll];
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) v[u] = gpu::load_stream_128(x + (i < before ? i : i + skip));
+    }
+#pragma unroll
+    for (int u = 0; u < kStageUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) gpu::store_stream_128(rows + (i < before ? i : i + skip), v[u]);
+    }
+  }
+}
+
 }  // namespace
+
+void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t num_rows,
+                               const int32_t* rank_prefix, int grid_blocks, void* stream) {
+  UCCL_ASSERT(hidden > 0 && (hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
+              hidden);
+  const int64_t row_bytes = static_cast<int64_t>(hidden) * 2;
+  const int64_t end = static_cast<int64_t>(combine_input_weights_offset(num_rows, row_bytes));
+  UCCL_ASSERT(end <= ctx.num_nvl_bytes, "staging %lld combine rows of %lld bytes needs %lld NVL bytes but the Buffer "
+              "has %lld", static_cast<long long>(num_rows), static_cast<long long>(row_bytes),
+              static_cast<long long>(end), static_cast<long long>(ctx.num_nvl_bytes));
+  if (num_rows == 0) return;
+  int4* rows = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[ctx.rank]) + kOffCombineInput);
+  stage_combine_rows_kernel<<<grid_blocks > 0 ? grid_blocks : 1, kStageThreads, 0, static_cast<gpu::Stream>(stream)>>>(
+      static_cast<const int4*>(x), rows, row_bytes / 16, rank_prefix, ctx.num_ranks, ctx.rank);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
 
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream) {
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",

@@ -194,9 +194,19 @@ struct CombinePullArgs {
   void* out;                     ///< [T, hidden] bf16
   float* out_topk_weights;       ///< [T, K] or null; given on every rank alike (topk_weights is null on a rank
                                  ///< that received no rows)
+  const void* own_x = nullptr;   ///< [rows, hidden] bf16 or null: a staged combine (launch_stage_combine_rows put
+                                 ///< only the other ranks' rows into the buffer) reads our own copies here
 };
 /// `num_sms` blocks; `num_rows` = rows of the caller's input (>= rows received), checked against the buffer.
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream);
+
+/// The first half of a staged combine (a caller's tensor combined from the buffer): copies the rows of `x` [rows,
+/// hidden] bf16 that came from other ranks (all but [rank_prefix[me - 1][me], rank_prefix[me][me])) to the same rows
+/// at kOffCombineInput of this rank's buffer, where the peers' combine_pull loads them; the pull that follows reads
+/// our own copies from x (CombinePullArgs::own_x). `grid_blocks` blocks (the whole GPU: this copy is HBM-bound).
+/// Ordered before the pull by the stream; the pull's start hand-shake publishes the rows to the peers.
+void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t num_rows,
+                               const int32_t* rank_prefix, int grid_blocks, void* stream);
 
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);

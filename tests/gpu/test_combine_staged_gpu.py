@@ -1,0 +1,115 @@
+"""The staged combine (UCCL_MOE_COMBINE_STAGED=1): a combine of a tensor of the caller's whose rows fit the Buffer
+copies the other ranks' rows into the NVL buffer (stage_combine_rows_intranode), then pulls (combine_pull.cu, our own
+rows read from the caller's tensor). It sums in the same order as the ring combine, so the two must give the same bits.
+
+Cases (fresh random inputs, never zeros): random routing, -1 top-k entries with a different token count per rank,
+skewed routing, a rank that receives nothing, an odd hidden, one token, hidden 7168; with top-k weights and both
+biases, and without; the num_worst_tokens handle; staged, ring, pull from the view and cached dispatch interleaved on
+one Buffer; 24 staged combines back to back with other rows each time and one rank late (a rank that staged its next
+rows while a peer still read the previous ones would corrupt that peer's sum); a Buffer too small for the rows takes
+the ring on every rank. Ranks may share one GPU (CUDA IPC between processes on one device).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.mp import run_shared_gpu_ranks
+from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, pull_buffers, pull_cases, pull_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _combine(nat, staged: bool, *args, **kw):
+    """nat.combine with UCCL_MOE_COMBINE_STAGED set for this call (every rank calls alike)."""
+    os.environ["UCCL_MOE_COMBINE_STAGED"] = "1" if staged else "0"
+    try:
+        return nat.combine(*args, **kw)
+    finally:
+        os.environ.pop("UCCL_MOE_COMBINE_STAGED", None)
+
+
+def _staged_worker(rank: int, world: int, gloo) -> None:
+    from uccl_moe import Buffer
+
+    R = world
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    worst_T = PULL_WORST_T
+    for seed, (name, T, H, per_rank, K, routing) in enumerate(pull_cases(rank)):
+        case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 400 + seed)
+        rn, rr, y, b0, b1, yc, b0c, b1c = pull_inputs(nat, ref, case, cfg)
+        n = rn.recv_x.shape[0]
+        check(f"{name}: the rows fit (the staged path runs)", nat.combine_buffer_fits(rn.handle, H, K))
+        extras = dict(topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
+        ring = _combine(nat, False, yc, rn.handle, **extras)
+        staged = _combine(nat, True, yc, rn.handle, **extras)
+        want = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
+        check(f"{name}: staged == ring (bitwise)", torch.equal(staged.combined_x, ring.combined_x))
+        check(f"{name}: staged weights == ring", torch.equal(staged.combined_topk_weights, ring.combined_topk_weights))
+        check(f"{name}: staged vs reference", _close_bf16(staged.combined_x, want.combined_x, None))
+        check(f"{name}: the caller's rows are untouched", torch.equal(yc.cpu(), y))
+        y2 = (yc.float() * 2 - 1).bfloat16()  # other rows: a copy the stage kernel skipped would show
+        plain = _combine(nat, True, y2, rn.handle, config=cfg).combined_x
+        check(f"{name}: staged without extras", torch.equal(plain, _combine(nat, False, y2, rn.handle,
+                                                                            config=cfg).combined_x))
+        _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst_T * R)
+        yw = torch.cat([yc, torch.randn((worst_T * R - n, H), device="cuda").bfloat16()])
+        got = _combine(nat, True, yw, wn.handle, **{**extras, "topk_weights": wn.recv_topk_weights})
+        check(f"{name}: staged via the worst handle", torch.equal(got.combined_x, ring.combined_x)
+              and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+
+    # The staged path ran: its two kernels, not the ring's.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _combine(nat, True, yc, rn.handle, config=cfg)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
+    check(f"the staged kernels ran ({names[:200]})", "combine_pull_kernel" in names
+          and "combine_intranode_kernel" not in names and (rn.recv_x.shape[0] == 0 or R == 1
+                                                            or "stage_combine_rows_kernel" in names))
+
+    # Interleaved on one Buffer: staged, ring, pull from the view, cached dispatch; then 24 staged back to back.
+    case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 500)
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    y = (rn.recv_x.float() * 0.5 - 1).bfloat16()
+    ring = _combine(nat, False, y, rn.handle, config=cfg).combined_x
+    ok = torch.equal(_combine(nat, True, y, rn.handle, config=cfg).combined_x, ring)
+    view = nat.get_combine_buffer(rn.handle, 4096)
+    view.copy_(y)
+    ok &= torch.equal(nat.combine(view, rn.handle, config=cfg).combined_x, ring)
+    ok &= torch.equal(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x, rn.recv_x)
+    ok &= torch.equal(_combine(nat, True, y, rn.handle, config=cfg).combined_x, ring)
+    ok &= torch.equal(_combine(nat, False, y, rn.handle, config=cfg).combined_x, ring)
+    check("staged / ring / pull / cached dispatch interleaved", ok)
+    ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
+    wants = [_combine(nat, False, yi, rn.handle, config=cfg).combined_x for yi in ys]
+    outs = []
+    for yi in ys:
+        if rank == 0:
+            torch.cuda._sleep(200_000)
+        outs.append(_combine(nat, True, yi, rn.handle, config=cfg).combined_x)
+    check("24 staged combines back to back, other rows each, one rank late",
+          all(torch.equal(o, w) for o, w in zip(outs, wants)))
+
+    # A Buffer too small for the rows: every rank takes the ring (combine_buffer_fits answers alike).
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)
+    small = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend="native",
+                   explicitly_destroy=True)
+    big = _Case(rank, R, 4096, 7168, 16 * R, 8, False, "none", "random", 501)
+    _, bn = _dispatch(small, big, "cuda", config=cfg)
+    yb = torch.randn(bn.recv_x.shape, device="cuda").bfloat16()
+    check("the small Buffer cannot hold the rows", not small.combine_buffer_fits(bn.handle, 7168, 0))
+    check("too small: the ring, same bits", torch.equal(_combine(small, True, yb, bn.handle, config=cfg).combined_x,
+                                                        _combine(small, False, yb, bn.handle, config=cfg).combined_x))
+    torch.cuda.synchronize()
+    check.finish(gloo, small, nat, ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_staged_combine_matches_the_ring(world: int) -> None:
+    run_shared_gpu_ranks(_staged_worker, world, timeout_s=600)
