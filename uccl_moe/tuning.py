@@ -79,6 +79,21 @@ INTERNODE = Preset(
 )
 
 
+#: EP sizes whose intranode combine of a caller's tensor is staged by default (``UCCL_MOE_COMBINE_STAGED=auto``): the
+#: other ranks' rows are copied into the NVL buffer and pulled, instead of pushed through the rings. Each entry names
+#: where the staged combine measured faster than the ring combine in the same runs (``python -m uccl_moe.bench
+#: --ranks R --combine-staged --device-time``; the figures are in docs/benchmarks.md). Other sizes keep the rings
+#: until measured.
+STAGED_COMBINE: dict[int, str] = {
+    2: "NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench --ranks 2 --combine-staged --device-time",
+}
+
+
+def combine_staged(num_ranks: int, knob: str) -> bool:
+    """Whether an intranode combine of a caller's tensor over `num_ranks` ranks takes the staged path (where its rows
+    fit the buffer), given ``UCCL_MOE_COMBINE_STAGED``'s value `knob` (``auto``, ``1`` or ``0``)."""
+    return knob == "1" or (knob == "auto" and num_ranks in STAGED_COMBINE)
+
 def preset_for(num_ranks: int) -> Preset:
     """The row for a group of `num_ranks` >= 1 ranks."""
     return INTRANODE[num_ranks] if num_ranks <= MAX_INTRANODE_RANKS else INTERNODE

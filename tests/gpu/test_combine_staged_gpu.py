@@ -6,8 +6,10 @@ Cases (fresh random inputs, never zeros): random routing, -1 top-k entries with 
 skewed routing, a rank that receives nothing, an odd hidden, one token, hidden 7168; with top-k weights and both
 biases, and without; the num_worst_tokens handle; staged, ring, pull from the view and cached dispatch interleaved on
 one Buffer; 24 staged combines back to back with other rows each time and one rank late (a rank that staged its next
-rows while a peer still read the previous ones would corrupt that peer's sum); a Buffer too small for the rows takes
-the ring on every rank. Ranks may share one GPU (CUDA IPC between processes on one device).
+rows while a peer still read the previous ones would corrupt that peer's sum). The staged rows are compacted (only the
+rows from other ranks): a Buffer sized by the ring's hint, too small for every received row (no view), still stages
+4096 tokens at hidden 7168, while one too small for the rows from other ranks takes the ring on every rank. Ranks may
+share one GPU (CUDA IPC between processes on one device).
 """
 
 from __future__ import annotations
@@ -62,15 +64,8 @@ def _staged_worker(rank: int, world: int, gloo) -> None:
               and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
 
     # The staged path ran: its two kernels, not the ring's.
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _combine(nat, True, yc, rn.handle, config=cfg)
-        torch.cuda.synchronize()
-    names = " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
-    check(f"the staged kernels ran ({names[:200]})", "combine_pull_kernel" in names
-          and "combine_intranode_kernel" not in names and (rn.recv_x.shape[0] == 0 or R == 1
-                                                            or "stage_combine_rows_kernel" in names))
+    names = _kernels(lambda: _combine(nat, True, yc, rn.handle, config=cfg))
+    check(f"the staged kernels ran ({names[:200]})", _ran_staged(names, R, rn.recv_x.shape[0]))
 
     # Interleaved on one Buffer: staged, ring, pull from the view, cached dispatch; then 24 staged back to back.
     case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 500)
@@ -95,19 +90,46 @@ def _staged_worker(rank: int, world: int, gloo) -> None:
     check("24 staged combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
 
-    # A Buffer too small for the rows: every rank takes the ring (combine_buffer_fits answers alike).
+    # A Buffer sized by the ring's size hint (as DeepEP clients size it): too small for every received row of 4096
+    # tokens at hidden 7168 (no view), but the staged rows are only those from other ranks, so the staged path runs;
+    # with 8192 tokens even those do not fit, and every rank takes the ring (the fit is judged alike on every rank).
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     small = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend="native",
                    explicitly_destroy=True)
-    big = _Case(rank, R, 4096, 7168, 16 * R, 8, False, "none", "random", 501)
-    _, bn = _dispatch(small, big, "cuda", config=cfg)
-    yb = torch.randn(bn.recv_x.shape, device="cuda").bfloat16()
-    check("the small Buffer cannot hold the rows", not small.combine_buffer_fits(bn.handle, 7168, 0))
-    check("too small: the ring, same bits", torch.equal(_combine(small, True, yb, bn.handle, config=cfg).combined_x,
-                                                        _combine(small, False, yb, bn.handle, config=cfg).combined_x))
+    for T, stages in ((4096, True), (8192, R == 1)):
+        big = _Case(rank, R, T, 7168, 16 * R, 8, False, "none", "random", 501 + T)
+        _, bn = _dispatch(small, big, "cuda", config=cfg)
+        yb = torch.randn(bn.recv_x.shape, device="cuda").bfloat16()
+        wb = bn.recv_topk_weights
+        check(f"T={T}: the small Buffer cannot hold the view", R == 1 or not small.combine_buffer_fits(bn.handle, 7168, 0))
+        check(f"T={T}: the staged rows fit: {stages}", small._live().combine_staged_fits(bn.handle, 7168, 8) == stages)
+        got = _combine(small, True, yb, bn.handle, topk_weights=wb, config=cfg)
+        want = _combine(small, False, yb, bn.handle, topk_weights=wb, config=cfg)
+        check(f"T={T}: staged or ring, the same bits", torch.equal(got.combined_x, want.combined_x)
+              and torch.equal(got.combined_topk_weights, want.combined_topk_weights))
+        names = _kernels(lambda: _combine(small, True, yb, bn.handle, topk_weights=wb, config=cfg))
+        check(f"T={T}: {'staged' if stages else 'ring'} kernels ran ({names[:200]})",
+              _ran_staged(names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()
     check.finish(gloo, small, nat, ref)
+
+
+def _kernels(fn) -> str:
+    """The names of the GPU kernels fn() ran (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def _ran_staged(names: str, R: int, rows: int) -> bool:
+    """`names` show the staged combine: the pull and (where this rank has rows from other ranks) the stage kernel,
+    not the ring combine."""
+    return "combine_pull_kernel" in names and "combine_intranode_kernel" not in names and (
+        rows == 0 or R == 1 or "stage_combine_rows_kernel" in names)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

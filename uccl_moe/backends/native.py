@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _C, _checks, env
+from .. import _C, _checks, env, tuning
 from ..errors import CommTimeoutError, InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import current_raw_stream, tensor_at
@@ -45,6 +45,7 @@ from .base import Backend, BufferContext, DispatchRequest
 
 #: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
 _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
+_MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank received from other ranks
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -304,11 +305,12 @@ class NativeBackend(Backend):
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
-            ok, rows, most, counts = self._rt.wait_recv_counts(E // R)
+            ok, rows, most, most_remote, counts = self._rt.wait_recv_counts(E // R)
             if not ok:
                 self._raise_timeout()
             counts = list(counts)
             setattr(rank_prefix, _MOST_ROWS_ATTR, int(most))  # cached dispatches and combines reuse the handle
+            setattr(rank_prefix, _MOST_REMOTE_ATTR, int(most_remote))
         handle = DispatchHandle(rank_prefix_matrix=rank_prefix, channel_prefix_matrix=lane_prefix,
                                 recv_channel_prefix_matrix=recv_lane_start,
                                 recv_src_idx=torch.empty((rows,), dtype=torch.int32, device=dev),
@@ -338,12 +340,14 @@ class NativeBackend(Backend):
             return self._combine_from_buffer(x, handle, topk_weights, bias, config)
         x = x.contiguous()
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
-        if env.get("COMBINE_STAGED") and self.combine_buffer_fits(handle, int(x.shape[1]), K):
-            # Staged (UCCL_MOE_COMBINE_STAGED, alike on every rank; the fit is too): the other ranks' rows into
-            # the buffer with the whole GPU, then the pull, which reads our own rows from x.
-            _C.stage_combine_rows_intranode(self._rt, _ptr(x), int(x.shape[1]), int(x.shape[0]),
+        staged_rows = self._staged_rows(handle, int(x.shape[1]), K) \
+            if tuning.combine_staged(self.R, env.get("COMBINE_STAGED")) else None
+        if staged_rows is not None:
+            # Staged (UCCL_MOE_COMBINE_STAGED and the EP size, alike on every rank; the fit is too): the other ranks'
+            # rows into the buffer with the whole GPU, then the pull, which reads our own rows from x.
+            _C.stage_combine_rows_intranode(self._rt, _ptr(x), int(x.shape[1]), staged_rows,
                                             _ptr(handle.rank_prefix_matrix), self._stream())
-            return self._pull(x, handle, topk_weights, bias, config, own_x=_ptr(x))
+            return self._pull(x, handle, topk_weights, bias, config, own_x=_ptr(x), rows=staged_rows)
         geo = self.geometry(self._sms_of(handle), config)
         T = int(handle.is_token_in_rank.shape[0])
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
@@ -388,6 +392,23 @@ class NativeBackend(Backend):
         rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
         return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
 
+    def combine_staged_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
+        """Whether a combine of a caller's tensor of `handle`'s rows could take the staged path (its rows fit every
+        rank's buffer); UCCL_MOE_COMBINE_STAGED and the EP size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._staged_rows(handle, hidden, num_topk) is not None
+
+    def _staged_rows(self, handle: Any, hidden: int, num_topk: int) -> int | None:
+        """The rows every rank's buffer must hold for a staged combine of `handle` (the most rows any rank received
+        from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or None where they
+        (with `num_topk` staged weights each) do not fit: the same answer on every rank, like combine_buffer_fits."""
+        if (hidden * 2) % 16 != 0:
+            return None
+        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_REMOTE_ATTR, None)
+        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
+        return rows if int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes \
+            else None
+
     def _refuse_over_buffer(self, end: int, what: str) -> None:
         """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""
         if end > self.ctx.num_nvl_bytes:
@@ -422,10 +443,10 @@ class NativeBackend(Backend):
         return self._pull(x, handle, topk_weights, bias, config)
 
     def _pull(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
-              config: Any, own_x: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+              config: Any, own_x: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Launches combine_pull over `x`'s rows (the view, or with `own_x` a staged caller's tensor whose other
-        ranks' rows were copied into the buffer)."""
-        rows, H = int(x.shape[0]), int(x.shape[1])
+        ranks' rows were copied into the buffer: `rows` it holds at most)."""
+        rows, H = int(x.shape[0]) if rows is None else rows, int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
         T = int(handle.is_token_in_rank.shape[0])
         lanes = handle.channel_prefix_matrix

@@ -65,9 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--combine-view", action="store_true",
                    help="also time combine from the Buffer's own memory (get_combine_buffer; a uccl-moe extension)")
     p.add_argument("--combine-staged", action="store_true",
-                   help="also time the staged combine of the same tensor (UCCL_MOE_COMBINE_STAGED=1: the other ranks' "
-                        "rows copied into the Buffer, then pulled; off by default until measured; a Buffer with room "
-                        "for the rows)")
+                   help="also time the same combine through each path, forced on every rank: 'combine ring' "
+                        "(UCCL_MOE_COMBINE_STAGED=0: pushed through the rings) and 'combine staged' (=1: the other "
+                        "ranks' rows copied into the Buffer, then pulled; a Buffer with room for the rows); the "
+                        "plain 'combine' line is the default's path (staged at the EP sizes of "
+                        "uccl_moe/tuning.py's STAGED_COMBINE)")
     p.add_argument("--tuned", action="store_true",
                    help=f"the tuned path instead of the API defaults: explicit Config(sms, {TUNED_NVL_SEND}, "
                         f"{TUNED_NVL_RECV}) (unless --nvl-send/--nvl-recv say otherwise), row-major scales, "
@@ -120,7 +122,7 @@ def mode_label(args: argparse.Namespace) -> str:
     if args.combine_view:
         knobs.append("combine from the buffer timed too")
     if args.combine_staged:
-        knobs.append("staged combine timed too")
+        knobs.append("ring and staged combine timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 
 

@@ -131,8 +131,9 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         "combine": (lambda: buf.combine(y, h, config=ccfg), None)}
     if args.combine_view:
         ops["combine_view"] = (lambda: buf.combine(view[0], h, config=ccfg), fill_view)
-    if args.combine_staged:
-        ops["combine_staged"] = (lambda: _staged_combine(buf, y, h, ccfg), None)
+    if args.combine_staged:  # each combine path forced, every rank alike (the plain combine is the default's)
+        ops["combine_ring"] = (lambda: _forced_combine(buf, y, h, ccfg, "0"), None)
+        ops["combine_staged"] = (lambda: _forced_combine(buf, y, h, ccfg, "1"), None)
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
@@ -142,9 +143,9 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
     if args.combine_staged:
-        out["combine_staged_fits"] = bool(buf.combine_buffer_fits(h, H))  # else "staged" timed the ring
-        staged = _staged_combine(buf, y, h, ccfg).combined_x
-        out["combine_staged_equal"] = bool(torch.equal(staged, buf.combine(y, h, config=ccfg).combined_x))
+        out["combine_staged_fits"] = bool(buf._live().combine_staged_fits(h, H, 0))  # else "staged" timed the ring
+        staged = _forced_combine(buf, y, h, ccfg, "1").combined_x
+        out["combine_staged_equal"] = bool(torch.equal(staged, _forced_combine(buf, y, h, ccfg, "0").combined_x))
     if args.kernel_times:
         for op, (fn, prep) in ops.items():
             if prep is not None:
@@ -169,13 +170,13 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     return _summarise(gathered)
 
 
-def _staged_combine(buf: Any, y: Any, h: Any, cfg: Any) -> Any:
-    """buf.combine(y) through the staged path (UCCL_MOE_COMBINE_STAGED=1 for this call, every rank alike; the
-    caller's own setting comes back after it)."""
+def _forced_combine(buf: Any, y: Any, h: Any, cfg: Any, staged: str) -> Any:
+    """buf.combine(y) with UCCL_MOE_COMBINE_STAGED=`staged` for this call ("1": the staged path where the rows fit,
+    "0": the rings; every rank alike); the caller's own setting comes back after it."""
     import os
 
     before = os.environ.get("UCCL_MOE_COMBINE_STAGED")
-    os.environ["UCCL_MOE_COMBINE_STAGED"] = "1"
+    os.environ["UCCL_MOE_COMBINE_STAGED"] = staged
     try:
         return buf.combine(y, h, config=cfg)
     finally:
@@ -192,6 +193,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             ("dispatch", "n_recv", "n_remote", "row_bytes"),
             ("combine", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_view", "n_sent", "n_sent_remote", "combine_row_bytes"),
+            ("combine_ring", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_staged", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("nccl_dispatch", "n_recv", "n_remote", "row_bytes"),
             ("nccl_combine", "n_sent", "n_sent_remote", "combine_row_bytes")):
@@ -208,7 +210,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
-    for op in ("dispatch", "combine", "combine_view", "combine_staged"):
+    for op in ("dispatch", "combine", "combine_view", "combine_ring", "combine_staged"):
         key = f"{op}_kernels"
         if key in per_rank[0]:  # slowest rank per kernel
             names = sorted({n for d in per_rank for n in d[key]})
@@ -296,7 +298,7 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     for _, h, _, dt, s, ns, nr in points:
         _, _, dc, cc = point_configs(R, s, ns, nr, dt)
         nvl = max(nvl, dc.get_nvl_buffer_size_hint(h * 2, R), cc.get_nvl_buffer_size_hint(h * 2, R))
-    if args.combine_view or args.combine_staged:  # room for the rows: any rank's tokens may come
+    if args.combine_view:  # room for the rows: any rank's tokens may come (the staged combine needs less)
         nvl = max(nvl, max(Buffer.get_combine_buffer_size_hint(t * R, h) for t, h, *_ in points))
     buf = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ceiling_bytes = min(1 << 30, nvl - (2 << 20)) // 2
@@ -356,6 +358,7 @@ def op_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "combine_view_us" in comb_row:
             entries.append(("combine from the buffer", comb_row, "combine_view", "nccl_combine"))
         if "combine_staged_us" in comb_row:
+            entries.append(("combine ring", comb_row, "combine_ring", "nccl_combine"))
             entries.append(("combine staged", comb_row, "combine_staged", "nccl_combine"))
         for name, r, ours, nccl in entries:
             e: dict[str, Any] = {**setting, "op": name, "mode": r.get("mode", "tuned"),
@@ -404,10 +407,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("nccl_dispatch_us", "nccl_us"), ("nccl_dispatch_nvlink_GBps", "nccl_nvl"),
             ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
             ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
+            ("combine_ring_us", "combr_us"), ("combine_ring_nvlink_GBps", "combr_nvl"),
             ("combine_staged_us", "combs_us"), ("combine_staged_nvlink_GBps", "combs_nvl"),
             ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl"),
             ("dispatch_host_us", "disp_host"), ("combine_host_us", "comb_host"), ("combine_view_host_us", "combv_host"),
-            ("combine_staged_host_us", "combs_host"),
+            ("combine_ring_host_us", "combr_host"), ("combine_staged_host_us", "combs_host"),
             ("nccl_dispatch_host_us", "nccl_host"), ("nccl_combine_host_us", "ncclc_host")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
@@ -421,7 +425,7 @@ def _kernel_lines(rows: list[dict[str, Any]]) -> str:
     """One line per row and op: GPU kernel us per call (slowest rank), e.g. for --kernel-times."""
     lines = []
     for r in rows:
-        for op in ("dispatch", "combine", "combine_view", "combine_staged"):
+        for op in ("dispatch", "combine", "combine_view", "combine_ring", "combine_staged"):
             ks = r.get(f"{op}_kernels")
             if ks:
                 body = ", ".join(f"{n} {us:.1f}" for n, us in ks.items())
@@ -448,7 +452,7 @@ def _plot(rows: list[dict[str, Any]], path: str, note: str = "") -> bool:
         ax.plot([r["tokens"] for r in sel], [r["dispatch_nvlink_GBps"] for r in sel], "o-", label=f"dispatch {lab}")
         ax.plot([r["tokens"] for r in sel], [r["combine_nvlink_GBps"] for r in sel], "s--", label=f"combine {lab}")
         for op, mark, what in (("combine_view", "d-.", "combine from the buffer"),
-                               ("combine_staged", "v-.", "combine staged")):
+                               ("combine_ring", "^-.", "combine ring"), ("combine_staged", "v-.", "combine staged")):
             if f"{op}_nvlink_GBps" in sel[0]:
                 ax.plot([r["tokens"] for r in sel], [r[f"{op}_nvlink_GBps"] for r in sel], mark, label=f"{what} {lab}")
         if "nccl_dispatch_nvlink_GBps" in sel[0]:

@@ -185,17 +185,18 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("timeout_s", [](const NvlRuntime& r) { return r.timeout().limit_s; },
                    "UCCL_MOE_TIMEOUT_S as resolved when this runtime was created (its kernels' and host's bound)")
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts) {
-        int num_recv = -1, most_recv = -1;
+        int num_recv = -1, most_recv = -1, most_remote = -1;
         std::vector<int> per_expert;
         bool ok;
         {
           nb::gil_scoped_release release;
-          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &per_expert);
+          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &most_remote, &per_expert);
         }
-        return nb::make_tuple(ok, num_recv, most_recv, per_expert);
+        return nb::make_tuple(ok, num_recv, most_recv, most_remote, per_expert);
       }, "num_local_experts"_a,
-      "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, "
-      "per_expert_counts), most_recv being the most rows any local rank receives");
+      "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, most_remote, "
+      "per_expert_counts), most_recv being the most rows any local rank receives, most_remote the most any "
+      "receives from other ranks");
 
   m.def("intranode_lanes_per_channel", &intranode::lanes_per_channel, "num_ranks"_a);
   m.def("intranode_geometry", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv) {
@@ -286,13 +287,13 @@ void register_runtime(nb::module_& m) {
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
 
-  m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t num_rows,
+  m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {
     // The whole GPU (two blocks per SM): an HBM-bound copy, done before the pull's SMs start.
     const int blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
-    intranode::launch_stage_combine_rows(rt.context(), reinterpret_cast<const void*>(x), hidden, num_rows,
+    intranode::launch_stage_combine_rows(rt.context(), reinterpret_cast<const void*>(x), hidden, max_rows,
                                          reinterpret_cast<const int32_t*>(rank_prefix), blocks, stream_of(stream));
-  }, "runtime"_a, "x"_a, "hidden"_a, "num_rows"_a, "rank_prefix"_a, "stream"_a,
+  }, "runtime"_a, "x"_a, "hidden"_a, "max_rows"_a, "rank_prefix"_a, "stream"_a,
   "A staged combine's first half: the rows of x that came from other ranks into this rank's buffer (intranode.hpp)");
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {

@@ -159,7 +159,7 @@ TopkFault NvlRuntime::take_topk_fault() {
   return f;
 }
 
-bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv,
+bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, int* most_remote,
                                   std::vector<int>* per_expert) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
@@ -194,6 +194,7 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
   std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the GPU's release of the counter
   *num_recv = *counter;
   *most_recv = counter[1];
+  *most_remote = counter[2];
   per_expert->resize(num_local_experts);
   const volatile int32_t* ec = reinterpret_cast<volatile int32_t*>(host_ + kHostOffExpertCounters);
   for (int e = 0; e < num_local_experts; ++e) (*per_expert)[e] = ec[e];

@@ -147,8 +147,8 @@ class _FakeRuntime:
     def reset_recv_counter(self) -> None:
         pass
 
-    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, list[int]]:
-        return True, self.rows, self.rows + 1, [1] * num_local_experts
+    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, int, list[int]]:
+        return True, self.rows, self.rows + 1, self.rows - 1, [1] * num_local_experts
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -224,9 +224,11 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
 @pytestmark_kernels
 def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_in_x(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """UCCL_MOE_COMBINE_STAGED=1: a caller's tensor that fits the buffer is combined by the stage kernel (x, its rows,
-    the handle's rank prefix) followed by the pull with own_x = x, not by the ring combine; unset, or when the rows do
-    not fit, the ring combine runs (the GPU suite checks the bits)."""
+    """UCCL_MOE_COMBINE_STAGED=1: a caller's tensor whose rows fit the buffer is combined by the stage kernel (x, the
+    rows to hold, the handle's rank prefix) followed by the pull with own_x = x, not by the ring combine. The rows to
+    hold are the most any rank received from other ranks where notify published it (so a buffer too small for every
+    received row may still stage), else the handle's rows. 0, or rows that do not fit, take the ring; auto stages at
+    the EP sizes of tuning.STAGED_COMBINE only (the GPU suite checks the bits)."""
     from uccl_moe.backends import native
 
     calls: list[tuple[str, Any]] = []
@@ -270,6 +272,23 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "0")
     backend.combine(y, h, w, (None, None), cfg)
     assert [op for op, _ in calls] == ["ring"]
+
+    # notify's count of the rows from other ranks: the buffer holds only those (3 rows + their weights)
+    setattr(h.rank_prefix_matrix, native._MOST_REMOTE_ATTR, 3)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=int(_C.intranode_combine_input_layout(3, H, K)[1]))
+    assert int(_C.intranode_combine_input_layout(rows, H, K)[1]) > backend.ctx.num_nvl_bytes
+    for knob, ranks, want in (("1", 2, "stage"), ("auto", 2, "stage"), ("auto", 3, "ring"), ("0", 2, "ring")):
+        calls.clear()
+        monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", knob)
+        monkeypatch.setattr(backend, "R", ranks)
+        backend.combine(y, h, w, (None, None), cfg)
+        assert calls[0][0] == want, (knob, ranks)
+        if want == "stage":
+            assert calls[0][1][2] == 3 and calls[1][1][1] == 3  # stage and pull hold 3 rows
+    assert backend.combine_staged_fits(h, H, K) and not backend.combine_staged_fits(h, H, K + 64)
+    monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "yes")
+    with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_STAGED"):
+        backend.combine(y, h, w, (None, None), cfg)
 
 
 @pytest.mark.gpu

@@ -71,10 +71,11 @@ def test_combine_from_the_buffer_columns_and_equality_flag() -> None:
 def test_staged_combine_columns_and_equality_flag() -> None:
     """combine_staged (--combine-staged) is summarised like combine, gets its columns, and its bitwise check against
     the ring combine is false if any rank saw a difference."""
-    a = {**_rank(100.0, 400, 300), "combine_staged_us": 120.0, "combine_staged_equal": True}
-    b = {**_rank(90.0, 400, 300), "combine_staged_us": 130.0, "combine_staged_equal": False}
+    a = {**_rank(100.0, 400, 300), "combine_staged_us": 120.0, "combine_staged_equal": True, "combine_ring_us": 140.0}
+    b = {**_rank(90.0, 400, 300), "combine_staged_us": 130.0, "combine_staged_equal": False, "combine_ring_us": 150.0}
     row = _summarise([a, b])
     assert row["combine_staged_us"] == 130.0 and row["combine_staged_nvlink_GBps"] == round(300 * 2000 / 130e3, 1)
+    assert row["combine_ring_us"] == 150.0 and "combr_us" in _table([row]).splitlines()[0].split()
     assert row["combine_staged_equal"] is False and _summarise([a, a])["combine_staged_equal"] is True
     assert _summarise([{**a, "combine_staged_fits": True}, {**b, "combine_staged_fits": False}])[
         "combine_staged_fits"] is False

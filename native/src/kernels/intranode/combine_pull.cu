@@ -13,7 +13,9 @@
 // at lane_prefix[d][l - 1] inside them (the same exclusive prefix d's recv_lane_start holds), and t is send_head
 // [t][d] rows further (its position in the lane's stream to d). Rows live at kOffCombineInput of the buffer; the
 // top-k weights (when given) are staged by the launch itself after each rank's received rows
-// (combine_input_weights_offset), since peers read them too.
+// (combine_input_weights_offset), since peers read them too. A staged combine (own_x) compacts both: rank d's buffer
+// holds only the rows d got from other ranks (d's own block [rank_prefix[d - 1][d], rank_prefix[d][d]) stays in d's
+// x), so our rows there sit d's own block further up when we rank after d (our_rows_at).
 //
 // Hand-shakes (words in nvl_layout.hpp), for round r = pull_round + 1:
 //   start: every block stages its share of the weights and counts itself in pull_arrive; the last one releases r
@@ -31,6 +33,27 @@ namespace uccl_moe::intranode {
 
 namespace {
 
+
+/// Rank d's own block of received rows: [begin, begin + count) (rows d sent itself).
+struct OwnBlock {
+  int64_t begin, count;
+  UCCL_DEVICE_INLINE OwnBlock(const int32_t* rank_prefix, int N, int d)
+      : begin(d > 0 ? rank_prefix[(d - 1) * N + d] : 0), count(rank_prefix[d * N + d] - begin) {}
+};
+
+/// Rows rank d keeps in its buffer for a pull: every row it received, or in a staged combine (`compact`) only
+/// those from other ranks.
+UCCL_DEVICE_INLINE int64_t buffer_rows(const int32_t* rank_prefix, int N, int d, bool compact) {
+  const int64_t received = rank_prefix[(N - 1) * N + d];
+  return compact ? received - OwnBlock(rank_prefix, N, d).count : received;
+}
+
+/// Where rank d's buffer holds its rows from rank me (me != d): from rank_prefix[me - 1][d] on, less d's own block
+/// when that block comes first and the rows are compacted (a staged combine).
+UCCL_DEVICE_INLINE int64_t our_rows_at(const int32_t* rank_prefix, int N, int me, int d, bool compact) {
+  const int64_t from_me = me > 0 ? rank_prefix[(me - 1) * N + d] : 0;
+  return compact && me > d ? from_me - OwnBlock(rank_prefix, N, d).count : from_me;
+}
 
 struct PullSmem {
   int last;    // this block is the last to count itself (last_block)
@@ -108,11 +131,16 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
                                               : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
   // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
   // topk_weights pointer is null because it received no rows.
+  const bool compact = a.own_x != nullptr;
   const float* weights_d = nullptr;
   if (lane < N && a.out_topk_weights != nullptr)
-    weights_d = reinterpret_cast<const float*>(static_cast<const char*>(ctx.buffers[lane]) +
-                                               combine_input_weights_offset(a.rank_prefix[(N - 1) * N + lane], row_bytes));
-  const int64_t from_me_d = lane < N && me > 0 ? a.rank_prefix[(me - 1) * N + lane] : 0;
+    weights_d = reinterpret_cast<const float*>(
+        static_cast<const char*>(ctx.buffers[lane]) +
+        combine_input_weights_offset(buffer_rows(a.rank_prefix, N, lane, compact), row_bytes));
+  // Our own copies: at their row numbers in x (own_x) or the view, and their weights in topk_weights.
+  const int64_t from_me_d =
+      lane < N ? (lane == me ? (me > 0 ? a.rank_prefix[(me - 1) * N + me] : 0) : our_rows_at(a.rank_prefix, N, me, lane, compact))
+               : 0;
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   const int stride = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -149,14 +177,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   const int N = kNumRanks, me = ctx.rank;
   void* local = ctx.buffers[me];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
-  if (a.topk_weights != nullptr) {  // stage our weights where the peers look for them
-    const int64_t n = static_cast<int64_t>(a.rank_prefix[(N - 1) * N + me]) * a.num_topk;
+  if (a.topk_weights != nullptr) {  // stage our weights where the peers look for them (compacted as the rows)
+    const bool compact = a.own_x != nullptr;
+    const OwnBlock own(a.rank_prefix, N, me);
+    const int64_t rows = buffer_rows(a.rank_prefix, N, me, compact);
+    const int64_t n = rows * a.num_topk, before = (compact ? own.begin : rows) * a.num_topk;
+    const int64_t skip = compact ? own.count * a.num_topk : 0;
     float* staged = reinterpret_cast<float*>(static_cast<char*>(local) +
-                                             combine_input_weights_offset(a.rank_prefix[(N - 1) * N + me],
-                                                                          static_cast<int64_t>(a.hidden) * 2));
+                                             combine_input_weights_offset(rows, static_cast<int64_t>(a.hidden) * 2));
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      staged[i] = a.topk_weights[i];
+      staged[i] = a.topk_weights[i < before ? i : i + skip];
   }
   // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them.
   const int32_t topk = a.out_topk_weights != nullptr ? a.num_topk : 0;
@@ -174,16 +205,16 @@ constexpr int kStageThreads = 512;
 constexpr int kStageUnroll = 4;  // 16-B words per thread in flight
 
 /// launch_stage_combine_rows: the 16-B words of the received rows that came from other ranks, as one index space
-/// (the rows before our own block, then the rows after it), each copied to the same place of the buffer's rows.
+/// (the rows before our own block, then the rows after it), copied to the buffer's rows in that order (compacted),
+/// at most `max_rows` rows (what the host checked the buffer holds).
 __global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const int4* __restrict__ x,
                                                                             int4* __restrict__ rows, int64_t row_words,
-                                                                            const int32_t* rank_prefix, int N, int me) {
-  const int64_t received = rank_prefix[(N - 1) * N + me];
-  const int64_t own_begin = me > 0 ? rank_prefix[(me - 1) * N + me] : 0;
-  const int64_t own_end = rank_prefix[me * N + me];
-  const int64_t before = own_begin * row_words;          // words of rows [0, own_begin)
-  const int64_t skip = (own_end - own_begin) * row_words;  // words of our own rows, left in x
-  const int64_t total = before + (received - own_end) * row_words;
+                                                                            const int32_t* rank_prefix, int N, int me,
+                                                                            int64_t max_rows) {
+  const OwnBlock own(rank_prefix, N, me);
+  const int64_t before = own.begin * row_words;  // words of rows [0, own.begin)
+  const int64_t skip = own.count * row_words;    // words of our own rows, left in x
+  const int64_t total = min(buffer_rows(rank_prefix, N, me, true), max_rows) * row_words;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; base < total;
        base += stride * kStageUnroll) {
@@ -196,26 +227,26 @@ __global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {
       const int64_t i = base + u * stride;
-      if (i < total) gpu::store_stream_128(rows + (i < before ? i : i + skip), v[u]);
+      if (i < total) gpu::store_stream_128(rows + i, v[u]);
     }
   }
 }
 
 }  // namespace
 
-void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t num_rows,
+void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t max_rows,
                                const int32_t* rank_prefix, int grid_blocks, void* stream) {
   UCCL_ASSERT(hidden > 0 && (hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               hidden);
   const int64_t row_bytes = static_cast<int64_t>(hidden) * 2;
-  const int64_t end = static_cast<int64_t>(combine_input_weights_offset(num_rows, row_bytes));
-  UCCL_ASSERT(end <= ctx.num_nvl_bytes, "staging %lld combine rows of %lld bytes needs %lld NVL bytes but the Buffer "
-              "has %lld", static_cast<long long>(num_rows), static_cast<long long>(row_bytes),
+  const int64_t end = static_cast<int64_t>(combine_input_weights_offset(max_rows, row_bytes));
+  UCCL_ASSERT(max_rows >= 0 && end <= ctx.num_nvl_bytes, "staging %lld combine rows of %lld bytes needs %lld NVL bytes "
+              "but the Buffer has %lld", static_cast<long long>(max_rows), static_cast<long long>(row_bytes),
               static_cast<long long>(end), static_cast<long long>(ctx.num_nvl_bytes));
-  if (num_rows == 0) return;
+  if (max_rows == 0) return;
   int4* rows = reinterpret_cast<int4*>(static_cast<char*>(ctx.buffers[ctx.rank]) + kOffCombineInput);
   stage_combine_rows_kernel<<<grid_blocks > 0 ? grid_blocks : 1, kStageThreads, 0, static_cast<gpu::Stream>(stream)>>>(
-      static_cast<const int4*>(x), rows, row_bytes / 16, rank_prefix, ctx.num_ranks, ctx.rank);
+      static_cast<const int4*>(x), rows, row_bytes / 16, rank_prefix, ctx.num_ranks, ctx.rank, max_rows);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

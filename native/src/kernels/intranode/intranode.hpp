@@ -29,7 +29,8 @@ struct NvlContext {
   int32_t num_ranks;         ///< local ranks (== ranks of the group: intranode only)
   int64_t num_nvl_bytes;
   int32_t* recv_counter;     ///< host-mapped (device view): [0] rows this rank receives (-1 = not yet), [1] the
-                             ///< most rows any local rank receives (written before [0] is released)
+                             ///< most rows any local rank receives, [2] the most any receives from other ranks
+                             ///< ([1] and [2] written before [0] is released)
   int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
   int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
@@ -195,17 +196,21 @@ struct CombinePullArgs {
   float* out_topk_weights;       ///< [T, K] or null; given on every rank alike (topk_weights is null on a rank
                                  ///< that received no rows)
   const void* own_x = nullptr;   ///< [rows, hidden] bf16 or null: a staged combine (launch_stage_combine_rows put
-                                 ///< only the other ranks' rows into the buffer) reads our own copies here
+                                 ///< only the other ranks' rows into the buffer, compacted: without each rank's
+                                 ///< own block) reads our own copies here
 };
-/// `num_sms` blocks; `num_rows` = rows of the caller's input (>= rows received), checked against the buffer.
+/// `num_sms` blocks; `num_rows` = rows this rank's buffer holds (the caller's input rows, or for a staged combine
+/// at least the rows staged), checked against the buffer.
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream);
 
 /// The first half of a staged combine (a caller's tensor combined from the buffer): copies the rows of `x` [rows,
-/// hidden] bf16 that came from other ranks (all but [rank_prefix[me - 1][me], rank_prefix[me][me])) to the same rows
-/// at kOffCombineInput of this rank's buffer, where the peers' combine_pull loads them; the pull that follows reads
-/// our own copies from x (CombinePullArgs::own_x). `grid_blocks` blocks (the whole GPU: this copy is HBM-bound).
-/// Ordered before the pull by the stream; the pull's start hand-shake publishes the rows to the peers.
-void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t num_rows,
+/// hidden] bf16 that came from other ranks (all but our own block [rank_prefix[me - 1][me], rank_prefix[me][me]))
+/// to kOffCombineInput of this rank's buffer, compacted (the rows after our block move up by its length, so the
+/// buffer needs room only for the other ranks' rows), where the peers' combine_pull loads them; the pull that follows
+/// reads our own copies from x (CombinePullArgs::own_x). `max_rows`: the rows the caller checked the buffer holds
+/// (at least this rank's staged rows; never more are written). `grid_blocks` blocks (the whole GPU: this copy is
+/// HBM-bound). Ordered before the pull by the stream; the pull's start hand-shake publishes the rows to the peers.
+void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t max_rows,
                                const int32_t* rank_prefix, int grid_blocks, void* stream);
 
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).

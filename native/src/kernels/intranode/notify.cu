@@ -95,9 +95,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     if (threadIdx.x == 0) {
       // recv_counter[1]: the most rows any rank of the node receives (the same on every rank, so host code can
       // take a group-wide decision on it without a collective: Buffer.combine_buffer_fits).
-      int largest = 0;
-      for (int dst = 0; dst < N; ++dst) largest = max(largest, a.rank_prefix[(N - 1) * N + dst]);
+      // recv_counter[2]: the most rows any rank receives from other ranks (a staged combine's rows; same on every
+      // rank).
+      int largest = 0, largest_remote = 0;
+      for (int dst = 0; dst < N; ++dst) {
+        const int received = a.rank_prefix[(N - 1) * N + dst];
+        const int own = a.rank_prefix[dst * N + dst] - (dst > 0 ? a.rank_prefix[(dst - 1) * N + dst] : 0);
+        largest = max(largest, received);
+        largest_remote = max(largest_remote, received - own);
+      }
       ctx.recv_counter[1] = largest;
+      ctx.recv_counter[2] = largest_remote;
       gpu::store_release_sys(ctx.recv_counter, a.rank_prefix[(N - 1) * N + me]);  // pairs with wait_recv_counts
     }
   }
