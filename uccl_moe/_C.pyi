@@ -222,10 +222,12 @@ class CombinePullArgs:
     num_lanes: int
     out: int
     out_topk_weights: int
+    staged: int
     own_x: int
     def __init__(self, *, topk_weights: int = 0, bias0: int = 0, bias1: int = 0, rank_prefix: int = 0,
                  lane_prefix: int = 0, send_head: int = 0, num_tokens: int = 0, hidden: int = 0, num_topk: int = 0,
-                 num_lanes: int = 0, out: int = 0, out_topk_weights: int = 0, own_x: int = 0) -> None: ...
+                 num_lanes: int = 0, out: int = 0, out_topk_weights: int = 0, staged: int = 0,
+                 own_x: int = 0) -> None: ...
 
 def intranode_lanes_per_channel(num_ranks: int) -> int: ...
 def intranode_geometry(num_sms: int, num_ranks: int, nvl_send_tokens: int,

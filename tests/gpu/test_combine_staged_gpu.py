@@ -14,6 +14,7 @@ share one GPU (CUDA IPC between processes on one device).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -102,13 +103,14 @@ def _staged_worker(rank: int, world: int, gloo) -> None:
         _, bn = _dispatch(small, big, "cuda", config=cfg)
         yb = torch.randn(bn.recv_x.shape, device="cuda").bfloat16()
         wb = bn.recv_topk_weights
-        check(f"T={T}: the small Buffer cannot hold the view", R == 1 or not small.combine_buffer_fits(bn.handle, 7168, 0))
+        check(f"T={T}: the small Buffer cannot hold the view",
+              R == 1 or not small.combine_buffer_fits(bn.handle, 7168, 0))
         check(f"T={T}: the staged rows fit: {stages}", small._live().combine_staged_fits(bn.handle, 7168, 8) == stages)
         got = _combine(small, True, yb, bn.handle, topk_weights=wb, config=cfg)
         want = _combine(small, False, yb, bn.handle, topk_weights=wb, config=cfg)
         check(f"T={T}: staged or ring, the same bits", torch.equal(got.combined_x, want.combined_x)
               and torch.equal(got.combined_topk_weights, want.combined_topk_weights))
-        names = _kernels(lambda: _combine(small, True, yb, bn.handle, topk_weights=wb, config=cfg))
+        names = _kernels(functools.partial(_combine, small, True, yb, bn.handle, topk_weights=wb, config=cfg))
         check(f"T={T}: {'staged' if stages else 'ring'} kernels ran ({names[:200]})",
               _ran_staged(names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()

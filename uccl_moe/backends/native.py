@@ -347,7 +347,7 @@ class NativeBackend(Backend):
             # rows into the buffer with the whole GPU, then the pull, which reads our own rows from x.
             _C.stage_combine_rows_intranode(self._rt, _ptr(x), int(x.shape[1]), staged_rows,
                                             _ptr(handle.rank_prefix_matrix), self._stream())
-            return self._pull(x, handle, topk_weights, bias, config, own_x=_ptr(x), rows=staged_rows)
+            return self._pull(x, handle, topk_weights, bias, config, staged_rows=staged_rows)
         geo = self.geometry(self._sms_of(handle), config)
         T = int(handle.is_token_in_rank.shape[0])
         tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
@@ -443,10 +443,10 @@ class NativeBackend(Backend):
         return self._pull(x, handle, topk_weights, bias, config)
 
     def _pull(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
-              config: Any, own_x: int = 0, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Launches combine_pull over `x`'s rows (the view, or with `own_x` a staged caller's tensor whose other
-        ranks' rows were copied into the buffer: `rows` it holds at most)."""
-        rows, H = int(x.shape[0]) if rows is None else rows, int(x.shape[1])
+              config: Any, staged_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launches combine_pull over `x`'s rows: the view, or with `staged_rows` (the rows each buffer holds at
+        most) a staged caller's tensor whose other ranks' rows were copied into the buffers, compacted."""
+        rows, H = int(x.shape[0]) if staged_rows is None else staged_rows, int(x.shape[1])
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
         T = int(handle.is_token_in_rank.shape[0])
         lanes = handle.channel_prefix_matrix
@@ -454,7 +454,8 @@ class NativeBackend(Backend):
         args = _C.CombinePullArgs(
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
             lane_prefix=_ptr(lanes), send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K,
-            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w), own_x=own_x)
+            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w),
+            staged=int(staged_rows is not None), own_x=_ptr(x) if staged_rows is not None else 0)
         _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
         return out, out_w
 

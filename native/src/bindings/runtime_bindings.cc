@@ -116,6 +116,7 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, num_lanes),
             UCCL_MOE_ARG(CombinePullArgs, out),
             UCCL_MOE_ARG(CombinePullArgs, out_topk_weights),
+            UCCL_MOE_ARG(CombinePullArgs, staged),
             UCCL_MOE_ARG(CombinePullArgs, own_x));
 
   m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {

@@ -46,7 +46,7 @@ def test_args_struct_fields_match_the_stub(name: str) -> None:
 
 # The integer (non-pointer) fields of the structs in intranode.hpp and internode.hpp.
 _SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_topk", "num_scales",
-            "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes"}
+            "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes", "staged"}
 
 
 def test_geometry_properties_match_the_stub() -> None:
@@ -257,8 +257,8 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     assert (op1, op2) == ("stage", "pull")
     assert stage == (_ptr(y), H, rows, _ptr(h.rank_prefix_matrix))
     assert (num_sms, num_rows) == (24, rows)
-    assert (pull.own_x, pull.topk_weights, pull.out, pull.out_topk_weights) == (_ptr(y), _ptr(w), _ptr(out),
-                                                                                 _ptr(out_w))
+    assert (pull.staged, pull.own_x, pull.topk_weights, pull.out, pull.out_topk_weights) == (
+        1, _ptr(y), _ptr(w), _ptr(out), _ptr(out_w))
     assert (pull.num_tokens, pull.hidden, pull.num_topk, pull.num_lanes) == (T, H, K, L)
     assert (pull.rank_prefix, pull.lane_prefix, pull.send_head) == (
         _ptr(h.rank_prefix_matrix), _ptr(h.channel_prefix_matrix), _ptr(h.send_head))
@@ -277,14 +277,24 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     setattr(h.rank_prefix_matrix, native._MOST_REMOTE_ATTR, 3)
     backend.ctx = SimpleNamespace(num_nvl_bytes=int(_C.intranode_combine_input_layout(3, H, K)[1]))
     assert int(_C.intranode_combine_input_layout(rows, H, K)[1]) > backend.ctx.num_nvl_bytes
-    for knob, ranks, want in (("1", 2, "stage"), ("auto", 2, "stage"), ("auto", 3, "ring"), ("0", 2, "ring")):
+    for knob, ranks, want in (("1", 2, "stage"), ("auto", 2, "stage"), ("auto", 3, "ring"), ("0", 2, "ring"),
+                              (None, 2, "ring")):  # the default: the rings
         calls.clear()
-        monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", knob)
+        if knob is None:
+            monkeypatch.delenv("UCCL_MOE_COMBINE_STAGED")
+        else:
+            monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", knob)
         monkeypatch.setattr(backend, "R", ranks)
         backend.combine(y, h, w, (None, None), cfg)
         assert calls[0][0] == want, (knob, ranks)
         if want == "stage":
             assert calls[0][1][2] == 3 and calls[1][1][1] == 3  # stage and pull hold 3 rows
+    # A rank that received no rows passes an empty x (data_ptr 0) and must still read the peers' buffers compacted.
+    calls.clear()
+    monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "1")
+    backend.combine(torch.empty((0, H), dtype=torch.bfloat16), h, torch.empty((0, K)), (None, None), cfg)
+    (op1, _), (op2, (_, num_rows, pull)) = calls
+    assert (op1, op2, num_rows, pull.staged, pull.own_x) == ("stage", "pull", 3, 1, 0)
     assert backend.combine_staged_fits(h, H, K) and not backend.combine_staged_fits(h, H, K + 64)
     monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "yes")
     with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_STAGED"):

@@ -13,7 +13,7 @@
 // at lane_prefix[d][l - 1] inside them (the same exclusive prefix d's recv_lane_start holds), and t is send_head
 // [t][d] rows further (its position in the lane's stream to d). Rows live at kOffCombineInput of the buffer; the
 // top-k weights (when given) are staged by the launch itself after each rank's received rows
-// (combine_input_weights_offset), since peers read them too. A staged combine (own_x) compacts both: rank d's buffer
+// (combine_input_weights_offset), since peers read them too. A staged combine (`staged`) compacts both: rank d's buffer
 // holds only the rows d got from other ranks (d's own block [rank_prefix[d - 1][d], rank_prefix[d][d]) stays in d's
 // x), so our rows there sit d's own block further up when we rank after d (our_rows_at).
 //
@@ -127,11 +127,13 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   // own rows in the caller's tensor (own_x): the same row numbers there.
   const char* rows_d = nullptr;
   if (lane < N)
-    rows_d = lane == me && a.own_x != nullptr ? static_cast<const char*>(a.own_x)
-                                              : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
+    rows_d = lane == me && a.staged != 0 ? static_cast<const char*>(a.own_x)
+                                         : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
   // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
   // topk_weights pointer is null because it received no rows.
-  const bool compact = a.own_x != nullptr;
+  // A flag, not own_x != nullptr: a rank that received no rows passes an empty x (a null pointer) but must find its
+  // tokens' rows in the peers' compacted buffers as every other rank does.
+  const bool compact = a.staged != 0;
   const float* weights_d = nullptr;
   if (lane < N && a.out_topk_weights != nullptr)
     weights_d = reinterpret_cast<const float*>(
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   void* local = ctx.buffers[me];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
   if (a.topk_weights != nullptr) {  // stage our weights where the peers look for them (compacted as the rows)
-    const bool compact = a.own_x != nullptr;
+    const bool compact = a.staged != 0;
     const OwnBlock own(a.rank_prefix, N, me);
     const int64_t rows = buffer_rows(a.rank_prefix, N, me, compact);
     const int64_t n = rows * a.num_topk, before = (compact ? own.begin : rows) * a.num_topk;

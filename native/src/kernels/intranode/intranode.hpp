@@ -195,9 +195,9 @@ struct CombinePullArgs {
   void* out;                     ///< [T, hidden] bf16
   float* out_topk_weights;       ///< [T, K] or null; given on every rank alike (topk_weights is null on a rank
                                  ///< that received no rows)
-  const void* own_x = nullptr;   ///< [rows, hidden] bf16 or null: a staged combine (launch_stage_combine_rows put
-                                 ///< only the other ranks' rows into the buffer, compacted: without each rank's
-                                 ///< own block) reads our own copies here
+  int32_t staged = 0;            ///< 1: a staged combine (launch_stage_combine_rows put only the other ranks' rows
+                                 ///< into each buffer, compacted: without each rank's own block); alike on every rank
+  const void* own_x = nullptr;   ///< staged: [rows, hidden] bf16, our own copies (null on a rank with no rows)
 };
 /// `num_sms` blocks; `num_rows` = rows this rank's buffer holds (the caller's input rows, or for a staged combine
 /// at least the rows staged), checked against the buffer.
