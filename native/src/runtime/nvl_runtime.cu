@@ -22,6 +22,8 @@ constexpr size_t kHostOffAbort = 128;
 constexpr size_t kHostOffTopkFault = 192;  // TopkFault, 32 bytes
 constexpr size_t kHostOffRecvCounter = 256;
 constexpr size_t kHostOffExpertCounters = 512;
+static_assert(kHostOffRecvCounter + 3 * sizeof(int32_t) <= kHostOffExpertCounters,
+              "recv_counter[0..2] overlap the expert counters");
 constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
 static_assert(kHostOffDiag + sizeof(DiagRecord) <= kHostOffAbort && kHostOffTopkFault + sizeof(TopkFault) <= kHostOffRecvCounter,
               "host-mapped records overlap");

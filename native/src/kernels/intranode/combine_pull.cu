@@ -34,27 +34,6 @@ namespace uccl_moe::intranode {
 namespace {
 
 
-/// Rank d's own block of received rows: [begin, begin + count) (rows d sent itself).
-struct OwnBlock {
-  int64_t begin, count;
-  UCCL_DEVICE_INLINE OwnBlock(const int32_t* rank_prefix, int N, int d)
-      : begin(d > 0 ? rank_prefix[(d - 1) * N + d] : 0), count(rank_prefix[d * N + d] - begin) {}
-};
-
-/// Rows rank d keeps in its buffer for a pull: every row it received, or in a staged combine (`compact`) only
-/// those from other ranks.
-UCCL_DEVICE_INLINE int64_t buffer_rows(const int32_t* rank_prefix, int N, int d, bool compact) {
-  const int64_t received = rank_prefix[(N - 1) * N + d];
-  return compact ? received - OwnBlock(rank_prefix, N, d).count : received;
-}
-
-/// Where rank d's buffer holds its rows from rank me (me != d): from rank_prefix[me - 1][d] on, less d's own block
-/// when that block comes first and the rows are compacted (a staged combine).
-UCCL_DEVICE_INLINE int64_t our_rows_at(const int32_t* rank_prefix, int N, int me, int d, bool compact) {
-  const int64_t from_me = me > 0 ? rank_prefix[(me - 1) * N + d] : 0;
-  return compact && me > d ? from_me - OwnBlock(rank_prefix, N, d).count : from_me;
-}
-
 struct PullSmem {
   int last;    // this block is the last to count itself (last_block)
   int failed;  // a wait of this block expired (wait_peers)
@@ -184,12 +163,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
     const OwnBlock own(a.rank_prefix, N, me);
     const int64_t rows = buffer_rows(a.rank_prefix, N, me, compact);
     const int64_t n = rows * a.num_topk, before = (compact ? own.begin : rows) * a.num_topk;
-    const int64_t skip = compact ? own.count * a.num_topk : 0;
+    const int64_t skip = compact ? own.count * a.num_topk : 0;  // staged_to_received, in weights
     float* staged = reinterpret_cast<float*>(static_cast<char*>(local) +
                                              combine_input_weights_offset(rows, static_cast<int64_t>(a.hidden) * 2));
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-      staged[i] = a.topk_weights[i < before ? i : i + skip];
+      staged[i] = a.topk_weights[staged_to_received(i, before, skip)];
   }
   // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them.
   const int32_t topk = a.out_topk_weights != nullptr ? a.num_topk : 0;
@@ -224,7 +203,7 @@ __global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {
       const int64_t i = base + u * stride;
-      if (i < total) v[u] = gpu::load_stream_128(x + (i < before ? i : i + skip));
+      if (i < total) v[u] = gpu::load_stream_128(x + staged_to_received(i, before, skip));
     }
 #pragma unroll
     for (int u = 0; u < kStageUnroll; ++u) {

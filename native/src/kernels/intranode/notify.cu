@@ -99,10 +99,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       // rank).
       int largest = 0, largest_remote = 0;
       for (int dst = 0; dst < N; ++dst) {
-        const int received = a.rank_prefix[(N - 1) * N + dst];
-        const int own = a.rank_prefix[dst * N + dst] - (dst > 0 ? a.rank_prefix[(dst - 1) * N + dst] : 0);
-        largest = max(largest, received);
-        largest_remote = max(largest_remote, received - own);
+        largest = max(largest, static_cast<int>(buffer_rows(a.rank_prefix, N, dst, false)));
+        largest_remote = max(largest_remote, static_cast<int>(buffer_rows(a.rank_prefix, N, dst, true)));
       }
       ctx.recv_counter[1] = largest;
       ctx.recv_counter[2] = largest_remote;

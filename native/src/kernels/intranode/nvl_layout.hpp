@@ -87,6 +87,34 @@ UCCL_HOST_DEVICE_FN constexpr int64_t combine_input_bytes(int64_t rows, int hidd
 }
 static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
+// A staged combine's rows (combine_pull.cu) are compacted: rank d's buffer holds only the rows d received from other
+// ranks, in receive order without d's own block. rank_prefix [N, N] is the inclusive prefix over source ranks of the
+// rows each rank receives (identical on every rank).
+
+/// Rank d's own block of received rows: [begin, begin + count) (the rows d sent itself).
+struct OwnBlock {
+  int64_t begin, count;
+  UCCL_HOST_DEVICE_FN OwnBlock(const int32_t* rank_prefix, int N, int d)
+      : begin(d > 0 ? rank_prefix[(d - 1) * N + d] : 0), count(rank_prefix[d * N + d] - begin) {}
+};
+/// Rows rank d keeps in its buffer for a pull: every row it received, or compacted (`compact`) only those from other
+/// ranks.
+UCCL_HOST_DEVICE_FN int64_t buffer_rows(const int32_t* rank_prefix, int N, int d, bool compact) {
+  const int64_t received = rank_prefix[(N - 1) * N + d];
+  return compact ? received - OwnBlock(rank_prefix, N, d).count : received;
+}
+/// Where rank d's buffer holds its rows from rank me (me != d): from rank_prefix[me - 1][d] on, less d's own block
+/// when that block comes first and the rows are compacted.
+UCCL_HOST_DEVICE_FN int64_t our_rows_at(const int32_t* rank_prefix, int N, int me, int d, bool compact) {
+  const int64_t from_me = me > 0 ? rank_prefix[(me - 1) * N + d] : 0;
+  return compact && me > d ? from_me - OwnBlock(rank_prefix, N, d).count : from_me;
+}
+/// Index i of the compacted rows (or of their words or weights: `before` and `skip` in the same unit) as an index of
+/// the received rows: own.begin rows come first, then the rows after our own.count rows.
+UCCL_HOST_DEVICE_FN int64_t staged_to_received(int64_t i, int64_t before, int64_t skip) {
+  return i < before ? i : i + skip;
+}
+
 /// Where the fields of one ring slot sit (bytes from the slot start). Dispatch slots carry the token row plus
 /// its metadata; combine slots carry the row plus the top-k weights.
 struct SlotLayout {

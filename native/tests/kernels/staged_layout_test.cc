@@ -1,0 +1,75 @@
+// The staged combine's compacted row layout (nvl_layout.hpp: OwnBlock, buffer_rows, our_rows_at,
+// staged_to_received), against rows laid out one by one: for every pair of ranks, the row where the pull looks for
+// our copy at rank d is the row that d's stage kernel filled with it, for random counts with zeros (ranks that
+// receive nothing, empty own blocks), N = 1..8.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "kernels/intranode/nvl_layout.hpp"
+
+namespace uccl_moe::intranode {
+namespace {
+
+struct Counts {
+  int n;
+  std::vector<int32_t> count;   // [src][dst]: rows src sends dst
+  std::vector<int32_t> prefix;  // [src][dst]: inclusive prefix over src (the handle's rank_prefix_matrix)
+};
+
+Counts random_counts(int n, std::mt19937* gen) {
+  Counts c{n, std::vector<int32_t>(n * n), std::vector<int32_t>(n * n)};
+  std::uniform_int_distribution<int> rows(0, 9), zero(0, 3);
+  for (int i = 0; i < n * n; ++i) c.count[i] = zero(*gen) == 0 ? 0 : rows(*gen);
+  for (int d = 0; d < n; ++d)
+    for (int s = 0; s < n; ++s) c.prefix[s * n + d] = c.count[s * n + d] + (s > 0 ? c.prefix[(s - 1) * n + d] : 0);
+  return c;
+}
+
+TEST(StagedLayout, PullFindsTheRowTheStageWrote) {
+  std::mt19937 gen(20261126);
+  for (int n = 1; n <= 8; ++n) {
+    for (int trial = 0; trial < 300; ++trial) {
+      const Counts c = random_counts(n, &gen);
+      for (int d = 0; d < n; ++d) {
+        // Rank d's received rows in order (source, index), and the compacted order without d's own.
+        std::vector<std::pair<int, int>> received, compact;
+        for (int s = 0; s < n; ++s)
+          for (int j = 0; j < c.count[s * n + d]; ++j) {
+            received.emplace_back(s, j);
+            if (s != d) compact.emplace_back(s, j);
+          }
+        ASSERT_EQ(buffer_rows(c.prefix.data(), n, d, false), static_cast<int64_t>(received.size()));
+        ASSERT_EQ(buffer_rows(c.prefix.data(), n, d, true), static_cast<int64_t>(compact.size()));
+        const OwnBlock own(c.prefix.data(), n, d);
+        // The stage kernel fills compacted row p from received row staged_to_received(p, ...).
+        for (size_t p = 0; p < compact.size(); ++p)
+          ASSERT_EQ(received[staged_to_received(p, own.begin, own.count)], compact[p]) << "n=" << n << " d=" << d;
+        for (int me = 0; me < n; ++me) {
+          if (me == d) continue;
+          for (int j = 0; j < c.count[me * n + d]; ++j) {
+            const int64_t at = our_rows_at(c.prefix.data(), n, me, d, true) + j;
+            ASSERT_LT(at, static_cast<int64_t>(compact.size()));
+            ASSERT_EQ(compact[at], std::make_pair(me, j)) << "n=" << n << " me=" << me << " d=" << d;
+            const int64_t full = our_rows_at(c.prefix.data(), n, me, d, false) + j;
+            ASSERT_EQ(received[full], std::make_pair(me, j));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(StagedLayout, UnitsScaleTheSameMap) {
+  // The kernels apply the map to 16-byte words and to top-k weights: rows [0, 2) stay, rows from 2 skip 3.
+  for (int64_t unit : {1, 4, 896}) {
+    EXPECT_EQ(staged_to_received(2 * unit - 1, 2 * unit, 3 * unit), 2 * unit - 1);  // last unit of row 1
+    EXPECT_EQ(staged_to_received(2 * unit, 2 * unit, 3 * unit), 5 * unit);          // row 2 is received row 5
+  }
+}
+
+}  // namespace
+}  // namespace uccl_moe::intranode
