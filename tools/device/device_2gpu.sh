@@ -13,6 +13,8 @@
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
+#   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
+#            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -69,6 +71,10 @@ for stage in ${STAGES:-quick bench}; do
     done
     python3 tools/device/ab_summary.py "$OUT/scales" --base col
     echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
+  probe)
+    nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe native/bench/probes/nvlink_probe.cu > "$OUT/probe.log" 2>&1 \
+      && timeout "${PROBE_T:-120}" /tmp/nvlink_probe "${PROBE_MB:-48}" 9 >> "$OUT/probe.log" 2>&1
+    echo "probe rc=$?"; tail -16 "$OUT/probe.log" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
