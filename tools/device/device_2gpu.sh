@@ -13,6 +13,9 @@
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
+#   trace    the dispatch kernel's phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
+#            each warp role spends its time, FP8 and BF16 at EP2, API defaults (tools/device/trace_summary.py); the
+#            normal build's module is put back afterwards
 #   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
@@ -71,6 +74,15 @@ for stage in ${STAGES:-quick bench}; do
     done
     python3 tools/device/ab_summary.py "$OUT/scales" --base col
     echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
+  trace)
+    UCCL_MOE_BUILD_DIR=build/trace UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \
+      -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_TRACE_DISPATCH > "$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"
+    for dt in fp8 bf16; do
+      timeout 120 python3 -m uccl_moe.bench --ranks 2 --dtypes "$dt" --iters 20 --warmup 2 --no-nccl --png= \
+        > "$OUT/trace_$dt.log" 2>&1; echo "trace $dt rc=$?"
+    done
+    python3 tools/device/trace_summary.py "$OUT"/trace_fp8.log "$OUT"/trace_bf16.log
+    tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 > /dev/null 2>&1 || echo "could not restore the normal build" ;;
   probe)
     nvcc -O3 -arch=sm_90 -o /tmp/nvlink_probe native/bench/probes/nvlink_probe.cu > "$OUT/probe.log" 2>&1 \
       && timeout "${PROBE_T:-120}" /tmp/nvlink_probe "${PROBE_MB:-48}" 9 >> "$OUT/probe.log" 2>&1

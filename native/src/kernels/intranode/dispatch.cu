@@ -10,6 +10,7 @@
 // (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
 #include "intranode_device.cuh"
+#include "phase_trace.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -84,7 +85,9 @@ template <typename RowFn>
 UCCL_DEVICE_INLINE int for_each_sent_token(const DispatchArgs& a, int N, int dst, int begin, int end, RowFn&& row) {
   int pos = 0;
   for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
+    UCCL_MOE_TRACE(const long long t_sel = trace::now());
     gpu::LaneMask mask = select_tokens(a, N, dst, chunk, end, pos, true);
+    UCCL_MOE_TRACE(trace::add(trace::kSelect, t_sel));
     while (mask != 0) {
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
@@ -112,14 +115,20 @@ UCCL_DEVICE_INLINE void dispatch_send_direct(const NvlContext& ctx, const Geomet
   lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
   for_each_sent_token(a, N, me, begin, kept_split(begin, end), [&](int tok, int pos) {
     const int64_t row = mapped_row(a, row0 + pos);
+    UCCL_MOE_TRACE(const long long t_copy = trace::now());
     warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * row_bytes),
                                       reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + tok * row_bytes),
                                       row_bytes / 16);
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_copy); const long long t_meta = trace::now());
     write_kept_meta(a, tok, me, experts_per_rank, row, true);
+    UCCL_MOE_TRACE(trace::add(trace::kMeta, t_meta); const long long t_pub = trace::now());
     pub.poll();  // release what the lane's remote warps posted meanwhile
+    UCCL_MOE_TRACE(trace::add(trace::kPublish, t_pub));
     return true;
   });
+  UCCL_MOE_TRACE(const long long t_drain = trace::now());
   pub.drain(ctx, lane_idx);
+  UCCL_MOE_TRACE(trace::add(trace::kWait, t_drain));
 }
 
 /// Sender warp (dst, w) of lane c * W + w, dst != me: the rows go into ring (lane, me) at dst; the warp posts its
@@ -137,16 +146,21 @@ UCCL_DEVICE_INLINE void dispatch_send_remote(const NvlContext& ctx, const Geomet
   int begin, end;
   lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
   const int count = for_each_sent_token(a, N, dst, begin, end, [&](int tok, int pos) {
+    UCCL_MOE_TRACE(const long long t_room = trace::now());
     if (!out.make_room(ctx, g, pos, DiagPhase::kDispatchSendRoom, dst, lane_idx)) return false;
+    UCCL_MOE_TRACE(trace::add(trace::kWait, t_room); const long long t_copy = trace::now());
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(slot),
                                       reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes),
                                       s.row_bytes / 16);
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_copy); const long long t_meta = trace::now());
     write_token_meta<int32_t>(a, tok, dst, experts_per_rank, reinterpret_cast<int32_t*>(slot + s.off_src_idx),
                               reinterpret_cast<int32_t*>(slot + s.off_topk_idx),
                               reinterpret_cast<float*>(slot + s.off_weights),
                               reinterpret_cast<int32_t*>(slot + s.off_scales));
+    UCCL_MOE_TRACE(trace::add(trace::kMeta, t_meta); const long long t_pub = trace::now());
     if (pos + 1 - out.published >= g.chunk_tokens) out.publish(pos + 1);
+    UCCL_MOE_TRACE(trace::add(trace::kPublish, t_pub));
     return true;
   });
   if (count < 0)
@@ -223,15 +237,20 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
   const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
   KeptRows kept(a, g, N, me, lane_idx);
   while (true) {
+    UCCL_MOE_TRACE(const long long t_poll = trace::now());
     const bool pending = remote && done < count;
     if (gpu::ballot(pending) == 0) break;
     int32_t avail = pending ? min(count, ring_diff(gpu::load_acquire_sys(tail), base)) : done;
     gpu::LaneMask ready = gpu::ballot(avail > done);
+    UCCL_MOE_TRACE(trace::add(trace::kWait, t_poll));
     if (ready == 0 && !kept.done()) {  // nothing in the rings yet: copy a row we keep meanwhile
+      UCCL_MOE_TRACE(const long long t_kept = trace::now());
       kept.step(a, s, N, me, gw, group, col_begin, col_end);
+      UCCL_MOE_TRACE(trace::add(trace::kKept, t_kept));
       continue;
     }
     if (ready == 0) {
+      UCCL_MOE_TRACE(const long long t_wait = trace::now());
       // Nothing new anywhere: hand back what we consumed (a sender may wait for it), then wait, bounded.
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       DiagDeviceHandle diag = diag_of(ctx);
@@ -248,6 +267,7 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
           return;
         }
       }
+      UCCL_MOE_TRACE(trace::add(trace::kWait, t_wait));
       continue;
     }
     while (ready != 0) {
@@ -259,8 +279,10 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
       for (int j = from; j < to; ++j) {
         const char* slot = ring + static_cast<size_t>(j % g.lane_slots) * s.bytes;
         const int64_t row = mapped_row(a, r0 + j);
+        UCCL_MOE_TRACE(const long long t_copy = trace::now());
         warp_copy_cols<kRecvUnroll, true>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                           reinterpret_cast<const int4*>(slot), col_begin, col_end);
+        UCCL_MOE_TRACE(trace::add(trace::kCopy, t_copy); const long long t_meta = trace::now());
         if (gw == 0) {  // metadata: the group's first warp
           if (a.recv_src_idx != nullptr && lane == 0)
             a.recv_src_idx[row] = gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_src_idx));
@@ -276,21 +298,28 @@ UCCL_DEVICE_INLINE void dispatch_recv(const NvlContext& ctx, const Geometry& g, 
           for (int j2 = gw * gpu::kWarpSize + lane; j2 < a.num_scales; j2 += group * gpu::kWarpSize)
             static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j2] =
                 gpu::load_ring_32(reinterpret_cast<const int32_t*>(slot + s.off_scales) + j2);
+        UCCL_MOE_TRACE(trace::add(trace::kMeta, t_meta));
       }
     }
+    UCCL_MOE_TRACE(const long long t_pub = trace::now());
     done = avail;
     // Every slot word read above was already stored to an output: the relaxed hand-back relies on it (a value
     // loaded but not yet used could still be in flight when the sender overwrites the slot).
     gpu::sync_warp();
     if (remote) sm->set_consumed(my_warp, lane, done);
     publish_heads(ctx, sm, first_warp, group, lane_idx);
+    UCCL_MOE_TRACE(trace::add(trace::kPublish, t_pub));
   }
   publish_heads(ctx, sm, first_warp, group, lane_idx);
+  UCCL_MOE_TRACE(const long long t_kept = trace::now());
   while (!kept.done()) kept.step(a, s, N, me, gw, group, col_begin, col_end);
+  UCCL_MOE_TRACE(trace::add(trace::kKept, t_kept));
 }
 
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_intranode_kernel(NvlContext ctx, Geometry g, DispatchKernelArgs k) {
+  UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
+                 trace::begin());
   const int C = g.num_channels, W = g.lanes_per_channel;
   const bool sender = static_cast<int>(blockIdx.x) < C;
   const int c = sender ? blockIdx.x : blockIdx.x - C;
@@ -312,11 +341,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     __shared__ SendPosts posts;
     posts.reset();
     const int peer = warp / W, w = warp % W;
-    if (peer >= ctx.num_ranks) return;  // spare warps when the ranks do not divide the warps
+    if (peer >= ctx.num_ranks) {  // spare warps when the ranks do not divide the warps
+      UCCL_MOE_TRACE(trace::finish(trace::kRoles, t0, t0_ns, ctx.rank, k.a.row_bytes));
+      return;
+    }
     if (peer == ctx.rank)
       dispatch_send_direct(ctx, g, k, c, w, &posts);  // our own rows, and the lane's tails
     else
       dispatch_send_remote(ctx, g, k, c, peer, w, &posts);
+    UCCL_MOE_TRACE(trace::finish(peer == ctx.rank ? trace::kSendDirect : trace::kSendRemote, t0, t0_ns, ctx.rank,
+                                 k.a.row_bytes));
     return;
   }
   __shared__ RecvSmem sm;
@@ -325,6 +359,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int lane_local = warp / group, gw = warp % group;
   if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
   sm.finish(ctx, c * W, W, group);
+  UCCL_MOE_TRACE(trace::finish(lane_local < W ? trace::kRecv : trace::kRoles, t0, t0_ns, ctx.rank, k.a.row_bytes));
 }
 
 }  // namespace

@@ -1,0 +1,54 @@
+"""tools/device/trace_summary.py: parses the traced dispatch kernel's lines, averages per (row size, role, rank) after
+the warm-up launches and derives `other`; refuses a line whose fields drifted from the kernel's."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "tools/device/trace_summary.py")
+assert spec is not None and spec.loader is not None
+ts = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ts)
+
+
+def _line(rank: int, role: str, span: float, copy: float, rb: int = 7392) -> str:
+    return (f"noise uccl-trace dispatch rank={rank} row_bytes={rb} role={role} warps=144 span={span:.2f} "
+            f"copy={copy:.2f} meta=1.00 wait=2.00 kept=0.00 publish=0.50 select=0.25")
+
+
+def test_means_after_warmup_and_other(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [_line(0, "recv", 500.0, 99.0), _line(0, "recv", 100.0, 40.0), _line(0, "recv", 120.0, 60.0),
+             _line(1, "send_remote", 90.0, 30.0), "unrelated line"]
+    rows = ts.summarise(ts.parse(lines), skip=1)
+    by = {(r["role"], r["rank"]): r for r in rows}
+    recv = by[("recv", 0)]
+    assert recv["launches"] == 1 + 1 and recv["span"] == 110.0 and recv["copy"] == 50.0
+    assert recv["other"] == pytest.approx(110.0 - (50.0 + 1.0 + 2.0 + 0.0 + 0.5 + 0.25))
+    assert by[("send_remote", 1)]["launches"] == 1  # fewer launches than the skip: all of them
+    log = tmp_path / "t.log"
+    log.write_text("\n".join(lines))
+    assert ts.main([str(log), "--skip", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "send_remote" in out and "other" in out
+
+
+def test_no_trace_lines_and_drifted_fields(tmp_path: Path) -> None:
+    log = tmp_path / "t.log"
+    log.write_text("nothing traced\n")
+    assert ts.main([str(log)]) == 1
+    with pytest.raises(ValueError, match="expected"):
+        ts.parse([_line(0, "recv", 1.0, 1.0).replace(" select=0.25", "")])
+
+
+def test_the_kernel_prints_the_fields_the_summary_reads() -> None:
+    """The printf in phase_trace.cuh and PHASES name the same fields, in order."""
+    import re
+
+    src = (ROOT / "native/src/kernels/intranode/phase_trace.cuh").read_text()
+    fmt = "".join(re.findall(r'"(uccl-trace dispatch[^"]*)"\s*"([^"]*)"', src)[0])
+    assert fmt.startswith("uccl-trace dispatch rank=%d row_bytes=%d role=%s warps=%u ")
+    assert tuple(re.findall(r"(\w+)=%\.2f", fmt)) == ts.PHASES
