@@ -89,10 +89,22 @@ STAGED_COMBINE: dict[int, str] = {
 }
 
 
+#: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
+#: naming where it measured faster than the rings (``python -m uccl_moe.bench --ranks R --dispatch-direct
+#: --device-time``). None yet: not measured.
+DIRECT_DISPATCH: dict[int, str] = {}
+
+
 def combine_staged(num_ranks: int, knob: str) -> bool:
     """Whether an intranode combine of a caller's tensor over `num_ranks` ranks takes the staged path (where its rows
     fit the buffer), given ``UCCL_MOE_COMBINE_STAGED``'s value `knob` (``auto``, ``1`` or ``0``)."""
     return knob == "1" or (knob == "auto" and num_ranks in STAGED_COMBINE)
+
+
+def dispatch_direct(num_ranks: int, knob: str) -> bool:
+    """Whether an intranode dispatch over `num_ranks` ranks takes the ring-free path (where the rows from other ranks
+    fit every landing area), given ``UCCL_MOE_DISPATCH_DIRECT``'s value `knob` (``auto``, ``1`` or ``0``)."""
+    return knob == "1" or (knob == "auto" and num_ranks in DIRECT_DISPATCH)
 
 def preset_for(num_ranks: int) -> Preset:
     """The row for a group of `num_ranks` >= 1 ranks."""

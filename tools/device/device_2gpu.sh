@@ -13,6 +13,8 @@
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
+#   direct   the ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT): its GPU test (bits against the rings), then the bench at
+#            each EP size of BENCH_RANKS with --dispatch-direct --device-time (ring and direct dispatch side by side)
 #   trace    the dispatch kernel's phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
 #            each warp role spends its time, FP8 and BF16 at EP2, API defaults (tools/device/trace_summary.py); the
 #            normal build's module is put back afterwards
@@ -74,6 +76,15 @@ for stage in ${STAGES:-quick bench}; do
     done
     python3 tools/device/ab_summary.py "$OUT/scales" --base col
     echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
+  direct)
+    timeout "${DIRECT_T:-400}" "${P[@]}" --timeout 380 tests/gpu/test_dispatch_direct_gpu.py > "$OUT/direct.log" 2>&1
+    echo "direct test rc=$?"; sum "$OUT/direct.log"
+    for r in ${BENCH_RANKS:-2}; do
+      e=256; [ "$r" = 3 ] && e=255
+      timeout 150 python3 -m uccl_moe.bench --ranks "$r" --experts $e --dispatch-direct --device-time --png= \
+        --json "$OUT/direct_ep$r.json" 2>&1 | grep -v "it/s\]" > "$OUT/direct_bench_ep$r.log"
+      echo "direct bench EP$r rc=$?"; head -10 "$OUT/direct_bench_ep$r.log"
+    done ;;
   trace)
     UCCL_MOE_BUILD_DIR=build/trace UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \
       -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_TRACE_DISPATCH > "$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"

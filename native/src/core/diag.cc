@@ -25,6 +25,9 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kCombinePullStart: return "combine/pull-start";
     case DiagPhase::kCombinePullDone: return "combine/pull-done";
     case DiagPhase::kCombinePullArgs: return "combine/pull-args";
+    case DiagPhase::kDispatchDirectEnter: return "dispatch/direct-enter";
+    case DiagPhase::kDispatchDirectLanded: return "dispatch/direct-landed";
+    case DiagPhase::kDispatchDirectDone: return "dispatch/direct-done";
   }
   return "unknown";
 }
