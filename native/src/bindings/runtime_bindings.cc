@@ -278,8 +278,10 @@ void register_runtime(nb::module_& m) {
 
   m.def("dispatch_direct_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
                                         uintptr_t stream) {
-    // No ring is used (the handle's lane geometry only places the rows): no ring reset needed.
-    intranode::launch_dispatch_direct(rt.context(), g, a, stream_of(stream));
+    // No ring is used (the handle's lane geometry only places the rows): no ring reset needed. The unpack takes the
+    // whole GPU (two blocks per SM), as a staged combine's stage does.
+    const int unpack_blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
+    intranode::launch_dispatch_direct(rt.context(), g, a, unpack_blocks, stream_of(stream));
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a,
   "The ring-free dispatch (intranode.hpp launch_dispatch_direct): same outputs as dispatch_intranode");
   m.def("intranode_direct_landing_bytes", &intranode::direct_landing_bytes, "rows"_a, "row_bytes"_a, "num_topk"_a,

@@ -369,7 +369,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
 // token at its place in the lane's stream), with their metadata in the receiver's format. Three hand-shakes, no
 // per-chunk ones: enter (a rank writes into a peer's buffer only once the peer began this launch, so its earlier ops
 // are done with that memory), landed (every rank's rows are in; then each rank unpacks its landing area into its
-// outputs) and done (nobody reads a buffer any more; the next op may write it).
+// outputs) and done (nobody reads a landing area any more; the next op may write it). Two kernels: the push on the
+// op's num_sms blocks, then the unpack, an HBM-bound copy, on the whole GPU (as a staged combine's stage).
 
 /// Rank d's landing area, as pointers.
 struct LandingAt {
@@ -475,12 +476,15 @@ UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs&
     }
 }
 
+constexpr int kUnpackThreads = 512;
+
+/// The push: enter, every (lane, destination) pair's rows, landed (released by the last block; the unpack waits).
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_direct_kernel(NvlContext ctx, Geometry g, DispatchArgs a, DirectLanding land) {
   __shared__ PullSmem sm;
   const int N = ctx.num_ranks;
   void* local = ctx.buffers[ctx.rank];
-  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the unpack sets it
   // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on.
   if (blockIdx.x == 0) release_to_peers(ctx, kOffDirectEnter, round);
   const bool entered = wait_peers(ctx, kOffDirectEnter, round, DiagPhase::kDispatchDirectEnter, &sm);
@@ -495,10 +499,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       for (int p = gwarp; p < pairs; p += warps) direct_push(ctx, g, a, land, p / N, p % N, 0, 1);
     }
   }
-  // Landed: every block's rows are out (the last block's system fence covers them), then every peer's are in.
+  // Landed: every block's rows are out (the last block's system fence covers them).
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round);
-  if (entered && wait_peers(ctx, kOffPullStart, round, DiagPhase::kDispatchDirectLanded, &sm))
-    direct_unpack(ctx, a, land);
+}
+
+/// The unpack (any grid): once every peer's rows are in, this rank's landing area into its outputs; done.
+__global__ void __launch_bounds__(kUnpackThreads) dispatch_unpack_kernel(NvlContext ctx, DispatchArgs a,
+                                                                         DirectLanding land) {
+  __shared__ PullSmem sm;
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the push's round
+  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kDispatchDirectLanded, &sm)) direct_unpack(ctx, a, land);
   // Done: nobody reads a landing area any more.
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     release_to_peers(ctx, kOffPullDone, round);
@@ -536,7 +547,8 @@ int64_t direct_landing_bytes(int64_t rows, int row_bytes, int num_topk, int num_
   return DirectLanding::make(rows, row_bytes, num_topk, num_scales).end;
 }
 
-void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream) {
+void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, int unpack_blocks,
+                            void* stream) {
   UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16 (hidden * "
               "element size)", a.row_bytes);
   UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
@@ -549,8 +561,11 @@ void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const Disp
               "the ring-free dispatch of %lld landed rows of %d bytes needs %lld NVL bytes but the Buffer has %lld",
               static_cast<long long>(a.landing_rows), a.row_bytes, static_cast<long long>(land.end),
               static_cast<long long>(ctx.num_nvl_bytes));
-  dispatch_direct_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, a,
-                                                                                                      land);
+  UCCL_ASSERT(unpack_blocks > 0, "the ring-free dispatch's unpack needs blocks, got %d", unpack_blocks);
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  dispatch_direct_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, st>>>(ctx, g, a, land);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  dispatch_unpack_kernel<<<unpack_blocks, kUnpackThreads, 0, st>>>(ctx, a, land);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

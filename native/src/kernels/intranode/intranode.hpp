@@ -165,12 +165,13 @@ struct DispatchArgs {
 };
 void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream);
 /// The ring-free dispatch: `2 * g.num_channels` blocks push every row straight to where it ends up: rows this rank
-/// keeps into the outputs, the others into the receiver's landing area (DirectLanding, compacted); after a
-/// hand-shake each rank unpacks its landing area into its outputs, and a last hand-shake ends the launch when nobody
-/// reads a buffer any more. Same outputs, bit for bit, as launch_dispatch_intranode (the handle's lane geometry
+/// keeps into the outputs, the others into the receiver's landing area (DirectLanding, compacted); then
+/// `unpack_blocks` blocks (the whole GPU: an HBM-bound copy) unpack it into the outputs once every peer's rows are in,
+/// and a last hand-shake ends the op when nobody reads a buffer any more. Same outputs, bit for bit, as launch_dispatch_intranode (the handle's lane geometry
 /// places the rows); intranode only (no row_map, num_tokens_ptr or src_tag). Every local rank must take it for the
 /// call; a rank that does not is named in a dispatch/direct-enter timeout.
-void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream);
+void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, int unpack_blocks,
+                            void* stream);
 /// NVL bytes a ring-free dispatch of `rows` landed rows of `row_bytes` (with `num_topk` ids and weights and
 /// `num_scales` scales each) needs from the buffer's start.
 int64_t direct_landing_bytes(int64_t rows, int row_bytes, int num_topk, int num_scales);
