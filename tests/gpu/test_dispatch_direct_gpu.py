@@ -46,10 +46,14 @@ def _direct(on: bool, fn, *args, **kw):
         os.environ.pop("UCCL_MOE_DISPATCH_DIRECT", None)
 
 
-def _same_dispatch(check, name: str, a, b) -> None:
-    """Every output and handle field of two dispatch results bit for bit."""
+def _same_dispatch(check, name: str, a, b, rows: int | None = None) -> None:
+    """Every output and handle field of two dispatch results bit for bit; with `rows` (a num_worst_tokens result) only
+    the first `rows` rows of recv_x and its scales (neither path writes the padding rows' data)."""
     xa, sa = _split(a.recv_x)
     xb, sb = _split(b.recv_x)
+    if rows is not None:
+        xa, xb = xa[:rows], xb[:rows]
+        sa, sb = (None, None) if sa is None else (sa[:rows], sb[:rows])
     check(f"{name}: recv_x", _eq(xa, xb) and _eq(sa, sb))
     check(f"{name}: top-k ids and weights", _eq(a.recv_topk_idx, b.recv_topk_idx)
           and _eq(a.recv_topk_weights, b.recv_topk_weights))
@@ -85,7 +89,7 @@ def _direct_worker(rank: int, world: int, gloo) -> None:
               and _eq(_split(cached_ring.recv_x)[0], _split(ring.recv_x)[0]))
         _, wr = _direct(False, _dispatch, nat, case, "cuda", config=cfg, num_worst_tokens=PULL_WORST_T * R)
         _, wd = _direct(True, _dispatch, nat, case, "cuda", config=cfg, num_worst_tokens=PULL_WORST_T * R)
-        _same_dispatch(check, f"{name} (num_worst_tokens)", wd, wr)
+        _same_dispatch(check, f"{name} (num_worst_tokens)", wd, wr, rows=_split(ring.recv_x)[0].shape[0])
         if not fp8:  # the rows go back: both combines of the direct dispatch's rows against the reference's
             _, rr = _dispatch(ref, case, "cpu", config=cfg)
             y = (_split(direct.recv_x)[0].float() * 0.5 - 0.25).bfloat16()
@@ -102,7 +106,9 @@ def _direct_worker(rank: int, world: int, gloo) -> None:
     check(f"the direct kernel ran ({names[:200]})", "dispatch_direct_kernel" in names
           and "dispatch_intranode_kernel" not in names)
 
-    # Back to back, one rank late, with other rows each time; and interleaved with ring ops on one Buffer.
+    # Back to back, one rank late, with other rows each time; and interleaved with ring ops on one Buffer, one rank
+    # late before each direct dispatch (so the others finish their part first: the done hand-shake keeps their next
+    # ring op out of the late rank's landing area while it still unpacks).
     _, base = _direct(False, _dispatch, nat, case, "cuda", config=cfg)
     xs = [(case.x.float() * (1 + i % 3) - i).bfloat16().cuda() for i in range(24)]
     wants = [_direct(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x for xi in xs]
@@ -114,14 +120,22 @@ def _direct_worker(rank: int, world: int, gloo) -> None:
     check("24 direct dispatches back to back, one rank late", all(torch.equal(o, w) for o, w in zip(outs, wants)))
     y = (_split(base.recv_x)[0].float() * 0.5).bfloat16()
     ring_comb = nat.combine(y, base.handle, config=cfg).combined_x
-    ok = torch.equal(_direct(True, nat.dispatch, xs[0], handle=base.handle, config=cfg).recv_x, wants[0])
+
+    def late_direct(i: int):
+        if rank == R - 1:
+            torch.cuda._sleep(200_000)
+        return _direct(True, nat.dispatch, xs[i], handle=base.handle, config=cfg).recv_x
+
+    ok = torch.equal(late_direct(0), wants[0])
     ok &= torch.equal(nat.combine(y, base.handle, config=cfg).combined_x, ring_comb)
-    ok &= torch.equal(_direct(True, nat.dispatch, xs[1], handle=base.handle, config=cfg).recv_x, wants[1])
+    ok &= torch.equal(late_direct(1), wants[1])
     view = nat.get_combine_buffer(base.handle, 4096)
     view.copy_(y)
     ok &= torch.equal(nat.combine(view, base.handle, config=cfg).combined_x, ring_comb)
-    ok &= torch.equal(_direct(True, nat.dispatch, xs[2], handle=base.handle, config=cfg).recv_x, wants[2])
+    ok &= torch.equal(late_direct(2), wants[2])
     ok &= torch.equal(_direct(False, nat.dispatch, xs[3], handle=base.handle, config=cfg).recv_x, wants[3])
+    ok &= torch.equal(late_direct(4), wants[4])
+    ok &= torch.equal(_direct(False, nat.dispatch, xs[5], handle=base.handle, config=cfg).recv_x, wants[5])
     check("direct and ring dispatches, ring and pulled combines interleaved", ok)
 
     # A Buffer too small for the landing area (the ring size hint at 4096 tokens of hidden 7168, EP >= 2... only

@@ -415,6 +415,13 @@ class NativeBackend(Backend):
         return rows if int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes \
             else None
 
+    def dispatch_direct_fits(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> bool:
+        """Whether a dispatch along `handle` of rows of `row_bytes` (with `num_topk` ids and `num_scales` scales) could
+        take the ring-free path (its landing area fits every rank's buffer); UCCL_MOE_DISPATCH_DIRECT and the EP
+        size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._direct_rows(handle, row_bytes, num_topk, num_scales) is not None
+
     def _direct_rows(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> int | None:
         """The rows every rank's landing area must hold for a ring-free dispatch along `handle` (the most rows any
         rank receives from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or

@@ -209,6 +209,9 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
             if r.get(key) is False:  # a correctness check, not a timing: say it loudly
                 print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from the rings' "
                       f"{'dispatch' if 'dispatch' in key else 'combine'}", file=sys.stderr)
+        if r.get("dispatch_direct_fits") is False:
+            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: the rows from other ranks "
+                  f"do not fit the Buffer, so 'dispatch direct' timed the rings", file=sys.stderr)
         if r.get("combine_staged_fits") is False:
             print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer, so "
                   f"'combine staged' timed the ring combine", file=sys.stderr)

@@ -145,7 +145,10 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
-    if args.dispatch_direct:  # the same bytes as the rings' (FP8 rows and scales as bytes)
+    if args.dispatch_direct:  # the same bytes as the rings' (FP8 rows and scales as bytes); fits, else it timed rings
+        fp8 = dtype == "fp8"  # x's own rows (1 or 2 bytes a value) and scales; a cached dispatch lands no ids
+        out["dispatch_direct_fits"] = bool(buf._live().dispatch_direct_fits(h, H if fp8 else 2 * H, 0,
+                                                                            H // 128 if fp8 else 0))
         got, want = (_forced("UCCL_MOE_DISPATCH_DIRECT", v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x
                      for v in ("1", "0"))
         out["dispatch_direct_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
@@ -223,7 +226,8 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
         if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
             row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
-    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "dispatch_direct_equal"):
+    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "dispatch_direct_equal",
+                "dispatch_direct_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
     for op in ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged"):

@@ -256,6 +256,7 @@ def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPa
     backend.cached_dispatch(x, None, h, cfg)  # no top-k: a smaller landing area, the same rows
     (op, cached), = calls
     assert (op, cached.landing_rows, cached.num_topk, cached.send_head) == ("dispatch_direct_intranode", rows - 1, 0, 0)
+    assert backend.dispatch_direct_fits(h, H * 2, K, 0) and not backend.dispatch_direct_fits(h, H * 2, K, 1)
     backend.ctx = SimpleNamespace(num_nvl_bytes=need - 1)  # the ids and weights no longer fit: the rings
     for knob, table, want in (("1", {}, "dispatch_intranode"), ("0", {}, "dispatch_intranode"),
                               ("auto", {}, "dispatch_intranode"), ("auto", {R: "here"}, "dispatch_direct_intranode")):

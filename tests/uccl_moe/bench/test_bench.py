@@ -147,6 +147,8 @@ def test_direct_dispatch_columns_entries_and_equality_flag() -> None:
     row = _summarise([a, b])
     assert row["dispatch_direct_us"] == 85.0 and row["dispatch_direct_nvlink_GBps"] == round(300 * 1000 / 85e3, 1)
     assert row["dispatch_direct_equal"] is False and _summarise([a, a])["dispatch_direct_equal"] is True
+    assert _summarise([{**a, "dispatch_direct_fits": True}, {**b, "dispatch_direct_fits": False}])[
+        "dispatch_direct_fits"] is False
     row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8, nvl_recv=256,
                nccl_dispatch_us=100.0, nccl_combine_us=200.0)
     assert "dispd_us" in _table([row]).splitlines()[0].split()

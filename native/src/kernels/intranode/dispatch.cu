@@ -412,6 +412,12 @@ UCCL_DEVICE_INLINE void direct_push(const NvlContext& ctx, const Geometry& g, co
       const int tok = chunk + gpu::lowest_bit(mask);
       mask &= mask - 1;
       const int64_t row = row0 + pos;
+      if (!self && row >= land.rows) {  // never past the landing area (the host sized it: a layout bug)
+        if (gw == 0 && gpu::lane_id() == 0)
+          report_timeout(diag_of(ctx), DiagPhase::kDispatchDirectArgs, DiagRole::kSender, d, l, land.rows, row + 1, 0,
+                         0.0);
+        break;
+      }
       warp_copy_cols<kSendUnroll, false>(reinterpret_cast<int4*>(out_rows + row * row_bytes),
                                          reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + tok * row_bytes),
                                          col_begin, col_end);
@@ -425,6 +431,7 @@ UCCL_DEVICE_INLINE void direct_push(const NvlContext& ctx, const Geometry& g, co
       ++pos;
     }
   }
+  gpu::fence_sys();  // this warp's stores into peers, before its block counts itself (landed)
 }
 
 /// This rank's landing area into its outputs (every thread of the grid): compacted row c is received row
@@ -478,16 +485,22 @@ UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs&
 
 constexpr int kUnpackThreads = 512;
 
-/// The push: enter, every (lane, destination) pair's rows, landed (released by the last block; the unpack waits).
+/// The push: enter, every (lane, destination) pair's rows, landed. Only the last block waits for the peers' landed
+/// release, so the kernel ends once every rank's rows are in and the unpack kernel needs no wait (a grid of spinning
+/// blocks could keep a peer sharing the GPU from starting its push).
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_direct_kernel(NvlContext ctx, Geometry g, DispatchArgs a, DirectLanding land) {
   __shared__ PullSmem sm;
   const int N = ctx.num_ranks;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the unpack sets it
-  // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on.
-  if (blockIdx.x == 0) release_to_peers(ctx, kOffDirectEnter, round);
-  const bool entered = wait_peers(ctx, kOffDirectEnter, round, DiagPhase::kDispatchDirectEnter, &sm);
+  // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on. The
+  // landing area's size (16-byte units) goes with it: a peer that lays it out otherwise would land rows where we do
+  // not look, so every rank checks it (an InvalidUsage record, dispatch/direct-args).
+  const int32_t layout = static_cast<int32_t>(land.end >> 4);
+  if (blockIdx.x == 0) release_to_peers(ctx, kOffDirectEnter, round, layout);
+  const bool entered = wait_peers(ctx, kOffDirectEnter, round, DiagPhase::kDispatchDirectEnter, &sm, layout,
+                                  DiagPhase::kDispatchDirectArgs);
   if (entered) {
     const int warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
     const int gwarp = static_cast<int>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
@@ -499,17 +512,22 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       for (int p = gwarp; p < pairs; p += warps) direct_push(ctx, g, a, land, p / N, p % N, 0, 1);
     }
   }
-  // Landed: every block's rows are out (the last block's system fence covers them).
-  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round);
+  // Landed: every block's rows are out (each warp fenced its own; the last block's system fence covers them), then
+  // every peer's are in. Not released after a failed wait: peers would unpack rows that never came.
+  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) {
+    if (gpu::load_volatile(ctx.abort_flag) == 0) release_to_peers(ctx, kOffPullStart, round);
+    wait_peers(ctx, kOffPullStart, round, DiagPhase::kDispatchDirectLanded, &sm);
+  }
 }
 
-/// The unpack (any grid): once every peer's rows are in, this rank's landing area into its outputs; done.
+/// The unpack (any grid; after the push kernel, so every peer's rows are in): this rank's landing area into its
+/// outputs (skipped after a failed wait), then done.
 __global__ void __launch_bounds__(kUnpackThreads) dispatch_unpack_kernel(NvlContext ctx, DispatchArgs a,
                                                                          DirectLanding land) {
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the push's round
-  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kDispatchDirectLanded, &sm)) direct_unpack(ctx, a, land);
+  if (gpu::load_volatile(ctx.abort_flag) == 0) direct_unpack(ctx, a, land);
   // Done: nobody reads a landing area any more.
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     release_to_peers(ctx, kOffPullDone, round);

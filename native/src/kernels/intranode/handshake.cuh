@@ -32,22 +32,24 @@ UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
 }
 
 /// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
-/// `topk` >= 0 it first stores it into d's pull_topk[me] (the release covers it).
-UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t topk = -1) {
+/// `arg` >= 0 it first stores it into d's pull_topk[me] (the release covers it): a value every rank must agree on
+/// (the pull's top-k weights per row, the direct dispatch's landing size).
+UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t arg = -1) {
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {
-    if (topk >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = topk;
+    if (arg >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = arg;
     gpu::fence_sys();
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
   }
 }
 
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
-/// `round` (wrapping compare); with `topk` >= 0 it then checks that rank d staged as many top-k weights per row
-/// (else it reports kCombinePullArgs: reading weights d did not stage could leave d's buffer). Returns false,
-/// block-uniform, if a wait expired, the launch was aborted or the weights disagree.
+/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value (else it reports
+/// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
+/// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired, the
+/// launch was aborted or the values disagree.
 UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
-                                   int32_t topk = -1) {
+                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs) {
   if (threadIdx.x == 0) sm->failed = 0;
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
@@ -56,10 +58,10 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
     const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
                                       phase, DiagRole::kReceiver, d, -1);
     if (!arrived) sm->failed = 1;
-    if (topk >= 0 && arrived) {
+    if (arg >= 0 && arrived) {
       const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
-      if (theirs != topk) {
-        report_timeout(diag_of(ctx), DiagPhase::kCombinePullArgs, DiagRole::kReceiver, d, -1, topk, theirs, 0, 0.0);
+      if (theirs != arg) {
+        report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
         sm->failed = 1;
       }
     }
