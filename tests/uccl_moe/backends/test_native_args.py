@@ -155,6 +155,18 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
+def _request(x: torch.Tensor, R: int, K: int, E: int, cfg: Any) -> Any:
+    """A DispatchRequest of x's tokens, every token to every rank, top-k and per-expert counts zero."""
+    from uccl_moe.backends.base import DispatchRequest
+
+    T = x.shape[0]
+    return DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
+                           topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                           num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
+                           num_worst_tokens=0, config=cfg)
+
+
 def _fake_backend(R: int, rows: int) -> Any:
     """A NativeBackend without a GPU: the runtime is a fake (_FakeRuntime), the tensors live on the CPU."""
     from uccl_moe.backends import native
@@ -174,7 +186,6 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     dispatch and combine, returns a DispatchHandle, and fills each launcher's struct from the handle's named fields
     (the GPU suite checks the results; this checks the wiring on the host)."""
     from uccl_moe.backends import native
-    from uccl_moe.backends.base import DispatchRequest
 
     calls: list[tuple[str, Any, Any]] = []
     for op in ("notify_dispatch", "dispatch_intranode", "combine_intranode"):
@@ -183,11 +194,7 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     backend = _fake_backend(R, rows)
     cfg = Config(24, 8, 256, 6, 128)
     x = torch.zeros((T, H), dtype=torch.bfloat16)
-    req = DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
-                          topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
-                          num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                          num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
-                          num_worst_tokens=0, config=cfg)
+    req = _request(x, R, K, E, cfg)
     recv_x, _, recv_idx, recv_w, counts, h = backend.dispatch(req)
     assert isinstance(h, DispatchHandle) and counts == [1, 1]
     (_, geo_n, notify), (_, geo_d, disp) = calls
@@ -229,7 +236,6 @@ def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPa
     checks the outputs bit for bit)."""
     from uccl_moe import tuning
     from uccl_moe.backends import native
-    from uccl_moe.backends.base import DispatchRequest
 
     calls: list[tuple[str, Any]] = []
     for op in ("notify_dispatch", "dispatch_intranode", "dispatch_direct_intranode"):
@@ -240,11 +246,7 @@ def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPa
     assert need > int(_C.intranode_direct_landing_bytes(rows - 1, H * 2, 0, 0)) > (1 << 20)
     cfg = Config(24, 8, 256, 6, 128)
     x = torch.zeros((T, H), dtype=torch.bfloat16)
-    req = DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
-                          topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
-                          num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                          num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
-                          num_worst_tokens=0, config=cfg)
+    req = _request(x, R, K, E, cfg)
     backend.ctx = SimpleNamespace(num_nvl_bytes=need)
     monkeypatch.setenv("UCCL_MOE_DISPATCH_DIRECT", "1")
     *_, h = backend.dispatch(req)
