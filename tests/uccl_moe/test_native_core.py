@@ -177,7 +177,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in args and "timed out" not in args
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
-    assert "peer 0 lays out a landing area of 64 x 16 bytes, this rank 96" in direct and "timed out" not in direct
+    assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct
 
 
 def test_error_tree():

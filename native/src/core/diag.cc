@@ -65,9 +65,10 @@ std::string format_diag(const DiagRecord& r) {
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(
-        "rank %d: ring-free dispatch: peer %d lays out a landing area of %lld x 16 bytes, this rank %lld (a sender "
-        "names the area's rows and the row it needed instead); every rank must pass the same hidden size, dtype, "
-        "top-k, scales and num_worst_tokens to the same dispatch, or unset UCCL_MOE_DISPATCH_DIRECT",
+        "rank %d: ring-free dispatch: peer %d lays out its landing area as %lld, this rank as %lld (codes of size, "
+        "top-k and scales; from a sender: the area's rows and the row it needed); every rank must pass the same "
+        "hidden size, dtype, top-k, scales and num_worst_tokens to the same dispatch, or unset "
+        "UCCL_MOE_DISPATCH_DIRECT",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

@@ -416,7 +416,7 @@ UCCL_DEVICE_INLINE void direct_push(const NvlContext& ctx, const Geometry& g, co
         if (gw == 0 && gpu::lane_id() == 0)
           report_timeout(diag_of(ctx), DiagPhase::kDispatchDirectArgs, DiagRole::kSender, d, l, land.rows, row + 1, 0,
                          0.0);
-        break;
+        return;  // the op failed (the abort flag withholds landed); nothing more of this pair is written
       }
       warp_copy_cols<kSendUnroll, false>(reinterpret_cast<int4*>(out_rows + row * row_bytes),
                                          reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + tok * row_bytes),
@@ -486,18 +486,21 @@ UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs&
 constexpr int kUnpackThreads = 512;
 
 /// The push: enter, every (lane, destination) pair's rows, landed. Only the last block waits for the peers' landed
-/// release, so the kernel ends once every rank's rows are in and the unpack kernel needs no wait (a grid of spinning
-/// blocks could keep a peer sharing the GPU from starting its push).
+/// release, so the kernel ends once every rank's rows are in and the whole-GPU unpack kernel needs no wait (a
+/// whole-GPU grid of spinning blocks could keep a peer sharing the GPU from starting its push; the num_sms blocks
+/// spinning at enter need what the ring kernels need: every rank's blocks resident at once).
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     dispatch_direct_kernel(NvlContext ctx, Geometry g, DispatchArgs a, DirectLanding land) {
   __shared__ PullSmem sm;
   const int N = ctx.num_ranks;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the unpack sets it
-  // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on. The
-  // landing area's size (16-byte units) goes with it: a peer that lays it out otherwise would land rows where we do
-  // not look, so every rank checks it (an InvalidUsage record, dispatch/direct-args).
-  const int32_t layout = static_cast<int32_t>(land.end >> 4);
+  // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on. A code
+  // of the landing area's layout goes with it (its size in 16-byte units, mixed with the top-k and scale counts,
+  // non-negative): a peer that lays it out otherwise would land rows where we do not look, so every rank checks it
+  // (an InvalidUsage record, dispatch/direct-args).
+  const int32_t layout = static_cast<int32_t>(((land.end >> 4) ^ (static_cast<int64_t>(a.num_topk) << 24) ^
+                                               (static_cast<int64_t>(a.num_scales) << 12)) & 0x7fffffff);
   if (blockIdx.x == 0) release_to_peers(ctx, kOffDirectEnter, round, layout);
   const bool entered = wait_peers(ctx, kOffDirectEnter, round, DiagPhase::kDispatchDirectEnter, &sm, layout,
                                   DiagPhase::kDispatchDirectArgs);
