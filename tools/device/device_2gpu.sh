@@ -13,9 +13,9 @@
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
-#   trace    the dispatch kernel's phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
-#            each warp role spends its time, FP8 and BF16 at EP2, API defaults (tools/device/trace_summary.py); the
-#            normal build's module is put back afterwards
+#   trace    the ring kernels' phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
+#            each warp role of dispatch (FP8, BF16) and combine spends its time at EP2, API defaults
+#            (tools/device/trace_summary.py); the normal build's module is put back afterwards
 #   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
