@@ -15,20 +15,21 @@ ts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ts)
 
 
-def _line(rank: int, role: str, span: float, copy: float, rb: int = 7392) -> str:
-    return (f"noise uccl-trace dispatch rank={rank} row_bytes={rb} role={role} warps=144 span={span:.2f} "
+def _line(rank: int, role: str, span: float, copy: float, rb: int = 7392, op: str = "dispatch") -> str:
+    return (f"noise uccl-trace {op} rank={rank} row_bytes={rb} role={role} warps=144 span={span:.2f} "
             f"copy={copy:.2f} meta=1.00 wait=2.00 kept=0.00 publish=0.50 select=0.25")
 
 
 def test_means_after_warmup_and_other(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     lines = [_line(0, "recv", 500.0, 99.0), _line(0, "recv", 100.0, 40.0), _line(0, "recv", 120.0, 60.0),
-             _line(1, "send_remote", 90.0, 30.0), "unrelated line"]
+             _line(1, "send_remote", 90.0, 30.0), _line(0, "recv", 300.0, 200.0, 14336, "combine"), "unrelated line"]
     rows = ts.summarise(ts.parse(lines), skip=1)
-    by = {(r["role"], r["rank"]): r for r in rows}
-    recv = by[("recv", 0)]
+    by = {(r["op"], r["role"], r["rank"]): r for r in rows}
+    assert by[("combine", "recv", 0)]["copy"] == 200.0  # its own group: one launch, kept
+    recv = by[("dispatch", "recv", 0)]
     assert recv["launches"] == 1 + 1 and recv["span"] == 110.0 and recv["copy"] == 50.0
     assert recv["other"] == pytest.approx(110.0 - (50.0 + 1.0 + 2.0 + 0.0 + 0.5 + 0.25))
-    assert by[("send_remote", 1)]["launches"] == 1  # fewer launches than the skip: all of them
+    assert by[("dispatch", "send_remote", 1)]["launches"] == 1  # fewer launches than the skip: all of them
     log = tmp_path / "t.log"
     log.write_text("\n".join(lines))
     assert ts.main([str(log), "--skip", "1"]) == 0
@@ -49,6 +50,6 @@ def test_the_kernel_prints_the_fields_the_summary_reads() -> None:
     import re
 
     src = (ROOT / "native/src/kernels/intranode/phase_trace.cuh").read_text()
-    fmt = "".join(re.findall(r'"(uccl-trace dispatch[^"]*)"\s*"([^"]*)"', src)[0])
-    assert fmt.startswith("uccl-trace dispatch rank=%d row_bytes=%d role=%s warps=%u ")
+    fmt = "".join(re.findall(r'"(uccl-trace %s[^"]*)"\s*"([^"]*)"', src)[0])
+    assert fmt.startswith("uccl-trace %s rank=%d row_bytes=%d role=%s warps=%u ")
     assert tuple(re.findall(r"(\w+)=%\.2f", fmt)) == ts.PHASES

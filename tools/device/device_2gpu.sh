@@ -15,9 +15,9 @@
 #            and whether Nsight Compute / Systems are on the machine
 #   direct   the ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT): its GPU test (bits against the rings), then the bench at
 #            each EP size of BENCH_RANKS with --dispatch-direct --device-time (ring and direct dispatch side by side)
-#   trace    the dispatch kernel's phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
-#            each warp role spends its time, FP8 and BF16 at EP2, API defaults (tools/device/trace_summary.py); the
-#            normal build's module is put back afterwards
+#   trace    the ring kernels' phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
+#            each warp role of dispatch (FP8, BF16) and combine spends its time at EP2, API defaults
+#            (tools/device/trace_summary.py); the normal build's module is put back afterwards
 #   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)

@@ -1,9 +1,10 @@
-"""Summary of the dispatch kernel's phase trace (a build with -DUCCL_MOE_TRACE_DISPATCH:
-native/src/kernels/intranode/phase_trace.cuh). Each traced launch prints one ``uccl-trace dispatch`` line per role
-(send_remote, send_direct, recv) and rank: the mean per warp, in us, of its span and of the time it spent copying rows,
-writing metadata, waiting (for ring room, for rows, for the senders it publishes for), copying kept rows, publishing
-positions and selecting tokens. This averages them over launches per row size, role and rank (the slowest rank's
-line first), skipping each group's first `--skip` launches (warm-up), and adds `other`: the span less the phases.
+"""Summary of the ring kernels' phase trace (a build with -DUCCL_MOE_TRACE_DISPATCH:
+native/src/kernels/intranode/phase_trace.cuh). Each traced launch prints one ``uccl-trace <op>`` line (op: dispatch,
+combine) per role (send_remote, send_direct, recv) and rank: the mean per warp, in us, of its span and of the time it
+spent copying rows (combine's receivers: summing them), writing metadata, waiting (for ring room, for rows, for the
+senders it publishes for), copying kept rows, publishing positions and selecting tokens. This averages them over
+launches per op, row size, role and rank, skipping each group's first `--skip` launches (warm-up), and adds `other`:
+the span less the phases.
 
     python tools/device/trace_summary.py LOG [LOG...] [--skip 2]
 """
@@ -18,38 +19,40 @@ from collections import defaultdict
 from pathlib import Path
 
 PHASES = ("span", "copy", "meta", "wait", "kept", "publish", "select")
-_LINE = re.compile(r"uccl-trace dispatch rank=(\d+) row_bytes=(\d+) role=(\w+) warps=(\d+) (.*)$")
+_LINE = re.compile(r"uccl-trace (\w+) rank=(\d+) row_bytes=(\d+) role=(\w+) warps=(\d+) (.*)$")
+Key = tuple[str, int, str, int]  # (op, row_bytes, role, rank)
 
 
-def parse(lines: list[str]) -> dict[tuple[int, str, int], list[dict[str, float]]]:
-    """{(row_bytes, role, rank): [one dict of PHASES (and warps) per launch, in order]}."""
-    out: dict[tuple[int, str, int], list[dict[str, float]]] = defaultdict(list)
+def parse(lines: list[str]) -> dict[Key, list[dict[str, float]]]:
+    """{(op, row_bytes, role, rank): [one dict of PHASES (and warps) per launch, in order]}."""
+    out: dict[Key, list[dict[str, float]]] = defaultdict(list)
     for line in lines:
         m = _LINE.search(line)
         if m is None:
             continue
-        rank, row_bytes, role, warps, rest = int(m[1]), int(m[2]), m[3], int(m[4]), m[5]
+        op, rank, row_bytes, role, warps, rest = m[1], int(m[2]), int(m[3]), m[4], int(m[5]), m[6]
         vals = {k: float(v) for k, v in (kv.split("=") for kv in rest.split())}
         if set(vals) != set(PHASES):
             raise ValueError(f"trace line with fields {sorted(vals)}, expected {PHASES}: {line.strip()}")
-        out[(row_bytes, role, rank)].append({**vals, "warps": float(warps)})
+        out[(op, row_bytes, role, rank)].append({**vals, "warps": float(warps)})
     return out
 
 
-def summarise(groups: dict[tuple[int, str, int], list[dict[str, float]]], skip: int) -> list[dict[str, float | str]]:
-    """One row per (row size, role, rank): the mean of each phase over the launches after the first `skip` (all of
-    them where there are no more), `other` = span - the phases, and `launches`."""
+def summarise(groups: dict[Key, list[dict[str, float]]], skip: int) -> list[dict[str, float | str]]:
+    """One row per (op, row size, role, rank): the mean of each phase over the launches after the first `skip` (all
+    of them where there are no more), `other` = span - the phases, and `launches`."""
     rows: list[dict[str, float | str]] = []
-    for (row_bytes, role, rank), launches in sorted(groups.items()):
+    for (op, row_bytes, role, rank), launches in sorted(groups.items()):
         kept = launches[skip:] or launches
         mean = {k: statistics.fmean(d[k] for d in kept) for k in (*PHASES, "warps")}
         other = mean["span"] - sum(mean[k] for k in PHASES[1:])
-        rows.append({"row_bytes": row_bytes, "role": role, "rank": rank, "launches": len(kept), **mean, "other": other})
+        rows.append({"op": op, "row_bytes": row_bytes, "role": role, "rank": rank, "launches": len(kept), **mean,
+                     "other": other})
     return rows
 
 
 def table(rows: list[dict[str, float | str]]) -> str:
-    cols = ("row_bytes", "role", "rank", "launches", "warps", *PHASES, "other")
+    cols = ("op", "row_bytes", "role", "rank", "launches", "warps", *PHASES, "other")
     lines = ["  ".join(f"{c:>11}" for c in cols)]
     for r in rows:
         lines.append("  ".join(f"{r[c]:>11.2f}" if isinstance(r[c], float) else f"{r[c]!s:>11}" for c in cols))

@@ -14,6 +14,7 @@
 // before it blocks and every kPublishEvery tokens, so a sender can never wait on slots that were consumed but
 // not handed back. Counters are relative to the round's bases (nvl_layout.hpp).
 #include "combine_sum.cuh"
+#include "phase_trace.cuh"
 #include "uccl_moe/env.hpp"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -45,7 +46,9 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
   const int count = next - start;
   const int64_t row0 = dst_begin + start;
   for (int pos = 0; pos < count; ++pos) {
+    UCCL_MOE_TRACE(const long long t_room = trace::now());
     if (!out.make_room(ctx, g, pos, DiagPhase::kCombineSendRoom, dst, lane_idx)) return;
+    UCCL_MOE_TRACE(trace::add(trace::kWait, t_room); const long long t_copy = trace::now());
     char* slot = ring + static_cast<size_t>(pos % g.lane_slots) * s.bytes;
     const int64_t row = mapped_row(a, row0 + pos);
     const bool has_weight = a.topk_weights != nullptr && lane < a.num_topk;
@@ -54,9 +57,13 @@ UCCL_DEVICE_INLINE void combine_send(const NvlContext& ctx, const Geometry& g, c
         reinterpret_cast<int4*>(slot),
         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + row * s.row_bytes), s.row_bytes / 16);
     if (has_weight) reinterpret_cast<float*>(slot + s.off_weights)[lane] = wgt;
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_copy); const long long t_pub = trace::now());
     if (pos + 1 - out.published >= g.chunk_tokens) out.publish(pos + 1);
+    UCCL_MOE_TRACE(trace::add(trace::kPublish, t_pub));
   }
+  UCCL_MOE_TRACE(const long long t_fin = trace::now());
   out.finish(count);
+  UCCL_MOE_TRACE(trace::add(trace::kPublish, t_fin));
 }
 
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
@@ -97,6 +104,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const int32_t p_ahead = prefetch && t + 2 < end ? a.send_head[static_cast<int64_t>(t + 2) * N + lane] : -1;
     // Wait until every rank holding a copy has published it.
     bool need = lane != me && p >= 0 && tail_seen <= p;
+    UCCL_MOE_TRACE(const long long t_wait = trace::now());
     if (gpu::ballot(need) != 0) {
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       since_publish = 0;
@@ -120,6 +128,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
         }
       }
     }
+    UCCL_MOE_TRACE(trace::add(trace::kWait, t_wait); const long long t_sum = trace::now());
     // Sum the copies in rank order 0..N-1 (fixed, so the result does not depend on arrival order).
     int64_t self_row = 0;
     const char* slot_ptr = nullptr;
@@ -133,6 +142,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
     const gpu::LaneMask have = gpu::ballot(lane < N && p >= 0);  // uniform
     sum_token_copies<kNumRanks, kColUnroll>(slot_ptr, have, -1, col_begin, col_end, bias0, bias1, t, num_16,
                                             static_cast<int4*>(a.out));
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_sum); const long long t_meta = trace::now());
     if (gw == 0 && a.out_topk_weights != nullptr) {
       float sum = 0.0f;
       const int64_t own = gpu::shfl(self_row, me);
@@ -144,6 +154,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       }
       if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
+    UCCL_MOE_TRACE(trace::add(trace::kMeta, t_meta); const long long t_pub = trace::now());
     if (p_ahead >= 0 && col_end > col_begin)
       gpu::prefetch_l2((lane == me ? static_cast<const char*>(a.x) + (own_row0 + p_ahead) * s.row_bytes
                                    : my_ring + static_cast<size_t>(p_ahead % g.lane_slots) * s.bytes) + col_begin * 16,
@@ -154,6 +165,7 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
       publish_heads(ctx, sm, first_warp, group, lane_idx);
       since_publish = 0;
     }
+    UCCL_MOE_TRACE(trace::add(trace::kPublish, t_pub));
   }
   publish_heads(ctx, sm, first_warp, group, lane_idx);
 }
@@ -161,12 +173,16 @@ UCCL_DEVICE_INLINE void combine_recv(const NvlContext& ctx, const Geometry& g, c
 template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     combine_intranode_kernel(NvlContext ctx, Geometry g, CombineKernelArgs k) {
+  UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
+                 trace::begin());
   __shared__ RecvSmem sm;
   const CombineSplit& sp = k.split;
   const int b = blockIdx.x, warp = gpu::warp_id();
   if (b < sp.senders) {
     const int pair = sp.pair_of(b, warp);  // own rows are not pushed: their receiver reads them in place
     if (pair < sp.num_pairs()) combine_send(ctx, g, k, sp.pair_lane(pair), sp.pair_dst(pair, ctx.rank));
+    UCCL_MOE_TRACE(trace::finish(pair < sp.num_pairs() ? trace::kSendRemote : trace::kRoles, t0, t0_ns, "combine",
+                                 ctx.rank, k.slot.row_bytes));
     return;
   }
   const int r = b - sp.senders;
@@ -175,6 +191,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int lane_local = warp / group, gw = warp % group;
   if (lane_local < lanes) combine_recv<kNumRanks>(ctx, g, k, lane0 + lane_local, lane_local, gw, group, &sm);
   sm.finish(ctx, lane0, lanes, group);
+  UCCL_MOE_TRACE(trace::finish(lane_local < lanes ? trace::kRecv : trace::kRoles, t0, t0_ns, "combine", ctx.rank,
+                               k.slot.row_bytes));
 }
 
 }  // namespace

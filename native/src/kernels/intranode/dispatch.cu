@@ -343,15 +343,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     posts.reset();
     const int peer = warp / W, w = warp % W;
     if (peer >= ctx.num_ranks) {  // spare warps when the ranks do not divide the warps
-      UCCL_MOE_TRACE(trace::finish(trace::kRoles, t0, t0_ns, ctx.rank, k.a.row_bytes));
+      UCCL_MOE_TRACE(trace::finish(trace::kRoles, t0, t0_ns, "dispatch", ctx.rank, k.a.row_bytes));
       return;
     }
     if (peer == ctx.rank)
       dispatch_send_direct(ctx, g, k, c, w, &posts);  // our own rows, and the lane's tails
     else
       dispatch_send_remote(ctx, g, k, c, peer, w, &posts);
-    UCCL_MOE_TRACE(trace::finish(peer == ctx.rank ? trace::kSendDirect : trace::kSendRemote, t0, t0_ns, ctx.rank,
-                                 k.a.row_bytes));
+    UCCL_MOE_TRACE(trace::finish(peer == ctx.rank ? trace::kSendDirect : trace::kSendRemote, t0, t0_ns, "dispatch",
+                                 ctx.rank, k.a.row_bytes));
     return;
   }
   __shared__ RecvSmem sm;
@@ -360,7 +360,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int lane_local = warp / group, gw = warp % group;
   if (lane_local < W) dispatch_recv(ctx, g, k, c, lane_local, gw, group, &sm);
   sm.finish(ctx, c * W, W, group);
-  UCCL_MOE_TRACE(trace::finish(lane_local < W ? trace::kRecv : trace::kRoles, t0, t0_ns, ctx.rank, k.a.row_bytes));
+  UCCL_MOE_TRACE(trace::finish(lane_local < W ? trace::kRecv : trace::kRoles, t0, t0_ns, "dispatch", ctx.rank,
+                               k.a.row_bytes));
 }
 
 // ---- The ring-free dispatch (launch_dispatch_direct) --------------------------------------------------------------

@@ -1,5 +1,6 @@
-// Phase timing of the intranode dispatch kernel, for kernel work only: compiled in with -DUCCL_MOE_TRACE_DISPATCH
-// (tools/device/device_2gpu.sh's `trace` stage builds it into a separate build), nothing otherwise. Lane 0 of each
+// Phase timing of the intranode ring kernels (dispatch, combine), for kernel work only: compiled in with
+// -DUCCL_MOE_TRACE_DISPATCH (tools/device/device_2gpu.sh's `trace` stage builds it into a separate build), nothing
+// otherwise. Each kernel's .cu has its own copy of the sums (internal linkage). Lane 0 of each
 // warp adds the SM cycles it spends in each phase to its row in shared memory; when the warp ends, it adds the row
 // and its own span (cycles and ns) to device-wide sums per role, and the last warp of the launch prints one line per
 // role (the mean per warp, in us: cycles scaled by that role's own cycles per ns) and clears the sums for the next
@@ -16,6 +17,7 @@ enum Role { kSendRemote, kSendDirect, kRecv, kRoles };                    // kRo
 enum Phase { kCopy, kMeta, kWait, kKept, kPublish, kSelect, kPhases };
 
 #if defined(UCCL_MOE_TRACE_DISPATCH) && defined(UCCL_MOE_CUDA)
+namespace {
 constexpr int kMaxWarps = 32;
 __shared__ unsigned long long s_cycles[kMaxWarps][kPhases];
 __device__ unsigned long long g_cycles[kRoles][kPhases];
@@ -34,8 +36,10 @@ UCCL_DEVICE_INLINE long long now() { return clock64(); }
 UCCL_DEVICE_INLINE void add(Phase p, long long since) {
   if (gpu::lane_id() == 0) s_cycles[gpu::warp_id()][p] += clock64() - since;
 }
-/// End of this warp (every warp of the launch calls it once): its sums into role `r`'s; the last warp prints them.
-UCCL_DEVICE_INLINE void finish(Role r, long long t0_cycles, unsigned long long t0_ns, int rank, int row_bytes) {
+/// End of this warp (every warp of the launch calls it once): its sums into role `r`'s; the last warp prints them,
+/// labelled `op` (dispatch, combine).
+UCCL_DEVICE_INLINE void finish(Role r, long long t0_cycles, unsigned long long t0_ns, const char* op, int rank,
+                               int row_bytes) {
   if (gpu::lane_id() != 0) return;
   if (r < kRoles) {
     for (int p = 0; p < kPhases; ++p) atomicAdd(&g_cycles[r][p], s_cycles[gpu::warp_id()][p]);
@@ -53,9 +57,9 @@ UCCL_DEVICE_INLINE void finish(Role r, long long t0_cycles, unsigned long long t
     if (w > 0 && g_span_ns[role] > 0) {
       const double per_ns = static_cast<double>(g_span_cycles[role]) / static_cast<double>(g_span_ns[role]);
       const double us = 1e-3 / per_ns / w;  // cycles summed over warps -> us per warp
-      printf("uccl-trace dispatch rank=%d row_bytes=%d role=%s warps=%u span=%.2f copy=%.2f meta=%.2f wait=%.2f "
+      printf("uccl-trace %s rank=%d row_bytes=%d role=%s warps=%u span=%.2f copy=%.2f meta=%.2f wait=%.2f "
              "kept=%.2f publish=%.2f select=%.2f\n",
-             rank, row_bytes, names[role], w, 1e-3 * g_span_ns[role] / w, us * g_cycles[role][kCopy],
+             op, rank, row_bytes, names[role], w, 1e-3 * g_span_ns[role] / w, us * g_cycles[role][kCopy],
              us * g_cycles[role][kMeta], us * g_cycles[role][kWait], us * g_cycles[role][kKept],
              us * g_cycles[role][kPublish], us * g_cycles[role][kSelect]);
     }
@@ -65,6 +69,7 @@ UCCL_DEVICE_INLINE void finish(Role r, long long t0_cycles, unsigned long long t
   }
   g_done = 0;
 }
+}  // namespace
 #define UCCL_MOE_TRACE(stmt) stmt
 #else
 #define UCCL_MOE_TRACE(stmt)
