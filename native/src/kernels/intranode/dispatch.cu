@@ -461,8 +461,9 @@ UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs&
       if (i < total) gpu::store_stream_128(dst + staged_to_received(i, own.begin * words, own.count * words), v[u]);
     }
   }
-  for (int64_t c = tid; c < rows; c += stride)
-    if (a.recv_src_idx != nullptr) a.recv_src_idx[staged_to_received(c, own.begin, own.count)] = gpu::load_ring_32(at.src + c);
+  if (a.recv_src_idx != nullptr)
+    for (int64_t c = tid; c < rows; c += stride)
+      a.recv_src_idx[staged_to_received(c, own.begin, own.count)] = gpu::load_ring_32(at.src + c);
   if (a.recv_topk_idx != nullptr)
     for (int64_t i = tid; i < rows * K; i += stride) {
       const int64_t r = staged_to_received(i / K, own.begin, own.count) * K + i % K;
