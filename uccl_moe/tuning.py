@@ -94,6 +94,7 @@ def combine_staged(num_ranks: int, knob: str) -> bool:
     fit the buffer), given ``UCCL_MOE_COMBINE_STAGED``'s value `knob` (``auto``, ``1`` or ``0``)."""
     return knob == "1" or (knob == "auto" and num_ranks in STAGED_COMBINE)
 
+
 def preset_for(num_ranks: int) -> Preset:
     """The row for a group of `num_ranks` >= 1 ranks."""
     return INTRANODE[num_ranks] if num_ranks <= MAX_INTRANODE_RANKS else INTERNODE

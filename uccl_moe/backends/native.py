@@ -386,11 +386,7 @@ class NativeBackend(Backend):
         self._check_alive()
         if self._inter is not None:
             return True  # no view: get_combine_buffer hands out a tensor of the caller's
-        if (hidden * 2) % 16 != 0:
-            return False
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_ROWS_ATTR, None)
-        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
-        return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
+        return self._rows_that_fit(handle, _MOST_ROWS_ATTR, hidden, num_topk) is not None
 
     def combine_staged_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could take the staged path (its rows fit every
@@ -400,14 +396,20 @@ class NativeBackend(Backend):
 
     def _staged_rows(self, handle: Any, hidden: int, num_topk: int) -> int | None:
         """The rows every rank's buffer must hold for a staged combine of `handle` (the most rows any rank received
-        from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or None where they
-        (with `num_topk` staged weights each) do not fit: the same answer on every rank, like combine_buffer_fits."""
+        from other ranks), or None where they do not fit."""
+        return self._rows_that_fit(handle, _MOST_REMOTE_ATTR, hidden, num_topk)
+
+    def _rows_that_fit(self, handle: Any, count_attr: str, hidden: int, num_topk: int) -> int | None:
+        """The rows of hidden BF16 values (and `num_topk` staged weights each) every rank's buffer must hold for a
+        pull along `handle`: notify's count `count_attr` on its rank_prefix (the same on every rank), or for a
+        num_worst_tokens handle its own padded rows; None where they do not fit the buffer or are not 16-byte
+        multiples. The same answer on every rank, as the pull's paths require."""
         if (hidden * 2) % 16 != 0:
             return None
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_REMOTE_ATTR, None)
+        rows = getattr(handle_field(handle, "rank_prefix_matrix"), count_attr, None)
         rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
-        return rows if int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes \
-            else None
+        fits = int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
+        return rows if fits else None
 
     def _refuse_over_buffer(self, end: int, what: str) -> None:
         """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""
