@@ -48,6 +48,13 @@ _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
 _MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank received from other ranks
 
 
+def _alike_rows(handle: Any, count_attr: str) -> int:
+    """A row count every rank of `handle` agrees on: notify's count `count_attr` on its rank_prefix, or for a
+    num_worst_tokens handle (no count) its own padded rows, alike where every rank passed the same num_worst_tokens."""
+    rows = getattr(handle_field(handle, "rank_prefix_matrix"), count_attr, None)
+    return int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else int(rows)
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -406,8 +413,7 @@ class NativeBackend(Backend):
         multiples. The same answer on every rank, as the pull's paths require."""
         if (hidden * 2) % 16 != 0:
             return None
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), count_attr, None)
-        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
+        rows = _alike_rows(handle, count_attr)
         fits = int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
         return rows if fits else None
 
