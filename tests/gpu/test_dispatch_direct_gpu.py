@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
+from test_combine_staged_gpu import _kernels
 from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, _eq, _split, pull_buffers
 
 pytestmark = pytest.mark.gpu
@@ -59,16 +60,6 @@ def _same_dispatch(check, name: str, a, b, rows: int | None = None) -> None:
           and _eq(a.recv_topk_weights, b.recv_topk_weights))
     check(f"{name}: per-expert counts", a.num_recv_tokens_per_expert_list == b.num_recv_tokens_per_expert_list)
     check(f"{name}: handle", all(_eq(p, q) for p, q in zip(a.handle, b.handle)))
-
-
-def _kernels(fn) -> str:
-    """The names of the GPU kernels fn() ran (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
 
 
 def _direct_worker(rank: int, world: int, gloo) -> None:

@@ -48,6 +48,13 @@ _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
 _MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank received from other ranks
 
 
+def _alike_rows(handle: Any, count_attr: str) -> int:
+    """A row count every rank of `handle` agrees on: notify's count `count_attr` on its rank_prefix, or for a
+    num_worst_tokens handle (no count) its own padded rows, alike where every rank passed the same num_worst_tokens."""
+    rows = getattr(handle_field(handle, "rank_prefix_matrix"), count_attr, None)
+    return int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else int(rows)
+
+
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -392,11 +399,7 @@ class NativeBackend(Backend):
         self._check_alive()
         if self._inter is not None:
             return True  # no view: get_combine_buffer hands out a tensor of the caller's
-        if (hidden * 2) % 16 != 0:
-            return False
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_ROWS_ATTR, None)
-        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
-        return int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
+        return self._rows_that_fit(handle, _MOST_ROWS_ATTR, hidden, num_topk) is not None
 
     def combine_staged_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could take the staged path (its rows fit every
@@ -406,14 +409,19 @@ class NativeBackend(Backend):
 
     def _staged_rows(self, handle: Any, hidden: int, num_topk: int) -> int | None:
         """The rows every rank's buffer must hold for a staged combine of `handle` (the most rows any rank received
-        from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or None where they
-        (with `num_topk` staged weights each) do not fit: the same answer on every rank, like combine_buffer_fits."""
+        from other ranks), or None where they do not fit."""
+        return self._rows_that_fit(handle, _MOST_REMOTE_ATTR, hidden, num_topk)
+
+    def _rows_that_fit(self, handle: Any, count_attr: str, hidden: int, num_topk: int) -> int | None:
+        """The rows of hidden BF16 values (and `num_topk` staged weights each) every rank's buffer must hold for a
+        pull along `handle`: notify's count `count_attr` on its rank_prefix (the same on every rank), or for a
+        num_worst_tokens handle its own padded rows; None where they do not fit the buffer or are not 16-byte
+        multiples. The same answer on every rank, as the pull's paths require."""
         if (hidden * 2) % 16 != 0:
             return None
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_REMOTE_ATTR, None)
-        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
-        return rows if int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes \
-            else None
+        rows = _alike_rows(handle, count_attr)
+        fits = int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
+        return rows if fits else None
 
     def dispatch_direct_fits(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> bool:
         """Whether a dispatch along `handle` of rows of `row_bytes` (with `num_topk` ids and `num_scales` scales) could
@@ -426,8 +434,7 @@ class NativeBackend(Backend):
         """The rows every rank's landing area must hold for a ring-free dispatch along `handle` (the most rows any
         rank receives from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or
         None where they do not fit the buffer: the same answer on every rank."""
-        rows = getattr(handle_field(handle, "rank_prefix_matrix"), _MOST_REMOTE_ATTR, None)
-        rows = int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else rows
+        rows = _alike_rows(handle, _MOST_REMOTE_ATTR)
         need = int(_C.intranode_direct_landing_bytes(rows, row_bytes, num_topk, num_scales))
         return rows if need <= self.ctx.num_nvl_bytes else None
 

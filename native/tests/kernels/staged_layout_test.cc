@@ -46,6 +46,9 @@ TEST(StagedLayout, PullFindsTheRowTheStageWrote) {
         ASSERT_EQ(buffer_rows(c.prefix.data(), n, d, false), static_cast<int64_t>(received.size()));
         ASSERT_EQ(buffer_rows(c.prefix.data(), n, d, true), static_cast<int64_t>(compact.size()));
         const OwnBlock own(c.prefix.data(), n, d);
+        // Our own copies (me == d): the start of d's own block, compacted or not (the pull reads them from x).
+        ASSERT_EQ(our_rows_at(c.prefix.data(), n, d, d, true), own.begin);
+        ASSERT_EQ(our_rows_at(c.prefix.data(), n, d, d, false), own.begin);
         // The stage kernel fills compacted row p from received row staged_to_received(p, ...).
         for (size_t p = 0; p < compact.size(); ++p)
           ASSERT_EQ(received[staged_to_received(p, own.begin, own.count)], compact[p]) << "n=" << n << " d=" << d;

@@ -58,10 +58,8 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     weights_d = reinterpret_cast<const float*>(
         static_cast<const char*>(ctx.buffers[lane]) +
         combine_input_weights_offset(buffer_rows(a.rank_prefix, N, lane, compact), row_bytes));
-  // Our own copies: at their row numbers in x (own_x) or the view, and their weights in topk_weights.
-  const int64_t from_me_d =
-      lane < N ? (lane == me ? (me > 0 ? a.rank_prefix[(me - 1) * N + me] : 0) : our_rows_at(a.rank_prefix, N, me, lane, compact))
-               : 0;
+  // Our own copies (lane == me): at their row numbers in x (own_x) or the view, and their weights in topk_weights.
+  const int64_t from_me_d = lane < N ? our_rows_at(a.rank_prefix, N, me, lane, compact) : 0;
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   const int stride = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -102,8 +100,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
     const bool compact = a.staged != 0;
     const OwnBlock own(a.rank_prefix, N, me);
     const int64_t rows = buffer_rows(a.rank_prefix, N, me, compact);
-    const int64_t n = rows * a.num_topk, before = (compact ? own.begin : rows) * a.num_topk;
-    const int64_t skip = compact ? own.count * a.num_topk : 0;  // staged_to_received, in weights
+    const int64_t n = rows * a.num_topk, before = own.begin * a.num_topk;
+    const int64_t skip = compact ? own.count * a.num_topk : 0;  // staged_to_received, in weights (none: identity)
     float* staged = reinterpret_cast<float*>(static_cast<char*>(local) +
                                              combine_input_weights_offset(rows, static_cast<int64_t>(a.hidden) * 2));
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;

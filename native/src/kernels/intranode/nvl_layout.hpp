@@ -108,8 +108,8 @@ UCCL_HOST_DEVICE_FN int64_t buffer_rows(const int32_t* rank_prefix, int N, int d
   const int64_t received = rank_prefix[(N - 1) * N + d];
   return compact ? received - OwnBlock(rank_prefix, N, d).count : received;
 }
-/// Where rank d's buffer holds its rows from rank me (me != d): from rank_prefix[me - 1][d] on, less d's own block
-/// when that block comes first and the rows are compacted.
+/// Where rank d's buffer holds its rows from rank me: from rank_prefix[me - 1][d] on, less d's own block when that
+/// block comes first and the rows are compacted. For me == d: the start of d's own block (its rows in its x).
 UCCL_HOST_DEVICE_FN int64_t our_rows_at(const int32_t* rank_prefix, int N, int me, int d, bool compact) {
   const int64_t from_me = me > 0 ? rank_prefix[(me - 1) * N + d] : 0;
   return compact && me > d ? from_me - OwnBlock(rank_prefix, N, d).count : from_me;
