@@ -91,7 +91,8 @@ STAGED_COMBINE: dict[int, str] = {
 
 #: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
 #: naming where it measured faster than the rings (``python -m uccl_moe.bench --ranks R --dispatch-direct
-#: --device-time``). None yet: not measured.
+#: --device-time``). None: at EP2 it took about 30 us longer than the rings for FP8 and BF16 alike (2 x H200,
+#: session 21; docs/intranode.md).
 DIRECT_DISPATCH: dict[int, str] = {}
 
 

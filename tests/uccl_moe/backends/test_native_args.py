@@ -328,10 +328,10 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     backend.ctx = SimpleNamespace(num_nvl_bytes=int(_C.intranode_combine_input_layout(3, H, K)[1]))
     assert int(_C.intranode_combine_input_layout(rows, H, K)[1]) > backend.ctx.num_nvl_bytes
     for knob, ranks, want in (("1", 2, "stage"), ("auto", 2, "stage"), ("auto", 3, "ring"), ("0", 2, "ring"),
-                              (None, 2, "ring")):  # the default: the rings
+                              (None, 2, "stage"), (None, 3, "ring")):  # the default: auto
         calls.clear()
         if knob is None:
-            monkeypatch.delenv("UCCL_MOE_COMBINE_STAGED")
+            monkeypatch.delenv("UCCL_MOE_COMBINE_STAGED", raising=False)
         else:
             monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", knob)
         monkeypatch.setattr(backend, "R", ranks)
