@@ -89,10 +89,28 @@ STAGED_COMBINE: dict[int, str] = {
 }
 
 
+#: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
+#: naming where it measured faster than the rings (``python -m uccl_moe.bench --ranks R --dispatch-direct
+#: --device-time``). None: at EP2 it took about 30 us longer than the rings for FP8 and BF16 alike (2 x H200,
+#: session 21; docs/intranode.md).
+DIRECT_DISPATCH: dict[int, str] = {}
+
+
 def combine_staged(num_ranks: int, knob: str) -> bool:
     """Whether an intranode combine of a caller's tensor over `num_ranks` ranks takes the staged path (where its rows
     fit the buffer), given ``UCCL_MOE_COMBINE_STAGED``'s value `knob` (``auto``, ``1`` or ``0``)."""
-    return knob == "1" or (knob == "auto" and num_ranks in STAGED_COMBINE)
+    return _chosen(knob, num_ranks, STAGED_COMBINE)
+
+
+def dispatch_direct(num_ranks: int, knob: str) -> bool:
+    """Whether an intranode dispatch over `num_ranks` ranks takes the ring-free path (where the rows from other ranks
+    fit every landing area), given ``UCCL_MOE_DISPATCH_DIRECT``'s value `knob` (``auto``, ``1`` or ``0``)."""
+    return _chosen(knob, num_ranks, DIRECT_DISPATCH)
+
+
+def _chosen(knob: str, num_ranks: int, measured: dict[int, str]) -> bool:
+    """A path knob's value: ``1`` everywhere, ``auto`` at the EP sizes where the path `measured` faster, else off."""
+    return knob == "1" or (knob == "auto" and num_ranks in measured)
 
 
 def preset_for(num_ranks: int) -> Preset:

@@ -163,16 +163,21 @@ def test_diag_message_names_rank_peer_channel_phase():
                  "0x2a", "UCCL_MOE_TIMEOUT_S"):
         assert part in msg, (part, msg)
     assert d["phase"] == "dispatch/recv-tokens"
-    # every phase a kernel reports has a name (combine-from-the-buffer's three are the newest)
+    # every phase a kernel reports has a name (the ring-free dispatch's three are the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(19)]
-    assert "unknown" not in names and len(set(names)) == 19
-    assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args"]
-    assert _C.format_diag(rank=0, peer=0, channel=0, phase=19, role=1, expected=1, seen=0, command=0,
+                            waited_s=1.0)["phase"] for p in range(23)]
+    assert "unknown" not in names and len(set(names)) == 23
+    assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args",
+                          "dispatch/direct-enter", "dispatch/direct-landed", "dispatch/direct-done",
+                          "dispatch/direct-args"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=23, role=1, expected=1, seen=0, command=0,
                           waited_s=1.0)["phase"] == "unknown"
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]
     assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in args and "timed out" not in args
+    direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
+                            waited_s=0.0)["message"]
+    assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct
 
 
 def test_error_tree():

@@ -13,6 +13,8 @@
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
 #   scales   FP8 dispatch with column- against row-major scales, alternating, in device time (ab_summary.py table),
 #            and whether Nsight Compute / Systems are on the machine
+#   direct   the ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT): its GPU test (bits against the rings), then the bench at
+#            each EP size of BENCH_RANKS with --dispatch-direct --device-time (ring and direct dispatch side by side)
 #   trace    the ring kernels' phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
 #            each warp role of dispatch (FP8, BF16) and combine spends its time at EP2, API defaults
 #            (tools/device/trace_summary.py); the normal build's module is put back afterwards
@@ -27,6 +29,16 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 . tools/device/device_setup.sh || exit 1
 P=(python3 -m pytest -q -p no:cacheprovider -rA)
 sum() { grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$1" | tail -"${2:-8}"; }
+# path_bench NAME FLAG: the bench at each EP size of BENCH_RANKS with FLAG (a second path timed beside the default's)
+# in device time; logs NAME_bench_ep<R>.log, NAME_ep<R>.json.
+path_bench() {
+  for r in ${BENCH_RANKS:-2}; do   # 256 experts do not split over 3 ranks: 255 there
+    e=256; [ "$r" = 3 ] && e=255
+    timeout 150 python3 -m uccl_moe.bench --ranks "$r" --experts $e "$2" --device-time --png= \
+      --json "$OUT/$1_ep$r.json" 2>&1 | grep -v "it/s\]" > "$OUT/$1_bench_ep$r.log"
+    echo "$1 bench EP$r rc=$?"; head -10 "$OUT/$1_bench_ep$r.log"
+  done
+}
 for stage in ${STAGES:-quick bench}; do
   case $stage in
   quick)
@@ -59,12 +71,7 @@ for stage in ${STAGES:-quick bench}; do
   staged)
     timeout "${STAGED_T:-540}" "${P[@]}" --timeout 300 tests/gpu/test_combine_staged_gpu.py > "$OUT/staged.log" 2>&1
     echo "staged test rc=$?"; sum "$OUT/staged.log"
-    for r in ${BENCH_RANKS:-2}; do
-      e=256; [ "$r" = 3 ] && e=255
-      timeout 150 python3 -m uccl_moe.bench --ranks "$r" --experts $e --combine-staged --device-time --png= \
-        --json "$OUT/staged_ep$r.json" 2>&1 | grep -v "it/s\]" > "$OUT/staged_bench_ep$r.log"
-      echo "staged bench EP$r rc=$?"; head -8 "$OUT/staged_bench_ep$r.log"
-    done ;;
+    path_bench staged --combine-staged ;;
   scales)
     mkdir -p "$OUT/scales"; i=0
     for s in col row col row; do
@@ -74,6 +81,10 @@ for stage in ${STAGES:-quick bench}; do
     done
     python3 tools/device/ab_summary.py "$OUT/scales" --base col
     echo "ncu: $(command -v ncu || echo none); nsys: $(command -v nsys || echo none)" ;;
+  direct)
+    timeout "${DIRECT_T:-400}" "${P[@]}" --timeout 380 tests/gpu/test_dispatch_direct_gpu.py > "$OUT/direct.log" 2>&1
+    echo "direct test rc=$?"; sum "$OUT/direct.log"
+    path_bench direct --dispatch-direct ;;
   trace)
     UCCL_MOE_BUILD_DIR=build/trace UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \
       -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_TRACE_DISPATCH > "$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"

@@ -262,7 +262,13 @@ class NativeBackend(Backend):
             recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w),
             recv_src_idx=_ptr(handle.recv_src_idx if with_meta else None),
             send_head=_ptr(handle.send_head if with_meta else None))
-        _C.dispatch_intranode(self._rt, geo, args, self._stream())
+        landing = self._direct_rows(handle, int(args.row_bytes), K, num_scales) \
+            if tuning.dispatch_direct(self.R, env.get("DISPATCH_DIRECT")) else None
+        if landing is not None:  # the ring-free path (alike on every rank: the knob, the EP size and the fit)
+            args.lane_prefix, args.landing_rows = _ptr(handle.channel_prefix_matrix), landing
+            _C.dispatch_direct_intranode(self._rt, geo, args, self._stream())
+        else:
+            _C.dispatch_intranode(self._rt, geo, args, self._stream())
         return recv_x, recv_scales, recv_idx, recv_w
 
     @staticmethod
@@ -416,6 +422,21 @@ class NativeBackend(Backend):
         rows = _alike_rows(handle, count_attr)
         fits = int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
         return rows if fits else None
+
+    def dispatch_direct_fits(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> bool:
+        """Whether a dispatch along `handle` of rows of `row_bytes` (with `num_topk` ids and `num_scales` scales) could
+        take the ring-free path (its landing area fits every rank's buffer); UCCL_MOE_DISPATCH_DIRECT and the EP
+        size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._direct_rows(handle, row_bytes, num_topk, num_scales) is not None
+
+    def _direct_rows(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> int | None:
+        """The rows every rank's landing area must hold for a ring-free dispatch along `handle` (the most rows any
+        rank receives from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or
+        None where they do not fit the buffer: the same answer on every rank."""
+        rows = _alike_rows(handle, _MOST_REMOTE_ATTR)
+        need = int(_C.intranode_direct_landing_bytes(rows, row_bytes, num_topk, num_scales))
+        return rows if need <= self.ctx.num_nvl_bytes else None
 
     def _refuse_over_buffer(self, end: int, what: str) -> None:
         """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""

@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ranks' rows copied into the Buffer, then pulled; a Buffer with room for the rows); the "
                         "plain 'combine' line is the default's path (staged at the EP sizes of "
                         "uccl_moe/tuning.py's STAGED_COMBINE)")
+    p.add_argument("--dispatch-direct", action="store_true",
+                   help="also time the same cached dispatch through the ring-free path (UCCL_MOE_DISPATCH_DIRECT=1 "
+                        "on every rank: rows written straight to where they end up, then unpacked; a Buffer with "
+                        "room for the rows from other ranks), as 'dispatch direct'")
     p.add_argument("--tuned", action="store_true",
                    help=f"the tuned path instead of the API defaults: explicit Config(sms, {TUNED_NVL_SEND}, "
                         f"{TUNED_NVL_RECV}) (unless --nvl-send/--nvl-recv say otherwise), row-major scales, "
@@ -107,7 +111,8 @@ def resolve_mode(args: argparse.Namespace) -> None:
         args.combine_view = True
     explicit = args.nvl_send is not None or args.nvl_recv is not None  # a missing one: the API's preset value
     args.scales = args.scales or "col"
-    args.mode = "tuned" if explicit or args.scales != "col" or args.combine_view or args.combine_staged else "api"
+    args.mode = "tuned" if (explicit or args.scales != "col" or args.combine_view or args.combine_staged
+                            or args.dispatch_direct) else "api"
 
 
 def mode_label(args: argparse.Namespace) -> str:
@@ -123,6 +128,8 @@ def mode_label(args: argparse.Namespace) -> str:
         knobs.append("combine from the buffer timed too")
     if args.combine_staged:
         knobs.append("ring and staged combine timed too")
+    if args.dispatch_direct:
+        knobs.append("ring-free dispatch timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 
 
@@ -197,10 +204,14 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
     print(_table(rows))
     for r in rows:
         for key, what in (("combine_view_equal", "combine from the buffer"),
-                          ("combine_staged_equal", "staged combine")):
+                          ("combine_staged_equal", "staged combine"),
+                          ("dispatch_direct_equal", "ring-free dispatch")):
             if r.get(key) is False:  # a correctness check, not a timing: say it loudly
-                print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from combine",
-                      file=sys.stderr)
+                print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from the rings' "
+                      f"{'dispatch' if 'dispatch' in key else 'combine'}", file=sys.stderr)
+        if r.get("dispatch_direct_fits") is False:
+            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: the rows from other ranks "
+                  f"do not fit the Buffer, so 'dispatch direct' timed the rings", file=sys.stderr)
         if r.get("combine_staged_fits") is False:
             print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer, so "
                   f"'combine staged' timed the ring combine", file=sys.stderr)

@@ -131,6 +131,9 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         "combine": (lambda: buf.combine(y, h, config=ccfg), None)}
     if args.combine_view:
         ops["combine_view"] = (lambda: buf.combine(view[0], h, config=ccfg), fill_view)
+    if args.dispatch_direct:  # the ring-free dispatch forced (the plain dispatch is the default's path)
+        ops["dispatch_direct"] = (lambda: _forced("UCCL_MOE_DISPATCH_DIRECT", "1",
+                                                  lambda: buf.dispatch(x, handle=h, config=dcfg)), None)
     if args.combine_staged:  # each combine path forced, every rank alike (the plain combine is the default's)
         ops["combine_ring"] = (lambda: _forced_combine(buf, y, h, ccfg, "0"), None)
         ops["combine_staged"] = (lambda: _forced_combine(buf, y, h, ccfg, "1"), None)
@@ -142,6 +145,15 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
+    if args.dispatch_direct:  # the same bytes as the rings' (FP8 rows and scales as bytes); fits, else it timed rings
+        fp8 = dtype == "fp8"  # x's own rows (1 or 2 bytes a value) and scales; a cached dispatch lands no ids
+        out["dispatch_direct_fits"] = bool(buf._live().dispatch_direct_fits(h, H if fp8 else 2 * H, 0,
+                                                                            H // 128 if fp8 else 0))
+        got, want = (_forced("UCCL_MOE_DISPATCH_DIRECT", v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x
+                     for v in ("1", "0"))
+        out["dispatch_direct_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
+                                           zip(got if isinstance(got, tuple) else (got,),
+                                               want if isinstance(want, tuple) else (want,)))
     if args.combine_staged:
         out["combine_staged_fits"] = bool(buf._live().combine_staged_fits(h, H, 0))  # else "staged" timed the ring
         staged = _forced_combine(buf, y, h, ccfg, "1").combined_x
@@ -172,18 +184,24 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
 
 def _forced_combine(buf: Any, y: Any, h: Any, cfg: Any, staged: str) -> Any:
     """buf.combine(y) with UCCL_MOE_COMBINE_STAGED=`staged` for this call ("1": the staged path where the rows fit,
-    "0": the rings; every rank alike); the caller's own setting comes back after it."""
+    "0": the rings; every rank alike)."""
+    return _forced("UCCL_MOE_COMBINE_STAGED", staged, lambda: buf.combine(y, h, config=cfg))
+
+
+def _forced(var: str, value: str, fn: Callable[[], Any]) -> Any:
+    """fn() with the environment variable `var` set to `value` (every rank alike); the caller's own setting comes
+    back after it."""
     import os
 
-    before = os.environ.get("UCCL_MOE_COMBINE_STAGED")
-    os.environ["UCCL_MOE_COMBINE_STAGED"] = staged
+    before = os.environ.get(var)
+    os.environ[var] = value
     try:
-        return buf.combine(y, h, config=cfg)
+        return fn()
     finally:
         if before is None:
-            del os.environ["UCCL_MOE_COMBINE_STAGED"]
+            del os.environ[var]
         else:
-            os.environ["UCCL_MOE_COMBINE_STAGED"] = before
+            os.environ[var] = before
 
 
 def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,6 +209,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     for op, recv_key, remote_key, bytes_key in (
             ("dispatch", "n_recv", "n_remote", "row_bytes"),
+            ("dispatch_direct", "n_recv", "n_remote", "row_bytes"),
             ("combine", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_view", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_ring", "n_sent", "n_sent_remote", "combine_row_bytes"),
@@ -207,10 +226,11 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
         if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
             row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
-    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits"):
+    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "dispatch_direct_equal",
+                "dispatch_direct_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
-    for op in ("dispatch", "combine", "combine_view", "combine_ring", "combine_staged"):
+    for op in ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged"):
         key = f"{op}_kernels"
         if key in per_rank[0]:  # slowest rank per kernel
             names = sorted({n for d in per_rank for n in d[key]})
@@ -354,6 +374,8 @@ def op_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         setting = dict(zip(_SETTING, key))
         comb_row = next((r for r in members if r["dtype"] == "bf16"), members[0])
         entries = [(f"dispatch {r['dtype']}", r, "dispatch", "nccl_dispatch") for r in members]
+        entries += [(f"dispatch direct {r['dtype']}", r, "dispatch_direct", "nccl_dispatch") for r in members
+                    if "dispatch_direct_us" in r]
         entries.append(("combine", comb_row, "combine", "nccl_combine"))
         if "combine_view_us" in comb_row:
             entries.append(("combine from the buffer", comb_row, "combine_view", "nccl_combine"))
@@ -407,6 +429,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("nccl_dispatch_us", "nccl_us"), ("nccl_dispatch_nvlink_GBps", "nccl_nvl"),
             ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
             ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
+            ("dispatch_direct_us", "dispd_us"), ("dispatch_direct_nvlink_GBps", "dispd_nvl"),
             ("combine_ring_us", "combr_us"), ("combine_ring_nvlink_GBps", "combr_nvl"),
             ("combine_staged_us", "combs_us"), ("combine_staged_nvlink_GBps", "combs_nvl"),
             ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl"),
@@ -425,7 +448,7 @@ def _kernel_lines(rows: list[dict[str, Any]]) -> str:
     """One line per row and op: GPU kernel us per call (slowest rank), e.g. for --kernel-times."""
     lines = []
     for r in rows:
-        for op in ("dispatch", "combine", "combine_view", "combine_ring", "combine_staged"):
+        for op in ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged"):
             ks = r.get(f"{op}_kernels")
             if ks:
                 body = ", ".join(f"{n} {us:.1f}" for n, us in ks.items())

@@ -33,6 +33,11 @@ enum class DiagPhase : int32_t {
   kCombinePullStart = 16,   ///< combine from the buffer: waiting for a peer's inputs (its start release)
   kCombinePullDone = 17,    ///< combine from the buffer: waiting for a peer to stop reading our buffer
   kCombinePullArgs = 18,    ///< not a wait: a peer's combine from the buffer staged another number of top-k weights
+  kDispatchDirectEnter = 19,   ///< ring-free dispatch: waiting for a peer to begin it (before writing its buffer)
+  kDispatchDirectLanded = 20,  ///< ring-free dispatch: waiting for a peer's rows to land in our buffer
+  kDispatchDirectDone = 21,    ///< ring-free dispatch: waiting for a peer to stop reading its buffer
+  kDispatchDirectArgs = 22,    ///< not a wait: a peer's ring-free dispatch laid out another landing area (or a row
+                               ///< fell outside ours)
 };
 
 const char* diag_phase_name(DiagPhase phase);

@@ -87,7 +87,9 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(DispatchArgs, send_head),
             UCCL_MOE_ARG(DispatchArgs, num_tokens_ptr),
             UCCL_MOE_ARG(DispatchArgs, row_map),
-            UCCL_MOE_ARG(DispatchArgs, src_tag));
+            UCCL_MOE_ARG(DispatchArgs, src_tag),
+            UCCL_MOE_ARG(DispatchArgs, lane_prefix),
+            UCCL_MOE_ARG(DispatchArgs, landing_rows));
   bind_args(m, "CombineArgs", "combine_intranode's arguments (intranode.hpp CombineArgs)",
             UCCL_MOE_ARG(CombineArgs, x),
             UCCL_MOE_ARG(CombineArgs, topk_weights),
@@ -273,6 +275,17 @@ void register_runtime(nb::module_& m) {
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
+
+  m.def("dispatch_direct_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
+                                        uintptr_t stream) {
+    // No ring is used (the handle's lane geometry only places the rows): no ring reset needed. The unpack takes the
+    // whole GPU (two blocks per SM), as a staged combine's stage does.
+    const int unpack_blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
+    intranode::launch_dispatch_direct(rt.context(), g, a, unpack_blocks, stream_of(stream));
+  }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a,
+  "The ring-free dispatch (intranode.hpp launch_dispatch_direct): same outputs as dispatch_intranode");
+  m.def("intranode_direct_landing_bytes", &intranode::direct_landing_bytes, "rows"_a, "row_bytes"_a, "num_topk"_a,
+        "num_scales"_a);
 
   m.def("combine_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::CombineArgs& a,
                                 uintptr_t stream) {

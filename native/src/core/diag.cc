@@ -25,6 +25,10 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kCombinePullStart: return "combine/pull-start";
     case DiagPhase::kCombinePullDone: return "combine/pull-done";
     case DiagPhase::kCombinePullArgs: return "combine/pull-args";
+    case DiagPhase::kDispatchDirectEnter: return "dispatch/direct-enter";
+    case DiagPhase::kDispatchDirectLanded: return "dispatch/direct-landed";
+    case DiagPhase::kDispatchDirectDone: return "dispatch/direct-done";
+    case DiagPhase::kDispatchDirectArgs: return "dispatch/direct-args";
   }
   return "unknown";
 }
@@ -42,8 +46,10 @@ const char* diag_role_name(DiagRole role) {
 }
 
 ErrorCode diag_error_code(const DiagRecord& r) {
-  return r.phase == DiagPhase::kRdmaCapacity || r.phase == DiagPhase::kCombinePullArgs ? ErrorCode::kInvalidUsage
-                                                                                          : ErrorCode::kTimeout;
+  return r.phase == DiagPhase::kRdmaCapacity || r.phase == DiagPhase::kCombinePullArgs ||
+                 r.phase == DiagPhase::kDispatchDirectArgs
+             ? ErrorCode::kInvalidUsage
+             : ErrorCode::kTimeout;
 }
 
 std::string format_diag(const DiagRecord& r) {
@@ -56,6 +62,13 @@ std::string format_diag(const DiagRecord& r) {
     return detail::format(
         "rank %d: combine from the buffer: peer %d staged %lld top-k weights per row, this rank expected %lld; every "
         "rank must pass topk_weights of the same shape (or none) to the same combine",
+        r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
+  if (r.phase == DiagPhase::kDispatchDirectArgs)
+    return detail::format(
+        "rank %d: ring-free dispatch: peer %d lays out its landing area as %lld, this rank as %lld (codes of size, "
+        "top-k and scales; from a sender: the area's rows and the row it needed); every rank must pass the same "
+        "hidden size, dtype, top-k, scales and num_worst_tokens to the same dispatch, or unset "
+        "UCCL_MOE_DISPATCH_DIRECT",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

@@ -1,7 +1,8 @@
-// The staged combine's compacted row layout (nvl_layout.hpp: OwnBlock, buffer_rows, our_rows_at,
-// staged_to_received), against rows laid out one by one: for every pair of ranks, the row where the pull looks for
-// our copy at rank d is the row that d's stage kernel filled with it, for random counts with zeros (ranks that
-// receive nothing, empty own blocks), N = 1..8.
+// The compacted row layout of the staged combine and the ring-free dispatch (nvl_layout.hpp: OwnBlock, buffer_rows,
+// our_rows_at, staged_to_received, DirectLanding), against rows laid out one by one: for every pair of ranks, the
+// row where the pull looks for our copy at rank d (or where our direct dispatch lands it) is the row that d's stage
+// kernel filled with it (that d's unpack takes it from), for random counts with zeros (ranks that receive nothing,
+// empty own blocks), N = 1..8.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -71,6 +72,29 @@ TEST(StagedLayout, UnitsScaleTheSameMap) {
   for (int64_t unit : {1, 4, 896}) {
     EXPECT_EQ(staged_to_received(2 * unit - 1, 2 * unit, 3 * unit), 2 * unit - 1);  // last unit of row 1
     EXPECT_EQ(staged_to_received(2 * unit, 2 * unit, 3 * unit), 5 * unit);          // row 2 is received row 5
+  }
+}
+
+TEST(DirectLanding, FieldsFollowTheRowsOnAlignedLinesWithoutOverlap) {
+  for (int64_t rows : {0, 1, 7, 4091}) {
+    for (int row_bytes : {16, 7168, 14336}) {
+      for (int k : {0, 1, 8}) {
+        for (int s : {0, 56}) {
+          const DirectLanding d = DirectLanding::make(rows, row_bytes, k, s);
+          const int64_t starts[] = {d.src_off, d.topk_off, d.weights_off, d.scales_off};
+          const int64_t sizes[] = {rows * 4, rows * k * 4, rows * k * 4, rows * s * 4};
+          int64_t at = static_cast<int64_t>(kOffCombineInput) + rows * row_bytes;  // the rows come first
+          for (int f = 0; f < 4; ++f) {
+            EXPECT_EQ(starts[f] % 128, 0);
+            EXPECT_GE(starts[f], at);
+            EXPECT_LT(starts[f], at + 128);
+            at = starts[f] + sizes[f];
+          }
+          EXPECT_EQ(d.end, at);
+          EXPECT_EQ(d.rows, rows);
+        }
+      }
+    }
   }
 }
 

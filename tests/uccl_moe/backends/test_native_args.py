@@ -155,6 +155,18 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
+def _request(x: torch.Tensor, R: int, K: int, E: int, cfg: Any) -> Any:
+    """A DispatchRequest of x's tokens, every token to every rank, top-k and per-expert counts zero."""
+    from uccl_moe.backends.base import DispatchRequest
+
+    T = x.shape[0]
+    return DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
+                           topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                           num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
+                           num_worst_tokens=0, config=cfg)
+
+
 def _fake_backend(R: int, rows: int) -> Any:
     """A NativeBackend without a GPU: the runtime is a fake (_FakeRuntime), the tensors live on the CPU."""
     from uccl_moe.backends import native
@@ -174,7 +186,6 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     dispatch and combine, returns a DispatchHandle, and fills each launcher's struct from the handle's named fields
     (the GPU suite checks the results; this checks the wiring on the host)."""
     from uccl_moe.backends import native
-    from uccl_moe.backends.base import DispatchRequest
 
     calls: list[tuple[str, Any, Any]] = []
     for op in ("notify_dispatch", "dispatch_intranode", "combine_intranode"):
@@ -183,11 +194,7 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     backend = _fake_backend(R, rows)
     cfg = Config(24, 8, 256, 6, 128)
     x = torch.zeros((T, H), dtype=torch.bfloat16)
-    req = DispatchRequest(x=x, x_scales=None, topk_idx=torch.zeros((T, K), dtype=torch.int64),
-                          topk_weights=torch.zeros((T, K)), num_tokens_per_rank=torch.zeros(R, dtype=torch.int32),
-                          num_tokens_per_rdma_rank=None, is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                          num_tokens_per_expert=torch.zeros(E, dtype=torch.int32), expert_alignment=1,
-                          num_worst_tokens=0, config=cfg)
+    req = _request(x, R, K, E, cfg)
     recv_x, _, recv_idx, recv_w, counts, h = backend.dispatch(req)
     assert isinstance(h, DispatchHandle) and counts == [1, 1]
     (_, geo_n, notify), (_, geo_d, disp) = calls
@@ -219,6 +226,49 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     assert (comb.x, comb.rank_prefix, comb.recv_lane_start, comb.send_head, comb.out) == \
         (_ptr(y), _ptr(h.rank_prefix_matrix), _ptr(h.recv_channel_prefix_matrix), _ptr(h.send_head), _ptr(out))
     assert (comb.num_tokens, comb.hidden, comb.num_topk, comb.topk_weights) == (T, H, 0, 0)
+
+
+@pytestmark_kernels
+def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCCL_MOE_DISPATCH_DIRECT=1: dispatch and cached dispatch launch the ring-free kernel with the handle's
+    lane_prefix and the landing rows every rank holds (notify's most rows from other ranks, the same on every rank);
+    a buffer too small for them, 0, or auto at an EP size not in tuning.DIRECT_DISPATCH take the rings (the GPU suite
+    checks the outputs bit for bit)."""
+    from uccl_moe import tuning
+    from uccl_moe.backends import native
+
+    calls: list[tuple[str, Any]] = []
+    for op in ("notify_dispatch", "dispatch_intranode", "dispatch_direct_intranode"):
+        monkeypatch.setattr(native._C, op, lambda rt, geo, args, stream, op=op: calls.append((op, args)))
+    R, T, H, K, E, rows = 2, 5, 64, 2, 4, 7
+    backend = _fake_backend(R, rows)  # notify reports rows - 1 rows from other ranks at most
+    need = int(_C.intranode_direct_landing_bytes(rows - 1, H * 2, K, 0))
+    assert need > int(_C.intranode_direct_landing_bytes(rows - 1, H * 2, 0, 0)) > (1 << 20)
+    cfg = Config(24, 8, 256, 6, 128)
+    x = torch.zeros((T, H), dtype=torch.bfloat16)
+    req = _request(x, R, K, E, cfg)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=need)
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_DIRECT", "1")
+    *_, h = backend.dispatch(req)
+    (_, notify), (op, disp) = calls
+    assert op == "dispatch_direct_intranode"
+    assert (disp.lane_prefix, disp.landing_rows, disp.num_topk) == (_ptr(h.channel_prefix_matrix), rows - 1, K)
+    assert (disp.recv_src_idx, disp.send_head) == (_ptr(h.recv_src_idx), _ptr(h.send_head))
+    calls.clear()
+    backend.cached_dispatch(x, None, h, cfg)  # no top-k: a smaller landing area, the same rows
+    (op, cached), = calls
+    assert (op, cached.landing_rows, cached.num_topk, cached.send_head) == ("dispatch_direct_intranode", rows - 1, 0, 0)
+    assert backend.dispatch_direct_fits(h, H * 2, K, 0) and not backend.dispatch_direct_fits(h, H * 2, K, 1)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=need - 1)  # the ids and weights no longer fit: the rings
+    for knob, table, want in (("1", {}, "dispatch_intranode"), ("0", {}, "dispatch_intranode"),
+                              ("auto", {}, "dispatch_intranode"), ("auto", {R: "here"}, "dispatch_direct_intranode")):
+        if want == "dispatch_direct_intranode":
+            backend.ctx = SimpleNamespace(num_nvl_bytes=need)
+        calls.clear()
+        monkeypatch.setenv("UCCL_MOE_DISPATCH_DIRECT", knob)
+        monkeypatch.setattr(tuning, "DIRECT_DISPATCH", table)
+        backend.dispatch(req)
+        assert calls[-1][0] == want, (knob, table)
 
 
 @pytestmark_kernels

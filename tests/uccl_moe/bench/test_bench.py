@@ -135,3 +135,23 @@ def test_time_op_orders_flush_align_and_the_hold(monkeypatch: pytest.MonkeyPatch
         ["record", "call", "record"]
     assert log == ["call"] + one + one
     assert gpu == 2e3 and host >= 0.0  # the events are 2 "ms" apart in the fake: microseconds out
+
+
+def test_direct_dispatch_columns_entries_and_equality_flag() -> None:
+    """dispatch_direct (--dispatch-direct) is summarised like dispatch (slowest rank, its byte counts), gets its
+    columns and one summary line per dtype, and its bitwise check against the rings fails if any rank's failed."""
+    from uccl_moe.bench._run import op_summary
+
+    a = {**_rank(100.0, 400, 300), "dispatch_direct_us": 80.0, "dispatch_direct_equal": True}
+    b = {**_rank(90.0, 400, 300), "dispatch_direct_us": 85.0, "dispatch_direct_equal": False}
+    row = _summarise([a, b])
+    assert row["dispatch_direct_us"] == 85.0 and row["dispatch_direct_nvlink_GBps"] == round(300 * 1000 / 85e3, 1)
+    assert row["dispatch_direct_equal"] is False and _summarise([a, a])["dispatch_direct_equal"] is True
+    assert _summarise([{**a, "dispatch_direct_fits": True}, {**b, "dispatch_direct_fits": False}])[
+        "dispatch_direct_fits"] is False
+    row.update(ranks=2, tokens=64, hidden=7168, experts=256, dtype="bf16", num_sms=24, nvl_send=8, nvl_recv=256,
+               nccl_dispatch_us=100.0, nccl_combine_us=200.0)
+    assert "dispd_us" in _table([row]).splitlines()[0].split()
+    ops = op_summary([row])
+    direct = next(e for e in ops if e["op"] == "dispatch direct bf16")
+    assert direct["ours_us"] == 85.0 and direct["speedup"] == round(100.0 / 85.0, 2)

@@ -49,6 +49,7 @@ def test_device_time_is_labelled_as_not_what_a_caller_sees(argv) -> None:
     (["--scales", "row"], None, None, "row", False),
     (["--combine-view"], None, None, "col", True),
     (["--combine-staged"], None, None, "col", False),
+    (["--dispatch-direct"], None, None, "col", False),
 ])
 def test_any_tuning_knob_is_the_tuned_mode_and_says_so(argv, nvl_send, nvl_recv, scales, view) -> None:
     args = _args(*argv)

@@ -27,72 +27,12 @@
 // All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
 // its own while its peers pass the buffer's, is named in a combine/pull-start timeout.
 #include "combine_sum.cuh"
+#include "handshake.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
 
 namespace {
-
-
-struct PullSmem {
-  int last;    // this block is the last to count itself (last_block)
-  int failed;  // a wait of this block expired (wait_peers)
-};
-
-/// Called by every thread of every block: counts the block in `counter` (after a GPU-scope fence over the block's
-/// earlier writes) and returns true, block-uniform, in the block that completed the count, which also resets it for
-/// the next launch.
-UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    gpu::fence_gpu();
-    const bool last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
-    if (last) {
-      gpu::fence_gpu();  // acquire side of the count: the other blocks' writes before theirs
-      atomicExch(counter, 0);
-    }
-    sm->last = last ? 1 : 0;
-  }
-  __syncthreads();
-  return sm->last != 0;
-}
-
-/// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
-/// `topk` >= 0 it first stores it into d's pull_topk[me] (the release covers it).
-UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t topk = -1) {
-  const int d = static_cast<int>(threadIdx.x);
-  if (d < ctx.num_ranks && d != ctx.rank) {
-    if (topk >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = topk;
-    gpu::fence_sys();
-    gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
-  }
-}
-
-/// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
-/// `round` (wrapping compare); with `topk` >= 0 it then checks that rank d staged as many top-k weights per row
-/// (else it reports kCombinePullArgs: reading weights d did not stage could leave d's buffer). Returns false,
-/// block-uniform, if a wait expired, the launch was aborted or the weights disagree.
-UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
-                                   int32_t topk = -1) {
-  if (threadIdx.x == 0) sm->failed = 0;
-  __syncthreads();
-  const int d = static_cast<int>(threadIdx.x);
-  if (d < ctx.num_ranks && d != ctx.rank) {
-    // released by rank d (release_to_peers)
-    const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
-                                      phase, DiagRole::kReceiver, d, -1);
-    if (!arrived) sm->failed = 1;
-    if (topk >= 0 && arrived) {
-      const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
-      if (theirs != topk) {
-        report_timeout(diag_of(ctx), DiagPhase::kCombinePullArgs, DiagRole::kReceiver, d, -1, topk, theirs, 0, 0.0);
-        sm->failed = 1;
-      }
-    }
-  }
-  __syncthreads();
-  return sm->failed == 0;
-}
 
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
 /// copy (or -1 when the token did not go to d).

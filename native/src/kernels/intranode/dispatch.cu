@@ -9,6 +9,7 @@
 // (native/bench/probes/nvlink_probe.cu), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs
 // (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
+#include "handshake.cuh"
 #include "intranode_device.cuh"
 #include "phase_trace.cuh"
 #include "uccl_moe/gpu_check.cuh"
@@ -363,6 +364,183 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
                                k.a.row_bytes));
 }
 
+// ---- The ring-free dispatch (launch_dispatch_direct) --------------------------------------------------------------
+// Every row goes straight to where it ends up: rows this rank keeps into the outputs, the others into the receiver's
+// landing area (DirectLanding: compacted, our rows at d from our_rows_at, our lane's inside them from lane_prefix, the
+// token at its place in the lane's stream), with their metadata in the receiver's format. Three hand-shakes, no
+// per-chunk ones: enter (a rank writes into a peer's buffer only once the peer began this launch, so its earlier ops
+// are done with that memory), landed (every rank's rows are in; then each rank unpacks its landing area into its
+// outputs) and done (nobody reads a landing area any more; the next op may write it). Two kernels: the push on the
+// op's num_sms blocks, then the unpack, an HBM-bound copy, on the whole GPU (as a staged combine's stage).
+
+/// Rank d's landing area, as pointers.
+struct LandingAt {
+  char* rows;
+  int32_t* src;
+  int32_t* topk;
+  float* weights;
+  int32_t* scales;
+  UCCL_DEVICE_INLINE LandingAt(void* buffer, const DirectLanding& l) {
+    char* b = static_cast<char*>(buffer);
+    rows = b + kOffCombineInput;
+    src = reinterpret_cast<int32_t*>(b + l.src_off);
+    topk = reinterpret_cast<int32_t*>(b + l.topk_off);
+    weights = reinterpret_cast<float*>(b + l.weights_off);
+    scales = reinterpret_cast<int32_t*>(b + l.scales_off);
+  }
+};
+
+/// Pair (lane l, destination d), served by `group` warps: each copies its slice of the columns of every row the
+/// lane sends d, in the lane's order; warp gw == 0 also writes each row's metadata and the lane's send_head column.
+UCCL_DEVICE_INLINE void direct_push(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a,
+                                   const DirectLanding& land, int l, int d, int gw, int group) {
+  const int N = ctx.num_ranks, me = ctx.rank, L = g.num_lanes, K = a.num_topk, S = a.num_scales;
+  const int64_t row_bytes = a.row_bytes;
+  const int num_16 = a.row_bytes / 16, per_warp = (num_16 + group - 1) / group;
+  const int col_begin = min(num_16, gw * per_warp), col_end = min(num_16, col_begin + per_warp);
+  const int experts_per_rank = a.num_experts / N;
+  const bool self = d == me;
+  const int64_t row0 = self ? self_row0(a, N, me, L, l)
+                            : our_rows_at(a.rank_prefix, N, me, d, true) + (l > 0 ? a.lane_prefix[d * L + l - 1] : 0);
+  const LandingAt at(ctx.buffers[d], land);
+  char* out_rows = self ? static_cast<char*>(a.recv_x) : at.rows;
+  int begin, end;
+  lane_token_range(tokens_of(a), L, l, &begin, &end);
+  int pos = 0;
+  for (int chunk = begin; chunk < end; chunk += gpu::kWarpSize) {
+    gpu::LaneMask mask = select_tokens(a, N, d, chunk, end, pos, gw == 0);
+    while (mask != 0) {
+      const int tok = chunk + gpu::lowest_bit(mask);
+      mask &= mask - 1;
+      const int64_t row = row0 + pos;
+      if (!self && row >= land.rows) {  // never past the landing area (the host sized it: a layout bug)
+        if (gw == 0 && gpu::lane_id() == 0)
+          report_timeout(diag_of(ctx), DiagPhase::kDispatchDirectArgs, DiagRole::kSender, d, l, land.rows, row + 1, 0,
+                         0.0);
+        return;  // the op failed (the abort flag withholds landed); nothing more of this pair is written
+      }
+      warp_copy_cols<kSendUnroll, false>(reinterpret_cast<int4*>(out_rows + row * row_bytes),
+                                         reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + tok * row_bytes),
+                                         col_begin, col_end);
+      if (gw == 0) {
+        if (self)
+          write_kept_meta(a, tok, me, experts_per_rank, row, true);
+        else
+          write_token_meta<int32_t>(a, tok, d, experts_per_rank, at.src + row, at.topk + row * K,
+                                    at.weights + row * K, at.scales + row * S);
+      }
+      ++pos;
+    }
+  }
+  gpu::fence_sys();  // this warp's stores into peers, before its block counts itself (landed)
+}
+
+/// This rank's landing area into its outputs (every thread of the grid): compacted row c is received row
+/// staged_to_received(c, ...) (the rows before our own block, then those after it); rows past the received ones
+/// (num_worst_tokens) get source -1, ids -1 and weight 0, as the ring dispatch gives them.
+UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs& a, const DirectLanding& land) {
+  const int N = ctx.num_ranks, me = ctx.rank, K = a.num_topk, S = a.num_scales;
+  const OwnBlock own(a.rank_prefix, N, me);
+  const int64_t rows = min(buffer_rows(a.rank_prefix, N, me, true), land.rows);
+  const LandingAt at(ctx.buffers[me], land);
+  const int64_t words = a.row_bytes / 16, total = rows * words;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int4* src = reinterpret_cast<const int4*>(at.rows);
+  int4* dst = static_cast<int4*>(a.recv_x);
+  for (int64_t base = tid; base < total; base += stride * kRecvUnroll) {
+    int4 v[kRecvUnroll];
+#pragma unroll
+    for (int u = 0; u < kRecvUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) v[u] = gpu::load_ring_128(src + i);  // written by peers in this launch: no .nc loads
+    }
+#pragma unroll
+    for (int u = 0; u < kRecvUnroll; ++u) {
+      const int64_t i = base + u * stride;
+      if (i < total) gpu::store_stream_128(dst + staged_to_received(i, own.begin * words, own.count * words), v[u]);
+    }
+  }
+  if (a.recv_src_idx != nullptr)
+    for (int64_t c = tid; c < rows; c += stride)
+      a.recv_src_idx[staged_to_received(c, own.begin, own.count)] = gpu::load_ring_32(at.src + c);
+  if (a.recv_topk_idx != nullptr)
+    for (int64_t i = tid; i < rows * K; i += stride) {
+      const int64_t r = staged_to_received(i / K, own.begin, own.count) * K + i % K;
+      a.recv_topk_idx[r] = gpu::load_ring_32(at.topk + i);
+      if (a.recv_topk_weights != nullptr)
+        a.recv_topk_weights[r] = __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(at.weights) + i));
+    }
+  if (a.recv_scales != nullptr)
+    for (int64_t i = tid; i < rows * S; i += stride)
+      static_cast<int32_t*>(a.recv_scales)[staged_to_received(i / S, own.begin, own.count) * S + i % S] =
+          gpu::load_ring_32(at.scales + i);
+  if (a.recv_src_idx != nullptr)  // num_worst_tokens: the padding rows
+    for (int64_t r = a.rank_prefix[(N - 1) * N + me] + tid; r < a.num_recv_rows; r += stride) {
+      a.recv_src_idx[r] = -1;
+      for (int j = 0; a.recv_topk_idx != nullptr && j < K; ++j) {
+        a.recv_topk_idx[r * K + j] = -1;
+        if (a.recv_topk_weights != nullptr) a.recv_topk_weights[r * K + j] = 0.0f;
+      }
+    }
+}
+
+constexpr int kUnpackThreads = 512;
+
+/// The push: enter, every (lane, destination) pair's rows, landed. Only the last block waits for the peers' landed
+/// release, so the kernel ends once every rank's rows are in and the whole-GPU unpack kernel needs no wait (a
+/// whole-GPU grid of spinning blocks could keep a peer sharing the GPU from starting its push; the num_sms blocks
+/// spinning at enter need what the ring kernels need: every rank's blocks resident at once).
+__global__ void __launch_bounds__(kThreadsPerBlock, 1)
+    dispatch_direct_kernel(NvlContext ctx, Geometry g, DispatchArgs a, DirectLanding land) {
+  __shared__ PullSmem sm;
+  const int N = ctx.num_ranks;
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the unpack sets it
+  // Enter: our earlier ops are done with our buffer (stream order), so peers may write into it from now on. A code
+  // of the landing area's layout goes with it (its size in 16-byte units, mixed with the top-k and scale counts,
+  // non-negative): a peer that lays it out otherwise would land rows where we do not look, so every rank checks it
+  // (an InvalidUsage record, dispatch/direct-args).
+  const int32_t layout = static_cast<int32_t>(((land.end >> 4) ^ (static_cast<int64_t>(a.num_topk) << 24) ^
+                                               (static_cast<int64_t>(a.num_scales) << 12)) & 0x7fffffff);
+  if (blockIdx.x == 0) release_to_peers(ctx, kOffDirectEnter, round, layout);
+  const bool entered = wait_peers(ctx, kOffDirectEnter, round, DiagPhase::kDispatchDirectEnter, &sm, layout,
+                                  DiagPhase::kDispatchDirectArgs);
+  if (entered) {
+    const int warps = static_cast<int>(gridDim.x) * kWarpsPerBlock;
+    const int gwarp = static_cast<int>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+    const int pairs = g.num_lanes * N;  // pair p: lane p / N, destination p % N
+    if (warps >= pairs) {
+      const int group = warps / pairs, p = gwarp / group;
+      if (p < pairs) direct_push(ctx, g, a, land, p / N, p % N, gwarp % group, group);
+    } else {
+      for (int p = gwarp; p < pairs; p += warps) direct_push(ctx, g, a, land, p / N, p % N, 0, 1);
+    }
+  }
+  // Landed: every block's rows are out (each warp fenced its own; the last block's system fence covers them), then
+  // every peer's are in. Not released after a failed wait: peers would unpack rows that never came.
+  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) {
+    if (gpu::load_volatile(ctx.abort_flag) == 0) release_to_peers(ctx, kOffPullStart, round);
+    wait_peers(ctx, kOffPullStart, round, DiagPhase::kDispatchDirectLanded, &sm);
+  }
+}
+
+/// The unpack (any grid; after the push kernel, so every peer's rows are in): this rank's landing area into its
+/// outputs (skipped after a failed wait), then done.
+__global__ void __launch_bounds__(kUnpackThreads) dispatch_unpack_kernel(NvlContext ctx, DispatchArgs a,
+                                                                         DirectLanding land) {
+  __shared__ PullSmem sm;
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;  // the push's round
+  if (gpu::load_volatile(ctx.abort_flag) == 0) direct_unpack(ctx, a, land);
+  // Done: nobody reads a landing area any more.
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    release_to_peers(ctx, kOffPullDone, round);
+    wait_peers(ctx, kOffPullDone, round, DiagPhase::kDispatchDirectDone, &sm);
+    if (threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+  }
+}
+
 }  // namespace
 
 void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream) {
@@ -382,6 +560,35 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
               "lower num_sms / num_max_nvl_chunked_recv_tokens", static_cast<long long>(need), g.num_channels,
               ctx.num_ranks, g.channel_slots, k.slot.bytes, static_cast<long long>(ctx.num_nvl_bytes));
   dispatch_intranode_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, static_cast<gpu::Stream>(stream)>>>(ctx, g, k);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+int64_t direct_landing_bytes(int64_t rows, int row_bytes, int num_topk, int num_scales) {
+  UCCL_ASSERT(rows >= 0 && row_bytes > 0 && num_topk >= 0 && num_scales >= 0,
+              "direct landing of %lld rows of %d bytes, %d ids, %d scales", static_cast<long long>(rows), row_bytes,
+              num_topk, num_scales);
+  return DirectLanding::make(rows, row_bytes, num_topk, num_scales).end;
+}
+
+void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, int unpack_blocks,
+                            void* stream) {
+  UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16 (hidden * "
+              "element size)", a.row_bytes);
+  UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  UCCL_ASSERT(a.lane_prefix != nullptr, "the ring-free dispatch needs the handle's lane_prefix");
+  UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr && a.src_tag == nullptr,
+              "the ring-free dispatch runs inside one node only (no internode forwarding)");
+  check_geometry(ctx, g, "dispatch");
+  const DirectLanding land = DirectLanding::make(a.landing_rows, a.row_bytes, a.num_topk, a.num_scales);
+  UCCL_ASSERT(a.landing_rows >= 0 && land.end <= ctx.num_nvl_bytes,
+              "the ring-free dispatch of %lld landed rows of %d bytes needs %lld NVL bytes but the Buffer has %lld",
+              static_cast<long long>(a.landing_rows), a.row_bytes, static_cast<long long>(land.end),
+              static_cast<long long>(ctx.num_nvl_bytes));
+  UCCL_ASSERT(unpack_blocks > 0, "the ring-free dispatch's unpack needs blocks, got %d", unpack_blocks);
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  dispatch_direct_kernel<<<2 * g.num_channels, kThreadsPerBlock, 0, st>>>(ctx, g, a, land);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  dispatch_unpack_kernel<<<unpack_blocks, kUnpackThreads, 0, st>>>(ctx, a, land);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -159,8 +159,22 @@ struct DispatchArgs {
   const int32_t* num_tokens_ptr; ///< device token count overriding num_tokens
   const int32_t* row_map;        ///< received row r (in lane order) goes to row row_map[r] of the outputs
   const int32_t* src_tag;        ///< [T] value recorded in recv_src_idx instead of the token index
+  // Ring-free dispatch only (launch_dispatch_direct):
+  const int32_t* lane_prefix;    ///< [R, L] sender side, inclusive over lanes (the handle's channel_prefix_matrix)
+  int64_t landing_rows;          ///< rows every rank's landing area holds (DirectLanding; the same on every rank)
 };
 void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, void* stream);
+/// The ring-free dispatch: `2 * g.num_channels` blocks push every row straight to where it ends up: rows this rank
+/// keeps into the outputs, the others into the receiver's landing area (DirectLanding, compacted); then
+/// `unpack_blocks` blocks (the whole GPU: an HBM-bound copy) unpack it into the outputs once every peer's rows are in,
+/// and a last hand-shake ends the op when nobody reads a buffer any more. Same outputs, bit for bit, as launch_dispatch_intranode (the handle's lane geometry
+/// places the rows); intranode only (no row_map, num_tokens_ptr or src_tag). Every local rank must take it for the
+/// call; a rank that does not is named in a dispatch/direct-enter timeout.
+void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, int unpack_blocks,
+                            void* stream);
+/// NVL bytes a ring-free dispatch of `rows` landed rows of `row_bytes` (with `num_topk` ids and weights and
+/// `num_scales` scales each) needs from the buffer's start.
+int64_t direct_landing_bytes(int64_t rows, int row_bytes, int num_topk, int num_scales);
 
 struct CombineArgs {
   const void* x;                 ///< [rows, hidden] bf16 (rows >= received)

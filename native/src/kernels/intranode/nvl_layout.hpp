@@ -65,13 +65,18 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   pull_arrive      1                blocks of this launch that staged their share (local; reset by the last)
 //   pull_leave       1                blocks of this launch that finished reading (local; reset by the last)
 //   pull_topk[src]   kMaxLocalRanks   top-k weights per row src staged for the round (written by src before start)
+//   direct_enter[src] kMaxLocalRanks  round number src released when a ring-free dispatch began there (its earlier ops
+//                                     are done with its buffer, so peers may write into it; written by src)
+// A ring-free dispatch (dispatch.cu) shares the round counter and the other words: pull_start says "my rows are in
+// your buffer", pull_done "I stopped reading my buffer".
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullRound = kOffPullTopk + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullArrive = kOffPullRound + sizeof(int32_t);
 constexpr size_t kOffPullLeave = kOffPullArrive + sizeof(int32_t);
-constexpr size_t kPullMetaEnd = kOffPullLeave + sizeof(int32_t);
+constexpr size_t kOffDirectEnter = kOffPullLeave + sizeof(int32_t);
+constexpr size_t kPullMetaEnd = kOffDirectEnter + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
@@ -114,6 +119,24 @@ UCCL_HOST_DEVICE_FN int64_t our_rows_at(const int32_t* rank_prefix, int N, int m
 UCCL_HOST_DEVICE_FN int64_t staged_to_received(int64_t i, int64_t before, int64_t skip) {
   return i < before ? i : i + skip;
 }
+
+/// Where a ring-free dispatch (dispatch.cu) lands the rows a rank receives from other ranks in its buffer, compacted
+/// as a staged combine's: `rows` rows of `row_bytes` from kOffCombineInput, then on 128-B lines the int32 source
+/// indices, the int32 local expert ids [rows, K], the float weights [rows, K] and the 4-byte scales [rows, S]. `rows`
+/// is the same on every rank (the most any rank receives from others), so every rank computes the same offsets.
+struct DirectLanding {
+  int64_t rows, src_off, topk_off, weights_off, scales_off, end;
+  UCCL_HOST_DEVICE_FN static DirectLanding make(int64_t rows, int64_t row_bytes, int num_topk, int num_scales) {
+    DirectLanding d{};
+    d.rows = rows;
+    d.src_off = static_cast<int64_t>(align_up(kOffCombineInput + static_cast<size_t>(rows * row_bytes), 128));
+    d.topk_off = static_cast<int64_t>(align_up(static_cast<size_t>(d.src_off + rows * 4), 128));
+    d.weights_off = static_cast<int64_t>(align_up(static_cast<size_t>(d.topk_off + rows * num_topk * 4), 128));
+    d.scales_off = static_cast<int64_t>(align_up(static_cast<size_t>(d.weights_off + rows * num_topk * 4), 128));
+    d.end = d.scales_off + rows * num_scales * 4;
+    return d;
+  }
+};
 
 /// Where the fields of one ring slot sit (bytes from the slot start). Dispatch slots carry the token row plus
 /// its metadata; combine slots carry the row plus the top-k weights.

@@ -1,0 +1,73 @@
+// Cross-rank hand-shakes of the intranode kernels that read or write peers' buffers outside the rings (the combine
+// from the buffer, combine_pull.cu; the ring-free dispatch, dispatch.cu): a launch-wide "last block" count, a release
+// of a round number into a word of every peer's meta, and a bounded wait for every peer's release into ours. The
+// words and the round counter are in nvl_layout.hpp (kOffPull*, kOffDirectEnter).
+#pragma once
+
+#include "intranode_device.cuh"
+
+namespace uccl_moe::intranode {
+
+struct PullSmem {
+  int last;    // this block is the last to count itself (last_block)
+  int failed;  // a wait of this block expired (wait_peers)
+};
+
+/// Called by every thread of every block: counts the block in `counter` (after a GPU-scope fence over the block's
+/// earlier writes) and returns true, block-uniform, in the block that completed the count, which also resets it for
+/// the next launch.
+UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    gpu::fence_gpu();
+    const bool last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1;
+    if (last) {
+      gpu::fence_gpu();  // acquire side of the count: the other blocks' writes before theirs
+      atomicExch(counter, 0);
+    }
+    sm->last = last ? 1 : 0;
+  }
+  __syncthreads();
+  return sm->last != 0;
+}
+
+/// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
+/// `arg` >= 0 it first stores it into d's pull_topk[me] (the release covers it): a value every rank must agree on
+/// (the pull's top-k weights per row, the direct dispatch's landing size).
+UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t arg = -1) {
+  const int d = static_cast<int>(threadIdx.x);
+  if (d < ctx.num_ranks && d != ctx.rank) {
+    if (arg >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = arg;
+    gpu::fence_sys();
+    gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
+  }
+}
+
+/// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
+/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value (else it reports
+/// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
+/// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired, the
+/// launch was aborted or the values disagree.
+UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
+                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs) {
+  if (threadIdx.x == 0) sm->failed = 0;
+  __syncthreads();
+  const int d = static_cast<int>(threadIdx.x);
+  if (d < ctx.num_ranks && d != ctx.rank) {
+    // released by rank d (release_to_peers)
+    const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
+                                      phase, DiagRole::kReceiver, d, -1);
+    if (!arrived) sm->failed = 1;
+    if (arg >= 0 && arrived) {
+      const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
+      if (theirs != arg) {
+        report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
+        sm->failed = 1;
+      }
+    }
+  }
+  __syncthreads();
+  return sm->failed == 0;
+}
+
+}  // namespace uccl_moe::intranode

@@ -1,0 +1,160 @@
+"""The ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT=1): every row is written straight to where it ends up (rows a rank
+keeps into its outputs, the others into the receiver's landing area in its NVL buffer), then each rank unpacks its
+landing area. It must give the ring dispatch's outputs bit for bit: recv_x, scales, top-k ids and weights, per-expert
+counts and the handle (prefix matrices, recv_src_idx, send_head), for a new handle and a cached one.
+
+Cases (fresh random inputs, never zeros): BF16 and FP8 with row-major, column-major and int scales; random routing,
+-1 top-k entries with a different token count per rank, skewed routing, a rank that receives nothing, an odd hidden,
+one token; the num_worst_tokens handle (padding rows -1 / 0); the combine of the direct dispatch's rows (ring and from
+the buffer) against the reference; ring and direct dispatches, ring and pulled combines interleaved on one Buffer; 24
+direct dispatches back to back with other rows each time and one rank late (a rank that landed rows in a peer still
+unpacking the previous ones would corrupt them); a Buffer too small for the landing area takes the rings on every rank.
+Ranks may share one GPU (CUDA IPC between processes on one device).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.mp import run_shared_gpu_ranks
+from test_combine_staged_gpu import _kernels
+from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, _eq, _split, pull_buffers
+
+pytestmark = pytest.mark.gpu
+
+# (name, tokens, hidden, experts per rank, top-k, fp8, scales, routing); tokens <= PULL_WORST_T (the Buffer's room)
+CASES = [("bf16-random", 512, 2048, 16, 8, False, "none", "random"),
+         ("bf16-neg", 300, 4096, 8, 4, False, "none", "neg"),
+         ("bf16-skew", 700, 2048, 16, 8, False, "none", "skew"),
+         ("bf16-empty-last", 256, 2048, 16, 4, False, "none", "empty_last"),
+         ("bf16-odd-hidden", 333, 2056, 4, 3, False, "none", "random"),
+         ("bf16-1-token", 1, 2048, 4, 4, False, "none", "random"),
+         ("fp8-row", 600, 4096, 16, 8, True, "row", "random"),
+         ("fp8-col", 600, 7168, 16, 8, True, "col", "neg"),
+         ("fp8-int", 400, 2048, 16, 8, True, "int", "empty_last")]
+
+
+def _direct(on: bool, fn, *args, **kw):
+    """fn(*args, **kw) with UCCL_MOE_DISPATCH_DIRECT set for this call (every rank calls alike)."""
+    os.environ["UCCL_MOE_DISPATCH_DIRECT"] = "1" if on else "0"
+    try:
+        return fn(*args, **kw)
+    finally:
+        os.environ.pop("UCCL_MOE_DISPATCH_DIRECT", None)
+
+
+def _same_dispatch(check, name: str, a, b, rows: int | None = None) -> None:
+    """Every output and handle field of two dispatch results bit for bit; with `rows` (a num_worst_tokens result) only
+    the first `rows` rows of recv_x and its scales (neither path writes the padding rows' data)."""
+    xa, sa = _split(a.recv_x)
+    xb, sb = _split(b.recv_x)
+    if rows is not None:
+        xa, xb = xa[:rows], xb[:rows]
+        sa, sb = (None, None) if sa is None else (sa[:rows], sb[:rows])
+    check(f"{name}: recv_x", _eq(xa, xb) and _eq(sa, sb))
+    check(f"{name}: top-k ids and weights", _eq(a.recv_topk_idx, b.recv_topk_idx)
+          and _eq(a.recv_topk_weights, b.recv_topk_weights))
+    check(f"{name}: per-expert counts", a.num_recv_tokens_per_expert_list == b.num_recv_tokens_per_expert_list)
+    check(f"{name}: handle", all(_eq(p, q) for p, q in zip(a.handle, b.handle)))
+
+
+def _direct_worker(rank: int, world: int, gloo) -> None:
+    from uccl_moe import Buffer
+
+    R = world
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(CASES):
+        T = T + 17 * rank if routing == "neg" else T
+        case = _Case(rank, R, T, H, per_rank * R, K, fp8, scales, routing, 700 + seed)
+        _, ring = _direct(False, _dispatch, nat, case, "cuda", config=cfg)
+        row_bytes, S = H * (1 if fp8 else 2), 0 if case.s is None else case.s.shape[1]
+        check(f"{name}: the landing area fits (else the rings would be compared with themselves)",
+              nat._live().dispatch_direct_fits(ring.handle, row_bytes, K, S))
+        _, direct = _direct(True, _dispatch, nat, case, "cuda", config=cfg)
+        _same_dispatch(check, name, direct, ring)
+        cached = _direct(True, nat.dispatch, case.xin("cuda"), handle=ring.handle, config=cfg)
+        cached_ring = _direct(False, nat.dispatch, case.xin("cuda"), handle=direct.handle, config=cfg)
+        check(f"{name}: cached", _eq(_split(cached.recv_x)[0], _split(ring.recv_x)[0])
+              and _eq(_split(cached.recv_x)[1], _split(ring.recv_x)[1])
+              and _eq(_split(cached_ring.recv_x)[0], _split(ring.recv_x)[0]))
+        _, wr = _direct(False, _dispatch, nat, case, "cuda", config=cfg, num_worst_tokens=PULL_WORST_T * R)
+        _, wd = _direct(True, _dispatch, nat, case, "cuda", config=cfg, num_worst_tokens=PULL_WORST_T * R)
+        _same_dispatch(check, f"{name} (num_worst_tokens)", wd, wr, rows=_split(ring.recv_x)[0].shape[0])
+        if not fp8:  # the rows go back: both combines of the direct dispatch's rows against the reference's
+            _, rr = _dispatch(ref, case, "cpu", config=cfg)
+            y = (_split(direct.recv_x)[0].float() * 0.5 - 0.25).bfloat16()
+            want = ref.combine(y.cpu(), rr.handle, topk_weights=rr.recv_topk_weights, config=cfg).combined_x
+            got = nat.combine(y, direct.handle, topk_weights=direct.recv_topk_weights, config=cfg).combined_x
+            view = nat.get_combine_buffer(direct.handle, H)
+            view.copy_(y)
+            pulled = nat.combine(view, direct.handle, topk_weights=direct.recv_topk_weights, config=cfg).combined_x
+            check(f"{name}: combine of the direct rows", _close_bf16(got, want, None) and torch.equal(got, pulled))
+
+    # The direct kernel ran, not the ring's.
+    case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 800)
+    names = _kernels(functools.partial(_direct, True, _dispatch, nat, case, "cuda", config=cfg))
+    check(f"the direct kernel ran ({names[:200]})", "dispatch_direct_kernel" in names
+          and "dispatch_intranode_kernel" not in names)
+
+    # Back to back, one rank late, with other rows each time; and interleaved with ring ops on one Buffer, one rank
+    # late before each direct dispatch (so the others finish their part first: the done hand-shake keeps their next
+    # ring op out of the late rank's landing area while it still unpacks).
+    _, base = _direct(False, _dispatch, nat, case, "cuda", config=cfg)
+    xs = [(case.x.float() * (1 + i % 3) - i).bfloat16().cuda() for i in range(24)]
+    wants = [_direct(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x for xi in xs]
+    outs = []
+    for xi in xs:
+        if rank == 0:
+            torch.cuda._sleep(200_000)
+        outs.append(_direct(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x)
+    check("24 direct dispatches back to back, one rank late", all(torch.equal(o, w) for o, w in zip(outs, wants)))
+    y = (_split(base.recv_x)[0].float() * 0.5).bfloat16()
+    ring_comb = nat.combine(y, base.handle, config=cfg).combined_x
+
+    def late(on: bool, i: int):
+        """Cached dispatch i, the ring-free path or the rings, with the last rank late (so a direct push after a
+        ring op finds that rank still draining its rings: the enter hand-shake)."""
+        if rank == R - 1:
+            torch.cuda._sleep(200_000)
+        return _direct(on, nat.dispatch, xs[i], handle=base.handle, config=cfg).recv_x
+
+    def late_direct(i: int):
+        return late(True, i)
+
+    ok = torch.equal(late_direct(0), wants[0])
+    ok &= torch.equal(nat.combine(y, base.handle, config=cfg).combined_x, ring_comb)
+    ok &= torch.equal(late_direct(1), wants[1])
+    view = nat.get_combine_buffer(base.handle, 4096)
+    view.copy_(y)
+    ok &= torch.equal(nat.combine(view, base.handle, config=cfg).combined_x, ring_comb)
+    ok &= torch.equal(late_direct(2), wants[2])
+    ok &= torch.equal(late(False, 3), wants[3])
+    ok &= torch.equal(late_direct(4), wants[4])
+    ok &= torch.equal(late(False, 5), wants[5])
+    ok &= torch.equal(late_direct(6), wants[6])
+    check("direct and ring dispatches, ring and pulled combines interleaved", ok)
+
+    # A Buffer too small for the landing area (the ring size hint at 4096 tokens of hidden 7168, EP >= 2... only
+    # where the rows from other ranks exceed it): every rank takes the rings, with the same outputs.
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)
+    small = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(7168 * 2, R), backend="native",
+                   explicitly_destroy=True)
+    big = _Case(rank, R, 8192, 7168, 16 * R, 8, False, "none", "random", 801)
+    _, br = _direct(False, _dispatch, small, big, "cuda", config=cfg)
+    names = _kernels(functools.partial(_direct, True, _dispatch, small, big, "cuda", config=cfg))
+    _, bd = _direct(True, _dispatch, small, big, "cuda", config=cfg)
+    check(f"too small: the rings ran ({names[:200]})", R == 1 or ("dispatch_intranode_kernel" in names
+                                                                 and "dispatch_direct_kernel" not in names))
+    _same_dispatch(check, "too small", bd, br)
+    torch.cuda.synchronize()
+    check.finish(gloo, small, nat, ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_direct_dispatch_matches_the_rings(world: int) -> None:
+    run_shared_gpu_ranks(_direct_worker, world, timeout_s=600)
