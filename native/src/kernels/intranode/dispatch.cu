@@ -184,9 +184,8 @@ UCCL_DEVICE_INLINE void dispatch_send_remote(const NvlContext& ctx, const Geomet
 }
 
 /// Receiver group's share of the rows this rank keeps: tokens [kept_split(begin, end), end) of the lane, walked in
-/// order by every warp of the group (each copies its column slice; the last warp also writes the metadata and
-/// send_head: the first one writes the ring rows', so the two share the group's metadata round trips), one row per
-/// step() so that the receive loop can fill its waits with them. Warp-collective.
+/// order by every warp of the group (each copies its column slice; the first warp also writes the metadata and
+/// send_head), one row per step() so that the receive loop can fill its waits with them. Warp-collective.
 struct KeptRows {
   int chunk, end, pos = 0;      // next 32-token chunk, end of the range, output position of the next kept row
   gpu::LaneMask mask = 0;       // kept tokens of the current chunk not yet copied
@@ -206,7 +205,7 @@ struct KeptRows {
   UCCL_DEVICE_INLINE void step(const DispatchArgs& a, const SlotLayout& s, int N, int me, int gw, int group,
                                int col_begin, int col_end) {
     while (mask == 0 && chunk < end) {
-      mask = select_tokens(a, N, me, chunk, end, pos, gw == group - 1);
+      mask = select_tokens(a, N, me, chunk, end, pos, gw == 0);
       chunk += gpu::kWarpSize;
     }
     if (mask == 0) return;
@@ -217,7 +216,7 @@ struct KeptRows {
     const char* src_row = static_cast<const char*>(a.x) + static_cast<int64_t>(tok) * s.row_bytes;
     warp_copy_cols<kRecvUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * s.row_bytes),
                                        reinterpret_cast<const int4*>(src_row), col_begin, col_end);
-    if (gw == group - 1) write_kept_meta(a, tok, me, a.num_experts / N, row, false);  // scales: below, split
+    if (gw == 0) write_kept_meta(a, tok, me, a.num_experts / N, row, false);  // scales: below, split
     if (a.recv_scales != nullptr)  // scales: split over the group's warps
       for (int j = gw * gpu::kWarpSize + gpu::lane_id(); j < a.num_scales; j += group * gpu::kWarpSize)
         static_cast<int32_t*>(a.recv_scales)[row * a.num_scales + j] = scale_at(a, tok, j);
