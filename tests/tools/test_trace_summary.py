@@ -45,6 +45,26 @@ def test_no_trace_lines_and_drifted_fields(tmp_path: Path) -> None:
         ts.parse([_line(0, "recv", 1.0, 1.0).replace(" select=0.25", "")])
 
 
+def test_lines_garbled_by_another_process_are_skipped_and_counted(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Two ranks' device printf interleaved inside one line (as seen on 2 x H200): skipped, not an error."""
+    good = _line(0, "recv", 100.0, 40.0)
+    bad = [good.replace("select=0.25", "select=13.29uccl-trace"), good + " span=1.00", good.replace("wait=2.00", "wait")]
+    garbled: list[str] = []
+    groups = ts.parse([*bad, good], garbled)
+    assert garbled == bad and len(groups[("dispatch", 7392, "recv", 0)]) == 1
+    log = tmp_path / "t.log"
+    log.write_text("\n".join([*bad, good]))
+    assert ts.main([str(log)]) == 0
+    assert "3 garbled trace lines skipped" in capsys.readouterr().err
+
+
+def test_only_one_rank_prints() -> None:
+    """Device printf of two processes sharing stdout interleaves: the kernel prints for UCCL_MOE_TRACE_RANK only."""
+    src = (ROOT / "native/src/kernels/intranode/phase_trace.cuh").read_text()
+    assert "rank == UCCL_MOE_TRACE_RANK" in src and "#define UCCL_MOE_TRACE_RANK 0" in src
+
+
 def test_the_kernel_prints_the_fields_the_summary_reads() -> None:
     """The printf in phase_trace.cuh and PHASES name the same fields, in order."""
     import re

@@ -3,8 +3,8 @@
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
 // (lane, me) at dst; the receiver block's warps, a group per lane, copy ring (lane, src) of every remote src out
 // into recv_x in order, each warp a slice of the columns. Rows a rank keeps
-// (dst == me) skip the ring and go straight into the outputs: the first quarter of each lane's tokens by the
-// sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
+// (dst == me) skip the ring and go straight into the outputs: the first quarter (FP8-sized rows: three eighths) of
+// each lane's tokens by the sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
 // copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
 // (native/bench/probes/nvlink_probe.cu), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs
 // (ring rows).
@@ -22,9 +22,12 @@ constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a 
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
 /// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
-/// through the receiver group (KeptRows). A quarter, not a half: the direct warp also releases the lane's tails, so
-/// it gets the smaller share (docs/benchmarks.md has the comparison).
-UCCL_DEVICE_INLINE int kept_split(int begin, int end) { return begin + (end - begin + 3) / 4; }
+/// through the receiver group (KeptRows). The direct warp also releases the lane's tails, so it gets the smaller
+/// share: a quarter of rows over 8 KB (BF16 at hidden 7168), three eighths of smaller ones, whose copies hold the
+/// releases up less (FP8: the receivers were the slowest role in the phase trace; docs/intranode.md has both A/Bs).
+UCCL_DEVICE_INLINE int kept_split(int begin, int end, int row_bytes) {
+  return row_bytes > 8192 ? begin + (end - begin + 3) / 4 : begin + (3 * (end - begin) + 7) / 8;
+}
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
 UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
@@ -50,23 +53,33 @@ struct DispatchKernelArgs {
 
 /// Writes token `tok`'s metadata for destination rank `owner` (whose experts become local ids 0..E/N-1, others
 /// -1 with weight 0) where the pointers say: a ring slot (IdT = int32) or the output rows (IdT = int64). A null
-/// pointer skips its field. Warp-collective.
+/// pointer skips its field. Warp-collective. Every field's loads (the first two scales of each lane) are issued
+/// before any store: as far as the compiler knows a store may alias the inputs, so in field order each field's
+/// loads would wait for the previous field's stores, one memory round trip apiece (column-major scales: two more).
 template <typename IdT>
 UCCL_DEVICE_INLINE void write_token_meta(const DispatchArgs& a, int tok, int owner, int experts_per_rank,
                                          int32_t* src_idx, IdT* topk_idx, float* weights, int32_t* scales) {
-  const int lane = gpu::lane_id();
-  if (src_idx != nullptr && lane == 0) *src_idx = a.src_tag != nullptr ? a.src_tag[tok] : tok;
-  if (a.topk_idx != nullptr && topk_idx != nullptr && lane < a.num_topk) {
-    const int64_t e = a.topk_idx[static_cast<int64_t>(tok) * a.num_topk + lane];
+  const int lane = gpu::lane_id(), K = a.num_topk, S = a.num_scales;
+  const int64_t t = tok;
+  const bool ids = a.topk_idx != nullptr && topk_idx != nullptr && lane < K;
+  const bool with_scales = a.x_scales != nullptr && scales != nullptr;
+  const int64_t e = ids ? a.topk_idx[t * K + lane] : -1;
+  const float w = ids && weights != nullptr && a.topk_weights != nullptr ? a.topk_weights[t * K + lane] : 0.0f;
+  const int32_t s0 = with_scales && lane < S ? scale_at(a, tok, lane) : 0;
+  const int32_t s1 = with_scales && lane + gpu::kWarpSize < S ? scale_at(a, tok, lane + gpu::kWarpSize) : 0;
+  const int32_t src = src_idx != nullptr && lane == 0 && a.src_tag != nullptr ? a.src_tag[tok] : tok;
+  if (src_idx != nullptr && lane == 0) *src_idx = src;
+  if (ids) {
     const int64_t local_e = e - static_cast<int64_t>(owner) * experts_per_rank;
     const bool mine = e >= 0 && local_e >= 0 && local_e < experts_per_rank;
     topk_idx[lane] = mine ? static_cast<IdT>(local_e) : IdT{-1};
-    if (weights != nullptr)
-      weights[lane] = mine && a.topk_weights != nullptr ? a.topk_weights[static_cast<int64_t>(tok) * a.num_topk + lane]
-                                                        : 0.0f;
+    if (weights != nullptr) weights[lane] = mine ? w : 0.0f;
   }
-  if (a.x_scales != nullptr && scales != nullptr)
-    for (int j = lane; j < a.num_scales; j += gpu::kWarpSize) scales[j] = scale_at(a, tok, j);
+  if (with_scales) {
+    if (lane < S) scales[lane] = s0;
+    if (lane + gpu::kWarpSize < S) scales[lane + gpu::kWarpSize] = s1;
+    for (int j = lane + 2 * gpu::kWarpSize; j < S; j += gpu::kWarpSize) scales[j] = scale_at(a, tok, j);
+  }
 }
 
 /// write_token_meta into output row `row` of a token this rank keeps (scales too if `with_scales`).
@@ -101,7 +114,7 @@ UCCL_DEVICE_INLINE int for_each_sent_token(const DispatchArgs& a, int N, int dst
 
 /// Sender warp (me, w) of lane c * W + w, the lane's direct warp: the rows stay on this GPU, so they go straight into
 /// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy. It takes the first quarter of the lane's tokens, the receiver group the rest (KeptRows), and releases the
+/// copy. It takes the first share of the lane's tokens (kept_split), the receiver group the rest (KeptRows), and releases the
 /// tails the lane's remote warps post (TailPublisher) between its rows and after them.
 UCCL_DEVICE_INLINE void dispatch_send_direct(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k,
                                              int c, int w, SendPosts* posts) {
@@ -114,7 +127,7 @@ UCCL_DEVICE_INLINE void dispatch_send_direct(const NvlContext& ctx, const Geomet
   const int experts_per_rank = a.num_experts / N;
   int begin, end;
   lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
-  for_each_sent_token(a, N, me, begin, kept_split(begin, end), [&](int tok, int pos) {
+  for_each_sent_token(a, N, me, begin, kept_split(begin, end, a.row_bytes), [&](int tok, int pos) {
     const int64_t row = mapped_row(a, row0 + pos);
     UCCL_MOE_TRACE(const long long t_copy = trace::now());
     warp_copy_row<kSendUnroll, false>(reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + row * row_bytes),
@@ -181,7 +194,7 @@ struct KeptRows {
   UCCL_DEVICE_INLINE KeptRows(const DispatchArgs& a, const Geometry& g, int N, int me, int lane_idx) {
     int begin;
     lane_token_range(tokens_of(a), g.num_lanes, lane_idx, &begin, &end);
-    chunk = kept_split(begin, end);
+    chunk = kept_split(begin, end, a.row_bytes);
     row0 = self_row0(a, N, me, g.num_lanes, lane_idx);
     for (int t0 = begin; t0 < chunk; t0 += gpu::kWarpSize)  // the sender's direct warp keeps these
       pos += gpu::popcount(select_tokens(a, N, me, t0, chunk, 0, false));

@@ -6,10 +6,15 @@
 // role (the mean per warp, in us: cycles scaled by that role's own cycles per ns) and clears the sums for the next
 // launch. tools/device/trace_summary.py averages the lines over launches. Sums in shared memory cost no registers, so
 // the traced kernel keeps the shipped one's register allocation as far as the compiler allows; its times still
-// include the clock reads and the final atomics.
+// include the clock reads and the final atomics. Only rank UCCL_MOE_TRACE_RANK (default 0) prints: the ranks'
+// processes share one stdout, and device printf from two of them interleaves within lines.
 #pragma once
 
 #include "uccl_moe/platform.cuh"
+
+#ifndef UCCL_MOE_TRACE_RANK
+#define UCCL_MOE_TRACE_RANK 0
+#endif
 
 namespace uccl_moe::intranode::trace {
 
@@ -54,7 +59,7 @@ UCCL_DEVICE_INLINE void finish(Role r, long long t0_cycles, unsigned long long t
   const char* names[kRoles] = {"send_remote", "send_direct", "recv"};
   for (int role = 0; role < kRoles; ++role) {
     const unsigned int w = g_warps[role];
-    if (w > 0 && g_span_ns[role] > 0) {
+    if (w > 0 && g_span_ns[role] > 0 && rank == UCCL_MOE_TRACE_RANK) {
       const double per_ns = static_cast<double>(g_span_cycles[role]) / static_cast<double>(g_span_ns[role]);
       const double us = 1e-3 / per_ns / w;  // cycles summed over warps -> us per warp
       printf("uccl-trace %s rank=%d row_bytes=%d role=%s warps=%u span=%.2f copy=%.2f meta=%.2f wait=%.2f "
