@@ -25,7 +25,8 @@
 //     pull_done[me] of every peer, waits until every peer released r into ours (nobody reads our buffer any
 //     more, so the next op may write it: the caller's next rows or a dispatch's ring slots) and sets pull_round.
 // All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
-// its own while its peers pass the buffer's, is named in a combine/pull-start timeout.
+// its own while its peers pass the buffer's, is named in a combine/pull-start timeout (where that tensor takes the
+// rings) or a combine/pull-args record (where it is staged: the start release carries the layout).
 #include "combine_sum.cuh"
 #include "handshake.cuh"
 #include "phase_trace.cuh"
@@ -115,8 +116,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       staged[i] = a.topk_weights[staged_to_received(i, before, skip)];
   }
-  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them.
-  const int32_t topk = a.out_topk_weights != nullptr ? a.num_topk : 0;
+  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them. And
+  // every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer reading the
+  // other layout would sum the wrong rows. Both go into the value every rank checks (an InvalidUsage record).
+  const int32_t topk = (a.out_topk_weights != nullptr ? a.num_topk : 0) | (a.staged != 0 ? kPullArgsStaged : 0);
   UCCL_MOE_TRACE(trace::add(trace::kKept, t_stage); const long long t_start = trace::now());
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
   const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk);
