@@ -806,7 +806,9 @@ def test_native_combine_from_buffer_more_ranks(world: int) -> None:
 
 def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     """A rank that skips a combine from the buffer (`skip`), or combines from a tensor of its own while its peers
-    combine from their views (`mixed`): the others are named in a bounded combine/pull-start wait, never a hang.
+    combine from their views (`mixed`): the others are named in a bounded combine/pull-start wait, never a hang; where
+    that tensor is staged (`mixed_staged`, 2 ranks) every rank raises InvalidUsageError (combine/pull-args: the two
+    layouts differ), before anyone sums rows of the other layout.
     `weights`: one rank passes no topk_weights while its peers do: every rank raises InvalidUsageError naming the
     mismatch (combine/pull-args), before anyone reads weights that were not staged. `sizes`: ranks that create their
     Buffers with different num_nvl_bytes are all refused."""
@@ -839,6 +841,15 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
             assert "top-k weights per row" in str(e) and "same shape" in str(e), str(e)
         else:
             raise AssertionError("combine accepted topk_weights on some ranks only")
+    elif mode == "mixed_staged":
+        try:
+            nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
+            torch.cuda.synchronize()
+            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
+        except InvalidUsageError as e:
+            assert "same kind of x" in str(e) and "get_combine_buffer view" in str(e), str(e)
+        else:
+            raise AssertionError("combine accepted a view on one rank and a staged tensor of its own on another")
     elif rank != odd or mode == "mixed":
         try:
             nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
@@ -860,3 +871,9 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
+
+
+def test_native_combine_view_and_staged_tensor_refused() -> None:
+    """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged: refused."""
+    run_shared_gpu_ranks(_skip_pull_worker, 2, "mixed_staged",
+                         env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

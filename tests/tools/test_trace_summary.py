@@ -49,7 +49,8 @@ def test_lines_garbled_by_another_process_are_skipped_and_counted(tmp_path: Path
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """Two ranks' device printf interleaved inside one line (as seen on 2 x H200): skipped, not an error."""
     good = _line(0, "recv", 100.0, 40.0)
-    bad = [good.replace("select=0.25", "select=13.29uccl-trace"), good + " span=1.00", good.replace("wait=2.00", "wait")]
+    bad = [good.replace("select=0.25", "select=13.29uccl-trace"), good + " span=1.00",
+           good.replace("wait=2.00", "wait")]
     garbled: list[str] = []
     groups = ts.parse([*bad, good], garbled)
     assert garbled == bad and len(groups[("dispatch", 7392, "recv", 0)]) == 1

@@ -175,6 +175,14 @@ def test_diag_message_names_rank_peer_channel_phase():
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]
     assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in args and "timed out" not in args
+    staged = 1 << 16  # kPullArgsStaged: the rank combines a tensor of its own, staged
+    both = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=staged | 8, seen=staged, command=0,
+                          waited_s=0.0)["message"]
+    assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in both
+    kinds = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=8, seen=staged | 8, command=0,
+                           waited_s=0.0)["message"]
+    assert ("peer 1 passed a tensor of its own (staged) as x, this rank its get_combine_buffer view" in kinds
+            and "same kind of x" in kinds), kinds
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct

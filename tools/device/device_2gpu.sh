@@ -15,8 +15,9 @@
 #            and whether Nsight Compute / Systems are on the machine
 #   direct   the ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT): its GPU test (bits against the rings), then the bench at
 #            each EP size of BENCH_RANKS with --dispatch-direct --device-time (ring and direct dispatch side by side)
-#   trace    the ring kernels' phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
-#            each warp role of dispatch (FP8, BF16) and combine spends its time at EP2, API defaults
+#   trace    the intranode kernels' phase trace (a second build with -DUCCL_MOE_TRACE_DISPATCH, phase_trace.cuh): where
+#            each warp role of dispatch (FP8, BF16), the ring combine and the staged combine (stage, pull) spends
+#            its time at EP2, API defaults
 #            (tools/device/trace_summary.py); the normal build's module is put back afterwards
 #   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
@@ -88,8 +89,9 @@ for stage in ${STAGES:-quick bench}; do
   trace)
     UCCL_MOE_BUILD_DIR=build/trace UCCL_MOE_JOBS=16 tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \
       -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_TRACE_DISPATCH > "$OUT/trace_build.log" 2>&1 || tail -20 "$OUT/trace_build.log"
-    for dt in fp8 bf16; do
-      timeout 120 python3 -m uccl_moe.bench --ranks 2 --dtypes "$dt" --iters 20 --warmup 2 --no-nccl --png= \
+    for dt in fp8 bf16; do   # bf16 also times the ring and the staged combine (stage and pull kernels)
+      extra=(); [ "$dt" = bf16 ] && extra=(--combine-staged)
+      timeout 120 python3 -m uccl_moe.bench --ranks 2 --dtypes "$dt" --iters 20 --warmup 2 --no-nccl --png= "${extra[@]}" \
         > "$OUT/trace_$dt.log" 2>&1; echo "trace $dt rc=$?"
     done
     python3 tools/device/trace_summary.py "$OUT"/trace_fp8.log "$OUT"/trace_bf16.log

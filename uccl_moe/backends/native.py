@@ -247,9 +247,8 @@ class NativeBackend(Backend):
     def _launch_dispatch(self, geo: _C.IntranodeGeometry, x: torch.Tensor, x_scales: torch.Tensor | None,
                          topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, handle: DispatchHandle,
                          num_experts: int, rows: int, with_meta: bool) -> tuple[Any, ...]:
-        """The intranode dispatch of x along `handle`'s layout into `rows` new rows: (recv_x, recv_scales,
-        recv_topk_idx, recv_topk_weights). With metadata (a new handle's dispatch) it also writes the handle's
-        recv_src_idx and send_head; without (cached), it only reads the handle."""
+        """The intranode dispatch of x along `handle` into `rows` new rows: (recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights); with metadata (a new handle) it also writes recv_src_idx and send_head (cached: reads)."""
         K = topk_idx.shape[1] if topk_idx is not None else 0
         recv_x, recv_scales, recv_idx, recv_w = self._alloc_recv(rows, x, x_scales, K, with_meta)
         num_scales, s_tok, s_hid = scale_layout(x_scales)
@@ -408,8 +407,7 @@ class NativeBackend(Backend):
         return self._inter is None and self._staged_rows(handle, hidden, num_topk) is not None
 
     def _staged_rows(self, handle: Any, hidden: int, num_topk: int) -> int | None:
-        """The rows every rank's buffer must hold for a staged combine of `handle` (the most rows any rank received
-        from other ranks), or None where they do not fit."""
+        """Rows every buffer must hold for a staged combine of `handle` (most a rank got from others), or None."""
         return self._rows_that_fit(handle, _MOST_REMOTE_ATTR, hidden, num_topk)
 
     def _rows_that_fit(self, handle: Any, count_attr: str, hidden: int, num_topk: int) -> int | None:
@@ -424,16 +422,14 @@ class NativeBackend(Backend):
         return rows if fits else None
 
     def dispatch_direct_fits(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> bool:
-        """Whether a dispatch along `handle` of rows of `row_bytes` (with `num_topk` ids and `num_scales` scales) could
-        take the ring-free path (its landing area fits every rank's buffer); UCCL_MOE_DISPATCH_DIRECT and the EP
-        size decide whether it does."""
+        """Whether a dispatch along `handle` of rows of `row_bytes` (`num_topk` ids, `num_scales` scales) could take
+        the ring-free path (its landing area fits every buffer); UCCL_MOE_DISPATCH_DIRECT and the EP size decide."""
         self._check_alive()
         return self._inter is None and self._direct_rows(handle, row_bytes, num_topk, num_scales) is not None
 
     def _direct_rows(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> int | None:
-        """The rows every rank's landing area must hold for a ring-free dispatch along `handle` (the most rows any
-        rank receives from other ranks, published by notify; a num_worst_tokens handle's padded rows stand in), or
-        None where they do not fit the buffer: the same answer on every rank."""
+        """The rows every landing area must hold for a ring-free dispatch along `handle` (notify's most rows a rank
+        receives from others; a num_worst_tokens handle's padded rows), or None where they do not fit: alike on all."""
         rows = _alike_rows(handle, _MOST_REMOTE_ATTR)
         need = int(_C.intranode_direct_landing_bytes(rows, row_bytes, num_topk, num_scales))
         return rows if need <= self.ctx.num_nvl_bytes else None

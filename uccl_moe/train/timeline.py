@@ -44,7 +44,12 @@ from ..errors import InvalidUsageError
 # Substrings of uccl-moe's kernel names (STYLE R14: <op>_<scope>_kernel), matched lower-case.
 UCCL_KERNEL_PATTERNS = (
     "dispatch_intranode_kernel",
+    "dispatch_direct_kernel",  # the ring-free dispatch (UCCL_MOE_DISPATCH_DIRECT) and its unpack
+    "dispatch_unpack_kernel",
     "combine_intranode_kernel",
+    "combine_pull_kernel",  # combine from the buffer, and the staged combine with its stage kernel
+    "stage_combine_rows_kernel",
+    "check_topk_idx_kernel",  # the device-side topk_idx range check of a dispatch
     "notify_dispatch_kernel",
     "prepare_round_kernel",
     "get_dispatch_layout_kernel",

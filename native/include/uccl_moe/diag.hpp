@@ -32,13 +32,18 @@ enum class DiagPhase : int32_t {
   kDispatchPublish = 15,    ///< dispatch direct warp waiting for its lane's sender warps to finish (TailPublisher)
   kCombinePullStart = 16,   ///< combine from the buffer: waiting for a peer's inputs (its start release)
   kCombinePullDone = 17,    ///< combine from the buffer: waiting for a peer to stop reading our buffer
-  kCombinePullArgs = 18,    ///< not a wait: a peer's combine from the buffer staged another number of top-k weights
+  kCombinePullArgs = 18,    ///< not a wait: a peer's pull combine staged another number of top-k weights or read
+                            ///< another kind of x (expected/seen: kPullArgsStaged | top-k weights per row)
   kDispatchDirectEnter = 19,   ///< ring-free dispatch: waiting for a peer to begin it (before writing its buffer)
   kDispatchDirectLanded = 20,  ///< ring-free dispatch: waiting for a peer's rows to land in our buffer
   kDispatchDirectDone = 21,    ///< ring-free dispatch: waiting for a peer to stop reading its buffer
   kDispatchDirectArgs = 22,    ///< not a wait: a peer's ring-free dispatch laid out another landing area (or a row
                                ///< fell outside ours)
 };
+
+/// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its
+/// get_combine_buffer view; the low bits are the top-k weights it staged per row.
+constexpr int32_t kPullArgsStaged = 1 << 16;
 
 const char* diag_phase_name(DiagPhase phase);
 

@@ -279,7 +279,7 @@ void register_runtime(nb::module_& m) {
   m.def("dispatch_direct_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
                                         uintptr_t stream) {
     // No ring is used (the handle's lane geometry only places the rows): no ring reset needed. The unpack takes the
-    // whole GPU (two blocks per SM), as a staged combine's stage does.
+    // whole GPU (a grid of two blocks per SM; at its register count one is resident per SM at a time).
     const int unpack_blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
     intranode::launch_dispatch_direct(rt.context(), g, a, unpack_blocks, stream_of(stream));
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a,

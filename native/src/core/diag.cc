@@ -58,11 +58,20 @@ std::string format_diag(const DiagRecord& r) {
         "rank %d: an internode area needs %lld rows but the RDMA buffer holds %lld per area (num_rdma_bytes too small "
         "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
         r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
-  if (r.phase == DiagPhase::kCombinePullArgs)
+  if (r.phase == DiagPhase::kCombinePullArgs) {
+    const bool staged_seen = (r.seen & kPullArgsStaged) != 0, staged_expected = (r.expected & kPullArgsStaged) != 0;
+    const auto kind = [](bool staged) { return staged ? "a tensor of its own (staged)" : "its get_combine_buffer view"; };
+    if (staged_seen != staged_expected)
+      return detail::format(
+          "rank %d: combine: peer %d passed %s as x, this rank %s; every rank must pass the same kind of x to the "
+          "same combine (all get_combine_buffer views, or all tensors of their own)",
+          r.rank, r.peer, kind(staged_seen), kind(staged_expected));
     return detail::format(
         "rank %d: combine from the buffer: peer %d staged %lld top-k weights per row, this rank expected %lld; every "
         "rank must pass topk_weights of the same shape (or none) to the same combine",
-        r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
+        r.rank, r.peer, static_cast<long long>(r.seen & (kPullArgsStaged - 1)),
+        static_cast<long long>(r.expected & (kPullArgsStaged - 1)));
+  }
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(
         "rank %d: ring-free dispatch: peer %d lays out its landing area as %lld, this rank as %lld (codes of size, "

@@ -25,9 +25,11 @@
 //     pull_done[me] of every peer, waits until every peer released r into ours (nobody reads our buffer any
 //     more, so the next op may write it: the caller's next rows or a dispatch's ring slots) and sets pull_round.
 // All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
-// its own while its peers pass the buffer's, is named in a combine/pull-start timeout.
+// its own while its peers pass the buffer's, is named in a combine/pull-start timeout (where that tensor takes the
+// rings) or a combine/pull-args record (where it is staged: the start release carries the layout).
 #include "combine_sum.cuh"
 #include "handshake.cuh"
+#include "phase_trace.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -74,8 +76,10 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     const char* src = row >= 0 ? rows_d + row * row_bytes : nullptr;
     const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
     // our own rows are not written during the launch: they may take non-coherent loads
+    UCCL_MOE_TRACE(const long long t_sum = trace::now());
     sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
                                             static_cast<int4*>(a.out));
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_sum); const long long t_w = trace::now());
     if (a.out_topk_weights != nullptr) {  // the weights' sum, in the same rank order (warp-uniform branch)
       float sum = 0.0f;
       for (int d = 0; d < N; ++d) {
@@ -87,15 +91,19 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
       }
       if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
     }
+    UCCL_MOE_TRACE(trace::add(trace::kMeta, t_w));
   }
 }
 
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlContext ctx, CombinePullArgs a) {
+  UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
+                 trace::begin());
   __shared__ PullSmem sm;
   const int N = kNumRanks, me = ctx.rank;
   void* local = ctx.buffers[me];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
+  UCCL_MOE_TRACE(const long long t_stage = trace::now());
   if (a.topk_weights != nullptr) {  // stage our weights where the peers look for them (compacted as the rows)
     const bool compact = a.staged != 0;
     const OwnBlock own(a.rank_prefix, N, me);
@@ -108,16 +116,24 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       staged[i] = a.topk_weights[staged_to_received(i, before, skip)];
   }
-  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them.
-  const int32_t topk = a.out_topk_weights != nullptr ? a.num_topk : 0;
+  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them. And
+  // every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer reading the
+  // other layout would sum the wrong rows. Both go into the value every rank checks (an InvalidUsage record).
+  const int32_t topk = (a.out_topk_weights != nullptr ? a.num_topk : 0) | (a.staged != 0 ? kPullArgsStaged : 0);
+  UCCL_MOE_TRACE(trace::add(trace::kKept, t_stage); const long long t_start = trace::now());
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
-  if (wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk))
-    pull_sum<kNumRanks, kColUnroll>(ctx, a);
+  const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk);
+  UCCL_MOE_TRACE(trace::add(trace::kWait, t_start));
+  if (started) pull_sum<kNumRanks, kColUnroll>(ctx, a);
+  UCCL_MOE_TRACE(const long long t_end = trace::now());
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     release_to_peers(ctx, kOffPullDone, round);
     wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
     if (threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
   }
+  UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
+                 trace::finish(trace::kRecv, t0, t0_ns, a.staged != 0 ? "pull_staged" : "pull_view", me,
+                               a.hidden * 2));
 }
 
 constexpr int kStageThreads = 512;
@@ -130,6 +146,8 @@ __global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const
                                                                             int4* __restrict__ rows, int64_t row_words,
                                                                             const int32_t* rank_prefix, int N, int me,
                                                                             int64_t max_rows) {
+  UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
+                 trace::begin());
   const OwnBlock own(rank_prefix, N, me);
   const int64_t before = own.begin * row_words;  // words of rows [0, own.begin)
   const int64_t skip = own.count * row_words;    // words of our own rows, left in x
@@ -149,6 +167,8 @@ __global__ void __launch_bounds__(kStageThreads) stage_combine_rows_kernel(const
       if (i < total) gpu::store_stream_128(rows + i, v[u]);
     }
   }
+  UCCL_MOE_TRACE(trace::add(trace::kCopy, t0);
+                 trace::finish(trace::kRecv, t0, t0_ns, "stage", me, static_cast<int>(row_words * 16)));
 }
 
 }  // namespace

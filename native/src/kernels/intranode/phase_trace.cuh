@@ -1,4 +1,7 @@
-// Phase timing of the intranode ring kernels (dispatch, combine), for kernel work only: compiled in with
+// Phase timing of the intranode kernels, for kernel work only: the ring dispatch and combine, and the staged
+// combine's two kernels (`stage`: the whole-GPU copy, all `copy`; `pull_staged` / `pull_view`: kept = staging the
+// weights, wait = the start hand-shake, copy = summing the rows, meta = summing the weights, publish = the end
+// hand-shake, the rest of each token's index work in `other`). Compiled in with
 // -DUCCL_MOE_TRACE_DISPATCH (tools/device/device_2gpu.sh's `trace` stage builds it into a separate build), nothing
 // otherwise. Each kernel's .cu has its own copy of the sums (internal linkage). Lane 0 of each
 // warp adds the SM cycles it spends in each phase to its row in shared memory; when the warp ends, it adds the row
