@@ -1,5 +1,5 @@
-"""native/bench/probes/nvlink_probe.cu (the NVLink push/pull/copy-engine ceiling probe run on the device machines)
-compiles."""
+"""The standalone probes run on the device machines compile: native/bench/probes/nvlink_probe.cu (the NVLink
+push/pull/copy-engine ceilings) and combine_pull_probe.cu (combine designs: SM pull, SM push, copy engines)."""
 from __future__ import annotations
 
 import shutil
@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-PROBE = Path(__file__).resolve().parents[2] / "native" / "bench" / "probes" / "nvlink_probe.cu"
+PROBES = Path(__file__).resolve().parents[2] / "native" / "bench" / "probes"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_nvlink_probe_compiles(tmp_path: Path) -> None:
-    out = tmp_path / "nvlink_probe"
-    cmd = ["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-o", str(out), str(PROBE)]
+@pytest.mark.parametrize("probe", ["nvlink_probe", "combine_pull_probe"])
+def test_probe_compiles(tmp_path: Path, probe: str) -> None:
+    out = tmp_path / probe
+    include = PROBES.parents[1] / "include"
+    cmd = ["nvcc", "-O3", "-arch=sm_90", "-std=c++17", f"-I{include}", "-o", str(out), str(PROBES / f"{probe}.cu")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert out.stat().st_size > 0

@@ -17,7 +17,13 @@
 //              a flag per chunk); receivers sum from local memory (the current kernels' direction, without rings)
 //   local_sum  every copy read from local memory (no NVLink): what the SMs alone take for the sum
 //   pull_only  y = the peers' copies only, pulled (no own row): the link alone
+//   ce_sum     the copy engines move each peer's block into the peer's landing zone (cudaMemcpyAsync, one stream
+//              per peer, a chunk at a time, each chunk followed on the same stream by a 4-byte copy of the epoch
+//              into the peer's flag for it); the kernel's blocks all sum chunk c once flagged: no SM crosses the
+//              link (issue 28: 24 SMs push at most ~320 GB/s, the copy engines move ~350 with both GPUs sending)
+//   ce_wait    the same copies, the kernel only waits for every flag: the copy engines alone
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
+// The ce_ modes time from the end of a 1 ms GPU sleep that covers the host's enqueueing of the copies.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,8 +42,10 @@ using kernels::pack_bf16x8;
 
 constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
-enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kNumModes };
-const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only"};
+enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kNumModes };
+const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum",
+                                           "pull_only", "ce_sum",   "ce_wait"};
+constexpr bool is_ce(int mode) { return mode == kCeSum || mode == kCeWait; }
 
 struct Args {
   int4* xu[kMaxGpus];      // inputs, [n blocks][tokens][row]
@@ -57,12 +65,51 @@ __device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, con
       __trap();
     }
 }
+/// y[me][t]: token t's copies where `kMode` finds them, summed in float32 in rank order, rounded once to BF16. Warp.
+template <int N, int kMode>
+__device__ __forceinline__ void sum_token(const Args& a, long long t, int lane) {
+  const int me = a.me;
+  const long long T = a.tokens, rw = kRowWords;
+  constexpr bool kReadsPeers = kMode == kZeroCopy || kMode == kCopyPull || kMode == kPullOnly;
+  const int4* src[N];
+#pragma unroll
+  for (int p = 0; p < N; ++p) {
+    if (kMode == kLocalSum) src[p] = a.xu[me] + (p * T + t) * rw;
+    else if (p == me) src[p] = a.xu[me] + (me * T + t) * rw;
+    else if (kMode == kPushSum || kMode == kCeSum) src[p] = a.xb[me] + (p * T + t) * rw;
+    else if (kMode == kCopyPull) src[p] = a.xb[p] + (me * T + t) * rw;
+    else src[p] = a.xu[p] + (me * T + t) * rw;
+  }
+  int4* dst = a.y[me] + t * rw;
+  constexpr int kSU = N <= 2 ? kU : kU / 2;  // 16-B loads per lane in flight: kSU * N
+#pragma unroll 1
+  for (int w = lane; w < rw; w += 32 * kSU) {
+    int4 v[N][kSU];
+#pragma unroll
+    for (int p = 0; p < N; ++p)
+#pragma unroll
+      for (int u = 0; u < kSU; ++u) {
+        if (kMode == kPullOnly && p == me) continue;
+        const bool remote = kReadsPeers && kMode != kLocalSum && p != me;
+        if (w + u * 32 < rw) v[p][u] = remote ? __ldcg(src[p] + w + u * 32) : __ldcs(src[p] + w + u * 32);
+      }
+#pragma unroll
+    for (int u = 0; u < kSU; ++u) {
+      if (w + u * 32 >= rw) continue;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int p = 0; p < N; ++p)
+        if (!(kMode == kPullOnly && p == me)) add_bf16x8(acc, v[p][u]);
+      __stcs(dst + w + u * 32, pack_bf16x8(acc));
+    }
+  }
+}
+
 template <int N, int kMode>
 __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
   const int me = a.me, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long T = a.tokens, rw = kRowWords;
   constexpr bool kStaged = kMode == kCopyPull || kMode == kPushSum;
-  constexpr bool kReadsPeers = kMode == kZeroCopy || kMode == kCopyPull || kMode == kPullOnly;
   int32_t* start = a.ready[me] + N * a.chunks;
   if (kMode == kZeroCopy || kMode == kPullOnly) {  // my inputs are written (stream order): tell the peers
     if (blockIdx.x == 0 && threadIdx.x < N && threadIdx.x != me) {
@@ -102,40 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
       __syncthreads();
     }
     const long long r0 = static_cast<long long>(c) * a.chunk, r1 = min(T, r0 + a.chunk);
-    for (long long t = r0 + warp; t < r1; t += kWarps) {
-      const int4* src[N];
-#pragma unroll
-      for (int p = 0; p < N; ++p) {
-        if (kMode == kLocalSum) src[p] = a.xu[me] + (p * T + t) * rw;
-        else if (p == me) src[p] = a.xu[me] + (me * T + t) * rw;
-        else if (kMode == kPushSum) src[p] = a.xb[me] + (p * T + t) * rw;
-        else if (kMode == kCopyPull) src[p] = a.xb[p] + (me * T + t) * rw;
-        else src[p] = a.xu[p] + (me * T + t) * rw;
-      }
-      int4* dst = a.y[me] + t * rw;
-      constexpr int kSU = N <= 2 ? kU : kU / 2;  // 16-B loads per lane in flight: kSU * N
-#pragma unroll 1
-      for (int w = lane; w < rw; w += 32 * kSU) {
-        int4 v[N][kSU];
-#pragma unroll
-        for (int p = 0; p < N; ++p)
-#pragma unroll
-          for (int u = 0; u < kSU; ++u) {
-            if (kMode == kPullOnly && p == me) continue;
-            const bool remote = kReadsPeers && kMode != kLocalSum && p != me;
-            if (w + u * 32 < rw) v[p][u] = remote ? __ldcg(src[p] + w + u * 32) : __ldcs(src[p] + w + u * 32);
-          }
-#pragma unroll
-        for (int u = 0; u < kSU; ++u) {
-          if (w + u * 32 >= rw) continue;
-          float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-          for (int p = 0; p < N; ++p)
-            if (!(kMode == kPullOnly && p == me)) add_bf16x8(acc, v[p][u]);
-          __stcs(dst + w + u * 32, pack_bf16x8(acc));
-        }
-      }
-    }
+    for (long long t = r0 + warp; t < r1; t += kWarps) sum_token<N, kMode>(a, t, lane);
   };
   int c = blockIdx.x;
   if (kStaged && c < a.chunks) stage(c);
@@ -148,6 +162,28 @@ __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
     if (threadIdx.x < N && threadIdx.x != me) atomicAdd_system(a.done[threadIdx.x], 1);
     if (threadIdx.x == 0) spin_until(a.done[me], static_cast<int32_t>(gridDim.x) * (N - 1), "done");
   }
+}
+
+/// ce_sum / ce_wait: the copy engines move the rows (host side, `once`); every block takes its share of chunk c's
+/// tokens once each peer's flag for c arrived (ce_wait: only waits).
+template <int N, int kMode>
+__global__ void __launch_bounds__(kThreads, 1) ce_probe(Args a) {
+  const int me = a.me, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int c = 0; c < a.chunks; ++c) {
+    if (threadIdx.x < N && threadIdx.x != me) spin_until(a.ready[me] + threadIdx.x * a.chunks + c, a.epoch, "ce chunk");
+    __syncthreads();
+    if (kMode != kCeSum) continue;
+    const long long r0 = static_cast<long long>(c) * a.chunk, r1 = min(static_cast<long long>(a.tokens), r0 + a.chunk);
+    for (long long t = r0 + static_cast<long long>(blockIdx.x) * kWarps + warp; t < r1;
+         t += static_cast<long long>(gridDim.x) * kWarps)
+      sum_token<N, kMode>(a, t, lane);
+  }
+}
+
+/// A GPU-side wait of `ns` (the ce_ modes' runs start after it, once the host has enqueued every copy).
+__global__ void gpu_sleep(long long ns) {
+  const unsigned long long t0 = gpu::global_timer_ns();
+  while (static_cast<long long>(gpu::global_timer_ns() - t0) < ns) __nanosleep(1000);
 }
 
 // value of column `col` of token t in block `blk` of GPU g's input: exact in BF16, sums of 8 stay exact
@@ -173,6 +209,8 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
     case kCopyPull: combine_probe<N, kCopyPull><<<grid, kThreads, 0, s>>>(a); break;
     case kPushSum: combine_probe<N, kPushSum><<<grid, kThreads, 0, s>>>(a); break;
     case kLocalSum: combine_probe<N, kLocalSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeSum: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeWait: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
     default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
   }
   CK(cudaGetLastError());
@@ -189,7 +227,8 @@ int main(int argc, char** argv) {
   const long long row_bytes = kRowWords * 16ll, block_bytes = T * row_bytes;
   const int max_chunks = 4096;
   Args a{};
-  std::vector<cudaStream_t> st(n);
+  std::vector<cudaStream_t> st(n), ce(n * n);  // ce[g * n + p]: GPU g's copies to peer p
+  std::vector<int32_t*> epoch_word(n);           // the flag value the copy engines copy after each chunk
   std::vector<cudaEvent_t> e0(n), e1(n);
   std::vector<void*> flush(n);
   const size_t flush_bytes = 256 << 20;
@@ -205,6 +244,8 @@ int main(int argc, char** argv) {
     fill<<<264, 512>>>(a.xu[g], g, n, T);
     CK(cudaGetLastError());
     CK(cudaStreamCreateWithFlags(&st[g], cudaStreamNonBlocking));
+    for (int p = 0; p < n; ++p) CK(cudaStreamCreateWithFlags(&ce[g * n + p], cudaStreamNonBlocking));
+    CK(cudaMalloc(&epoch_word[g], sizeof(int32_t)));
     CK(cudaEventCreate(&e0[g]));
     CK(cudaEventCreate(&e1[g]));
   }
@@ -218,6 +259,18 @@ int main(int argc, char** argv) {
       CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));  // L2 flush
     }
     sync_all(n);
+    const int chunks = static_cast<int>((T + chunk - 1) / chunk);
+    if (is_ce(mode)) {  // every GPU sleeps first, so the GPUs start together once the host enqueued every copy
+      for (int g = 0; g < n; ++g) {
+        CK(cudaSetDevice(g));
+        CK(cudaMemcpy(epoch_word[g], &epoch, sizeof(int32_t), cudaMemcpyHostToDevice));
+      }
+      for (int g = 0; g < n; ++g) {
+        CK(cudaSetDevice(g));
+        gpu_sleep<<<1, 32, 0, st[g]>>>(1000 * 1000);
+        CK(cudaGetLastError());
+      }
+    }
     for (int g = 0; g < n; ++g) {
       CK(cudaSetDevice(g));
       Args ag = a;
@@ -227,6 +280,18 @@ int main(int argc, char** argv) {
       ag.chunks = static_cast<int>((T + chunk - 1) / chunk);
       ag.epoch = epoch;
       CK(cudaEventRecord(e0[g], st[g]));
+      for (int p = 0; p < n && is_ce(mode); ++p) {  // block p of our rows into p's landing zone, chunk by chunk
+        if (p == g) continue;
+        cudaStream_t s = ce[g * n + p];
+        CK(cudaStreamWaitEvent(s, e0[g], 0));
+        for (int c = 0; c < chunks; ++c) {
+          const long long r0 = static_cast<long long>(c) * chunk, rows = std::min<long long>(chunk, T - r0);
+          CK(cudaMemcpyAsync(a.xb[p] + (g * T + r0) * kRowWords, a.xu[g] + (p * T + r0) * kRowWords,
+                             rows * row_bytes, cudaMemcpyDeviceToDevice, s));
+          CK(cudaMemcpyAsync(a.ready[p] + g * chunks + c, epoch_word[g], sizeof(int32_t), cudaMemcpyDeviceToDevice,
+                             s));  // after the chunk on the same stream: the peer's flag for it
+        }
+      }
       (n == 2 ? launch<2> : launch<4>)(mode, dim3(sms), st[g], ag);
       CK(cudaEventRecord(e1[g], st[g]));
     }
@@ -235,6 +300,7 @@ int main(int argc, char** argv) {
     return worst * 1e3f;
   };
   auto check = [&](int mode) {  // rows 0, T/2 and T-1 of every GPU's output
+    if (mode == kCeWait) return;  // no output
     std::vector<uint16_t> row(kRowWords * 8);
     for (int g = 0; g < n; ++g)
       for (long long t : {0ll, T / 2, T - 1}) {
@@ -263,8 +329,10 @@ int main(int argc, char** argv) {
   const double remote_bytes = static_cast<double>(block_bytes) * (n - 1);
   for (int mode = 0; mode < kNumModes; ++mode)
     for (int sms : {16, 24, 32})
-      for (int chunk : {24, 48, 96}) {
-        if (!(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
+      for (int chunk : {24, 48, 96, 256, 512, 1024}) {
+        if (is_ce(mode) != (chunk >= 256)) continue;  // the copy engines take big chunks (a host call per chunk)
+        if (!is_ce(mode) && !(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
+        if (is_ce(mode) && sms != 24) continue;  // the copy engines take no SMs: 24 sum (the DeepSeek-V3 setting)
         std::vector<float> t;
         CK(cudaSetDevice(0));
         for (int g = 0; g < n; ++g) {
