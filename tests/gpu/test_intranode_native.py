@@ -832,24 +832,19 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     odd = world - 1
     view = nat.get_combine_buffer(res.handle, 2048)
     view.copy_(res.recv_x)
-    if mode == "weights":
+    if mode in ("weights", "mixed_staged"):  # refused on every rank: other weights, or another layout of x
+        weights = mode == "weights"
+        x = view if weights or rank != odd else res.recv_x.clone()
+        w = res.recv_topk_weights if weights and rank != odd else None
+        needles = ("top-k weights per row", "same shape") if weights else ("same kind of x", "get_combine_buffer view")
         try:
-            nat.combine(view, res.handle, topk_weights=None if rank == odd else res.recv_topk_weights, config=cfg)
+            nat.combine(x, res.handle, topk_weights=w, config=cfg)
             torch.cuda.synchronize()
             nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
         except InvalidUsageError as e:
-            assert "top-k weights per row" in str(e) and "same shape" in str(e), str(e)
+            assert all(n in str(e) for n in needles), str(e)
         else:
-            raise AssertionError("combine accepted topk_weights on some ranks only")
-    elif mode == "mixed_staged":
-        try:
-            nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
-            torch.cuda.synchronize()
-            nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
-        except InvalidUsageError as e:
-            assert "same kind of x" in str(e) and "get_combine_buffer view" in str(e), str(e)
-        else:
-            raise AssertionError("combine accepted a view on one rank and a staged tensor of its own on another")
+            raise AssertionError(f"combine accepted mismatched inputs across the ranks ({mode})")
     elif rank != odd or mode == "mixed":
         try:
             nat.combine(view if rank != odd else res.recv_x.clone(), res.handle, config=cfg)
