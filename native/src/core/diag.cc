@@ -67,7 +67,7 @@ std::string format_diag(const DiagRecord& r) {
           "same combine (all get_combine_buffer views, or all tensors of their own)",
           r.rank, r.peer, kind(staged_seen), kind(staged_expected));
     return detail::format(
-        "rank %d: combine from the buffer: peer %d staged %lld top-k weights per row, this rank expected %lld; every "
+        "rank %d: combine (pull): peer %d staged %lld top-k weights per row, this rank expected %lld; every "
         "rank must pass topk_weights of the same shape (or none) to the same combine",
         r.rank, r.peer, static_cast<long long>(r.seen & (kPullArgsStaged - 1)),
         static_cast<long long>(r.expected & (kPullArgsStaged - 1)));

@@ -116,10 +116,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
          i += static_cast<int64_t>(gridDim.x) * blockDim.x)
       staged[i] = a.topk_weights[staged_to_received(i, before, skip)];
   }
-  // Every rank stages (and reads) as many weights per row as out_topk_weights has: all or none must pass them. And
-  // every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer reading the
-  // other layout would sum the wrong rows. Both go into the value every rank checks (an InvalidUsage record).
-  const int32_t topk = (a.out_topk_weights != nullptr ? a.num_topk : 0) | (a.staged != 0 ? kPullArgsStaged : 0);
+  // Every rank stages (and reads) as many weights per row as its topk_weights has (num_topk, 0 without): all or none
+  // must pass them (not out_topk_weights != nullptr: a rank with no tokens of its own gets an empty one, address 0).
+  // And every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer
+  // reading the other layout would sum the wrong rows. Both go into the value every rank checks (InvalidUsage).
+  const int32_t topk = a.num_topk | (a.staged != 0 ? kPullArgsStaged : 0);
   UCCL_MOE_TRACE(trace::add(trace::kKept, t_stage); const long long t_start = trace::now());
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
   const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk);
@@ -192,7 +193,8 @@ void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden,
 void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, const CombinePullArgs& a, void* stream) {
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);
-  UCCL_ASSERT(a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d exceeds %d", a.num_topk, kMaxTopk);
+  UCCL_ASSERT(a.num_topk >= 0 && a.num_topk <= kMaxTopk && a.num_topk <= gpu::kWarpSize, "num_topk=%d outside [0, %d]",
+              a.num_topk, kMaxTopk);
   UCCL_ASSERT(num_sms > 0 && a.num_lanes > 0, "combine from the buffer needs num_sms > 0 and a handle with lanes");
   const int64_t need = combine_input_bytes(num_rows, a.hidden, a.topk_weights != nullptr ? a.num_topk : 0);
   UCCL_ASSERT(need <= ctx.num_nvl_bytes,
