@@ -23,7 +23,7 @@
 //              link (issue 28: 24 SMs push at most ~320 GB/s, the copy engines move ~350 with both GPUs sending)
 //   ce_wait    the same copies, the kernel only waits for every flag: the copy engines alone
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
-// The ce_ modes time from the end of a 1 ms GPU sleep that covers the host's enqueueing of the copies.
+// The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (ce_gate).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -180,10 +180,18 @@ __global__ void __launch_bounds__(kThreads, 1) ce_probe(Args a) {
   }
 }
 
-/// A GPU-side wait of `ns` (the ce_ modes' runs start after it, once the host has enqueued every copy).
-__global__ void gpu_sleep(long long ns) {
-  const unsigned long long t0 = gpu::global_timer_ns();
-  while (static_cast<long long>(gpu::global_timer_ns() - t0) < ns) __nanosleep(1000);
+/// The ce_ modes' start gate: stores this run's epoch into the word the copy engines copy as flags, then waits until
+/// the host, done enqueueing every GPU's copies, sets its mapped flag to the epoch (so the time starts together on
+/// every GPU and never includes the host's enqueueing).
+__global__ void ce_gate(const volatile int32_t* host_flag, int32_t epoch, int32_t* epoch_word) {
+  *epoch_word = epoch;
+  long long spins = 0;
+  while (*host_flag != epoch)
+    if (++spins > (1ll << 30)) {
+      printf("probe: start gate timed out\n");
+      __trap();
+    }
+  __threadfence_system();
 }
 
 // value of column `col` of token t in block `blk` of GPU g's input: exact in BF16, sums of 8 stay exact
@@ -229,6 +237,9 @@ int main(int argc, char** argv) {
   Args a{};
   std::vector<cudaStream_t> st(n), ce(n * n);  // ce[g * n + p]: GPU g's copies to peer p
   std::vector<int32_t*> epoch_word(n);           // the flag value the copy engines copy after each chunk
+  int32_t* host_flag = nullptr;                  // the ce_ modes' start gate (mapped pinned memory)
+  CK(cudaHostAlloc(&host_flag, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
+  *reinterpret_cast<volatile int32_t*>(host_flag) = 0;
   std::vector<cudaEvent_t> e0(n), e1(n);
   std::vector<void*> flush(n);
   const size_t flush_bytes = 256 << 20;
@@ -260,17 +271,14 @@ int main(int argc, char** argv) {
     }
     sync_all(n);
     const int chunks = static_cast<int>((T + chunk - 1) / chunk);
-    if (is_ce(mode)) {  // every GPU sleeps first, so the GPUs start together once the host enqueued every copy
+    if (is_ce(mode))  // every GPU waits at the gate until the host enqueued every copy (set below)
       for (int g = 0; g < n; ++g) {
         CK(cudaSetDevice(g));
-        CK(cudaMemcpy(epoch_word[g], &epoch, sizeof(int32_t), cudaMemcpyHostToDevice));
-      }
-      for (int g = 0; g < n; ++g) {
-        CK(cudaSetDevice(g));
-        gpu_sleep<<<1, 32, 0, st[g]>>>(1000 * 1000);
+        int32_t* flag_dev = nullptr;
+        CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), host_flag, 0));
+        ce_gate<<<1, 1, 0, st[g]>>>(flag_dev, epoch, epoch_word[g]);
         CK(cudaGetLastError());
       }
-    }
     for (int g = 0; g < n; ++g) {
       CK(cudaSetDevice(g));
       Args ag = a;
@@ -295,6 +303,7 @@ int main(int argc, char** argv) {
       (n == 2 ? launch<2> : launch<4>)(mode, dim3(sms), st[g], ag);
       CK(cudaEventRecord(e1[g], st[g]));
     }
+    if (is_ce(mode)) *reinterpret_cast<volatile int32_t*>(host_flag) = epoch;  // open the gate
     sync_all(n);
     const float worst = slowest_ms(n, e0, e1);
     return worst * 1e3f;
