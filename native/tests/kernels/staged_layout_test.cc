@@ -2,7 +2,7 @@
 // our_rows_at, staged_to_received, DirectLanding), against rows laid out one by one: for every pair of ranks, the
 // row where the pull looks for our copy at rank d (or where our direct dispatch lands it) is the row that d's stage
 // kernel filled with it (that d's unpack takes it from), for random counts with zeros (ranks that receive nothing,
-// empty own blocks), N = 1..8.
+// empty own blocks), N = 1..8. Also the dispatch's kept-row split (kept_split).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -95,6 +95,26 @@ TEST(DirectLanding, FieldsFollowTheRowsOnAlignedLinesWithoutOverlap) {
         }
       }
     }
+  }
+}
+
+TEST(KeptSplit, SplitsEveryLaneWithinItsRangeByRowSize) {
+  for (int begin : {0, 1, 7, 4096}) {
+    int prev = begin;
+    for (int len = 0; len <= 400; ++len) {
+      const int end = begin + len;
+      const int bf16 = kept_split(begin, end, 14336), fp8 = kept_split(begin, end, 7168);
+      ASSERT_EQ(bf16 - begin, (len + 3) / 4) << len;      // a quarter, rounded up
+      ASSERT_EQ(fp8 - begin, (3 * len + 7) / 8) << len;   // three eighths, rounded up
+      ASSERT_LE(begin, fp8) << len;
+      ASSERT_LE(fp8, end) << len;
+      ASSERT_LE(bf16, fp8) << len;                         // FP8-sized rows give the direct warp no less
+      ASSERT_LE(prev, fp8) << len;                         // grows with the lane
+      prev = fp8;
+    }
+    EXPECT_EQ(kept_split(begin, begin, 8192), begin);  // an empty lane, and 8 KB rows take the FP8 share
+    EXPECT_EQ(kept_split(begin, begin + 8, 8192) - begin, 3);
+    EXPECT_EQ(kept_split(begin, begin + 8, 8208) - begin, 2);
   }
 }
 

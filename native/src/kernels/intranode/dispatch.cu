@@ -21,13 +21,6 @@ namespace {
 constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a row we keep (4 KB per warp)
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
-/// Tokens [begin, kept_split) of a lane's rows that this rank keeps go through the sender's direct warp, the rest
-/// through the receiver group (KeptRows). The direct warp also releases the lane's tails, so it gets the smaller
-/// share: a quarter of rows over 8 KB (BF16 at hidden 7168), three eighths of smaller ones, whose copies hold the
-/// releases up less (FP8: the receivers were the slowest role in the phase trace; docs/intranode.md has both A/Bs).
-UCCL_DEVICE_INLINE int kept_split(int begin, int end, int row_bytes) {
-  return row_bytes > 8192 ? begin + (end - begin + 3) / 4 : begin + (3 * (end - begin) + 7) / 8;
-}
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
 UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {

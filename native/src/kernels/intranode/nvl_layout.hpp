@@ -92,6 +92,15 @@ UCCL_HOST_DEVICE_FN constexpr int64_t combine_input_bytes(int64_t rows, int hidd
 }
 static_assert(kOffAbortFlag + sizeof(int32_t) <= kOffRankCounts, "barrier words overlap the count matrix");
 
+/// Tokens [begin, kept_split) of a dispatch lane's tokens [begin, end) whose rows this rank keeps go through the
+/// sender's direct warp, the rest through the receiver group (dispatch.cu: dispatch_send_direct, KeptRows). The
+/// direct warp also releases the lane's tails, so it gets the smaller share: a quarter of rows over 8 KB (BF16 at
+/// hidden 7168), three eighths of smaller ones, whose copies hold the releases up less (FP8: the receivers were the
+/// slowest role in the phase trace; docs/intranode.md has both A/Bs). Always within [begin, end].
+UCCL_HOST_DEVICE_FN constexpr int kept_split(int begin, int end, int row_bytes) {
+  return row_bytes > 8192 ? begin + (end - begin + 3) / 4 : begin + (3 * (end - begin) + 7) / 8;
+}
+
 // A staged combine's rows (combine_pull.cu) are compacted: rank d's buffer holds only the rows d received from other
 // ranks, in receive order without d's own block. rank_prefix [N, N] is the inclusive prefix over source ranks of the
 // rows each rank receives (identical on every rank).
