@@ -85,6 +85,21 @@ UCCL_DEVICE_INLINE void write_kept_meta(const DispatchArgs& a, int tok, int me, 
       with_scales && a.recv_scales != nullptr ? static_cast<int32_t*>(a.recv_scales) + row * a.num_scales : nullptr);
 }
 
+/// num_worst_tokens: output rows past the ones rank `me` received carry source -1, expert ids -1 and weight 0 (as
+/// DeepEP gives them). This thread writes rows received + first, + stride, ...; a null output is skipped.
+UCCL_DEVICE_INLINE void pad_worst_rows(const DispatchArgs& a, int N, int me, int64_t first, int64_t stride) {
+  if (a.recv_src_idx == nullptr) return;
+  const int64_t received = a.rank_prefix[(N - 1) * N + me];
+  const int K = a.recv_topk_idx != nullptr ? a.num_topk : 0;
+  for (int64_t row = received + first; row < a.num_recv_rows; row += stride) {
+    a.recv_src_idx[row] = -1;
+    for (int j = 0; j < K; ++j) {
+      a.recv_topk_idx[row * K + j] = -1;
+      if (a.recv_topk_weights != nullptr) a.recv_topk_weights[row * K + j] = 0.0f;
+    }
+  }
+}
+
 /// Walks the tokens of [begin, end) that go to `dst`, in order, recording send_head, and calls row(tok, pos) for
 /// each (pos: its place in the lane's stream to dst). Returns how many there were, or -1 once row returned false
 /// (a failed wait). Warp-collective.
@@ -330,19 +345,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   const int C = g.num_channels, W = g.lanes_per_channel;
   const bool sender = static_cast<int>(blockIdx.x) < C;
   const int c = sender ? blockIdx.x : blockIdx.x - C;
-  if (!sender && k.a.recv_src_idx != nullptr) {
-    // num_worst_tokens: rows past the received ones carry no expert (-1), weight 0 and source -1.
-    const int received = k.a.rank_prefix[(ctx.num_ranks - 1) * ctx.num_ranks + ctx.rank];
-    const int K = k.a.recv_topk_idx != nullptr ? k.a.num_topk : 0;
-    const int64_t stride = static_cast<int64_t>(C) * blockDim.x;
-    for (int64_t row = received + c * blockDim.x + threadIdx.x; row < k.a.num_recv_rows; row += stride) {
-      k.a.recv_src_idx[row] = -1;
-      for (int j = 0; j < K; ++j) {
-        k.a.recv_topk_idx[row * K + j] = -1;
-        if (k.a.recv_topk_weights != nullptr) k.a.recv_topk_weights[row * K + j] = 0.0f;
-      }
-    }
-  }
+  if (!sender)  // num_worst_tokens' padding rows, over the receiver blocks
+    pad_worst_rows(k.a, ctx.num_ranks, ctx.rank, static_cast<int64_t>(c) * blockDim.x + threadIdx.x,
+                   static_cast<int64_t>(C) * blockDim.x);
   const int warp = gpu::warp_id();
   if (sender) {
     __shared__ SendPosts posts;
@@ -481,14 +486,7 @@ UCCL_DEVICE_INLINE void direct_unpack(const NvlContext& ctx, const DispatchArgs&
     for (int64_t i = tid; i < rows * S; i += stride)
       static_cast<int32_t*>(a.recv_scales)[staged_to_received(i / S, own.begin, own.count) * S + i % S] =
           gpu::load_ring_32(at.scales + i);
-  if (a.recv_src_idx != nullptr)  // num_worst_tokens: the padding rows
-    for (int64_t r = a.rank_prefix[(N - 1) * N + me] + tid; r < a.num_recv_rows; r += stride) {
-      a.recv_src_idx[r] = -1;
-      for (int j = 0; a.recv_topk_idx != nullptr && j < K; ++j) {
-        a.recv_topk_idx[r * K + j] = -1;
-        if (a.recv_topk_weights != nullptr) a.recv_topk_weights[r * K + j] = 0.0f;
-      }
-    }
+  pad_worst_rows(a, N, me, tid, stride);
 }
 
 constexpr int kUnpackThreads = 512;
