@@ -46,15 +46,15 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   const int per_lane = (T + L - 1) / L;
   // Per lane d < N: rank d's rows and staged weights, and where its rows from us start. A staged combine left our
   // own rows in the caller's tensor (own_x): the same row numbers there.
-  const char* rows_d = nullptr;
-  if (lane < N)
-    rows_d = lane == me && a.staged != 0 ? static_cast<const char*>(a.own_x)
-                                         : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
-  // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
-  // topk_weights pointer is null because it received no rows.
   // A flag, not own_x != nullptr: a rank that received no rows passes an empty x (a null pointer) but must find its
   // tokens' rows in the peers' compacted buffers as every other rank does.
   const bool compact = a.staged != 0;
+  const char* rows_d = nullptr;
+  if (lane < N)
+    rows_d = lane == me && compact ? static_cast<const char*>(a.own_x)
+                                   : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
+  // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
+  // topk_weights pointer is null because it received no rows.
   const float* weights_d = nullptr;
   if (lane < N && a.out_topk_weights != nullptr)
     weights_d = reinterpret_cast<const float*>(
