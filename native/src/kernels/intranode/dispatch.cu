@@ -2,10 +2,10 @@
 // that hold their experts. Grid = 2 * C blocks: block c < C is channel c's sender, block C + c its receiver.
 // Sender warp (dst, w) walks lane l = c * W + w of our tokens and pushes the ones bound for dst into ring
 // (lane, me) at dst; the receiver block's warps, a group per lane, copy ring (lane, src) of every remote src out
-// into recv_x in order, each warp a slice of the columns. Rows a rank keeps
-// (dst == me) skip the ring and go straight into the outputs: the first quarter (FP8-sized rows: three eighths) of
-// each lane's tokens by the sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group, which
-// copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
+// into recv_x in order, each warp a slice of the columns. Rows a rank keeps (dst == me) skip the ring and go
+// straight into the outputs: the first quarter (FP8-sized rows: three eighths; kept_split) of each lane's tokens by
+// the sender's direct warp, which also releases the lane's tails (TailPublisher), the rest by the receiver group,
+// which copies them while its rings are empty. An SM copies about as many bytes per second to local as to peer memory
 // (native/bench/probes/nvlink_probe.cu), so this balances the sender SMs (peer rows + kept rows) against the receiver SMs
 // (ring rows).
 // See nvl_layout.hpp for the rings and the head/tail protocol.
@@ -20,7 +20,6 @@ namespace {
 
 constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a row we keep (4 KB per warp)
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
-
 
 /// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
 UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
@@ -122,8 +121,8 @@ UCCL_DEVICE_INLINE int for_each_sent_token(const DispatchArgs& a, int N, int dst
 
 /// Sender warp (me, w) of lane c * W + w, the lane's direct warp: the rows stay on this GPU, so they go straight into
 /// the outputs (recv_x and the metadata, in the receiver's format) instead of through our own ring and a second
-/// copy. It takes the first share of the lane's tokens (kept_split), the receiver group the rest (KeptRows), and releases the
-/// tails the lane's remote warps post (TailPublisher) between its rows and after them.
+/// copy. It takes the first share of the lane's tokens (kept_split), the receiver group the rest (KeptRows), and
+/// releases the tails the lane's remote warps post (TailPublisher) between its rows and after them.
 UCCL_DEVICE_INLINE void dispatch_send_direct(const NvlContext& ctx, const Geometry& g, const DispatchKernelArgs& k,
                                              int c, int w, SendPosts* posts) {
   const DispatchArgs& a = k.a;

@@ -167,9 +167,10 @@ void launch_dispatch_intranode(const NvlContext& ctx, const Geometry& g, const D
 /// The ring-free dispatch: `2 * g.num_channels` blocks push every row straight to where it ends up: rows this rank
 /// keeps into the outputs, the others into the receiver's landing area (DirectLanding, compacted); then
 /// `unpack_blocks` blocks (the whole GPU: an HBM-bound copy) unpack it into the outputs once every peer's rows are in,
-/// and a last hand-shake ends the op when nobody reads a buffer any more. Same outputs, bit for bit, as launch_dispatch_intranode (the handle's lane geometry
-/// places the rows); intranode only (no row_map, num_tokens_ptr or src_tag). Every local rank must take it for the
-/// call; a rank that does not is named in a dispatch/direct-enter timeout.
+/// and a last hand-shake ends the op when nobody reads a buffer any more. Same outputs, bit for bit, as
+/// launch_dispatch_intranode (the handle's lane geometry places the rows); intranode only (no row_map, num_tokens_ptr
+/// or src_tag). Every local rank must take it for the call; a rank that does not is named in a dispatch/direct-enter
+/// timeout.
 void launch_dispatch_direct(const NvlContext& ctx, const Geometry& g, const DispatchArgs& a, int unpack_blocks,
                             void* stream);
 /// NVL bytes a ring-free dispatch of `rows` landed rows of `row_bytes` (with `num_topk` ids and weights and
