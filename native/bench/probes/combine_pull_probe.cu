@@ -285,7 +285,7 @@ int main(int argc, char** argv) {
       ag.me = g;
       ag.tokens = static_cast<int>(T);
       ag.chunk = chunk;
-      ag.chunks = static_cast<int>((T + chunk - 1) / chunk);
+      ag.chunks = chunks;
       ag.epoch = epoch;
       CK(cudaEventRecord(e0[g], st[g]));
       for (int p = 0; p < n && is_ce(mode); ++p) {  // block p of our rows into p's landing zone, chunk by chunk
