@@ -89,6 +89,13 @@ STAGED_COMBINE: dict[int, str] = {
 }
 
 
+#: EP sizes whose intranode combine of a caller's tensor goes through the copy engines by default
+#: (``UCCL_MOE_COMBINE_CE=auto``; before the staged path), each naming where it measured faster than the staged and
+#: the ring combine in the same runs (``python -m uccl_moe.bench --ranks R --combine-ce --device-time``; figures in
+#: docs/benchmarks.md).
+CE_COMBINE: dict[int, str] = {}
+
+
 #: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
 #: naming where it measured faster than the rings (``python -m uccl_moe.bench --ranks R --dispatch-direct
 #: --device-time``). None: at EP2 it took about 30 us longer than the rings for FP8 and BF16 alike (2 x H200,
@@ -100,6 +107,12 @@ def combine_staged(num_ranks: int, knob: str) -> bool:
     """Whether an intranode combine of a caller's tensor over `num_ranks` ranks takes the staged path (where its rows
     fit the buffer), given ``UCCL_MOE_COMBINE_STAGED``'s value `knob` (``auto``, ``1`` or ``0``)."""
     return _chosen(knob, num_ranks, STAGED_COMBINE)
+
+
+def combine_ce(num_ranks: int, knob: str) -> bool:
+    """Whether an intranode combine of a caller's tensor over `num_ranks` ranks goes through the copy engines (where
+    the handle has host counts and the landing areas fit), given ``UCCL_MOE_COMBINE_CE``'s value `knob`."""
+    return _chosen(knob, num_ranks, CE_COMBINE)
 
 
 def dispatch_direct(num_ranks: int, knob: str) -> bool:

@@ -1,15 +1,19 @@
 """The staged combine (UCCL_MOE_COMBINE_STAGED=1): a combine of a tensor of the caller's whose rows fit the Buffer
 copies the other ranks' rows into the NVL buffer (stage_combine_rows_intranode), then pulls (combine_pull.cu, our own
-rows read from the caller's tensor). It sums in the same order as the ring combine, so the two must give the same bits.
+rows read from the caller's tensor). The copy-engine combine (UCCL_MOE_COMBINE_CE=1): the copy engines move each
+peer's block of the caller's tensor back into that peer's buffer in chunks while the SMs sum (launch_combine_ce).
+Both sum in the same order as the ring combine, so each must give the ring's bits; every case runs for both paths.
 
 Cases (fresh random inputs, never zeros): random routing, -1 top-k entries with a different token count per rank,
 skewed routing, a rank that receives nothing, an odd hidden, one token, hidden 7168; with top-k weights and both
 biases, and without; the num_worst_tokens handle; staged, ring, pull from the view and cached dispatch interleaved on
-one Buffer; 24 staged combines back to back with other rows each time and one rank late (a rank that staged its next
-rows while a peer still read the previous ones would corrupt that peer's sum). The staged rows are compacted (only the
-rows from other ranks): a Buffer sized by the ring's hint, too small for every received row (no view), still stages
-4096 tokens at hidden 7168, while one too small for the rows from other ranks takes the ring on every rank. Ranks may
-share one GPU (CUDA IPC between processes on one device).
+one Buffer; 24 combines back to back with other rows each time and one rank late (a rank that staged or copied its
+next rows while a peer still read the previous ones would corrupt that peer's sum). The num_worst_tokens handle has
+no host counts: the copy-engine path falls back (to the rings here), on every rank alike. The staged rows are
+compacted (only the rows from other ranks), the landing areas hold only the rows sent to other ranks: a Buffer sized
+by the ring's hint, too small for every received row (no view), still takes either path at 4096 tokens of hidden 7168,
+while one too small for those rows takes the ring on every rank. Ranks may share one GPU (CUDA IPC between processes
+on one device).
 """
 
 from __future__ import annotations
@@ -26,69 +30,82 @@ from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, p
 pytestmark = pytest.mark.gpu
 
 
-def _combine(nat, staged: bool, *args, **kw):
-    """nat.combine with UCCL_MOE_COMBINE_STAGED set for this call (every rank calls alike)."""
-    os.environ["UCCL_MOE_COMBINE_STAGED"] = "1" if staged else "0"
+def _combine(nat, path: str, *args, **kw):
+    """nat.combine through `path` ("ring", "staged" or "ce") for this call (every rank calls alike)."""
+    os.environ["UCCL_MOE_COMBINE_STAGED"] = "1" if path == "staged" else "0"
+    os.environ["UCCL_MOE_COMBINE_CE"] = "1" if path == "ce" else "0"
     try:
         return nat.combine(*args, **kw)
     finally:
         os.environ.pop("UCCL_MOE_COMBINE_STAGED", None)
+        os.environ.pop("UCCL_MOE_COMBINE_CE", None)
 
 
-def _staged_worker(rank: int, world: int, gloo) -> None:
+def _fits(buf, path: str, handle, hidden: int, num_topk: int) -> bool:
+    live = buf._live()
+    return live.combine_ce_fits(handle, hidden, num_topk) if path == "ce" else \
+        live.combine_staged_fits(handle, hidden, num_topk)
+
+
+def _staged_worker(rank: int, world: int, gloo, path: str = "staged") -> None:
     from uccl_moe import Buffer
 
     R = world
+    P = path  # the path under test: "staged" or "ce"
     cfg, nat, ref, check = pull_buffers(rank, R, gloo)
     worst_T = PULL_WORST_T
     for seed, (name, T, H, per_rank, K, routing) in enumerate(pull_cases(rank)):
         case = _Case(rank, R, T, H, per_rank * R, K, False, "none", routing, 400 + seed)
         rn, rr, y, b0, b1, yc, b0c, b1c = pull_inputs(nat, ref, case, cfg)
         n = rn.recv_x.shape[0]
-        check(f"{name}: the rows fit (the staged path runs)", nat.combine_buffer_fits(rn.handle, H, K))
+        check(f"{name}: the rows fit (the {P} path runs)", _fits(nat, P, rn.handle, H, K))
         extras = dict(topk_weights=rn.recv_topk_weights, bias=(b0c, b1c), config=cfg)
-        ring = _combine(nat, False, yc, rn.handle, **extras)
-        staged = _combine(nat, True, yc, rn.handle, **extras)
+        ring = _combine(nat, "ring", yc, rn.handle, **extras)
+        got = _combine(nat, P, yc, rn.handle, **extras)
         want = ref.combine(y, rr.handle, topk_weights=rr.recv_topk_weights, bias=(b0, b1), config=cfg)
-        check(f"{name}: staged == ring (bitwise)", torch.equal(staged.combined_x, ring.combined_x))
-        check(f"{name}: staged weights == ring", torch.equal(staged.combined_topk_weights, ring.combined_topk_weights))
-        check(f"{name}: staged vs reference", _close_bf16(staged.combined_x, want.combined_x, None))
+        check(f"{name}: {P} == ring (bitwise)", torch.equal(got.combined_x, ring.combined_x))
+        check(f"{name}: {P} weights == ring", torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+        check(f"{name}: {P} vs reference", _close_bf16(got.combined_x, want.combined_x, None))
         check(f"{name}: the caller's rows are untouched", torch.equal(yc.cpu(), y))
         y2 = (yc.float() * 2 - 1).bfloat16()  # other rows: a copy the stage kernel skipped would show
-        plain = _combine(nat, True, y2, rn.handle, config=cfg).combined_x
-        check(f"{name}: staged without extras", torch.equal(plain, _combine(nat, False, y2, rn.handle,
-                                                                            config=cfg).combined_x))
+        plain = _combine(nat, P, y2, rn.handle, config=cfg).combined_x
+        check(f"{name}: {P} without extras", torch.equal(plain, _combine(nat, "ring", y2, rn.handle,
+                                                                         config=cfg).combined_x))
         _, wn = _dispatch(nat, case, "cuda", config=cfg, num_worst_tokens=worst_T * R)
         yw = torch.cat([yc, torch.randn((worst_T * R - n, H), device="cuda").bfloat16()])
-        got = _combine(nat, True, yw, wn.handle, **{**extras, "topk_weights": wn.recv_topk_weights})
-        check(f"{name}: staged via the worst handle", torch.equal(got.combined_x, ring.combined_x)
+        got = _combine(nat, P, yw, wn.handle, **{**extras, "topk_weights": wn.recv_topk_weights})
+        check(f"{name}: {P} via the worst handle", torch.equal(got.combined_x, ring.combined_x)
               and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
 
-    # The staged path ran: its two kernels, not the ring's.
-    names = _kernels(lambda: _combine(nat, True, yc, rn.handle, config=cfg))
-    check(f"the staged kernels ran ({names[:200]})", _ran_staged(names, R, rn.recv_x.shape[0]))
+    # The path ran: its kernels, not the ring's.
+    names = _kernels(lambda: _combine(nat, P, yc, rn.handle, config=cfg))
+    check(f"the {P} kernels ran ({names[:200]})", _ran(P, names, R, rn.recv_x.shape[0]))
 
-    # Interleaved on one Buffer: staged, ring, pull from the view, cached dispatch; then 24 staged back to back.
+    # Interleaved on one Buffer: the path, ring, pull from the view, cached dispatch, the other path; then 24 of the
+    # path back to back.
+    other = "staged" if P == "ce" else "ce"
     case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 500)
     _, rn = _dispatch(nat, case, "cuda", config=cfg)
     y = (rn.recv_x.float() * 0.5 - 1).bfloat16()
-    ring = _combine(nat, False, y, rn.handle, config=cfg).combined_x
-    ok = torch.equal(_combine(nat, True, y, rn.handle, config=cfg).combined_x, ring)
+    ring = _combine(nat, "ring", y, rn.handle, config=cfg).combined_x
+    ok = torch.equal(_combine(nat, P, y, rn.handle, config=cfg).combined_x, ring)
     view = nat.get_combine_buffer(rn.handle, 4096)
     view.copy_(y)
     ok &= torch.equal(nat.combine(view, rn.handle, config=cfg).combined_x, ring)
     ok &= torch.equal(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x, rn.recv_x)
-    ok &= torch.equal(_combine(nat, True, y, rn.handle, config=cfg).combined_x, ring)
-    ok &= torch.equal(_combine(nat, False, y, rn.handle, config=cfg).combined_x, ring)
-    check("staged / ring / pull / cached dispatch interleaved", ok)
+    ok &= torch.equal(_combine(nat, P, y, rn.handle, config=cfg).combined_x, ring)
+    ok &= torch.equal(_combine(nat, "ring", y, rn.handle, config=cfg).combined_x, ring)
+    ok &= torch.equal(_combine(nat, other, y, rn.handle, config=cfg).combined_x, ring)
+    ok &= torch.equal(_combine(nat, P, y, rn.handle, config=cfg).combined_x, ring)
+    check(f"{P} / ring / pull / cached dispatch / {other} interleaved", ok)
     ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
-    wants = [_combine(nat, False, yi, rn.handle, config=cfg).combined_x for yi in ys]
+    wants = [_combine(nat, "ring", yi, rn.handle, config=cfg).combined_x for yi in ys]
     outs = []
     for yi in ys:
         if rank == 0:
             torch.cuda._sleep(200_000)
-        outs.append(_combine(nat, True, yi, rn.handle, config=cfg).combined_x)
-    check("24 staged combines back to back, other rows each, one rank late",
+        outs.append(_combine(nat, P, yi, rn.handle, config=cfg).combined_x)
+    check(f"24 {P} combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
 
     # A Buffer sized by the ring's size hint (as DeepEP clients size it): too small for every received row of 4096
@@ -105,14 +122,14 @@ def _staged_worker(rank: int, world: int, gloo) -> None:
         wb = bn.recv_topk_weights
         check(f"T={T}: the small Buffer cannot hold the view",
               R == 1 or not small.combine_buffer_fits(bn.handle, 7168, 0))
-        check(f"T={T}: the staged rows fit: {stages}", small._live().combine_staged_fits(bn.handle, 7168, 8) == stages)
-        got = _combine(small, True, yb, bn.handle, topk_weights=wb, config=cfg)
-        want = _combine(small, False, yb, bn.handle, topk_weights=wb, config=cfg)
-        check(f"T={T}: staged or ring, the same bits", torch.equal(got.combined_x, want.combined_x)
+        check(f"T={T}: the {P} rows fit: {stages}", _fits(small, P, bn.handle, 7168, 8) == stages)
+        got = _combine(small, P, yb, bn.handle, topk_weights=wb, config=cfg)
+        want = _combine(small, "ring", yb, bn.handle, topk_weights=wb, config=cfg)
+        check(f"T={T}: {P} or ring, the same bits", torch.equal(got.combined_x, want.combined_x)
               and torch.equal(got.combined_topk_weights, want.combined_topk_weights))
-        names = _kernels(functools.partial(_combine, small, True, yb, bn.handle, topk_weights=wb, config=cfg))
-        check(f"T={T}: {'staged' if stages else 'ring'} kernels ran ({names[:200]})",
-              _ran_staged(names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
+        names = _kernels(functools.partial(_combine, small, P, yb, bn.handle, topk_weights=wb, config=cfg))
+        check(f"T={T}: {P if stages else 'ring'} kernels ran ({names[:200]})",
+              _ran(P, names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()
     check.finish(gloo, small, nat, ref)
 
@@ -127,13 +144,18 @@ def _kernels(fn) -> str:
     return " ".join(e.name for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def _ran_staged(names: str, R: int, rows: int) -> bool:
-    """`names` show the staged combine: the pull and (where this rank has rows from other ranks) the stage kernel,
-    not the ring combine."""
-    return "combine_pull_kernel" in names and "combine_intranode_kernel" not in names and (
-        rows == 0 or R == 1 or "stage_combine_rows_kernel" in names)
+def _ran(path: str, names: str, R: int, rows: int) -> bool:
+    """`names` show the `path` combine, not the ring's: for "staged" the pull and (where this rank has rows from other
+    ranks) the stage kernel; for "ce" the enter and sum kernels, no pull."""
+    if "combine_intranode_kernel" in names:
+        return False
+    if path == "ce":
+        return "combine_ce_enter_kernel" in names and "combine_ce_sum_kernel" in names and \
+            "combine_pull_kernel" not in names
+    return "combine_pull_kernel" in names and (rows == 0 or R == 1 or "stage_combine_rows_kernel" in names)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_staged_combine_matches_the_ring(world: int) -> None:
-    run_shared_gpu_ranks(_staged_worker, world, timeout_s=600)
+@pytest.mark.parametrize("path", ["staged", "ce"])
+def test_staged_and_ce_combine_match_the_ring(world: int, path: str) -> None:
+    run_shared_gpu_ranks(_staged_worker, world, path, timeout_s=600)

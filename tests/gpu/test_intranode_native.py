@@ -832,11 +832,15 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     odd = world - 1
     view = nat.get_combine_buffer(res.handle, 2048)
     view.copy_(res.recv_x)
-    if mode in ("weights", "mixed_staged"):  # refused on every rank: other weights, or another layout of x
+    if mode in ("weights", "mixed_staged", "mixed_ce"):  # refused on every rank: other weights or layout of x
         weights = mode == "weights"
         x = view if weights or rank != odd else res.recv_x.clone()
         w = res.recv_topk_weights if weights and rank != odd else None
         needles = ("top-k weights per row", "same shape") if weights else ("same kind of x", "get_combine_buffer view")
+        if mode == "mixed_ce":  # tensors of their own everywhere, but one rank sends through the copy engines
+            x = res.recv_x.clone()
+            os.environ["UCCL_MOE_COMBINE_CE"] = "1" if rank == odd else "0"
+            needles = ("same kind of x", "copy engines", "(staged)")
         try:
             nat.combine(x, res.handle, topk_weights=w, config=cfg)
             torch.cuda.synchronize()
@@ -868,7 +872,9 @@ def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
-def test_native_combine_view_and_staged_tensor_refused() -> None:
-    """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged: refused."""
-    run_shared_gpu_ranks(_skip_pull_worker, 2, "mixed_staged",
+@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce"])
+def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
+    """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
+    tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs): refused."""
+    run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

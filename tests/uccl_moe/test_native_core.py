@@ -163,14 +163,14 @@ def test_diag_message_names_rank_peer_channel_phase():
                  "0x2a", "UCCL_MOE_TIMEOUT_S"):
         assert part in msg, (part, msg)
     assert d["phase"] == "dispatch/recv-tokens"
-    # every phase a kernel reports has a name (the ring-free dispatch's three are the newest)
+    # every phase a kernel reports has a name (the copy-engine combine's chunk wait is the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(23)]
-    assert "unknown" not in names and len(set(names)) == 23
+                            waited_s=1.0)["phase"] for p in range(24)]
+    assert "unknown" not in names and len(set(names)) == 24
     assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args",
                           "dispatch/direct-enter", "dispatch/direct-landed", "dispatch/direct-done",
-                          "dispatch/direct-args"]
-    assert _C.format_diag(rank=0, peer=0, channel=0, phase=23, role=1, expected=1, seen=0, command=0,
+                          "dispatch/direct-args", "combine/ce-chunk"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=24, role=1, expected=1, seen=0, command=0,
                           waited_s=1.0)["phase"] == "unknown"
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]
@@ -183,6 +183,14 @@ def test_diag_message_names_rank_peer_channel_phase():
                            waited_s=0.0)["message"]
     assert ("peer 1 passed a tensor of its own (staged) as x, this rank its get_combine_buffer view" in kinds
             and "same kind of x" in kinds), kinds
+    ce = 1 << 17  # kPullArgsCe: the rank combines a tensor of its own through the copy engines
+    paths = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=staged | 8, seen=ce | 8, command=0,
+                           waited_s=0.0)["message"]
+    assert ("peer 0 passed a tensor of its own (copy engines, UCCL_MOE_COMBINE_CE) as x, this rank a tensor of its "
+            "own (staged)" in paths and "UCCL_MOE_COMBINE_CE" in paths), paths
+    ce_topk = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | 8, seen=ce, command=0,
+                             waited_s=0.0)["message"]
+    assert "peer 0 staged 0 top-k weights per row, this rank expected 8" in ce_topk
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._run import _kernel_lines, _plot, _table, _worker, op_summary, op_table, spawn
+from ._plot import plot
+from ._run import _kernel_lines, _table, _worker, op_summary, op_table, spawn
 
 
 def _parse_ints(text: str) -> list[int]:
@@ -66,10 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time combine from the Buffer's own memory (get_combine_buffer; a uccl-moe extension)")
     p.add_argument("--combine-staged", action="store_true",
                    help="also time the same combine through each path, forced on every rank: 'combine ring' "
-                        "(UCCL_MOE_COMBINE_STAGED=0: pushed through the rings) and 'combine staged' (=1: the other "
-                        "ranks' rows copied into the Buffer, then pulled; a Buffer with room for the rows); the "
-                        "plain 'combine' line is the default's path (staged at the EP sizes of "
-                        "uccl_moe/tuning.py's STAGED_COMBINE)")
+                        "(pushed through the rings), 'combine staged' (UCCL_MOE_COMBINE_STAGED=1: the other ranks' "
+                        "rows copied into the Buffer, then pulled) and 'combine copy engines' (UCCL_MOE_COMBINE_CE=1: "
+                        "the copy engines move the rows back while the SMs sum); the last two need a Buffer with "
+                        "room for the rows; the plain 'combine' line is the default's path (uccl_moe/tuning.py's "
+                        "CE_COMBINE, then STAGED_COMBINE)")
     p.add_argument("--dispatch-direct", action="store_true",
                    help="also time the same cached dispatch through the ring-free path (UCCL_MOE_DISPATCH_DIRECT=1 "
                         "on every rank: rows written straight to where they end up, then unpacked; a Buffer with "
@@ -127,7 +129,7 @@ def mode_label(args: argparse.Namespace) -> str:
     if args.combine_view:
         knobs.append("combine from the buffer timed too")
     if args.combine_staged:
-        knobs.append("ring and staged combine timed too")
+        knobs.append("ring, staged and copy-engine combine timed too")
     if args.dispatch_direct:
         knobs.append("ring-free dispatch timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
@@ -204,7 +206,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
     print(_table(rows))
     for r in rows:
         for key, what in (("combine_view_equal", "combine from the buffer"),
-                          ("combine_staged_equal", "staged combine"),
+                          ("combine_staged_equal", "staged combine"), ("combine_ce_equal", "copy-engine combine"),
                           ("dispatch_direct_equal", "ring-free dispatch")):
             if r.get(key) is False:  # a correctness check, not a timing: say it loudly
                 print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from the rings' "
@@ -212,9 +214,10 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
         if r.get("dispatch_direct_fits") is False:
             print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: the rows from other ranks "
                   f"do not fit the Buffer, so 'dispatch direct' timed the rings", file=sys.stderr)
-        if r.get("combine_staged_fits") is False:
-            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer, so "
-                  f"'combine staged' timed the ring combine", file=sys.stderr)
+        for path, what in (("staged", "combine staged"), ("ce", "combine copy engines")):
+            if r.get(f"combine_{path}_fits") is False:
+                print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer (or "
+                      f"the handle has no host counts), so '{what}' timed the ring combine", file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
     out = {"device": dev, "ranks": R, "argv": sys.argv[1:], "mode": args.mode, "mode_label": mode_label(args),
@@ -224,7 +227,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
-    if args.png and rows and _plot(rows, args.png, DEVICE_TIME_NOTE if args.device_time else ""):
+    if args.png and rows and plot(rows, args.png, DEVICE_TIME_NOTE if args.device_time else ""):
         print(f"wrote {args.png}")
     return out
 

@@ -135,8 +135,8 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         ops["dispatch_direct"] = (lambda: _forced("UCCL_MOE_DISPATCH_DIRECT", "1",
                                                   lambda: buf.dispatch(x, handle=h, config=dcfg)), None)
     if args.combine_staged:  # each combine path forced, every rank alike (the plain combine is the default's)
-        ops["combine_ring"] = (lambda: _forced_combine(buf, y, h, ccfg, "0"), None)
-        ops["combine_staged"] = (lambda: _forced_combine(buf, y, h, ccfg, "1"), None)
+        for path in ("ring", "staged", "ce"):
+            ops[f"combine_{path}"] = (lambda p=path: _forced_combine(buf, y, h, ccfg, p), None)  # type: ignore[misc]
     for op, (fn, prep) in ops.items():
         if prep is not None:
             prep()
@@ -154,10 +154,12 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         out["dispatch_direct_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
                                            zip(got if isinstance(got, tuple) else (got,),
                                                want if isinstance(want, tuple) else (want,)))
-    if args.combine_staged:
-        out["combine_staged_fits"] = bool(buf._live().combine_staged_fits(h, H, 0))  # else "staged" timed the ring
-        staged = _forced_combine(buf, y, h, ccfg, "1").combined_x
-        out["combine_staged_equal"] = bool(torch.equal(staged, _forced_combine(buf, y, h, ccfg, "0").combined_x))
+    if args.combine_staged:  # each path's fit (else it timed the next path) and bits against the ring's
+        ring = _forced_combine(buf, y, h, ccfg, "ring").combined_x
+        for path, fits in (("staged", buf._live().combine_staged_fits(h, H, 0)),
+                           ("ce", buf._live().combine_ce_fits(h, H, 0))):
+            out[f"combine_{path}_fits"] = bool(fits)
+            out[f"combine_{path}_equal"] = bool(torch.equal(_forced_combine(buf, y, h, ccfg, path).combined_x, ring))
     if args.kernel_times:
         for op, (fn, prep) in ops.items():
             if prep is not None:
@@ -182,10 +184,11 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     return _summarise(gathered)
 
 
-def _forced_combine(buf: Any, y: Any, h: Any, cfg: Any, staged: str) -> Any:
-    """buf.combine(y) with UCCL_MOE_COMBINE_STAGED=`staged` for this call ("1": the staged path where the rows fit,
-    "0": the rings; every rank alike)."""
-    return _forced("UCCL_MOE_COMBINE_STAGED", staged, lambda: buf.combine(y, h, config=cfg))
+def _forced_combine(buf: Any, y: Any, h: Any, cfg: Any, path: str) -> Any:
+    """buf.combine(y) through `path` ("ring", "staged" or "ce": UCCL_MOE_COMBINE_STAGED and UCCL_MOE_COMBINE_CE for
+    this call, every rank alike; where its rows do not fit, the rings)."""
+    return _forced("UCCL_MOE_COMBINE_CE", str(int(path == "ce")), lambda: _forced(
+        "UCCL_MOE_COMBINE_STAGED", str(int(path == "staged")), lambda: buf.combine(y, h, config=cfg)))
 
 
 def _forced(var: str, value: str, fn: Callable[[], Any]) -> Any:
@@ -204,6 +207,10 @@ def _forced(var: str, value: str, fn: Callable[[], Any]) -> Any:
             os.environ[var] = before
 
 
+#: The ops a run may time, for the per-kernel lines (--kernel-times).
+_OPS = ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged", "combine_ce")
+
+
 def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Slowest rank's time for each op; GB/s from that rank's own byte counts."""
     row: dict[str, Any] = {}
@@ -214,6 +221,7 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             ("combine_view", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_ring", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_staged", "n_sent", "n_sent_remote", "combine_row_bytes"),
+            ("combine_ce", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("nccl_dispatch", "n_recv", "n_remote", "row_bytes"),
             ("nccl_combine", "n_sent", "n_sent_remote", "combine_row_bytes")):
         key = f"{op}_us"
@@ -226,11 +234,11 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{op}_nvlink_GBps"] = round(slowest[remote_key] * slowest[bytes_key] / (t * 1e3), 1)
         if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
             row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
-    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "dispatch_direct_equal",
-                "dispatch_direct_fits"):
+    for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "combine_ce_equal",
+                "combine_ce_fits", "dispatch_direct_equal", "dispatch_direct_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
-    for op in ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged"):
+    for op in _OPS:
         key = f"{op}_kernels"
         if key in per_rank[0]:  # slowest rank per kernel
             names = sorted({n for d in per_rank for n in d[key]})
@@ -382,6 +390,7 @@ def op_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "combine_staged_us" in comb_row:
             entries.append(("combine ring", comb_row, "combine_ring", "nccl_combine"))
             entries.append(("combine staged", comb_row, "combine_staged", "nccl_combine"))
+            entries.append(("combine copy engines", comb_row, "combine_ce", "nccl_combine"))
         for name, r, ours, nccl in entries:
             e: dict[str, Any] = {**setting, "op": name, "mode": r.get("mode", "tuned"),
                                  "ours_us": r.get(f"{ours}_us"), "nccl_us": r.get(f"{nccl}_us"),
@@ -432,9 +441,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("dispatch_direct_us", "dispd_us"), ("dispatch_direct_nvlink_GBps", "dispd_nvl"),
             ("combine_ring_us", "combr_us"), ("combine_ring_nvlink_GBps", "combr_nvl"),
             ("combine_staged_us", "combs_us"), ("combine_staged_nvlink_GBps", "combs_nvl"),
+            ("combine_ce_us", "combc_us"), ("combine_ce_nvlink_GBps", "combc_nvl"),
             ("nccl_combine_us", "ncclc_us"), ("nccl_combine_nvlink_GBps", "ncclc_nvl"),
             ("dispatch_host_us", "disp_host"), ("combine_host_us", "comb_host"), ("combine_view_host_us", "combv_host"),
             ("combine_ring_host_us", "combr_host"), ("combine_staged_host_us", "combs_host"),
+            ("combine_ce_host_us", "combc_host"),
             ("nccl_dispatch_host_us", "nccl_host"), ("nccl_combine_host_us", "ncclc_host")]
     cols = [c for c in cols if any(c[0] in r for r in rows)]
     widths = [max(len(h), *(len(str(r.get(k, ""))) for r in rows)) for k, h in cols]
@@ -448,49 +459,10 @@ def _kernel_lines(rows: list[dict[str, Any]]) -> str:
     """One line per row and op: GPU kernel us per call (slowest rank), e.g. for --kernel-times."""
     lines = []
     for r in rows:
-        for op in ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged"):
+        for op in _OPS:
             ks = r.get(f"{op}_kernels")
             if ks:
                 body = ", ".join(f"{n} {us:.1f}" for n, us in ks.items())
                 lines.append(f"EP{r['ranks']} T={r['tokens']} {r['dtype']} sms={r['num_sms']} chunk={r['nvl_send']} "
                              f"ring={r['nvl_recv']} {op}: {r[f'{op}_us']} us call; kernels us: {body}")
     return "\n".join(lines)
-
-
-def _plot(rows: list[dict[str, Any]], path: str, note: str = "") -> bool:
-    """nvlink_GBps per op against tokens per rank; `note` goes into the title (e.g. that the times are device time)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    keys = sorted({(r["hidden"], r["experts"], r["dtype"], r["num_sms"], r["nvl_send"]) for r in rows})
-    for key in keys:
-        sel = sorted((r for r in rows if (r["hidden"], r["experts"], r["dtype"], r["num_sms"], r["nvl_send"]) == key),
-                     key=lambda r: r["tokens"])
-        lab = f"H={key[0]} E={key[1]} {key[2]} sms={key[3]} chunk={key[4]}"
-        ax.plot([r["tokens"] for r in sel], [r["dispatch_nvlink_GBps"] for r in sel], "o-", label=f"dispatch {lab}")
-        ax.plot([r["tokens"] for r in sel], [r["combine_nvlink_GBps"] for r in sel], "s--", label=f"combine {lab}")
-        for op, mark, what in (("combine_view", "d-.", "combine from the buffer"),
-                               ("combine_ring", "^-.", "combine ring"), ("combine_staged", "v-.", "combine staged")):
-            if f"{op}_nvlink_GBps" in sel[0]:
-                ax.plot([r["tokens"] for r in sel], [r[f"{op}_nvlink_GBps"] for r in sel], mark, label=f"{what} {lab}")
-        if "nccl_dispatch_nvlink_GBps" in sel[0]:
-            ax.plot([r["tokens"] for r in sel], [r["nccl_dispatch_nvlink_GBps"] for r in sel], "x:",
-                    label=f"NCCL a2a {lab}")
-    if rows:
-        ax.axhline(rows[0]["peer_copy_GBps"], color="k", lw=0.8, label="peer copy (one way)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("nvlink_GBps (slowest rank)")
-    ax.set_title(f"uccl-moe intranode HT, EP{rows[0]['ranks'] if rows else '?'}" + (f"\n{note}" if note else ""),
-                 fontsize=9)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-

@@ -49,6 +49,7 @@ UCCL_KERNEL_PATTERNS = (
     "combine_intranode_kernel",
     "combine_pull_kernel",  # combine from the buffer, and the staged combine with its stage kernel
     "stage_combine_rows_kernel",
+    "combine_ce_",  # the copy-engine combine's enter and sum kernels (UCCL_MOE_COMBINE_CE)
     "check_topk_idx_kernel",  # the device-side topk_idx range check of a dispatch
     "notify_dispatch_kernel",
     "prepare_round_kernel",

@@ -39,11 +39,17 @@ enum class DiagPhase : int32_t {
   kDispatchDirectDone = 21,    ///< ring-free dispatch: waiting for a peer to stop reading its buffer
   kDispatchDirectArgs = 22,    ///< not a wait: a peer's ring-free dispatch laid out another landing area (or a row
                                ///< fell outside ours)
+  kCombineCeChunk = 23,        ///< copy-engine combine: waiting for a chunk of a peer's rows to land in our buffer
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its
 /// get_combine_buffer view; the low bits are the top-k weights it staged per row.
 constexpr int32_t kPullArgsStaged = 1 << 16;
+/// Bit of a kCombinePullArgs value: the rank combines a tensor of its own through the copy engines
+/// (UCCL_MOE_COMBINE_CE); the low bits are the top-k weights per row it sends.
+constexpr int32_t kPullArgsCe = 1 << 17;
+/// The top-k part of a kCombinePullArgs value.
+constexpr int32_t kPullArgsTopkMask = kPullArgsStaged - 1;
 
 const char* diag_phase_name(DiagPhase phase);
 

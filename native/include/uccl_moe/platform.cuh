@@ -54,6 +54,7 @@ inline Error stream_create_nonblocking(Stream* s) { return hipStreamCreateWithFl
 inline Error stream_destroy(Stream s) { return hipStreamDestroy(s); }
 inline Error event_create(Event* e) { return hipEventCreateWithFlags(e, hipEventDisableTiming); }
 inline Error event_record(Event e, Stream s) { return hipEventRecord(e, s); }
+inline Error stream_wait_event(Stream s, Event e) { return hipStreamWaitEvent(s, e, 0); }
 /// Success once the event completed; kNotReady while it is pending; anything else is an error.
 inline Error event_query(Event e) { return hipEventQuery(e); }
 constexpr Error kNotReady = hipErrorNotReady;
@@ -113,6 +114,7 @@ inline Error stream_create_nonblocking(Stream* s) { return cudaStreamCreateWithF
 inline Error stream_destroy(Stream s) { return cudaStreamDestroy(s); }
 inline Error event_create(Event* e) { return cudaEventCreateWithFlags(e, cudaEventDisableTiming); }
 inline Error event_record(Event e, Stream s) { return cudaEventRecord(e, s); }
+inline Error stream_wait_event(Stream s, Event e) { return cudaStreamWaitEvent(s, e, 0); }
 /// Success once the event completed; kNotReady while it is pending; anything else is an error.
 inline Error event_query(Event e) { return cudaEventQuery(e); }
 constexpr Error kNotReady = cudaErrorNotReady;

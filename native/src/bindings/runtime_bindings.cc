@@ -1,5 +1,7 @@
 // Bindings of the NVL runtime and the intranode kernels. Tensors cross as raw device pointers (Python ints,
 // 0 = absent) plus a stream handle (int); uccl_moe/backends/native.py owns the tensors and validates shapes.
+#include <algorithm>
+
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -119,7 +121,23 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, out),
             UCCL_MOE_ARG(CombinePullArgs, out_topk_weights),
             UCCL_MOE_ARG(CombinePullArgs, staged),
-            UCCL_MOE_ARG(CombinePullArgs, own_x));
+            UCCL_MOE_ARG(CombinePullArgs, own_x),
+            UCCL_MOE_ARG(CombinePullArgs, ce_chunks));
+
+  m.def("intranode_ce_landing_bytes", [](const std::vector<int32_t>& rank_prefix, int hidden, int num_topk) {
+    int N = 0;
+    while (N * N < static_cast<int>(rank_prefix.size())) ++N;
+    UCCL_ASSERT(N >= 1 && N <= kMaxLocalRanks && N * N == static_cast<int>(rank_prefix.size()),
+                "rank_prefix has %zu entries: not an [N, N] matrix with N in [1, %d]", rank_prefix.size(),
+                kMaxLocalRanks);
+    int64_t most = 0;
+    for (int d = 0; d < N; ++d)
+      most = std::max(most, intranode::combine_input_bytes(intranode::ce_landing_rows(rank_prefix.data(), N, d),
+                                                           hidden, num_topk));
+    return most;
+  }, "rank_prefix"_a, "hidden"_a, "num_topk"_a,
+  "Bytes from the buffer's start the largest landing area of a copy-engine combine needs (rows of hidden BF16 "
+  "values, num_topk weights each), the same on every rank: rank_prefix is the handle's [N, N] matrix, row-major");
 
   m.def("intranode_combine_input_layout", [](int64_t rows, int hidden, int num_topk) {
     return nb::make_tuple(static_cast<int64_t>(intranode::kOffCombineInput),
@@ -189,17 +207,17 @@ void register_runtime(nb::module_& m) {
                    "UCCL_MOE_TIMEOUT_S as resolved when this runtime was created (its kernels' and host's bound)")
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts) {
         int num_recv = -1, most_recv = -1, most_remote = -1;
-        std::vector<int> per_expert;
+        std::vector<int> per_expert, rank_prefix;
         bool ok;
         {
           nb::gil_scoped_release release;
-          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &most_remote, &per_expert);
+          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &most_remote, &per_expert, &rank_prefix);
         }
-        return nb::make_tuple(ok, num_recv, most_recv, most_remote, per_expert);
+        return nb::make_tuple(ok, num_recv, most_recv, most_remote, per_expert, rank_prefix);
       }, "num_local_experts"_a,
       "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, most_remote, "
-      "per_expert_counts), most_recv being the most rows any local rank receives, most_remote the most any "
-      "receives from other ranks");
+      "per_expert_counts, rank_prefix), most_recv being the most rows any local rank receives, most_remote the most "
+      "any receives from other ranks, rank_prefix the handle's [N, N] matrix, row-major (the same on every rank)");
 
   m.def("intranode_lanes_per_channel", &intranode::lanes_per_channel, "num_ranks"_a);
   m.def("intranode_geometry", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv) {
@@ -300,6 +318,17 @@ void register_runtime(nb::module_& m) {
     rt.check_num_sms(num_sms);
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
+
+  m.def("combine_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::CombinePullArgs& a,
+                                   const std::vector<int32_t>& rank_prefix, uintptr_t stream) {
+    const int N = rt.num_ranks();
+    UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
+                rank_prefix.size(), N, N);
+    rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
+    intranode::launch_combine_ce(rt.context(), num_sms, a, rt.ce_copies(rank_prefix.data()), stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "stream"_a,
+  "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
+  "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

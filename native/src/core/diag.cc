@@ -29,6 +29,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kDispatchDirectLanded: return "dispatch/direct-landed";
     case DiagPhase::kDispatchDirectDone: return "dispatch/direct-done";
     case DiagPhase::kDispatchDirectArgs: return "dispatch/direct-args";
+    case DiagPhase::kCombineCeChunk: return "combine/ce-chunk";
   }
   return "unknown";
 }
@@ -59,18 +60,23 @@ std::string format_diag(const DiagRecord& r) {
         "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
         r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
   if (r.phase == DiagPhase::kCombinePullArgs) {
-    const bool staged_seen = (r.seen & kPullArgsStaged) != 0, staged_expected = (r.expected & kPullArgsStaged) != 0;
-    const auto kind = [](bool staged) { return staged ? "a tensor of its own (staged)" : "its get_combine_buffer view"; };
-    if (staged_seen != staged_expected)
+    const int32_t path_bits = kPullArgsStaged | kPullArgsCe;
+    const auto kind = [](int64_t v) {
+      return (v & kPullArgsCe) != 0       ? "a tensor of its own (copy engines, UCCL_MOE_COMBINE_CE)"
+             : (v & kPullArgsStaged) != 0 ? "a tensor of its own (staged)"
+                                          : "its get_combine_buffer view";
+    };
+    if ((r.seen & path_bits) != (r.expected & path_bits))
       return detail::format(
           "rank %d: combine: peer %d passed %s as x, this rank %s; every rank must pass the same kind of x to the "
-          "same combine (all get_combine_buffer views, or all tensors of their own)",
-          r.rank, r.peer, kind(staged_seen), kind(staged_expected));
+          "same combine (all get_combine_buffer views, or all tensors of their own) with the same "
+          "UCCL_MOE_COMBINE_CE and UCCL_MOE_COMBINE_STAGED",
+          r.rank, r.peer, kind(r.seen), kind(r.expected));
     return detail::format(
         "rank %d: combine (pull): peer %d staged %lld top-k weights per row, this rank expected %lld; every "
         "rank must pass topk_weights of the same shape (or none) to the same combine",
-        r.rank, r.peer, static_cast<long long>(r.seen & (kPullArgsStaged - 1)),
-        static_cast<long long>(r.expected & (kPullArgsStaged - 1)));
+        r.rank, r.peer, static_cast<long long>(r.seen & kPullArgsTopkMask),
+        static_cast<long long>(r.expected & kPullArgsTopkMask));
   }
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(

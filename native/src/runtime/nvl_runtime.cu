@@ -21,9 +21,10 @@ constexpr size_t kHostOffDiag = 0;
 constexpr size_t kHostOffAbort = 128;
 constexpr size_t kHostOffTopkFault = 192;  // TopkFault, 32 bytes
 constexpr size_t kHostOffRecvCounter = 256;
-constexpr size_t kHostOffExpertCounters = 512;
-static_assert(kHostOffRecvCounter + 3 * sizeof(int32_t) <= kHostOffExpertCounters,
-              "recv_counter[0..2] overlap the expert counters");
+constexpr size_t kHostOffExpertCounters = 1024;
+static_assert(kHostOffRecvCounter + sizeof(int32_t) * (intranode::kRecvCounterRankPrefix + kMaxLocalRanks * kMaxLocalRanks) <=
+                  kHostOffExpertCounters,
+              "recv_counter[] (counts, then the rank prefix matrix) overlaps the expert counters");
 constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
 static_assert(kHostOffDiag + sizeof(DiagRecord) <= kHostOffAbort && kHostOffTopkFault + sizeof(TopkFault) <= kHostOffRecvCounter,
               "host-mapped records overlap");
@@ -102,6 +103,13 @@ void NvlRuntime::destroy() {
   };
   warn(gpu::set_device(device_), "set_device");
   warn(gpu::device_synchronize(), "device_synchronize");  // our kernels finish before peers unmap us
+  for (int r = 0; r < kMaxLocalRanks; ++r) {
+    if (ce_streams_[r] != nullptr) warn(gpu::stream_destroy(static_cast<gpu::Stream>(ce_streams_[r])), "stream_destroy");
+    if (ce_copied_[r] != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(ce_copied_[r])), "event_destroy");
+    ce_streams_[r] = ce_copied_[r] = nullptr;
+  }
+  if (ce_entered_ != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(ce_entered_)), "event_destroy");
+  ce_entered_ = nullptr;
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_ && peers_[r] != nullptr) warn(gpu::ipc_close_mem_handle(peers_[r]), "ipc_close_mem_handle");
   if (local_ != nullptr) warn(gpu::device_free(local_), "device_free");
@@ -110,6 +118,35 @@ void NvlRuntime::destroy() {
   host_ = host_dev_ = nullptr;
   for (auto& p : peers_) p = nullptr;
   connected_ = false;
+}
+
+intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host) {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
+  if (ce_entered_ == nullptr) {  // first use: on our device, leaving the caller's current device as it was
+    int was = -1;
+    UCCL_CHECK_GPU(gpu::get_device(&was));
+    UCCL_CHECK_GPU(gpu::set_device(device_));
+    gpu::Event e = nullptr;
+    for (int r = 0; r < num_ranks_; ++r) {
+      if (r == rank_) continue;
+      gpu::Stream st = nullptr;
+      UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&st));
+      ce_streams_[r] = st;
+      UCCL_CHECK_GPU(gpu::event_create(&e));
+      ce_copied_[r] = e;
+    }
+    UCCL_CHECK_GPU(gpu::event_create(&e));
+    ce_entered_ = e;
+    UCCL_CHECK_GPU(gpu::set_device(was));
+  }
+  intranode::CeCopies c{};
+  c.rank_prefix_host = rank_prefix_host;
+  for (int r = 0; r < kMaxLocalRanks; ++r) {
+    c.streams[r] = ce_streams_[r];
+    c.copied[r] = ce_copied_[r];
+  }
+  c.entered = ce_entered_;
+  return c;
 }
 
 intranode::NvlContext NvlRuntime::context() const {
@@ -162,7 +199,7 @@ TopkFault NvlRuntime::take_topk_fault() {
 }
 
 bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, int* most_remote,
-                                  std::vector<int>* per_expert) {
+                                  std::vector<int>* per_expert, std::vector<int>* rank_prefix) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
   volatile int32_t* counter = reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter);
@@ -200,6 +237,8 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
   per_expert->resize(num_local_experts);
   const volatile int32_t* ec = reinterpret_cast<volatile int32_t*>(host_ + kHostOffExpertCounters);
   for (int e = 0; e < num_local_experts; ++e) (*per_expert)[e] = ec[e];
+  rank_prefix->resize(static_cast<size_t>(num_ranks_) * num_ranks_);
+  for (int i = 0; i < num_ranks_ * num_ranks_; ++i) (*rank_prefix)[i] = counter[intranode::kRecvCounterRankPrefix + i];
   return true;
 }
 

@@ -42,11 +42,12 @@ class NvlRuntime {
   /// Host side of the receive counters: set to -1 before a notify that publishes them.
   void reset_recv_counter();
   /// Waits until notify published the counts: the rows this rank receives, the most rows any local rank receives
-  /// and the most any receives from other ranks (both the same on every rank), and the per-local-expert counts.
+  /// and the most any receives from other ranks (both the same on every rank), the per-local-expert counts and the
+  /// [N, N] rank prefix matrix (the handle's, the same on every rank: a copy-engine combine sizes its copies by it).
   /// Bounded by timeout().host_behind_device_s(). Returns false on timeout/abort; the diagnostic record then says
   /// why (a host-side record is written if the GPU wrote none).
   bool wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, int* most_remote,
-                        std::vector<int>* per_expert);
+                        std::vector<int>* per_expert, std::vector<int>* rank_prefix);
   /// UCCL_MOE_TIMEOUT_S, resolved when this runtime was created: every wait of its kernels and of its host.
   const Timeout& timeout() const { return timeout_; }
   /// True once any wait of this buffer gave up; the buffer is then unusable (recreate it).
@@ -76,6 +77,9 @@ class NvlRuntime {
   /// is computed (check_num_sms, then intranode::placed_geometry for this buffer). Throws
   /// InvalidUsage naming the Config field to change.
   intranode::Geometry geometry(int num_sms, int nvl_send_tokens, int nvl_recv_tokens) const;
+  /// The streams and events of a copy-engine combine (created on first use on this runtime's device, kept until
+  /// destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host);
 
  private:
   int rank_, num_ranks_, device_;
@@ -83,12 +87,15 @@ class NvlRuntime {
   Timeout timeout_;
   int64_t num_nvl_bytes_;
   void* local_ = nullptr;
-  void* peers_[8] = {};
+  void* peers_[kMaxLocalRanks] = {};
   bool connected_ = false;
   bool destroyed_ = false;
   int ring_channels_ = -1;
   int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
   int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
+  void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine combine: a stream per peer, and its events (ce_copies)
+  void* ce_entered_ = nullptr;
+  void* ce_copied_[kMaxLocalRanks] = {};
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;
 };

@@ -2,7 +2,8 @@
 // our_rows_at, staged_to_received, DirectLanding), against rows laid out one by one: for every pair of ranks, the
 // row where the pull looks for our copy at rank d (or where our direct dispatch lands it) is the row that d's stage
 // kernel filled with it (that d's unpack takes it from), for random counts with zeros (ranks that receive nothing,
-// empty own blocks), N = 1..8. Also the dispatch's kept-row split (kept_split).
+// empty own blocks), N = 1..8. Also the copy-engine combine's landing areas and chunks (ce_block_at, ce_chunk_end)
+// and the dispatch's kept-row split (kept_split).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -96,6 +97,59 @@ TEST(DirectLanding, FieldsFollowTheRowsOnAlignedLinesWithoutOverlap) {
       }
     }
   }
+}
+
+TEST(CeLanding, EverySendersBlockLandsWhereTheReceiverSumsIt) {
+  // Rank d's landing area, laid out row by row: for each peer p != d in rank order, the rows d sent to p. Sender p
+  // copies its block of x from source d (rows [prefix[d - 1][p], prefix[d][p])) to ce_block_at(d, p); the receiver
+  // d reads its copy at p as ce_block_at(d, p) + its position among the rows it sent p. Every row lands once, inside
+  // the area, and the area is exactly ce_landing_rows long.
+  std::mt19937 gen(20261126);
+  for (int n = 1; n <= 8; ++n) {
+    for (int trial = 0; trial < 300; ++trial) {
+      const Counts c = random_counts(n, &gen);
+      for (int d = 0; d < n; ++d) {
+        std::vector<int> owner;  // [landing row]: the peer whose copy lands there
+        for (int p = 0; p < n; ++p)
+          if (p != d)
+            for (int i = 0; i < c.count[d * n + p]; ++i) owner.push_back(p);
+        ASSERT_EQ(ce_landing_rows(c.prefix.data(), n, d), static_cast<int64_t>(owner.size()));
+        for (int p = 0; p < n; ++p) {
+          const int64_t rows = rows_sent(c.prefix.data(), n, d, p);
+          ASSERT_EQ(rows, c.count[d * n + p]);
+          if (p == d) continue;
+          // what p's x holds of d's rows: its receive block from source d
+          const int64_t first = d > 0 ? c.prefix[(d - 1) * n + p] : 0;
+          ASSERT_EQ(c.prefix[d * n + p] - first, rows);
+          const int64_t at = ce_block_at(c.prefix.data(), n, d, p);
+          for (int64_t q = 0; q < rows; ++q) ASSERT_EQ(owner[at + q], p) << n << " " << d << " " << p << " " << q;
+        }
+      }
+    }
+  }
+}
+
+TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
+  for (int chunks = 1; chunks <= kMaxCeChunks; ++chunks) {
+    for (int64_t rows : {0, 1, 2, 3, 7, 100, 2047, 4096, 4093}) {
+      int64_t prev = 0, prev_len = rows + 1;
+      for (int k = 0; k < chunks; ++k) {
+        const int64_t end = ce_chunk_end(rows, k, chunks);
+        ASSERT_LE(prev, end) << chunks << " " << rows << " " << k;  // in order, maybe empty
+        if (k < chunks - 1 && rows >= (int64_t{1} << chunks))
+          ASSERT_LE(end - prev, prev_len) << chunks << " " << rows << " " << k;  // no chunk outgrows the one before
+        for (int64_t q = prev; q < end; ++q) ASSERT_EQ(ce_chunk_of(q, rows, chunks), k) << rows << " " << q;
+        prev_len = end - prev;
+        prev = end;
+      }
+      ASSERT_EQ(prev, rows);  // the last chunk ends the block
+    }
+  }
+  EXPECT_EQ(ce_chunk_end(4096, 0, 4), 2048);  // halves, then quarters, then eighths, then the rest
+  EXPECT_EQ(ce_chunk_end(4096, 1, 4), 3072);
+  EXPECT_EQ(ce_chunk_end(4096, 2, 4), 3584);
+  EXPECT_EQ(ce_chunk_end(4096, 3, 4), 4096);
+  EXPECT_EQ(ce_chunk_of(4095, 4096, 4), 3);
 }
 
 TEST(KeptSplit, SplitsEveryLaneWithinItsRangeByRowSize) {

@@ -46,7 +46,8 @@ def test_args_struct_fields_match_the_stub(name: str) -> None:
 
 # The integer (non-pointer) fields of the structs in intranode.hpp and internode.hpp.
 _SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_topk", "num_scales",
-            "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes", "staged"}
+            "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes", "staged",
+            "ce_chunks"}
 
 
 def test_geometry_properties_match_the_stub() -> None:
@@ -147,8 +148,9 @@ class _FakeRuntime:
     def reset_recv_counter(self) -> None:
         pass
 
-    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, int, list[int]]:
-        return True, self.rows, self.rows + 1, self.rows - 1, [1] * num_local_experts
+    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, int, list[int], list[int]]:
+        rank_prefix = list(range(1, self.ranks * self.ranks + 1))
+        return True, self.rows, self.rows + 1, self.rows - 1, [1] * num_local_experts, rank_prefix
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -349,6 +351,109 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "yes")
     with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_STAGED"):
         backend.combine(y, h, w, (None, None), cfg)
+
+
+@pytestmark_kernels
+def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engine_launch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCCL_MOE_COMBINE_CE=1: a caller's tensor is combined by combine_ce_intranode with the rank prefix notify
+    published to the host (a non-cached dispatch stores it on the handle), own_x = x and UCCL_MOE_COMBINE_CE_CHUNKS
+    chunks, before any staged or ring path. A handle without host counts (num_worst_tokens, or a cloned rank_prefix)
+    or a landing area that does not fit every buffer falls back to the staged path or the rings, alike on every
+    rank; auto takes the copy engines at the EP sizes of tuning.CE_COMBINE only (the GPU suite checks the bits)."""
+    from uccl_moe import tuning
+    from uccl_moe.backends import native
+
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(native._C, "combine_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
+    monkeypatch.setattr(native._C, "combine_pull_intranode",
+                        lambda rt, num_sms, num_rows, args, stream: calls.append(("pull", args)))
+    monkeypatch.setattr(native._C, "stage_combine_rows_intranode", lambda *a: calls.append(("stage", a)))
+    monkeypatch.setattr(native._C, "combine_ce_intranode",
+                        lambda rt, num_sms, args, rank_prefix, stream: calls.append(("ce", (num_sms, args,
+                                                                                           rank_prefix))))
+    R, T, H, K, rows = 2, 5, 64, 2, 7
+    backend = _fake_backend(R, rows)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
+    # rank 0 receives 3 rows from itself and 2 from rank 1; rank 1 receives 4 from rank 0 and 3 from itself
+    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
+                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_src_idx=torch.zeros(rows, dtype=torch.int32),
+                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    cfg = Config(24, 8, 256, 6, 128)
+    y, w = torch.ones((rows, H), dtype=torch.bfloat16), torch.ones((rows, K))
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "1")
+    monkeypatch.setenv("UCCL_MOE_COMBINE_STAGED", "1")
+    backend.combine(y, h, w, (None, None), cfg)
+    assert [op for op, _ in calls] == ["stage", "pull"]  # no host counts on this handle: staged
+    assert not backend.combine_ce_fits(h, H, K)
+
+    setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 4, 5, 7])
+    # the largest landing area: rank 0 sent 4 rows to rank 1 (rank 1 sent 2 to rank 0)
+    assert _C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K) == _C.intranode_combine_input_layout(4, H, K)[1]
+    calls.clear()
+    out, out_w = backend.combine(y, h, w, (None, None), cfg)
+    [(op, (num_sms, ce, rank_prefix))] = calls
+    assert (op, num_sms, rank_prefix) == ("ce", 24, [3, 4, 5, 7])
+    assert (ce.staged, ce.own_x, ce.ce_chunks, ce.topk_weights, ce.out, ce.out_topk_weights) == (
+        1, _ptr(y), 4, _ptr(w), _ptr(out), _ptr(out_w))
+    assert (ce.num_tokens, ce.hidden, ce.num_topk, ce.num_lanes) == (T, H, K, L)
+    assert (ce.rank_prefix, ce.lane_prefix, ce.send_head) == (
+        _ptr(h.rank_prefix_matrix), _ptr(h.channel_prefix_matrix), _ptr(h.send_head))
+    assert backend.combine_ce_fits(h, H, K)
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE_CHUNKS", "2")
+    calls.clear()
+    backend.combine(y, h, w, (None, None), cfg)
+    assert calls[0][1][1].ce_chunks == 2
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE_CHUNKS", "9")  # more than the meta region's ce_ready words
+    with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_CE_CHUNKS"):
+        backend.combine(y, h, w, (None, None), cfg)
+    monkeypatch.delenv("UCCL_MOE_COMBINE_CE_CHUNKS")
+
+    # a landing area over the buffer: every rank computes the same largest area, so every rank falls back alike
+    backend.ctx = SimpleNamespace(num_nvl_bytes=int(_C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K)) - 1)
+    assert not backend.combine_ce_fits(h, H, K)
+    calls.clear()
+    backend.combine(y, h, w, (None, None), cfg)
+    assert calls[0][0] != "ce"
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    for knob, table, want in (("auto", {}, "stage"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "stage"),
+                              (None, {2: "measured"}, "ce")):  # the default: auto
+        monkeypatch.setattr(tuning, "CE_COMBINE", table)
+        if knob is None:
+            monkeypatch.delenv("UCCL_MOE_COMBINE_CE", raising=False)
+        else:
+            monkeypatch.setenv("UCCL_MOE_COMBINE_CE", knob)
+        calls.clear()
+        backend.combine(y, h, w, (None, None), cfg)
+        assert calls[0][0] == want, (knob, table)
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "yes")
+    with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_CE"):
+        backend.combine(y, h, w, (None, None), cfg)
+    with pytest.raises(_C_error(), match="not an \\[N, N\\] matrix"):
+        _C.intranode_ce_landing_bytes([1, 2, 3], H, K)
+
+
+@pytestmark_kernels
+def test_dispatch_keeps_the_host_rank_prefix_on_the_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-cached dispatch without num_worst_tokens stores notify's host copy of the rank prefix on the handle's
+    rank_prefix tensor (what a copy-engine combine sizes its copies by); a num_worst_tokens one has none."""
+    import dataclasses
+
+    from uccl_moe.backends import native
+
+    for op in ("notify_dispatch", "dispatch_intranode"):
+        monkeypatch.setattr(native._C, op, lambda rt, geo, args, stream: None)
+    R, T, H, K, E, rows = 2, 5, 64, 2, 4, 7
+    backend = _fake_backend(R, rows)
+    req = _request(torch.zeros((T, H), dtype=torch.bfloat16), R, K, E, Config(24, 8, 256, 6, 128))
+    h = backend.dispatch(req)[5]
+    assert getattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR) == [1, 2, 3, 4]  # the fake's matrix
+    h = backend.dispatch(dataclasses.replace(req, num_worst_tokens=9))[5]
+    assert not hasattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR)
 
 
 @pytest.mark.gpu

@@ -36,10 +36,34 @@ namespace uccl_moe::intranode {
 
 namespace {
 
+/// A copy-engine combine's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
+/// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk.
+struct LandedChunks {
+  int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
+  int ready = -1;     // chunks [0, ready] of d's block landed
+  int32_t round = 0;  // this combine's round (what d's copy engine writes into ce_ready[d][k])
+  /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
+  /// our own copy) expired or the launch was aborted.
+  UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
+    bool ok = true;
+    if (q >= 0) {
+      const int k = ce_chunk_of(q, rows, chunks);
+      if (k > ready) {
+        const int32_t* word = meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffCeReady) + d * kMaxCeChunks + k;
+        ok = wait_reached(diag_of(ctx), word, round, DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, k);
+        if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
+      }
+    }
+    // the lanes that waited acquired d's rows for the whole warp: __syncwarp orders the warp's memory accesses
+    return gpu::ballot(!ok) == 0;
+  }
+};
+
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
-/// copy (or -1 when the token did not go to d).
-template <int kNumRanks, int kColUnroll>
-UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a) {
+/// copy (or -1 when the token did not go to d). `kLanded`: a copy-engine combine, where the peers' copies of our
+/// tokens landed in our own buffer (ce_block_at) chunk by chunk (waited for per token), with their weights.
+template <int kNumRanks, int kColUnroll, bool kLanded = false>
+UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a, int32_t round = 0) {
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id(), L = a.num_lanes, T = a.num_tokens;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int num_16 = static_cast<int>(row_bytes / 16);
@@ -48,20 +72,29 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   // own rows in the caller's tensor (own_x): the same row numbers there.
   // A flag, not own_x != nullptr: a rank that received no rows passes an empty x (a null pointer) but must find its
   // tokens' rows in the peers' compacted buffers as every other rank does.
-  const bool compact = a.staged != 0;
+  const bool compact = kLanded || a.staged != 0;
+  const int holder = kLanded ? me : lane;  // whose buffer holds rank d's copies (landed: ours)
   const char* rows_d = nullptr;
   if (lane < N)
     rows_d = lane == me && compact ? static_cast<const char*>(a.own_x)
-                                   : static_cast<const char*>(ctx.buffers[lane]) + kOffCombineInput;
+                                   : static_cast<const char*>(ctx.buffers[holder]) + kOffCombineInput;
   // With weights (out_topk_weights given on every rank alike) every rank staged its own, even a rank whose
   // topk_weights pointer is null because it received no rows.
   const float* weights_d = nullptr;
   if (lane < N && a.out_topk_weights != nullptr)
     weights_d = reinterpret_cast<const float*>(
-        static_cast<const char*>(ctx.buffers[lane]) +
-        combine_input_weights_offset(buffer_rows(a.rank_prefix, N, lane, compact), row_bytes));
+        static_cast<const char*>(ctx.buffers[holder]) +
+        combine_input_weights_offset(kLanded ? ce_landing_rows(a.rank_prefix, N, me)
+                                             : buffer_rows(a.rank_prefix, N, lane, compact), row_bytes));
   // Our own copies (lane == me): at their row numbers in x (own_x) or the view, and their weights in topk_weights.
-  const int64_t from_me_d = lane < N ? our_rows_at(a.rank_prefix, N, me, lane, compact) : 0;
+  const int64_t from_me_d = lane >= N ? 0
+                            : kLanded && lane != me ? ce_block_at(a.rank_prefix, N, me, lane)
+                                                    : our_rows_at(a.rank_prefix, N, me, lane, compact);
+  LandedChunks landed;
+  if (kLanded && lane < N && lane != me) {
+    landed.rows = rows_sent(a.rank_prefix, N, me, lane);
+    landed.round = round;
+  }
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   const int stride = static_cast<int>(gridDim.x) * kWarpsPerBlock;
@@ -73,6 +106,11 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     const int l = t / per_lane;
     int64_t row = -1;
     if (lane < N && p >= 0) row = from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p;
+    if (kLanded) {
+      UCCL_MOE_TRACE(const long long t_land = trace::now());
+      if (!landed.wait(ctx, a.ce_chunks, lane != me && row >= 0 ? row - from_me_d : -1, lane)) return;
+      UCCL_MOE_TRACE(trace::add(trace::kWait, t_land));
+    }
     const char* src = row >= 0 ? rows_d + row * row_bytes : nullptr;
     const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
     // our own rows are not written during the launch: they may take non-coherent loads
@@ -135,6 +173,43 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, a.staged != 0 ? "pull_staged" : "pull_view", me,
                                a.hidden * 2));
+}
+
+/// A copy-engine combine's enter hand-shake (one block): our earlier ops are done with our buffer (stream order), so
+/// the peers' copy engines may write into its landing area; release that, with the checked value, and wait until
+/// every peer released the same round. Also writes the round into ce_round, which our copy engine copies into the
+/// peers' ce_ready words after each chunk. On a wait that expires the round is not advanced and the abort flag is
+/// up: the sum kernel then returns at once.
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_enter_kernel(NvlContext ctx, int32_t checked) {
+  __shared__ PullSmem sm;
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
+  if (threadIdx.x == 0) *meta_ptr(local, kOffCeRound) = round;
+  __syncthreads();
+  release_to_peers(ctx, kOffPullStart, round, checked);
+  const bool entered = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked);
+  if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+}
+
+/// A copy-engine combine's sum: every token's copies, the peers' read from our landing area once their chunk landed.
+/// Then the pull's end hand-shake: a rank leaves once every peer stopped reading its own landing area, since the
+/// next op may write into the peers' buffers at once (ring slots overlap the landing areas).
+template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a) {
+  UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
+                 trace::begin());
+  __shared__ PullSmem sm;
+  void* local = ctx.buffers[ctx.rank];
+  // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no sum.
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true>(ctx, a, round);
+  UCCL_MOE_TRACE(const long long t_end = trace::now());
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    release_to_peers(ctx, kOffPullDone, round);
+    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
+  }
+  UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
+                 trace::finish(trace::kRecv, t0, t0_ns, "ce_sum", ctx.rank, a.hidden * 2));
 }
 
 constexpr int kStageThreads = 512;
@@ -206,6 +281,64 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
     combine_pull_kernel<decltype(n)::value><<<grid, block, 0, st>>>(ctx, a);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
+}
+
+void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce,
+                       void* stream) {
+  const int N = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
+  UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
+              a.hidden);
+  UCCL_ASSERT(K >= 0 && K <= kMaxTopk && K <= gpu::kWarpSize, "num_topk=%d outside [0, %d]", K, kMaxTopk);
+  UCCL_ASSERT(num_sms > 0 && a.num_lanes > 0, "a copy-engine combine needs num_sms > 0 and a handle with lanes");
+  UCCL_ASSERT(a.ce_chunks >= 1 && a.ce_chunks <= kMaxCeChunks, "copy-engine combine chunks=%d outside [1, %d]",
+              a.ce_chunks, kMaxCeChunks);
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
+  const int32_t* rp = ce.rank_prefix_host;
+  // Every landing area fits (the host checked the same on every rank: ce_landing_bytes).
+  for (int d = 0; d < N; ++d) {
+    const int64_t need = combine_input_bytes(ce_landing_rows(rp, N, d), a.hidden, K);
+    UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
+                "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
+  }
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  const int32_t checked = K | kPullArgsCe;
+  combine_ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
+  const char* x = static_cast<const char*>(a.own_x);
+  const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
+  for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
+    const int d = (me + i) % N;
+    const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
+    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+    const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
+    const int64_t rows = rows_sent(rp, N, d, me);
+    const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
+    char* peer = static_cast<char*>(ctx.buffers[d]);
+    if (K > 0 && rows > 0)  // the weights first: chunk 0's flag covers them
+      UCCL_CHECK_GPU(gpu::memcpy_async(
+          peer + combine_input_weights_offset(ce_landing_rows(rp, N, d), row_bytes) + at * K * 4,
+          a.topk_weights + first * K, static_cast<size_t>(rows * K * 4), s));
+    int64_t r0 = 0;
+    for (int k = 0; k < a.ce_chunks; ++k) {
+      const int64_t r1 = ce_chunk_end(rows, k, a.ce_chunks);
+      if (r1 > r0)
+        UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCombineInput + (at + r0) * row_bytes, x + (first + r0) * row_bytes,
+                                         static_cast<size_t>((r1 - r0) * row_bytes), s));
+      // every chunk's flag, empty or not: the peer waits only for the chunks its tokens' rows are in
+      UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCeReady + sizeof(int32_t) * (me * kMaxCeChunks + k), round_word,
+                                       sizeof(int32_t), s));
+      r0 = r1;
+    }
+    UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+  }
+  with_num_ranks(N, "combine", [&](auto n) {
+    combine_ce_sum_kernel<decltype(n)::value><<<dim3(num_sms), dim3(kThreadsPerBlock), 0, st>>>(ctx, a);
+  });
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  // x is read by the copy engines until their streams finish: the caller's stream waits for them
+  for (int d = 0; d < N; ++d)
+    if (d != me) UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce.copied[d])));
 }
 
 }  // namespace uccl_moe::intranode

@@ -18,9 +18,13 @@
 #include <vector>
 
 #include "uccl_moe/compiler.hpp"
+#include "uccl_moe/config.hpp"
 #include "uccl_moe/diag.hpp"
 
 namespace uccl_moe::intranode {
+
+/// First word of the rank prefix matrix in NvlContext::recv_counter.
+constexpr int kRecvCounterRankPrefix = 4;
 
 /// What every intranode kernel knows about the buffers (trivially copyable; passed by value).
 struct NvlContext {
@@ -29,8 +33,9 @@ struct NvlContext {
   int32_t num_ranks;         ///< local ranks (== ranks of the group: intranode only)
   int64_t num_nvl_bytes;
   int32_t* recv_counter;     ///< host-mapped (device view): [0] rows this rank receives (-1 = not yet), [1] the
-                             ///< most rows any local rank receives, [2] the most any receives from other ranks
-                             ///< ([1] and [2] written before [0] is released)
+                             ///< most rows any local rank receives, [2] the most any receives from other ranks,
+                             ///< [kRecvCounterRankPrefix + i * N + j] the rank prefix matrix (all written before
+                             ///< [0] is released)
   int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
   int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
@@ -212,7 +217,10 @@ struct CombinePullArgs {
                                  ///< that received no rows)
   int32_t staged = 0;            ///< 1: a staged combine (launch_stage_combine_rows put only the other ranks' rows
                                  ///< into each buffer, compacted: without each rank's own block); alike on every rank
-  const void* own_x = nullptr;   ///< staged: [rows, hidden] bf16, our own copies (null on a rank with no rows)
+  const void* own_x = nullptr;   ///< staged or copy-engine: [rows, hidden] bf16, the caller's x (our own copies; a
+                                 ///< copy-engine combine's copy engines read the peers' blocks from it too; null on a
+                                 ///< rank with no rows)
+  int32_t ce_chunks = 0;         ///< copy-engine combine (launch_combine_ce): chunks per peer block (else unused)
 };
 /// `num_sms` blocks; `num_rows` = rows this rank's buffer holds (the caller's input rows, or for a staged combine
 /// at least the rows staged), checked against the buffer.
@@ -227,6 +235,23 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
 /// HBM-bound). Ordered before the pull by the stream; the pull's start hand-shake publishes the rows to the peers.
 void launch_stage_combine_rows(const NvlContext& ctx, const void* x, int hidden, int64_t max_rows,
                                const int32_t* rank_prefix, int grid_blocks, void* stream);
+
+/// What a copy-engine combine needs from the host: the rank prefix matrix (notify's, published to the host), one
+/// stream per peer for its copies, and events (GPU handles as void*, owned by the runtime).
+struct CeCopies {
+  const int32_t* rank_prefix_host;   ///< [N, N], the handle's (the same on every rank)
+  void* streams[kMaxLocalRanks];     ///< [d]: our copy engine's stream for the rows that go back to rank d
+  void* entered;                     ///< recorded after the enter hand-shake; every copy stream waits for it
+  void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
+};
+/// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
+/// peer d the rows of x that came from d (one block of x) and their top-k weights go back into d's landing area
+/// (ce_block_at) on d's copy stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's
+/// ce_ready word; meanwhile `num_sms` blocks sum each token's copies (ours from x = own_x, the peers' from our
+/// landing area once their chunk's word says so), in the same rank order, so the same bits, as every other combine.
+/// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
+/// done hand-shake (a later op's ring slots overlap the landing areas).
+void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce, void* stream);
 
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);

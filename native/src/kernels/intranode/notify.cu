@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       }
       ctx.recv_counter[1] = largest;
       ctx.recv_counter[2] = largest_remote;
+      for (int i = 0; i < N * N; ++i) ctx.recv_counter[kRecvCounterRankPrefix + i] = a.rank_prefix[i];
       gpu::store_release_sys(ctx.recv_counter, a.rank_prefix[(N - 1) * N + me]);  // pairs with wait_recv_counts
     }
   }

@@ -69,6 +69,12 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //                                     are done with its buffer, so peers may write into it; written by src)
 // A ring-free dispatch (dispatch.cu) shares the round counter and the other words: pull_start says "my rows are in
 // your buffer", pull_done "I stopped reading my buffer".
+// The copy-engine combine (combine_pull.cu, launch_combine_ce) shares the round counter and pull_start / pull_topk
+// (there pull_start says "my earlier ops are done with my buffer: your copy engine may write into it"), and adds:
+//   ce_ready[src][k] kMaxLocalRanks x kMaxCeChunks  round number src's copy engine wrote once chunk k of its rows for
+//                                     us landed (written by src's copy engine, after the chunk on the same stream)
+//   ce_round         1                the round of this rank's copy-engine combine: the word its copy engine copies
+//                                     into the peers' ce_ready (local)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
@@ -76,7 +82,10 @@ constexpr size_t kOffPullRound = kOffPullTopk + sizeof(int32_t) * kMaxLocalRanks
 constexpr size_t kOffPullArrive = kOffPullRound + sizeof(int32_t);
 constexpr size_t kOffPullLeave = kOffPullArrive + sizeof(int32_t);
 constexpr size_t kOffDirectEnter = kOffPullLeave + sizeof(int32_t);
-constexpr size_t kPullMetaEnd = kOffDirectEnter + sizeof(int32_t) * kMaxLocalRanks;
+constexpr int kMaxCeChunks = 8;  // chunks of a peer's rows in a copy-engine combine (UCCL_MOE_COMBINE_CE_CHUNKS)
+constexpr size_t kOffCeReady = align_up(kOffDirectEnter + sizeof(int32_t) * kMaxLocalRanks, 128);
+constexpr size_t kOffCeRound = kOffCeReady + sizeof(int32_t) * kMaxLocalRanks * kMaxCeChunks;
+constexpr size_t kPullMetaEnd = kOffCeRound + sizeof(int32_t);
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
@@ -127,6 +136,39 @@ UCCL_HOST_DEVICE_FN int64_t our_rows_at(const int32_t* rank_prefix, int N, int m
 /// the received rows: own.begin rows come first, then the rows after our own.count rows.
 UCCL_HOST_DEVICE_FN int64_t staged_to_received(int64_t i, int64_t before, int64_t skip) {
   return i < before ? i : i + skip;
+}
+
+// A copy-engine combine (combine_pull.cu, launch_combine_ce) lands in each rank's buffer the copies its tokens got
+// back: rank d's landing area holds, for each peer p != d in rank order, the rows d sent to p, in p's receive order
+// (p's copy engine moves them in one piece of p's combine input, chunk by chunk). Host and device compute the same
+// offsets from rank_prefix.
+
+/// Rows rank d sent to rank p (p's receive block from source d).
+UCCL_HOST_DEVICE_FN int64_t rows_sent(const int32_t* rank_prefix, int N, int d, int p) {
+  return rank_prefix[d * N + p] - (d > 0 ? rank_prefix[(d - 1) * N + p] : 0);
+}
+/// First row of peer p's block in rank d's landing area.
+UCCL_HOST_DEVICE_FN int64_t ce_block_at(const int32_t* rank_prefix, int N, int d, int p) {
+  int64_t at = 0;
+  for (int q = 0; q < p; ++q)
+    if (q != d) at += rows_sent(rank_prefix, N, d, q);
+  return at;
+}
+/// Rows of rank d's landing area: every row d sent to another rank.
+UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, int d) {
+  return ce_block_at(rank_prefix, N, d, N);
+}
+/// End of chunk k (of `chunks`) of a block of `rows` rows: halves, then quarters, ... of what is left, the last
+/// chunk taking the rest. The copy engines pay a few microseconds per copy, and the sum of the last chunk cannot
+/// overlap any copy, so the chunks shrink toward the end (docs/intranode.md).
+UCCL_HOST_DEVICE_FN int64_t ce_chunk_end(int64_t rows, int k, int chunks) {
+  return k >= chunks - 1 ? rows : rows - (rows >> (k + 1));
+}
+/// The chunk that row q of a block of `rows` rows travels in.
+UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks) {
+  int k = 0;
+  while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks)) ++k;
+  return k;
 }
 
 /// Where a ring-free dispatch (dispatch.cu) lands the rows a rank receives from other ranks in its buffer, compacted

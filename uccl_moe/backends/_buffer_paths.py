@@ -1,0 +1,207 @@
+"""The native backend's paths through the NVL buffer outside the rings: the combine from the buffer (a
+get_combine_buffer view), the staged combine and the copy-engine combine of a caller's tensor, and the fit checks of
+those and of the ring-free dispatch. A mixin of :class:`uccl_moe.backends.native.NativeBackend` (which owns
+``_rt``, ``ctx``, ``R`` and the stream); every decision here is the same on every rank of the node, since it rests
+on counts notify published alike to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .. import _C, env, tuning
+from ..errors import InvalidTypeError, InvalidUsageError
+from ..results import DispatchHandle, handle_field
+from ..utils import tensor_at
+from ._operands import combine_operands
+
+#: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
+_MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
+_MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank received from other ranks
+#: The handle's [R, R] rank prefix matrix as notify published it to the host (a row-major list): what a copy-engine
+#: combine sizes its copies by, without a device sync. Absent on a num_worst_tokens handle (no host counts).
+_RANK_PREFIX_HOST_ATTR = "_uccl_moe_rank_prefix_host"
+
+
+def _alike_rows(handle: Any, count_attr: str) -> int:
+    """A row count every rank of `handle` agrees on: notify's count `count_attr` on its rank_prefix, or for a
+    num_worst_tokens handle (no count) its own padded rows, alike where every rank passed the same num_worst_tokens."""
+    rows = getattr(handle_field(handle, "rank_prefix_matrix"), count_attr, None)
+    return int(handle_field(handle, "recv_src_idx").shape[0]) if rows is None else int(rows)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+class BufferPaths:
+    """Mixin: the combine from the buffer, the staged and the copy-engine combine, the ring-free dispatch's fit."""
+
+    _rt: Any
+    _inter: Any
+    ctx: Any
+    R: int
+    supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]]
+
+    if TYPE_CHECKING:  # NativeBackend's
+        def _check_alive(self) -> None: ...
+
+        def _stream(self) -> int: ...
+
+    def _combine_tensor(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
+                        config: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A caller's (contiguous) tensor `x` combined through the copy engines or staged, where the knobs
+        (UCCL_MOE_COMBINE_CE, then UCCL_MOE_COMBINE_STAGED), the EP size and the fit say so; None: the rings. The
+        same choice on every rank (the knobs must be alike; the fits rest on notify's counts)."""
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        H = int(x.shape[1])
+        if tuning.combine_ce(self.R, env.get("COMBINE_CE")):
+            rank_prefix = self._ce_rank_prefix(handle, H, K)
+            if rank_prefix is not None:
+                return self._pull(x, handle, topk_weights, bias, config, ce_rank_prefix=rank_prefix)
+        if tuning.combine_staged(self.R, env.get("COMBINE_STAGED")):
+            staged_rows = self._staged_rows(handle, H, K)
+            if staged_rows is not None:
+                # The other ranks' rows into the buffer with the whole GPU, then the pull, which reads our own
+                # rows from x.
+                _C.stage_combine_rows_intranode(self._rt, _ptr(x), H, staged_rows, _ptr(handle.rank_prefix_matrix),
+                                                self._stream())
+                return self._pull(x, handle, topk_weights, bias, config, staged_rows=staged_rows)
+        return None
+
+    def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
+        """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify
+        published the handle's rank prefix to the host (not a num_worst_tokens handle) and every rank's landing area
+        fits its buffer. UCCL_MOE_COMBINE_CE and the EP size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._ce_rank_prefix(handle, hidden, num_topk) is not None
+
+    def _ce_rank_prefix(self, handle: Any, hidden: int, num_topk: int) -> list[int] | None:
+        """The handle's rank prefix matrix as notify published it to the host, where a copy-engine combine of rows of
+        `hidden` BF16 values (`num_topk` weights each) fits every rank's buffer; else None (alike on every rank)."""
+        rank_prefix = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_PREFIX_HOST_ATTR, None)
+        if rank_prefix is None or (hidden * 2) % 16 != 0:
+            return None
+        fits = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk)) <= self.ctx.num_nvl_bytes
+        return list(rank_prefix) if fits else None
+
+    def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The [T_recv, hidden] view of this rank's NVL buffer that a combine from the buffer reads, or None where
+        that path does not exist (across nodes: the caller gets a tensor of its own)."""
+        self._check_alive()
+        if self._inter is not None:
+            return None
+        if dtype not in self.supported_combine_dtypes:
+            raise InvalidTypeError(f"the native backend combines bfloat16 rows, got get_combine_buffer(dtype={dtype})")
+        if (hidden * 2) % 16 != 0:
+            raise InvalidUsageError(f"get_combine_buffer: hidden={hidden}: hidden * 2 bytes must be a multiple of 16")
+        rows = int(handle_field(handle, "recv_src_idx").shape[0])  # tests pass DeepEP-order tuples
+        offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
+        self._refuse_over_buffer(int(end), f"get_combine_buffer: {rows} rows of hidden {hidden}")
+        # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
+        # takes the same path as its peers.
+        return tensor_at(self._rt.local_buffer + int(offset), (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
+
+    def combine_buffer_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
+        """Whether every rank's view of `handle`'s rows (and `num_topk` staged weights per row) fits its buffer: the
+        same answer on every rank, since it rests on the most rows any rank received (published by notify) and every
+        rank's buffer has the same size. A num_worst_tokens handle has no such count: its own rows stand in, which
+        agree across ranks only if every rank passed the same num_worst_tokens (Buffer.combine_buffer_fits says so).
+        False for rows that are not 16-byte multiples (the view refuses them)."""
+        self._check_alive()
+        if self._inter is not None:
+            return True  # no view: get_combine_buffer hands out a tensor of the caller's
+        return self._rows_that_fit(handle, _MOST_ROWS_ATTR, hidden, num_topk) is not None
+
+    def combine_staged_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
+        """Whether a combine of a caller's tensor of `handle`'s rows could take the staged path (its rows fit every
+        rank's buffer); UCCL_MOE_COMBINE_STAGED and the EP size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._staged_rows(handle, hidden, num_topk) is not None
+
+    def _staged_rows(self, handle: Any, hidden: int, num_topk: int) -> int | None:
+        """Rows every buffer must hold for a staged combine of `handle` (most a rank got from others), or None."""
+        return self._rows_that_fit(handle, _MOST_REMOTE_ATTR, hidden, num_topk)
+
+    def _rows_that_fit(self, handle: Any, count_attr: str, hidden: int, num_topk: int) -> int | None:
+        """The rows of hidden BF16 values (and `num_topk` staged weights each) every rank's buffer must hold for a
+        pull along `handle`: notify's count `count_attr` on its rank_prefix (the same on every rank), or for a
+        num_worst_tokens handle its own padded rows; None where they do not fit the buffer or are not 16-byte
+        multiples. The same answer on every rank, as the pull's paths require."""
+        if (hidden * 2) % 16 != 0:
+            return None
+        rows = _alike_rows(handle, count_attr)
+        fits = int(_C.intranode_combine_input_layout(rows, hidden, num_topk)[1]) <= self.ctx.num_nvl_bytes
+        return rows if fits else None
+
+    def dispatch_direct_fits(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> bool:
+        """Whether a dispatch along `handle` of rows of `row_bytes` (`num_topk` ids, `num_scales` scales) could take
+        the ring-free path (its landing area fits every buffer); UCCL_MOE_DISPATCH_DIRECT and the EP size decide."""
+        self._check_alive()
+        return self._inter is None and self._direct_rows(handle, row_bytes, num_topk, num_scales) is not None
+
+    def _direct_rows(self, handle: Any, row_bytes: int, num_topk: int, num_scales: int) -> int | None:
+        """The rows every landing area must hold for a ring-free dispatch along `handle` (notify's most rows a rank
+        receives from others; a num_worst_tokens handle's padded rows), or None where they do not fit: alike on all."""
+        rows = _alike_rows(handle, _MOST_REMOTE_ATTR)
+        need = int(_C.intranode_direct_landing_bytes(rows, row_bytes, num_topk, num_scales))
+        return rows if need <= self.ctx.num_nvl_bytes else None
+
+    def _refuse_over_buffer(self, end: int, what: str) -> None:
+        """InvalidUsageError naming `what` and the num_nvl_bytes to use if `end` bytes exceed the NVL buffer."""
+        if end > self.ctx.num_nvl_bytes:
+            raise InvalidUsageError(
+                f"{what} needs {end} bytes of NVL buffer per rank, but the Buffer has num_nvl_bytes="
+                f"{self.ctx.num_nvl_bytes}; construct the Buffer with num_nvl_bytes >= {end}, or combine from a "
+                f"tensor of your own (the ring path)"
+            )
+
+    def _in_buffer(self, x: torch.Tensor) -> bool:
+        """True if x's storage lies in this rank's NVL buffer (where only a get_combine_buffer view may come from).
+        The storage, not x.data_ptr(): a view with no rows (a rank that receives nothing) has data_ptr() 0."""
+        lo = int(self._rt.local_buffer)
+        hi = lo + int(self.ctx.num_nvl_bytes)
+        storage = x.untyped_storage()
+        start = int(storage.data_ptr())
+        return start != 0 and start < hi and start + max(int(storage.nbytes()), 1) > lo
+
+    def _combine_from_buffer(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None,
+                             bias: Any, config: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank's rows already lie in its buffer: each rank pulls its tokens' copies (combine_pull.cu)."""
+        rows, H = int(x.shape[0]), int(x.shape[1])
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        offset, end = _C.intranode_combine_input_layout(rows, H, K)
+        if not x.is_contiguous() or (rows > 0 and int(x.data_ptr()) != self._rt.local_buffer + offset):
+            raise InvalidUsageError(
+                "combine: x lies inside this Buffer's NVL buffer but is not the tensor get_combine_buffer(handle, "
+                "hidden) returned (a slice or a strided view of it?); pass that tensor itself, or a tensor of your own"
+            )
+        self._refuse_over_buffer(int(end), f"combine from the buffer with topk_weights of {K} per row (rows, then "
+                                           f"the staged weights)")
+        return self._pull(x, handle, topk_weights, bias, config)
+
+    def _pull(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
+              config: Any, staged_rows: int | None = None,
+              ce_rank_prefix: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launches combine_pull over `x`'s rows: the view, or with `staged_rows` (the rows each buffer holds at
+        most) a staged caller's tensor whose other ranks' rows were copied into the buffers, compacted; or with
+        `ce_rank_prefix` (the handle's, on the host) the copy-engine combine of a caller's tensor."""
+        own = staged_rows is not None or ce_rank_prefix is not None
+        rows, H = int(x.shape[0]) if staged_rows is None else staged_rows, int(x.shape[1])
+        K = int(topk_weights.shape[1]) if topk_weights is not None else 0
+        T = int(handle.is_token_in_rank.shape[0])
+        lanes = handle.channel_prefix_matrix
+        tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
+        args = _C.CombinePullArgs(
+            topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
+            lane_prefix=_ptr(lanes), send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K,
+            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w),
+            staged=int(own), own_x=_ptr(x) if own else 0, ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
+        if ce_rank_prefix is not None:
+            _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, self._stream())
+        else:
+            _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
+        return out, out_w
+
