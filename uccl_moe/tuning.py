@@ -93,7 +93,9 @@ STAGED_COMBINE: dict[int, str] = {
 #: (``UCCL_MOE_COMBINE_CE=auto``; before the staged path), each naming where it measured faster than the staged and
 #: the ring combine in the same runs (``python -m uccl_moe.bench --ranks R --combine-ce --device-time``; figures in
 #: docs/benchmarks.md).
-CE_COMBINE: dict[int, str] = {}
+CE_COMBINE: dict[int, str] = {
+    2: "NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench --ranks 2 --dtypes bf16 --combine-staged --device-time",
+}
 
 
 #: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each

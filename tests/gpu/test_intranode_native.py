@@ -451,7 +451,8 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
     setting) and Megatron's 20 with 1-token chunks. Each against the reference (with weights and biases, bitwise
     repeatable, through the worst handle), with a rank that receives nothing and with skewed routing. The knob is
     re-read after each change; a value out of range must make combine itself refuse, naming the knob. The ring
-    combine only: UCCL_MOE_COMBINE_STAGED=0 (at EP2 a caller's tensor is staged by default, with no sender blocks)."""
+    combine only: UCCL_MOE_COMBINE_STAGED=0 and UCCL_MOE_COMBINE_CE=0 (at EP2 a caller's tensor goes through the copy
+    engines by default, with no sender blocks)."""
     from uccl_moe import _C, Buffer, Config
     from uccl_moe.errors import InvalidUsageError
 
@@ -462,7 +463,7 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
     nat = Buffer(dist.group.WORLD, nvl, backend="native", explicitly_destroy=True)
     ref = Buffer(gloo, nvl, backend="reference", explicitly_destroy=True)
     check = Checks(rank, R)
-    os.environ["UCCL_MOE_COMBINE_STAGED"] = "0"
+    os.environ["UCCL_MOE_COMBINE_STAGED"] = os.environ["UCCL_MOE_COMBINE_CE"] = "0"
     try:
         for ci, cfg in enumerate(configs):
             lanes = cfg.num_sms // 2 * W
@@ -483,8 +484,8 @@ def _combine_split_worker(rank: int, world: int, gloo) -> None:
             check.refuses(f"num_sms={cfg.num_sms} senders={hi + 1}: refused", InvalidUsageError,
                           f"COMBINE_SENDER_SMS={hi + 1}", nat.combine, res.recv_x, res.handle, config=cfg)
     finally:
-        os.environ.pop("UCCL_MOE_COMBINE_SENDER_SMS", None)
-        os.environ.pop("UCCL_MOE_COMBINE_STAGED", None)
+        for var in ("UCCL_MOE_COMBINE_SENDER_SMS", "UCCL_MOE_COMBINE_STAGED", "UCCL_MOE_COMBINE_CE"):
+            os.environ.pop(var, None)
         _C.env_reset_cache()
     check.finish(gloo, nat, ref)
 

@@ -113,10 +113,13 @@ def test_per_op_summary_ratio_combine_row_and_fp8_over_bf16() -> None:
     assert [e["op"] for e in ops] == ["dispatch bf16", "combine", "combine from the buffer"]
     assert ops[0]["speedup"] is None and ops[2]["ours_us"] == 200.0 and ops[2]["speedup"] == 1.5
     # --combine-staged: each path forced gets its line (the plain combine is the default's path)
-    ops = op_summary([_row("bf16", 400.0, 300.0, combine_ring_us=420.0, combine_staged_us=250.0)])
-    assert [e["op"] for e in ops] == ["dispatch bf16", "combine", "combine ring", "combine staged"]
+    ops = op_summary([_row("bf16", 400.0, 300.0, combine_ring_us=420.0, combine_staged_us=250.0,
+                           combine_ce_us=240.0)])
+    assert [e["op"] for e in ops] == ["dispatch bf16", "combine", "combine ring", "combine staged",
+                                      "combine copy engines"]
     assert ops[2]["ours_us"] == 420.0 and ops[2]["speedup"] == round(300.0 / 420.0, 2)
     assert ops[3]["ours_us"] == 250.0 and ops[3]["speedup"] == round(300.0 / 250.0, 2)
+    assert ops[4]["ours_us"] == 240.0 and ops[4]["speedup"] == round(300.0 / 240.0, 2)
 
 
 def test_per_op_table_lists_each_op_with_ours_nccl_ratio_host_and_ceilings() -> None:
