@@ -98,6 +98,12 @@ CE_COMBINE: dict[int, str] = {
 }
 
 
+#: EP sizes whose intranode cached dispatch goes through the copy engines by default (``UCCL_MOE_DISPATCH_CE=auto``),
+#: each naming where it measured faster than the rings in the same runs (``python -m uccl_moe.bench --ranks R
+#: --dispatch-ce --device-time``; figures in docs/benchmarks.md).
+CE_DISPATCH: dict[int, str] = {}
+
+
 #: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
 #: naming where it measured faster than the rings (``python -m uccl_moe.bench --ranks R --dispatch-direct
 #: --device-time``). None: at EP2 it took about 30 us longer than the rings for FP8 and BF16 alike (2 x H200,
@@ -115,6 +121,12 @@ def combine_ce(num_ranks: int, knob: str) -> bool:
     """Whether an intranode combine of a caller's tensor over `num_ranks` ranks goes through the copy engines (where
     the handle has host counts and the landing areas fit), given ``UCCL_MOE_COMBINE_CE``'s value `knob`."""
     return _chosen(knob, num_ranks, CE_COMBINE)
+
+
+def dispatch_ce(num_ranks: int, knob: str) -> bool:
+    """Whether an intranode cached dispatch over `num_ranks` ranks goes through the copy engines (where the handle has
+    host counts and the landing areas fit), given ``UCCL_MOE_DISPATCH_CE``'s value `knob`."""
+    return _chosen(knob, num_ranks, CE_DISPATCH)
 
 
 def dispatch_direct(num_ranks: int, knob: str) -> bool:

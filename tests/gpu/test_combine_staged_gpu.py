@@ -150,7 +150,7 @@ def _ran(path: str, names: str, R: int, rows: int) -> bool:
     if "combine_intranode_kernel" in names:
         return False
     if path == "ce":
-        return "combine_ce_enter_kernel" in names and "combine_ce_sum_kernel" in names and \
+        return "ce_enter_kernel" in names and "combine_ce_sum_kernel" in names and \
             "combine_pull_kernel" not in names
     return "combine_pull_kernel" in names and (rows == 0 or R == 1 or "stage_combine_rows_kernel" in names)
 

@@ -158,3 +158,89 @@ def _direct_worker(rank: int, world: int, gloo) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_direct_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_direct_worker, world, timeout_s=600)
+
+
+def _ce(on: bool, fn, *args, **kw):
+    """fn(*args, **kw) with UCCL_MOE_DISPATCH_CE set for this call (every rank calls alike)."""
+    os.environ["UCCL_MOE_DISPATCH_CE"] = "1" if on else "0"
+    try:
+        return fn(*args, **kw)
+    finally:
+        os.environ.pop("UCCL_MOE_DISPATCH_CE", None)
+
+
+def _ce_worker(rank: int, world: int, gloo) -> None:
+    """The copy-engine cached dispatch (UCCL_MOE_DISPATCH_CE=1) against the rings, bit for bit: every case above
+    (token counts differ per rank in the "neg" cases, a rank receives nothing in "empty_last", row-major, column-major
+    and int scales); a num_worst_tokens handle (no host counts) takes the rings; 24 back to back with one rank late;
+    interleaved with ring dispatches and every combine path (the copy-engine combine lands in the same area)."""
+    R = world
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(CASES):
+        T = T + 17 * rank if routing == "neg" else T
+        case = _Case(rank, R, T, H, per_rank * R, K, fp8, scales, routing, 900 + seed)
+        _, ring = _ce(False, _dispatch, nat, case, "cuda", config=cfg)
+        S = 0 if case.s is None else case.s.shape[1]
+        check(f"{name}: the landing areas fit", nat._live().dispatch_ce_fits(ring.handle, H * (1 if fp8 else 2), S))
+        x = case.xin("cuda")
+        want = _ce(False, nat.dispatch, x, handle=ring.handle, config=cfg)
+        got = _ce(True, nat.dispatch, x, handle=ring.handle, config=cfg)
+        check(f"{name}: copy engines == rings", all(_eq(p, q) for p, q in zip(_split(got.recv_x), _split(want.recv_x)))
+              and _eq(_split(got.recv_x)[0], _split(ring.recv_x)[0]))
+        _, wr = _ce(False, _dispatch, nat, case, "cuda", config=cfg, num_worst_tokens=PULL_WORST_T * R)
+        wc = _ce(True, nat.dispatch, x, handle=wr.handle, config=cfg)  # no host counts: the rings
+        n = _split(ring.recv_x)[0].shape[0]
+        check(f"{name}: worst handle", all(_eq(p[:n], q[:n]) for p, q in zip(_split(wc.recv_x), _split(wr.recv_x))
+                                           if p is not None))
+
+    case = _Case(rank, R, 640, 4096, 16 * R, 8, True, "col", "random", 950)
+    _, base = _ce(False, _dispatch, nat, case, "cuda", config=cfg)
+    names = _kernels(functools.partial(_ce, True, nat.dispatch, case.xin("cuda"), handle=base.handle, config=cfg))
+    check(f"the copy-engine kernels ran ({names[:200]})", "dispatch_ce_gather_kernel" in names
+          and "ce_enter_kernel" in names and "dispatch_intranode_kernel" not in names)
+    s_col = case.xin("cuda")[1]  # column-major on the GPU
+    xs = [((case.x.float() * 0.5 ** (i % 3)).to(case.x.dtype).cuda(), s_col * (1 + i)) for i in range(24)]
+    wants = [_ce(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0] for xi in xs]
+    outs = []
+    for xi in xs:
+        if rank == 0:
+            torch.cuda._sleep(200_000)
+        outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
+    check("24 copy-engine dispatches back to back, one rank late",
+          all(_eq(o, w) for o, w in zip(outs, wants)))
+    # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
+    bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
+    _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
+    y = (_split(bb.recv_x)[0].float() * 0.5).bfloat16()
+    ring_comb = nat.combine(y, bb.handle, config=cfg).combined_x
+    xb = bf.xin("cuda")
+    want_b = _ce(False, nat.dispatch, xb, handle=bb.handle, config=cfg).recv_x
+
+    def late_ce():
+        if rank == R - 1:
+            torch.cuda._sleep(200_000)
+        return _ce(True, nat.dispatch, xb, handle=bb.handle, config=cfg).recv_x
+
+    ok = _eq(late_ce(), want_b)
+    for comb in ("ce", "staged", "ring", "view"):
+        if comb == "view":
+            view = nat.get_combine_buffer(bb.handle, 4096)
+            view.copy_(y)
+            got = nat.combine(view, bb.handle, config=cfg).combined_x
+        else:
+            os.environ["UCCL_MOE_COMBINE_CE"] = "1" if comb == "ce" else "0"
+            os.environ["UCCL_MOE_COMBINE_STAGED"] = "1" if comb == "staged" else "0"
+            got = nat.combine(y, bb.handle, config=cfg).combined_x
+            os.environ.pop("UCCL_MOE_COMBINE_CE")
+            os.environ.pop("UCCL_MOE_COMBINE_STAGED")
+        ok &= _eq(got, ring_comb)
+        ok &= _eq(late_ce(), want_b)
+        ok &= _eq(_ce(False, nat.dispatch, xb, handle=bb.handle, config=cfg).recv_x, want_b)
+    check("copy-engine and ring dispatches, every combine path interleaved", ok)
+    torch.cuda.synchronize()
+    check.finish(gloo, nat, ref)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ce_dispatch_matches_the_rings(world: int) -> None:
+    run_shared_gpu_ranks(_ce_worker, world, timeout_s=600)

@@ -163,14 +163,14 @@ def test_diag_message_names_rank_peer_channel_phase():
                  "0x2a", "UCCL_MOE_TIMEOUT_S"):
         assert part in msg, (part, msg)
     assert d["phase"] == "dispatch/recv-tokens"
-    # every phase a kernel reports has a name (the copy-engine combine's chunk wait is the newest)
+    # every phase a kernel reports has a name (the copy-engine ops' chunk waits are the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(24)]
-    assert "unknown" not in names and len(set(names)) == 24
+                            waited_s=1.0)["phase"] for p in range(25)]
+    assert "unknown" not in names and len(set(names)) == 25
     assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args",
                           "dispatch/direct-enter", "dispatch/direct-landed", "dispatch/direct-done",
-                          "dispatch/direct-args", "combine/ce-chunk"]
-    assert _C.format_diag(rank=0, peer=0, channel=0, phase=24, role=1, expected=1, seen=0, command=0,
+                          "dispatch/direct-args", "combine/ce-chunk", "dispatch/ce-chunk"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=25, role=1, expected=1, seen=0, command=0,
                           waited_s=1.0)["phase"] == "unknown"
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]
@@ -194,6 +194,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct
+    assert "UCCL_MOE_DISPATCH_CE" in direct and "column-major" in direct
 
 
 def test_error_tree():

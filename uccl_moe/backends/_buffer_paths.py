@@ -15,7 +15,7 @@ from .. import _C, env, tuning
 from ..errors import InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import tensor_at
-from ._operands import combine_operands
+from ._operands import combine_operands, scale_layout
 
 #: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
 _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
@@ -23,6 +23,7 @@ _MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank recei
 #: The handle's [R, R] rank prefix matrix as notify published it to the host (a row-major list): what a copy-engine
 #: combine sizes its copies by, without a device sync. Absent on a num_worst_tokens handle (no host counts).
 _RANK_PREFIX_HOST_ATTR = "_uccl_moe_rank_prefix_host"
+_RANK_TOKENS_HOST_ATTR = "_uccl_moe_rank_tokens_host"  # every rank's token count, as notify published it
 
 
 def _alike_rows(handle: Any, count_attr: str) -> int:
@@ -70,6 +71,51 @@ class BufferPaths:
                                                 self._stream())
                 return self._pull(x, handle, topk_weights, bias, config, staged_rows=staged_rows)
         return None
+
+    def _dispatch_ce(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle,
+                     num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A cached dispatch of (contiguous) `x` through the copy engines where UCCL_MOE_DISPATCH_CE, the EP size and
+        the fit say so (alike on every rank: the fit rests on notify's counts); None: the rings."""
+        if not tuning.dispatch_ce(self.R, env.get("DISPATCH_CE")):
+            return None
+        if x_scales is not None and x_scales.dim() == 2 and x_scales.stride() not in (
+                (1, x_scales.shape[0]), (x_scales.shape[1], 1)):
+            x_scales = x_scales.contiguous()  # the engines move the scales as one dense block
+        num_scales, s_tok, s_hid = scale_layout(x_scales)
+        row_bytes = int(x.shape[1]) * x.element_size()
+        counts = self._ce_dispatch_counts(handle, row_bytes, num_scales)
+        if counts is None:
+            return None
+        rank_prefix, tokens = counts
+        rows = int(handle.recv_src_idx.shape[0])
+        recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+        recv_scales = None if x_scales is None else torch.empty(
+            (rows,) if x_scales.dim() == 1 else (rows, num_scales), dtype=x_scales.dtype, device=x.device)
+        args = _C.DispatchArgs(
+            x=_ptr(x), x_scales=_ptr(x_scales), rank_prefix=_ptr(handle.rank_prefix_matrix), num_tokens=x.shape[0],
+            row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
+            num_recv_rows=rows, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
+            recv_src_idx=_ptr(handle.recv_src_idx))
+        _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, int(env.get("DISPATCH_CE_CHUNKS")),
+                                 self._stream())
+        return recv_x, recv_scales
+
+    def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
+        """Whether a cached dispatch along `handle` of rows of `row_bytes` (`num_scales` 4-byte scales each) could go
+        through the copy engines: notify published the handle's counts to the host and every rank's whole x fits
+        every other rank's landing area. UCCL_MOE_DISPATCH_CE and the EP size decide whether it does."""
+        self._check_alive()
+        return self._inter is None and self._ce_dispatch_counts(handle, row_bytes, num_scales) is not None
+
+    def _ce_dispatch_counts(self, handle: Any, row_bytes: int, num_scales: int) -> tuple[list[int], list[int]] | None:
+        """(rank prefix, every rank's tokens) as notify published them to the host, where a copy-engine dispatch of
+        such rows fits every rank's buffer; else None (alike on every rank)."""
+        rank_prefix = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_PREFIX_HOST_ATTR, None)
+        tokens = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_TOKENS_HOST_ATTR, None)
+        if rank_prefix is None or tokens is None:
+            return None
+        need = int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales))
+        return (list(rank_prefix), list(tokens)) if need <= self.ctx.num_nvl_bytes else None
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify

@@ -40,7 +40,14 @@ from .. import _C, _checks, env, tuning
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import current_raw_stream
-from ._buffer_paths import _MOST_REMOTE_ATTR, _MOST_ROWS_ATTR, _RANK_PREFIX_HOST_ATTR, BufferPaths, _ptr
+from ._buffer_paths import (
+    _MOST_REMOTE_ATTR,
+    _MOST_ROWS_ATTR,
+    _RANK_PREFIX_HOST_ATTR,
+    _RANK_TOKENS_HOST_ATTR,
+    BufferPaths,
+    _ptr,
+)
 from ._operands import combine_operands, scale_layout
 from .base import Backend, BufferContext, DispatchRequest
 
@@ -303,13 +310,14 @@ class NativeBackend(BufferPaths, Backend):
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
-            ok, rows, most, most_remote, counts, rank_prefix_host = self._rt.wait_recv_counts(E // R)
+            ok, rows, most, most_remote, counts, rank_prefix_host, tokens_host = self._rt.wait_recv_counts(E // R)
             if not ok:
                 self._raise_timeout()
             counts = list(counts)
             setattr(rank_prefix, _MOST_ROWS_ATTR, int(most))  # cached dispatches and combines reuse the handle
             setattr(rank_prefix, _MOST_REMOTE_ATTR, int(most_remote))
             setattr(rank_prefix, _RANK_PREFIX_HOST_ATTR, list(rank_prefix_host))
+            setattr(rank_prefix, _RANK_TOKENS_HOST_ATTR, list(tokens_host))
         handle = DispatchHandle(rank_prefix_matrix=rank_prefix, channel_prefix_matrix=lane_prefix,
                                 recv_channel_prefix_matrix=recv_lane_start,
                                 recv_src_idx=torch.empty((rows,), dtype=torch.int32, device=dev),
@@ -323,6 +331,9 @@ class NativeBackend(BufferPaths, Backend):
         if self._inter is not None:
             return self._inter.cached_dispatch(x, x_scales, handle, config)
         x = x.contiguous()
+        done = self._dispatch_ce(x, x_scales, handle, self._sms_of(handle))  # the copy engines, else None
+        if done is not None:
+            return done
         geo = self.geometry(self._sms_of(handle), config)
         rows = int(handle.recv_src_idx.shape[0])
         recv_x, recv_scales, _, _ = self._launch_dispatch(geo, x, x_scales, None, None, handle, self.R, rows,

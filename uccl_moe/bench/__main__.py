@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time the same cached dispatch through the ring-free path (UCCL_MOE_DISPATCH_DIRECT=1 "
                         "on every rank: rows written straight to where they end up, then unpacked; a Buffer with "
                         "room for the rows from other ranks), as 'dispatch direct'")
+    p.add_argument("--dispatch-ce", action="store_true",
+                   help="also time the same cached dispatch through each path, forced on every rank: 'dispatch ring' "
+                        "(UCCL_MOE_DISPATCH_CE=0) and 'dispatch copy engines' (=1: each rank's copy engines move its "
+                        "whole x to every peer, the SMs gather; a Buffer with room for the other ranks' x)")
     p.add_argument("--tuned", action="store_true",
                    help=f"the tuned path instead of the API defaults: explicit Config(sms, {TUNED_NVL_SEND}, "
                         f"{TUNED_NVL_RECV}) (unless --nvl-send/--nvl-recv say otherwise), row-major scales, "
@@ -114,7 +118,7 @@ def resolve_mode(args: argparse.Namespace) -> None:
     explicit = args.nvl_send is not None or args.nvl_recv is not None  # a missing one: the API's preset value
     args.scales = args.scales or "col"
     args.mode = "tuned" if (explicit or args.scales != "col" or args.combine_view or args.combine_staged
-                            or args.dispatch_direct) else "api"
+                            or args.dispatch_direct or args.dispatch_ce) else "api"
 
 
 def mode_label(args: argparse.Namespace) -> str:
@@ -132,6 +136,8 @@ def mode_label(args: argparse.Namespace) -> str:
         knobs.append("ring, staged and copy-engine combine timed too")
     if args.dispatch_direct:
         knobs.append("ring-free dispatch timed too")
+    if args.dispatch_ce:
+        knobs.append("ring and copy-engine dispatch timed too")
     return "TUNED (not the API defaults): " + ", ".join(knobs) + _device_time_note(args)
 
 
@@ -207,10 +213,14 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
     for r in rows:
         for key, what in (("combine_view_equal", "combine from the buffer"),
                           ("combine_staged_equal", "staged combine"), ("combine_ce_equal", "copy-engine combine"),
-                          ("dispatch_direct_equal", "ring-free dispatch")):
+                          ("dispatch_direct_equal", "ring-free dispatch"),
+                          ("dispatch_ce_equal", "copy-engine dispatch")):
             if r.get(key) is False:  # a correctness check, not a timing: say it loudly
                 print(f"ERROR: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: {what} differs from the rings' "
                       f"{'dispatch' if 'dispatch' in key else 'combine'}", file=sys.stderr)
+        if r.get("dispatch_ce_fits") is False:
+            print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: x does not fit the other "
+                  f"ranks' Buffers, so 'dispatch copy engines' timed the rings", file=sys.stderr)
         if r.get("dispatch_direct_fits") is False:
             print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: the rows from other ranks "
                   f"do not fit the Buffer, so 'dispatch direct' timed the rings", file=sys.stderr)

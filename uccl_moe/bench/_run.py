@@ -134,6 +134,10 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
     if args.dispatch_direct:  # the ring-free dispatch forced (the plain dispatch is the default's path)
         ops["dispatch_direct"] = (lambda: _forced("UCCL_MOE_DISPATCH_DIRECT", "1",
                                                   lambda: buf.dispatch(x, handle=h, config=dcfg)), None)
+    if args.dispatch_ce:  # the rings and the copy engines forced, every rank alike (the plain dispatch: the default)
+        for path, on in (("ring", "0"), ("ce", "1")):
+            ops[f"dispatch_{path}"] = (lambda v=on: _forced("UCCL_MOE_DISPATCH_CE", v, lambda: buf.dispatch(  # type: ignore[misc]
+                x, handle=h, config=dcfg)), None)
     if args.combine_staged:  # each combine path forced, every rank alike (the plain combine is the default's)
         for path in ("ring", "staged", "ce"):
             ops[f"combine_{path}"] = (lambda p=path: _forced_combine(buf, y, h, ccfg, p), None)  # type: ignore[misc]
@@ -154,6 +158,14 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         out["dispatch_direct_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
                                            zip(got if isinstance(got, tuple) else (got,),
                                                want if isinstance(want, tuple) else (want,)))
+    if args.dispatch_ce:  # fits (else it timed the rings), and the same bytes as the rings'
+        fp8 = dtype == "fp8"
+        out["dispatch_ce_fits"] = bool(buf._live().dispatch_ce_fits(h, H if fp8 else 2 * H, H // 128 if fp8 else 0))
+        got, want = (_forced("UCCL_MOE_DISPATCH_CE", v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x
+                     for v in ("1", "0"))
+        out["dispatch_ce_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
+                                       zip(got if isinstance(got, tuple) else (got,),
+                                           want if isinstance(want, tuple) else (want,)))
     if args.combine_staged:  # each path's fit (else it timed the next path) and bits against the ring's
         ring = _forced_combine(buf, y, h, ccfg, "ring").combined_x
         for path, fits in (("staged", buf._live().combine_staged_fits(h, H, 0)),
@@ -208,7 +220,8 @@ def _forced(var: str, value: str, fn: Callable[[], Any]) -> Any:
 
 
 #: The ops a run may time, for the per-kernel lines (--kernel-times).
-_OPS = ("dispatch", "dispatch_direct", "combine", "combine_view", "combine_ring", "combine_staged", "combine_ce")
+_OPS = ("dispatch", "dispatch_direct", "dispatch_ring", "dispatch_ce", "combine", "combine_view", "combine_ring",
+        "combine_staged", "combine_ce")
 
 
 def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,6 +230,8 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for op, recv_key, remote_key, bytes_key in (
             ("dispatch", "n_recv", "n_remote", "row_bytes"),
             ("dispatch_direct", "n_recv", "n_remote", "row_bytes"),
+            ("dispatch_ring", "n_recv", "n_remote", "row_bytes"),
+            ("dispatch_ce", "n_recv", "n_remote", "row_bytes"),
             ("combine", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_view", "n_sent", "n_sent_remote", "combine_row_bytes"),
             ("combine_ring", "n_sent", "n_sent_remote", "combine_row_bytes"),
@@ -235,7 +250,8 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         if f"{op}_host_us" in per_rank[0]:  # the slowest rank's host time per call, on its own
             row[f"{op}_host_us"] = round(max(d[f"{op}_host_us"] for d in per_rank), 1)
     for key in ("combine_view_equal", "combine_staged_equal", "combine_staged_fits", "combine_ce_equal",
-                "combine_ce_fits", "dispatch_direct_equal", "dispatch_direct_fits"):
+                "combine_ce_fits", "dispatch_direct_equal", "dispatch_direct_fits", "dispatch_ce_equal",
+                "dispatch_ce_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
     for op in _OPS:
@@ -382,8 +398,9 @@ def op_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         setting = dict(zip(_SETTING, key))
         comb_row = next((r for r in members if r["dtype"] == "bf16"), members[0])
         entries = [(f"dispatch {r['dtype']}", r, "dispatch", "nccl_dispatch") for r in members]
-        entries += [(f"dispatch direct {r['dtype']}", r, "dispatch_direct", "nccl_dispatch") for r in members
-                    if "dispatch_direct_us" in r]
+        for op, what in (("dispatch_direct", "dispatch direct"), ("dispatch_ring", "dispatch ring"),
+                         ("dispatch_ce", "dispatch copy engines")):
+            entries += [(f"{what} {r['dtype']}", r, op, "nccl_dispatch") for r in members if f"{op}_us" in r]
         entries.append(("combine", comb_row, "combine", "nccl_combine"))
         if "combine_view_us" in comb_row:
             entries.append(("combine from the buffer", comb_row, "combine_view", "nccl_combine"))
@@ -439,6 +456,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
             ("combine_us", "comb_us"), ("combine_nvlink_GBps", "comb_nvl"), ("combine_logical_GBps", "comb_log"),
             ("combine_view_us", "combv_us"), ("combine_view_nvlink_GBps", "combv_nvl"),
             ("dispatch_direct_us", "dispd_us"), ("dispatch_direct_nvlink_GBps", "dispd_nvl"),
+            ("dispatch_ring_us", "dispr_us"), ("dispatch_ce_us", "dispc_us"), ("dispatch_ce_host_us", "dispc_host"),
             ("combine_ring_us", "combr_us"), ("combine_ring_nvlink_GBps", "combr_nvl"),
             ("combine_staged_us", "combs_us"), ("combine_staged_nvlink_GBps", "combs_nvl"),
             ("combine_ce_us", "combc_us"), ("combine_ce_nvlink_GBps", "combc_nvl"),

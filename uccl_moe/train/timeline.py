@@ -49,7 +49,9 @@ UCCL_KERNEL_PATTERNS = (
     "combine_intranode_kernel",
     "combine_pull_kernel",  # combine from the buffer, and the staged combine with its stage kernel
     "stage_combine_rows_kernel",
-    "combine_ce_",  # the copy-engine combine's enter and sum kernels (UCCL_MOE_COMBINE_CE)
+    "combine_ce_",  # the copy-engine combine's sum (UCCL_MOE_COMBINE_CE), the copy-engine ops' enter hand-shake
+    "ce_enter_kernel",
+    "dispatch_ce_",  # the copy-engine dispatch's gather (UCCL_MOE_DISPATCH_CE)
     "check_topk_idx_kernel",  # the device-side topk_idx range check of a dispatch
     "notify_dispatch_kernel",
     "prepare_round_kernel",

@@ -40,6 +40,7 @@ enum class DiagPhase : int32_t {
   kDispatchDirectArgs = 22,    ///< not a wait: a peer's ring-free dispatch laid out another landing area (or a row
                                ///< fell outside ours)
   kCombineCeChunk = 23,        ///< copy-engine combine: waiting for a chunk of a peer's rows to land in our buffer
+  kDispatchCeChunk = 24,       ///< copy-engine dispatch: waiting for a chunk of a peer's tokens to land in our buffer
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its

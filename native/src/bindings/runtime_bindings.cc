@@ -124,6 +124,19 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, own_x),
             UCCL_MOE_ARG(CombinePullArgs, ce_chunks));
 
+  m.def("intranode_ce_dispatch_landing_bytes", [](const std::vector<int32_t>& rank_tokens, int row_bytes,
+                                                  int num_scales) {
+    const int N = static_cast<int>(rank_tokens.size());
+    UCCL_ASSERT(N >= 1 && N <= kMaxLocalRanks, "rank_tokens has %d entries, expected 1..%d", N, kMaxLocalRanks);
+    int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks], most = 0;
+    for (int d = 0; d < N; ++d)
+      most = std::max(most, intranode::ce_dispatch_landing(rank_tokens.data(), N, d, row_bytes, num_scales, rows_at,
+                                                           scales_at));
+    return most;
+  }, "rank_tokens"_a, "row_bytes"_a, "num_scales"_a,
+  "Bytes from the buffer's start the largest landing area of a copy-engine dispatch needs (every other rank's "
+  "tokens of row_bytes with num_scales 4-byte scales each), the same on every rank");
+
   m.def("intranode_ce_landing_bytes", [](const std::vector<int32_t>& rank_prefix, int hidden, int num_topk) {
     int N = 0;
     while (N * N < static_cast<int>(rank_prefix.size())) ++N;
@@ -207,17 +220,19 @@ void register_runtime(nb::module_& m) {
                    "UCCL_MOE_TIMEOUT_S as resolved when this runtime was created (its kernels' and host's bound)")
       .def("wait_recv_counts", [](NvlRuntime& r, int num_local_experts) {
         int num_recv = -1, most_recv = -1, most_remote = -1;
-        std::vector<int> per_expert, rank_prefix;
+        std::vector<int> per_expert, rank_prefix, rank_tokens;
         bool ok;
         {
           nb::gil_scoped_release release;
-          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &most_remote, &per_expert, &rank_prefix);
+          ok = r.wait_recv_counts(num_local_experts, &num_recv, &most_recv, &most_remote, &per_expert, &rank_prefix,
+                                  &rank_tokens);
         }
-        return nb::make_tuple(ok, num_recv, most_recv, most_remote, per_expert, rank_prefix);
+        return nb::make_tuple(ok, num_recv, most_recv, most_remote, per_expert, rank_prefix, rank_tokens);
       }, "num_local_experts"_a,
       "Blocks (GIL released) until notify published the receive counts: (ok, num_recv, most_recv, most_remote, "
-      "per_expert_counts, rank_prefix), most_recv being the most rows any local rank receives, most_remote the most "
-      "any receives from other ranks, rank_prefix the handle's [N, N] matrix, row-major (the same on every rank)");
+      "per_expert_counts, rank_prefix, rank_tokens), most_recv being the most rows any local rank receives, "
+      "most_remote the most any receives from other ranks, rank_prefix the handle's [N, N] matrix, row-major, and "
+      "rank_tokens every rank's token count (both the same on every rank)");
 
   m.def("intranode_lanes_per_channel", &intranode::lanes_per_channel, "num_ranks"_a);
   m.def("intranode_geometry", [](int num_sms, int num_ranks, int nvl_send, int nvl_recv) {
@@ -329,6 +344,20 @@ void register_runtime(nb::module_& m) {
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "stream"_a,
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
   "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major");
+
+  m.def("dispatch_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::DispatchArgs& a,
+                                    const std::vector<int32_t>& rank_prefix, const std::vector<int32_t>& rank_tokens,
+                                    int chunks, uintptr_t stream) {
+    const int N = rt.num_ranks();
+    UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N && static_cast<int>(rank_tokens.size()) == N,
+                "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
+                rank_tokens.size(), N, N, N);
+    rt.check_num_sms(num_sms);  // no ring: no ensure_rings
+    intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks,
+                                  rt.ce_copies(rank_prefix.data()), stream_of(stream));
+  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "stream"_a,
+  "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
+  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts)");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

@@ -30,6 +30,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kDispatchDirectDone: return "dispatch/direct-done";
     case DiagPhase::kDispatchDirectArgs: return "dispatch/direct-args";
     case DiagPhase::kCombineCeChunk: return "combine/ce-chunk";
+    case DiagPhase::kDispatchCeChunk: return "dispatch/ce-chunk";
   }
   return "unknown";
 }
@@ -80,10 +81,10 @@ std::string format_diag(const DiagRecord& r) {
   }
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(
-        "rank %d: ring-free dispatch: peer %d lays out its landing area as %lld, this rank as %lld (codes of size, "
-        "top-k and scales; from a sender: the area's rows and the row it needed); every rank must pass the same "
-        "hidden size, dtype, top-k, scales and num_worst_tokens to the same dispatch, or unset "
-        "UCCL_MOE_DISPATCH_DIRECT",
+        "rank %d: ring-free or copy-engine dispatch: peer %d lays out its landing area as %lld, this rank as %lld "
+        "(codes of size, top-k and scales and their layout; from a sender: the area's rows and the row it needed); "
+        "every rank must pass the same hidden size, dtype, top-k, scales (row- or column-major alike) and "
+        "num_worst_tokens to the same dispatch, with the same UCCL_MOE_DISPATCH_DIRECT and UCCL_MOE_DISPATCH_CE",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

@@ -22,9 +22,9 @@ constexpr size_t kHostOffAbort = 128;
 constexpr size_t kHostOffTopkFault = 192;  // TopkFault, 32 bytes
 constexpr size_t kHostOffRecvCounter = 256;
 constexpr size_t kHostOffExpertCounters = 1024;
-static_assert(kHostOffRecvCounter + sizeof(int32_t) * (intranode::kRecvCounterRankPrefix + kMaxLocalRanks * kMaxLocalRanks) <=
+static_assert(kHostOffRecvCounter + sizeof(int32_t) * (intranode::kRecvCounterRankTokens + kMaxLocalRanks) <=
                   kHostOffExpertCounters,
-              "recv_counter[] (counts, then the rank prefix matrix) overlaps the expert counters");
+              "recv_counter[] (counts, the rank prefix matrix, the ranks' tokens) overlaps the expert counters");
 constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
 static_assert(kHostOffDiag + sizeof(DiagRecord) <= kHostOffAbort && kHostOffTopkFault + sizeof(TopkFault) <= kHostOffRecvCounter,
               "host-mapped records overlap");
@@ -199,7 +199,8 @@ TopkFault NvlRuntime::take_topk_fault() {
 }
 
 bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, int* most_remote,
-                                  std::vector<int>* per_expert, std::vector<int>* rank_prefix) {
+                                  std::vector<int>* per_expert, std::vector<int>* rank_prefix,
+                                  std::vector<int>* rank_tokens) {
   UCCL_ASSERT(num_local_experts >= 0 && num_local_experts <= kMaxExpertsPerRank,
               "num_local_experts=%d exceeds %d", num_local_experts, kMaxExpertsPerRank);
   volatile int32_t* counter = reinterpret_cast<volatile int32_t*>(host_ + kHostOffRecvCounter);
@@ -239,6 +240,8 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
   for (int e = 0; e < num_local_experts; ++e) (*per_expert)[e] = ec[e];
   rank_prefix->resize(static_cast<size_t>(num_ranks_) * num_ranks_);
   for (int i = 0; i < num_ranks_ * num_ranks_; ++i) (*rank_prefix)[i] = counter[intranode::kRecvCounterRankPrefix + i];
+  rank_tokens->resize(static_cast<size_t>(num_ranks_));
+  for (int s = 0; s < num_ranks_; ++s) (*rank_tokens)[s] = counter[intranode::kRecvCounterRankTokens + s];
   return true;
 }
 

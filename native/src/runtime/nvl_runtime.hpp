@@ -43,11 +43,12 @@ class NvlRuntime {
   void reset_recv_counter();
   /// Waits until notify published the counts: the rows this rank receives, the most rows any local rank receives
   /// and the most any receives from other ranks (both the same on every rank), the per-local-expert counts and the
-  /// [N, N] rank prefix matrix (the handle's, the same on every rank: a copy-engine combine sizes its copies by it).
+  /// [N, N] rank prefix matrix (the handle's, the same on every rank: a copy-engine combine sizes its copies by it)
+  /// and every rank's token count (a copy-engine dispatch's).
   /// Bounded by timeout().host_behind_device_s(). Returns false on timeout/abort; the diagnostic record then says
   /// why (a host-side record is written if the GPU wrote none).
   bool wait_recv_counts(int num_local_experts, int* num_recv, int* most_recv, int* most_remote,
-                        std::vector<int>* per_expert, std::vector<int>* rank_prefix);
+                        std::vector<int>* per_expert, std::vector<int>* rank_prefix, std::vector<int>* rank_tokens);
   /// UCCL_MOE_TIMEOUT_S, resolved when this runtime was created: every wait of its kernels and of its host.
   const Timeout& timeout() const { return timeout_; }
   /// True once any wait of this buffer gave up; the buffer is then unusable (recreate it).

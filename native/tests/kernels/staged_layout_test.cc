@@ -152,6 +152,40 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
   EXPECT_EQ(ce_chunk_of(4095, 4096, 4), 3);
 }
 
+TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {
+  // Rank d's landing area: each other source's whole x, then its scales, in rank order, each piece on a 128-B line
+  // from kOffCombineInput, none overlapping; d's own entries are -1; the end covers the last piece.
+  std::mt19937 gen(20261127);
+  std::uniform_int_distribution<int> tokens_of(0, 5000), scales_of(0, 60);
+  for (int n = 1; n <= 8; ++n) {
+    for (int trial = 0; trial < 200; ++trial) {
+      int32_t tokens[kMaxLocalRanks];
+      for (int s = 0; s < n; ++s) tokens[s] = trial % 5 == 0 ? 0 : tokens_of(gen);
+      const int64_t row_bytes = 16 * (1 + trial % 900);
+      const int S = scales_of(gen);
+      for (int d = 0; d < n; ++d) {
+        int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks];
+        const int64_t end = ce_dispatch_landing(tokens, n, d, row_bytes, S, rows_at, scales_at);
+        int64_t at = static_cast<int64_t>(kOffCombineInput);
+        for (int s = 0; s < n; ++s) {
+          if (s == d) {
+            ASSERT_EQ(rows_at[s], -1);
+            ASSERT_EQ(scales_at[s], -1);
+            continue;
+          }
+          ASSERT_EQ(rows_at[s] % 128, 0);
+          ASSERT_GE(rows_at[s], at);
+          ASSERT_GE(scales_at[s], rows_at[s] + tokens[s] * row_bytes);
+          ASSERT_EQ(scales_at[s] % 128, 0);
+          at = scales_at[s] + int64_t{tokens[s]} * S * 4;
+        }
+        ASSERT_GE(end, at);
+        ASSERT_LT(end - at, 128);
+      }
+    }
+  }
+}
+
 TEST(KeptSplit, SplitsEveryLaneWithinItsRangeByRowSize) {
   for (int begin : {0, 1, 7, 4096}) {
     int prev = begin;

@@ -148,9 +148,11 @@ class _FakeRuntime:
     def reset_recv_counter(self) -> None:
         pass
 
-    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, int, list[int], list[int]]:
+    def wait_recv_counts(self, num_local_experts: int) -> tuple[bool, int, int, int, list[int], list[int],
+                                                               list[int]]:
         rank_prefix = list(range(1, self.ranks * self.ranks + 1))
-        return True, self.rows, self.rows + 1, self.rows - 1, [1] * num_local_experts, rank_prefix
+        tokens = [5 + r for r in range(self.ranks)]
+        return True, self.rows, self.rows + 1, self.rows - 1, [1] * num_local_experts, rank_prefix, tokens
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -438,6 +440,79 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
 
 
 @pytestmark_kernels
+def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCCL_MOE_DISPATCH_CE=1: a cached dispatch is launched by dispatch_ce_intranode with the handle's recv_src_idx
+    (read), notify's host rank prefix and token counts and UCCL_MOE_DISPATCH_CE_CHUNKS chunks; scales that are neither
+    dense row- nor column-major are made contiguous first (the engines move them as one block). A handle without host
+    counts or an x that does not fit every other rank's buffer takes the rings, alike on every rank; auto takes the
+    copy engines at the EP sizes of tuning.CE_DISPATCH only (the GPU suite checks the bits)."""
+    from uccl_moe import tuning
+    from uccl_moe.backends import native
+
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setattr(native._C, "dispatch_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
+    monkeypatch.setattr(native._C, "dispatch_ce_intranode", lambda rt, num_sms, args, rank_prefix, tokens, chunks,
+                        stream: calls.append(("ce", (num_sms, args, rank_prefix, tokens, chunks))))
+    R, T, H, rows = 2, 5, 128, 7
+    backend = _fake_backend(R, rows)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
+    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
+                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                       recv_src_idx=torch.arange(rows, dtype=torch.int32),
+                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    cfg = Config(24, 8, 256, 6, 128)
+    x = torch.zeros((T, H), dtype=torch.float8_e4m3fn)
+    col = torch.rand((1, T)).T  # [T, 1] column-major; with one scale it is row-major too
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", "1")
+    backend.cached_dispatch(x, col, h, cfg)
+    assert [op for op, _ in calls] == ["ring"] and not backend.dispatch_ce_fits(h, H, 1)  # no host counts
+    setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 4, 5, 7])
+    setattr(h.rank_prefix_matrix, native._RANK_TOKENS_HOST_ATTR, [T, 6])
+    assert backend.dispatch_ce_fits(h, H, 1)
+    calls.clear()
+    scales = torch.rand((2, T)).T  # [T, 2] column-major
+    recv_x, recv_s = backend.cached_dispatch(x, scales, h, cfg)
+    [(op, (num_sms, a, rank_prefix, tokens, chunks))] = calls
+    assert (op, num_sms, rank_prefix, tokens, chunks) == ("ce", 24, [3, 4, 5, 7], [T, 6], 4)
+    assert (a.x, a.x_scales, a.num_tokens, a.row_bytes, a.num_scales) == (_ptr(x), _ptr(scales), T, H, 2)
+    assert (a.scale_token_stride, a.scale_hidden_stride) == (1, T)
+    assert (a.recv_src_idx, a.recv_x, a.recv_scales, a.num_recv_rows) == (
+        _ptr(h.recv_src_idx), _ptr(recv_x), _ptr(recv_s), rows)
+    assert recv_x.shape == (rows, H) and recv_x.dtype == x.dtype and recv_s.shape == (rows, 2)
+    calls.clear()
+    odd = torch.rand((T, 4))[:, ::2]  # strides (4, 2): neither layout
+    backend.cached_dispatch(x, odd, h, cfg)
+    a = calls[0][1][1]
+    assert (a.scale_token_stride, a.scale_hidden_stride) == (2, 1) and a.x_scales != _ptr(odd)
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_CHUNKS", "2")
+    calls.clear()
+    backend.cached_dispatch(x, scales, h, cfg)
+    assert calls[0][1][4] == 2
+    monkeypatch.delenv("UCCL_MOE_DISPATCH_CE_CHUNKS")
+    # the largest landing area over the buffer: every rank computes the same one and takes the rings
+    need = int(_C.intranode_ce_dispatch_landing_bytes([T, 6], H, 2))
+    assert need == int(_C.intranode_ce_dispatch_landing_bytes([6, T], H, 2))
+    backend.ctx = SimpleNamespace(num_nvl_bytes=need - 1)
+    calls.clear()
+    backend.cached_dispatch(x, scales, h, cfg)
+    assert [op for op, _ in calls] == ["ring"]
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    for knob, table, want in (("auto", {}, "ring"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "ring"),
+                              (None, {}, "ring")):  # the default: auto, no EP size measured yet
+        monkeypatch.setattr(tuning, "CE_DISPATCH", table)
+        if knob is None:
+            monkeypatch.delenv("UCCL_MOE_DISPATCH_CE", raising=False)
+        else:
+            monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", knob)
+        calls.clear()
+        backend.cached_dispatch(x, scales, h, cfg)
+        assert calls[0][0] == want, (knob, table)
+
+
+@pytestmark_kernels
 def test_dispatch_keeps_the_host_rank_prefix_on_the_handle(monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-cached dispatch without num_worst_tokens stores notify's host copy of the rank prefix on the handle's
     rank_prefix tensor (what a copy-engine combine sizes its copies by); a num_worst_tokens one has none."""
@@ -452,6 +527,7 @@ def test_dispatch_keeps_the_host_rank_prefix_on_the_handle(monkeypatch: pytest.M
     req = _request(torch.zeros((T, H), dtype=torch.bfloat16), R, K, E, Config(24, 8, 256, 6, 128))
     h = backend.dispatch(req)[5]
     assert getattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR) == [1, 2, 3, 4]  # the fake's matrix
+    assert getattr(h.rank_prefix_matrix, native._RANK_TOKENS_HOST_ATTR) == [5, 6]
     h = backend.dispatch(dataclasses.replace(req, num_worst_tokens=9))[5]
     assert not hasattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR)
 

@@ -184,7 +184,7 @@ def test_every_kernel_of_ours_is_classified_uccl() -> None:
     names = {m[1] for p in root.rglob("*") if p.suffix in (".cu", ".cuh", ".cc")
              for m in kernel.finditer(p.read_text())}
     assert {"dispatch_intranode_kernel", "combine_pull_kernel", "stage_combine_rows_kernel", "combine_ce_sum_kernel",
-            "combine_ce_enter_kernel"} <= names, names
+            "ce_enter_kernel", "dispatch_ce_gather_kernel"} <= names, names
     unclassified = {n for n in names - {"wait_flag_selftest_kernel"}
                     if not any(pat in n.lower() for pat in tl.UCCL_KERNEL_PATTERNS)}
     assert not unclassified, f"add these to timeline.UCCL_KERNEL_PATTERNS: {sorted(unclassified)}"

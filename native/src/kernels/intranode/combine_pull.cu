@@ -36,29 +36,6 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-/// A copy-engine combine's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
-/// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk.
-struct LandedChunks {
-  int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
-  int ready = -1;     // chunks [0, ready] of d's block landed
-  int32_t round = 0;  // this combine's round (what d's copy engine writes into ce_ready[d][k])
-  /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
-  /// our own copy) expired or the launch was aborted.
-  UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
-    bool ok = true;
-    if (q >= 0) {
-      const int k = ce_chunk_of(q, rows, chunks);
-      if (k > ready) {
-        const int32_t* word = meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffCeReady) + d * kMaxCeChunks + k;
-        ok = wait_reached(diag_of(ctx), word, round, DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, k);
-        if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
-      }
-    }
-    // the lanes that waited acquired d's rows for the whole warp: __syncwarp orders the warp's memory accesses
-    return gpu::ballot(!ok) == 0;
-  }
-};
-
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
 /// copy (or -1 when the token did not go to d). `kLanded`: a copy-engine combine, where the peers' copies of our
 /// tokens landed in our own buffer (ce_block_at) chunk by chunk (waited for per token), with their weights.
@@ -175,22 +152,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
                                a.hidden * 2));
 }
 
-/// A copy-engine combine's enter hand-shake (one block): our earlier ops are done with our buffer (stream order), so
-/// the peers' copy engines may write into its landing area; release that, with the checked value, and wait until
-/// every peer released the same round. Also writes the round into ce_round, which our copy engine copies into the
-/// peers' ce_ready words after each chunk. On a wait that expires the round is not advanced and the abort flag is
-/// up: the sum kernel then returns at once.
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_enter_kernel(NvlContext ctx, int32_t checked) {
-  __shared__ PullSmem sm;
-  void* local = ctx.buffers[ctx.rank];
-  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
-  if (threadIdx.x == 0) *meta_ptr(local, kOffCeRound) = round;
-  __syncthreads();
-  release_to_peers(ctx, kOffPullStart, round, checked);
-  const bool entered = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked);
-  if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
-}
-
 /// A copy-engine combine's sum: every token's copies, the peers' read from our landing area once their chunk landed.
 /// Then the pull's end hand-shake: a rank leaves once every peer stopped reading its own landing area, since the
 /// next op may write into the peers' buffers at once (ring slots overlap the landing areas).
@@ -210,6 +171,23 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
   }
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, "ce_sum", ctx.rank, a.hidden * 2));
+}
+
+/// A copy-engine op's enter hand-shake (one block): our earlier ops are done with our buffer (stream order), so the
+/// peers' copy engines may write into its landing area; release that, with the checked value, and wait until every
+/// peer released the same round (a value that differs is reported as `args_phase`). Also writes the round into
+/// ce_round, which our copy engine copies into the peers' ce_ready words after each chunk. On a wait that expires
+/// the round is not advanced and the abort flag is up: the kernel after it then returns at once.
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContext ctx, int32_t checked,
+                                                                       DiagPhase args_phase) {
+  __shared__ PullSmem sm;
+  void* local = ctx.buffers[ctx.rank];
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
+  if (threadIdx.x == 0) *meta_ptr(local, kOffCeRound) = round;
+  __syncthreads();
+  release_to_peers(ctx, kOffPullStart, round, checked);
+  const bool entered = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase);
+  if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
 }
 
 constexpr int kStageThreads = 512;
@@ -283,6 +261,13 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
+void launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce, void* stream) {
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, args_phase);
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
+}
+
 void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce,
                        void* stream) {
   const int N = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
@@ -301,10 +286,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  const int32_t checked = K | kPullArgsCe;
-  combine_ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked);
-  UCCL_CHECK_GPU(gpu::get_last_error());
-  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
+  launch_ce_enter(ctx, K | kPullArgsCe, DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x

@@ -1,7 +1,8 @@
 // Cross-rank hand-shakes of the intranode kernels that read or write peers' buffers outside the rings (the combine
 // from the buffer, combine_pull.cu; the ring-free dispatch, dispatch.cu): a launch-wide "last block" count, a release
 // of a round number into a word of every peer's meta, and a bounded wait for every peer's release into ours. The
-// words and the round counter are in nvl_layout.hpp (kOffPull*, kOffDirectEnter).
+// words and the round counter are in nvl_layout.hpp (kOffPull*, kOffDirectEnter, kOffCe*); and the copy-engine ops'
+// wait for landed chunks (LandedChunks).
 #pragma once
 
 #include "intranode_device.cuh"
@@ -69,5 +70,29 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
   __syncthreads();
   return sm->failed == 0;
 }
+
+/// A copy-engine op's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
+/// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk.
+struct LandedChunks {
+  int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
+  int ready = -1;     // chunks [0, ready] of d's block landed
+  int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
+  DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires
+  /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
+  /// our own copy) expired or the launch was aborted.
+  UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
+    bool ok = true;
+    if (q >= 0) {
+      const int k = ce_chunk_of(q, rows, chunks);
+      if (k > ready) {
+        const int32_t* word = meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffCeReady) + d * kMaxCeChunks + k;
+        ok = wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
+        if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
+      }
+    }
+    // the lanes that waited acquired d's rows for the whole warp: __syncwarp orders the warp's memory accesses
+    return gpu::ballot(!ok) == 0;
+  }
+};
 
 }  // namespace uccl_moe::intranode

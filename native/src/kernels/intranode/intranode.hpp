@@ -23,8 +23,9 @@
 
 namespace uccl_moe::intranode {
 
-/// First word of the rank prefix matrix in NvlContext::recv_counter.
+/// First word of the rank prefix matrix in NvlContext::recv_counter, then of every rank's token count.
 constexpr int kRecvCounterRankPrefix = 4;
+constexpr int kRecvCounterRankTokens = kRecvCounterRankPrefix + kMaxLocalRanks * kMaxLocalRanks;
 
 /// What every intranode kernel knows about the buffers (trivially copyable; passed by value).
 struct NvlContext {
@@ -34,8 +35,9 @@ struct NvlContext {
   int64_t num_nvl_bytes;
   int32_t* recv_counter;     ///< host-mapped (device view): [0] rows this rank receives (-1 = not yet), [1] the
                              ///< most rows any local rank receives, [2] the most any receives from other ranks,
-                             ///< [kRecvCounterRankPrefix + i * N + j] the rank prefix matrix (all written before
-                             ///< [0] is released)
+                             ///< [kRecvCounterRankPrefix + i * N + j] the rank prefix matrix,
+                             ///< [kRecvCounterRankTokens + s] the tokens of rank s (all written before [0] is
+                             ///< released)
   int32_t* expert_counters;  ///< device view of host-mapped per-local-expert receive counts
   DiagRecord* diag_record;   ///< device view of the host-mapped diagnostic record
   int32_t* abort_flag;       ///< abort flag in this rank's NVL buffer meta (GPU memory; see nvl_layout.hpp)
@@ -244,6 +246,9 @@ struct CeCopies {
   void* entered;                     ///< recorded after the enter hand-shake; every copy stream waits for it
   void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
 };
+/// The copy-engine ops' enter hand-shake (a one-block kernel on `stream`, then ce.entered recorded after it): every
+/// rank releases the round with `checked`, a value every rank must agree on (else `args_phase`, InvalidUsage).
+void launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
 /// peer d the rows of x that came from d (one block of x) and their top-k weights go back into d's landing area
 /// (ce_block_at) on d's copy stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's
@@ -252,6 +257,26 @@ struct CeCopies {
 /// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
 /// done hand-shake (a later op's ring slots overlap the landing areas).
 void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce, void* stream);
+
+/// A copy-engine dispatch's plan for the gather kernel (computed on the host from the handle's counts as notify
+/// published them; the same on every rank).
+struct CeDispatchPlan {
+  int64_t rows_at[kMaxLocalRanks];         ///< byte offset in our buffer of source s's landed rows (-1: s == us)
+  int64_t scales_at[kMaxLocalRanks];       ///< and of its landed scales (ce_dispatch_landing)
+  int32_t tokens[kMaxLocalRanks];          ///< tokens of each rank
+  int32_t recv_start[kMaxLocalRanks + 1];  ///< our received rows from source s: [recv_start[s], recv_start[s + 1])
+  int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
+  int32_t scales_col;                      ///< 1: the scales are column-major ([S, T] storage); 0: row-major
+};
+/// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
+/// peer d on its copy stream our scales (one block in the caller's storage order) and all of x's rows in `chunks`
+/// chunks (ce_chunk_end over our tokens) into d's landing area (ce_dispatch_landing), each chunk followed by a
+/// 4-byte copy of the round into d's ce_ready word; meanwhile `num_sms` blocks gather every row we receive into
+/// recv_x / recv_scales along a.recv_src_idx (the handle's, read): ours from x, a peer's from our landing area once
+/// its chunk landed; then the pull's done hand-shake. The caller's stream waits for the copy streams. `rank_tokens`:
+/// every rank's token count (notify's); ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
+void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
+                        int chunks, const CeCopies& ce, void* stream);
 
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);

@@ -65,6 +65,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       meta_ptr(peer, kOffExpertCounts)[me * kMaxExpertsPerRank + e] = a.num_tokens_per_expert[dst * experts_per_rank + e];
     for (int l = threadIdx.x; l < L; l += blockDim.x)
       meta_ptr(peer, kOffLanePrefix)[me * kMaxLanes + l] = a.lane_prefix[dst * L + l];
+    if (threadIdx.x == 0) meta_ptr(peer, kOffRankTokens)[me] = a.num_tokens;
   }
   reset_ring_counters(ctx, L);
   if (!barrier_block(ctx, &s_failed)) return;  // its fence publishes step 3 before peers read it
@@ -105,6 +106,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       ctx.recv_counter[1] = largest;
       ctx.recv_counter[2] = largest_remote;
       for (int i = 0; i < N * N; ++i) ctx.recv_counter[kRecvCounterRankPrefix + i] = a.rank_prefix[i];
+      for (int s = 0; s < N; ++s)
+        ctx.recv_counter[kRecvCounterRankTokens + s] = gpu::load_volatile(meta_ptr(local, kOffRankTokens) + s);
       gpu::store_release_sys(ctx.recv_counter, a.rank_prefix[(N - 1) * N + me]);  // pairs with wait_recv_counts
     }
   }

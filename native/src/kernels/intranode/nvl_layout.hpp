@@ -75,6 +75,8 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //                                     us landed (written by src's copy engine, after the chunk on the same stream)
 //   ce_round         1                the round of this rank's copy-engine combine: the word its copy engine copies
 //                                     into the peers' ce_ready (local)
+// A copy-engine dispatch (dispatch_ce.cu) uses the same words. Notify also writes:
+//   rank_tokens[src] kMaxLocalRanks   tokens of rank src (written by src; published to the host, for the copy engines)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
@@ -85,7 +87,8 @@ constexpr size_t kOffDirectEnter = kOffPullLeave + sizeof(int32_t);
 constexpr int kMaxCeChunks = 8;  // chunks of a peer's rows in a copy-engine combine (UCCL_MOE_COMBINE_CE_CHUNKS)
 constexpr size_t kOffCeReady = align_up(kOffDirectEnter + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kOffCeRound = kOffCeReady + sizeof(int32_t) * kMaxLocalRanks * kMaxCeChunks;
-constexpr size_t kPullMetaEnd = kOffCeRound + sizeof(int32_t);
+constexpr size_t kOffRankTokens = align_up(kOffCeRound + sizeof(int32_t), 128);
+constexpr size_t kPullMetaEnd = kOffRankTokens + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
@@ -169,6 +172,24 @@ UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks) {
   int k = 0;
   while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks)) ++k;
   return k;
+}
+
+/// Where a copy-engine dispatch (dispatch_ce.cu) lands the tokens of every other rank in rank d's buffer: for each
+/// source s != d in rank order, all of s's rows (`tokens[s]` of `row_bytes`, in token order: the copy engines move x
+/// whole, and d gathers the rows it receives), then their `num_scales` 4-byte scales in s's storage order, each
+/// piece on a 128-B line. Byte offsets from the buffer's start; -1 for s == d. Returns the end.
+UCCL_HOST_DEVICE_FN int64_t ce_dispatch_landing(const int32_t* tokens, int N, int d, int64_t row_bytes,
+                                                int num_scales, int64_t* rows_at, int64_t* scales_at) {
+  int64_t at = static_cast<int64_t>(kOffCombineInput);
+  for (int s = 0; s < N; ++s) {
+    rows_at[s] = scales_at[s] = -1;
+    if (s == d) continue;
+    rows_at[s] = at;
+    at = static_cast<int64_t>(align_up(static_cast<size_t>(at + tokens[s] * row_bytes), 128));
+    scales_at[s] = at;
+    at = static_cast<int64_t>(align_up(static_cast<size_t>(at + int64_t{tokens[s]} * num_scales * 4), 128));
+  }
+  return at;
 }
 
 /// Where a ring-free dispatch (dispatch.cu) lands the rows a rank receives from other ranks in its buffer, compacted

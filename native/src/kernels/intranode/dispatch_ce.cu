@@ -1,0 +1,147 @@
+// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE; launch_dispatch_ce). No SM moves a token across
+// the link: each rank's copy engines move its whole x (every token, in chunks, each chunk followed by a 4-byte flag
+// copy) and its scales into every peer's landing area (ce_dispatch_landing), and each rank's num_sms blocks gather
+// the rows it receives into its outputs, its own from x at once and a peer's from the landing area once the chunk
+// that holds it landed. The handle's recv_src_idx says which token each received row is, so nothing else is needed.
+//
+// Why whole x: at EP2 with top-8 of 256 experts 99.6% of tokens go to the peer, and a copy engine moves a contiguous
+// block at its full pace (about 330 GB/s per GPU with both GPUs sending) where 24 SMs move rows at most at what a
+// bare copy reaches (320 GB/s, with nothing else to do). Where few tokens go to a peer the engines move rows nobody
+// reads, so the path is on by default only where it measured faster (uccl_moe/tuning.py CE_DISPATCH).
+//
+// Hand-shakes: the copy-engine combine's (combine_pull.cu): the enter kernel (ce_enter_kernel, pull_start with the
+// checked value) before any copy into a peer, and the pull's done hand-shake at the end of the gather (a later op may
+// write into the peers' buffers at once).
+#include "handshake.cuh"
+#include "uccl_moe/gpu_check.cuh"
+
+namespace uccl_moe::intranode {
+
+namespace {
+
+constexpr int kGatherUnroll = 4;  // 16-B words per lane in flight
+
+/// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
+template <int kNumRanks>
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
+                                                                                 CeDispatchPlan p) {
+  __shared__ PullSmem sm;
+  const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id();
+  void* local = ctx.buffers[me];
+  // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no gather.
+  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  if (gpu::load_volatile(ctx.abort_flag) == 0) {
+    const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
+    const int S = a.num_scales, num_16 = a.row_bytes / 16;
+    LandedChunks landed;
+    landed.phase = DiagPhase::kDispatchCeChunk;
+    if (lane < N && lane != me) {
+      landed.rows = p.tokens[lane];
+      landed.round = round;
+    }
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id(); i < rows; i += stride) {
+      const int64_t r = (own0 + i) % rows;
+      int s = 0;
+      while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
+      const int32_t src = a.recv_src_idx[r];  // the handle's: token src of source s
+      if (s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
+      int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.row_bytes);
+      int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
+      if (s == me) {  // x is not written during the launch
+        warp_copy_row<kGatherUnroll, false>(
+            dst, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes), num_16);
+        for (int j = lane; j < S; j += gpu::kWarpSize)
+          out_scales[j] = static_cast<const int32_t*>(a.x_scales)[src * a.scale_token_stride + j * a.scale_hidden_stride];
+      } else {  // landed by a copy engine during the launch: coherent loads
+        const char* from = static_cast<const char*>(local) + p.rows_at[s];
+        warp_copy_row<kGatherUnroll, true>(dst, reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes),
+                                           num_16);
+        const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
+        for (int j = lane; j < S; j += gpu::kWarpSize)
+          out_scales[j] = gpu::load_ring_32(scales + (p.scales_col ? int64_t{j} * p.tokens[s] + src
+                                                                   : int64_t{src} * S + j));
+      }
+    }
+  }
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    release_to_peers(ctx, kOffPullDone, round);
+    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
+  }
+}
+
+}  // namespace
+
+void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
+                        int chunks, const CeCopies& ce, void* stream) {
+  const int N = ctx.num_ranks, me = ctx.rank;
+  const int32_t* rp = ce.rank_prefix_host;
+  UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16",
+              a.row_bytes);
+  UCCL_ASSERT(chunks >= 1 && chunks <= kMaxCeChunks, "copy-engine dispatch chunks=%d outside [1, %d]", chunks,
+              kMaxCeChunks);
+  UCCL_ASSERT(num_sms > 0, "a copy-engine dispatch needs num_sms > 0");
+  UCCL_ASSERT(a.recv_src_idx != nullptr && a.row_map == nullptr && a.num_tokens_ptr == nullptr,
+              "the copy-engine dispatch gathers along a handle's recv_src_idx, intranode only");
+  UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
+              rank_tokens[me]);
+  const int S = a.x_scales != nullptr ? a.num_scales : 0;
+  // The scales go as one block in the caller's storage order: row-major [T, S] or column-major [S, T], dense.
+  const bool col = S > 1 && a.scale_token_stride == 1 && a.scale_hidden_stride == a.num_tokens;
+  UCCL_ASSERT(S == 0 || col || ((a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S),
+              "the copy-engine dispatch takes dense row- or column-major scales (strides %lld, %lld for %d tokens, "
+              "%d scales)", static_cast<long long>(a.scale_token_stride),
+              static_cast<long long>(a.scale_hidden_stride), a.num_tokens, S);
+  CeDispatchPlan p{};
+  for (int s = 0; s < N; ++s) {
+    p.tokens[s] = rank_tokens[s];
+    p.recv_start[s] = s > 0 ? rp[(s - 1) * N + me] : 0;
+  }
+  p.recv_start[N] = rp[(N - 1) * N + me];
+  p.chunks = chunks;
+  p.scales_col = col ? 1 : 0;
+  UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
+              a.num_recv_rows, p.recv_start[N]);
+  int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks];
+  for (int d = 0; d < N; ++d) {  // every landing area fits (the host checked the same on every rank)
+    const int64_t end = ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);
+    UCCL_ASSERT(end <= ctx.num_nvl_bytes, "a copy-engine dispatch lands %lld bytes in rank %d's buffer but the "
+                "Buffer has %lld", static_cast<long long>(end), d, static_cast<long long>(ctx.num_nvl_bytes));
+  }
+  ce_dispatch_landing(p.tokens, N, me, a.row_bytes, S, p.rows_at, p.scales_at);
+  // Every rank must lay out its rows alike (size, scales and their order), and take this path: checked by every peer.
+  const int32_t checked = (1 << 30) | (p.scales_col << 29) | ((S & 0x1FFF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+  launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
+  const char* x = static_cast<const char*>(a.x);
+  const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
+  const int64_t T = a.num_tokens;
+  for (int i = 1; i < N; ++i) {
+    const int d = (me + i) % N;
+    const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
+    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+    ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);  // d's area: ours at [me]
+    char* peer = static_cast<char*>(ctx.buffers[d]);
+    if (S > 0 && T > 0)  // the scales first: chunk 0's flag covers them
+      UCCL_CHECK_GPU(gpu::memcpy_async(peer + scales_at[me], a.x_scales, static_cast<size_t>(T * S * 4), s));
+    int64_t r0 = 0;
+    for (int k = 0; k < chunks; ++k) {
+      const int64_t r1 = ce_chunk_end(T, k, chunks);
+      if (r1 > r0)
+        UCCL_CHECK_GPU(gpu::memcpy_async(peer + rows_at[me] + r0 * a.row_bytes, x + r0 * a.row_bytes,
+                                         static_cast<size_t>((r1 - r0) * a.row_bytes), s));
+      UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCeReady + sizeof(int32_t) * (me * kMaxCeChunks + k), round_word,
+                                       sizeof(int32_t), s));
+      r0 = r1;
+    }
+    UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+  }
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
+  with_num_ranks(N, "dispatch", [&](auto n) {
+    dispatch_ce_gather_kernel<decltype(n)::value><<<dim3(num_sms), dim3(kThreadsPerBlock), 0, st>>>(ctx, a, p);
+  });
+  UCCL_CHECK_GPU(gpu::get_last_error());
+  for (int d = 0; d < N; ++d)  // x is read by the copy engines until their streams finish
+    if (d != me) UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce.copied[d])));
+}
+
+}  // namespace uccl_moe::intranode
