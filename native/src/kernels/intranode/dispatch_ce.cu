@@ -81,8 +81,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   UCCL_ASSERT(chunks >= 1 && chunks <= kMaxCeChunks, "copy-engine dispatch chunks=%d outside [1, %d]", chunks,
               kMaxCeChunks);
   UCCL_ASSERT(num_sms > 0, "a copy-engine dispatch needs num_sms > 0");
-  UCCL_ASSERT(a.recv_src_idx != nullptr && a.row_map == nullptr && a.num_tokens_ptr == nullptr,
-              "the copy-engine dispatch gathers along a handle's recv_src_idx, intranode only");
+  UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr, "the copy-engine dispatch is intranode only");
   UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
               rank_tokens[me]);
   const int S = a.x_scales != nullptr ? a.num_scales : 0;
@@ -102,6 +101,9 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   p.scales_col = col ? 1 : 0;
   UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
               a.num_recv_rows, p.recv_start[N]);
+  // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).
+  UCCL_ASSERT(a.recv_src_idx != nullptr || p.recv_start[N] == 0,
+              "the copy-engine dispatch gathers along the handle's recv_src_idx, which is missing");
   int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks];
   for (int d = 0; d < N; ++d) {  // every landing area fits (the host checked the same on every rank)
     const int64_t end = ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);
