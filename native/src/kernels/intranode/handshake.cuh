@@ -90,7 +90,9 @@ struct LandedChunks {
         if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
       }
     }
-    // the lanes that waited acquired d's rows for the whole warp: __syncwarp orders the warp's memory accesses
+    // The lanes that waited acquired d's rows for the whole warp: a warp barrier orders the other lanes' loads after
+    // their acquire.
+    gpu::sync_warp();
     return gpu::ballot(!ok) == 0;
   }
 };
