@@ -108,6 +108,28 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged") -> None:
     check(f"24 {P} combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
 
+    # CUDA graph: a cached dispatch and the combine through the path captured once, replayed with new rows (the
+    # copy-engine ops fork onto their copy streams and join back inside the capture).
+    xg, src = case.xin("cuda"), y.clone()
+    torch.cuda.synchronize()
+    os.environ["UCCL_MOE_DISPATCH_CE"] = "1" if P == "ce" else "0"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_disp = nat.dispatch(xg, handle=rn.handle, config=cfg).recv_x
+            g_out = _combine(nat, P, src, rn.handle, config=cfg).combined_x
+    finally:
+        os.environ.pop("UCCL_MOE_DISPATCH_CE", None)
+    ok = True
+    for k in range(3):
+        src.copy_((y.float() * (k + 1)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        ok &= torch.equal(g_disp, rn.recv_x)
+        ok &= torch.equal(g_out, _combine(nat, "ring", src, rn.handle, config=cfg).combined_x)
+    check(f"cuda graph: cached dispatch and {P} combine, replayed with new rows", ok)
+    del graph
+
     # A Buffer sized by the ring's size hint (as DeepEP clients size it): too small for every received row of 4096
     # tokens at hidden 7168 (no view), but the staged rows are only those from other ranks, so the staged path runs;
     # with 8192 tokens even those do not fit, and every rank takes the ring (the fit is judged alike on every rank).

@@ -83,6 +83,7 @@ void NvlRuntime::connect(const std::vector<std::string>& handles) {
   UCCL_ASSERT(static_cast<int>(handles.size()) == num_ranks_, "got %zu IPC handles for %d local ranks",
               handles.size(), num_ranks_);
   UCCL_CHECK_GPU(gpu::set_device(device_));
+  ce_copies(nullptr);  // the copy-engine ops' streams and events now, never inside a CUDA graph capture
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
     UCCL_ASSERT(handles[r].size() == sizeof(gpu::IpcMemHandle), "IPC handle of rank %d has %zu bytes, expected %zu",

@@ -78,8 +78,8 @@ class NvlRuntime {
   /// is computed (check_num_sms, then intranode::placed_geometry for this buffer). Throws
   /// InvalidUsage naming the Config field to change.
   intranode::Geometry geometry(int num_sms, int nvl_send_tokens, int nvl_recv_tokens) const;
-  /// The streams and events of a copy-engine combine (created on first use on this runtime's device, kept until
-  /// destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
+  /// The streams and events of the copy-engine ops (created by connect() on this runtime's device, so never inside
+  /// a CUDA graph capture; kept until destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host);
 
  private:
