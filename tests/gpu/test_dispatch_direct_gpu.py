@@ -38,13 +38,17 @@ CASES = [("bf16-random", 512, 2048, 16, 8, False, "none", "random"),
          ("fp8-int", 400, 2048, 16, 8, True, "int", "empty_last")]
 
 
-def _direct(on: bool, fn, *args, **kw):
-    """fn(*args, **kw) with UCCL_MOE_DISPATCH_DIRECT set for this call (every rank calls alike)."""
-    os.environ["UCCL_MOE_DISPATCH_DIRECT"] = "1" if on else "0"
+def _with_knob(var: str, on: bool, fn, *args, **kw):
+    """fn(*args, **kw) with the path knob `var` set for this call (every rank calls alike)."""
+    os.environ[var] = "1" if on else "0"
     try:
         return fn(*args, **kw)
     finally:
-        os.environ.pop("UCCL_MOE_DISPATCH_DIRECT", None)
+        os.environ.pop(var, None)
+
+
+_direct = functools.partial(_with_knob, "UCCL_MOE_DISPATCH_DIRECT")  # the ring-free dispatch
+_ce = functools.partial(_with_knob, "UCCL_MOE_DISPATCH_CE")  # the copy-engine dispatch
 
 
 def _same_dispatch(check, name: str, a, b, rows: int | None = None) -> None:
@@ -158,15 +162,6 @@ def _direct_worker(rank: int, world: int, gloo) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_direct_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_direct_worker, world, timeout_s=600)
-
-
-def _ce(on: bool, fn, *args, **kw):
-    """fn(*args, **kw) with UCCL_MOE_DISPATCH_CE set for this call (every rank calls alike)."""
-    os.environ["UCCL_MOE_DISPATCH_CE"] = "1" if on else "0"
-    try:
-        return fn(*args, **kw)
-    finally:
-        os.environ.pop("UCCL_MOE_DISPATCH_CE", None)
 
 
 def _ce_worker(rank: int, world: int, gloo) -> None:

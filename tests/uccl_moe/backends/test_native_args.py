@@ -275,6 +275,35 @@ def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPa
         assert calls[-1][0] == want, (knob, table)
 
 
+def _check_auto_knob(monkeypatch: pytest.MonkeyPatch, var: str, table_attr: str, calls: list[tuple[str, Any]],
+                     call: Any, cases: Any) -> None:
+    """For each (knob, table, want): with `var` set to knob (None: unset) and tuning.<table_attr> = table, call()
+    launches `want` first."""
+    from uccl_moe import tuning
+
+    for knob, table, want in cases:
+        monkeypatch.setattr(tuning, table_attr, table)
+        if knob is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, knob)
+        calls.clear()
+        call()
+        assert calls[0][0] == want, (var, knob, table)
+
+
+def _two_rank_handle(T: int, rows: int, L: int) -> DispatchHandle:
+    """A 2-rank handle of T tokens and `rows` received rows (recv_src_idx 0..rows-1): rank 0 receives 3 rows from
+    itself and 2 from rank 1, rank 1 receives 4 from rank 0 and 3 from itself."""
+    R = 2
+    return DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
+                          channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                          recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
+                          recv_src_idx=torch.arange(rows, dtype=torch.int32),
+                          is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
+                          send_head=torch.zeros((T, R), dtype=torch.int32))
+
+
 @pytestmark_kernels
 def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_in_x(
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,12 +325,7 @@ def test_a_staged_combine_copies_the_other_ranks_rows_then_pulls_with_our_rows_i
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)  # the meta region (1 MiB), then the rows
     L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
-    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
-                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_src_idx=torch.zeros(rows, dtype=torch.int32),
-                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    h = _two_rank_handle(T, rows, L)
     cfg = Config(24, 8, 256, 6, 128)
     y = torch.ones((rows, H), dtype=torch.bfloat16)
     w = torch.ones((rows, K))
@@ -363,7 +387,6 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     chunks, before any staged or ring path. A handle without host counts (num_worst_tokens, or a cloned rank_prefix)
     or a landing area that does not fit every buffer falls back to the staged path or the rings, alike on every
     rank; auto takes the copy engines at the EP sizes of tuning.CE_COMBINE only (the GPU suite checks the bits)."""
-    from uccl_moe import tuning
     from uccl_moe.backends import native
 
     calls: list[tuple[str, Any]] = []
@@ -379,12 +402,7 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
     L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
     # rank 0 receives 3 rows from itself and 2 from rank 1; rank 1 receives 4 from rank 0 and 3 from itself
-    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
-                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_src_idx=torch.zeros(rows, dtype=torch.int32),
-                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    h = _two_rank_handle(T, rows, L)
     cfg = Config(24, 8, 256, 6, 128)
     y, w = torch.ones((rows, H), dtype=torch.bfloat16), torch.ones((rows, K))
     monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "1")
@@ -422,16 +440,10 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     backend.combine(y, h, w, (None, None), cfg)
     assert calls[0][0] != "ce"
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
-    for knob, table, want in (("auto", {}, "stage"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "stage"),
-                              (None, {2: "measured"}, "ce")):  # the default: auto
-        monkeypatch.setattr(tuning, "CE_COMBINE", table)
-        if knob is None:
-            monkeypatch.delenv("UCCL_MOE_COMBINE_CE", raising=False)
-        else:
-            monkeypatch.setenv("UCCL_MOE_COMBINE_CE", knob)
-        calls.clear()
-        backend.combine(y, h, w, (None, None), cfg)
-        assert calls[0][0] == want, (knob, table)
+    _check_auto_knob(monkeypatch, "UCCL_MOE_COMBINE_CE", "CE_COMBINE", calls,
+                     lambda: backend.combine(y, h, w, (None, None), cfg),
+                     (("auto", {}, "stage"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "stage"),
+                      (None, {2: "measured"}, "ce")))  # None: unset, the default auto
     monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "yes")
     with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_CE"):
         backend.combine(y, h, w, (None, None), cfg)
@@ -446,7 +458,6 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     dense row- nor column-major are made contiguous first (the engines move them as one block). A handle without host
     counts or an x that does not fit every other rank's buffer takes the rings, alike on every rank; auto takes the
     copy engines at the EP sizes of tuning.CE_DISPATCH only (the GPU suite checks the bits)."""
-    from uccl_moe import tuning
     from uccl_moe.backends import native
 
     calls: list[tuple[str, Any]] = []
@@ -457,12 +468,7 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
     L = _C.intranode_placed_geometry(24, R, 8, 256, 1 << 30).num_lanes
-    h = DispatchHandle(rank_prefix_matrix=torch.tensor([[3, 4], [5, 7]], dtype=torch.int32),
-                       channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_channel_prefix_matrix=torch.zeros((R, L), dtype=torch.int32),
-                       recv_src_idx=torch.arange(rows, dtype=torch.int32),
-                       is_token_in_rank=torch.ones((T, R), dtype=torch.bool),
-                       send_head=torch.zeros((T, R), dtype=torch.int32))
+    h = _two_rank_handle(T, rows, L)
     cfg = Config(24, 8, 256, 6, 128)
     x = torch.zeros((T, H), dtype=torch.float8_e4m3fn)
     col = torch.rand((1, T)).T  # [T, 1] column-major; with one scale it is row-major too
@@ -500,16 +506,10 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert [op for op, _ in calls] == ["ring"]
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
-    for knob, table, want in (("auto", {}, "ring"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "ring"),
-                              (None, {}, "ring")):  # the default: auto, no EP size measured yet
-        monkeypatch.setattr(tuning, "CE_DISPATCH", table)
-        if knob is None:
-            monkeypatch.delenv("UCCL_MOE_DISPATCH_CE", raising=False)
-        else:
-            monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", knob)
-        calls.clear()
-        backend.cached_dispatch(x, scales, h, cfg)
-        assert calls[0][0] == want, (knob, table)
+    _check_auto_knob(monkeypatch, "UCCL_MOE_DISPATCH_CE", "CE_DISPATCH", calls,
+                     lambda: backend.cached_dispatch(x, scales, h, cfg),
+                     (("auto", {}, "ring"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "ring"),
+                      (None, {}, "ring")))  # None: unset, the default auto (no EP size measured yet)
 
 
 @pytestmark_kernels
