@@ -65,6 +65,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
     }
   }
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: before
+    // saying "done", every peer's last chunk must have landed (its flag follows every copy of the peer's stream), or
+    // a late chunk could land on what our next op (a peer's ring slots, the caller's get_combine_buffer rows) put
+    // there.
+    const int d = static_cast<int>(threadIdx.x);
+    if (d < N && d != me && gpu::load_volatile(ctx.abort_flag) == 0)
+      wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + p.chunks - 1, round,
+                   DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, d, p.chunks - 1);
+    __syncthreads();
     release_to_peers(ctx, kOffPullDone, round);
     wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
   }
