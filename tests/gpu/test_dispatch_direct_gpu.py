@@ -167,11 +167,14 @@ def test_direct_dispatch_matches_the_rings(world: int) -> None:
 def _ce_worker(rank: int, world: int, gloo) -> None:
     """The copy-engine cached dispatch (UCCL_MOE_DISPATCH_CE=1) against the rings, bit for bit: every case above
     (token counts differ per rank in the "neg" cases, a rank receives nothing in "empty_last", row-major, column-major
-    and int scales); a num_worst_tokens handle (no host counts) takes the rings; 24 back to back with one rank late;
-    interleaved with ring dispatches and every combine path (the copy-engine combine lands in the same area)."""
+    and int scales) and a rank with no tokens; a num_worst_tokens handle (no host counts) takes the rings; 24 back to
+    back with one rank late; interleaved with ring dispatches and every combine path (the copy-engine combine lands in
+    the same area)."""
     R = world
     cfg, nat, ref, check = pull_buffers(rank, R, gloo)
-    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(CASES):
+    # and a rank with no tokens at all (empty x and scales, address 0): it still sends its (empty) x and receives
+    no_tokens = [("fp8-col-no-tokens", 0 if rank == R - 1 else 300, 2048, 16, 8, True, "col", "random")]
+    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(CASES + no_tokens):
         T = T + 17 * rank if routing == "neg" else T
         case = _Case(rank, R, T, H, per_rank * R, K, fp8, scales, routing, 900 + seed)
         _, ring = _ce(False, _dispatch, nat, case, "cuda", config=cfg)

@@ -833,7 +833,7 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     odd = world - 1
     view = nat.get_combine_buffer(res.handle, 2048)
     view.copy_(res.recv_x)
-    if mode in ("weights", "mixed_staged", "mixed_ce"):  # refused on every rank: other weights or layout of x
+    if mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks"):  # refused on every rank: other weights, layout
         weights = mode == "weights"
         x = view if weights or rank != odd else res.recv_x.clone()
         w = res.recv_topk_weights if weights and rank != odd else None
@@ -842,6 +842,11 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
             x = res.recv_x.clone()
             os.environ["UCCL_MOE_COMBINE_CE"] = "1" if rank == odd else "0"
             needles = ("same kind of x", "copy engines", "(staged)")
+        if mode == "ce_chunks":  # both through the copy engines, one rank splitting its copies otherwise
+            x = res.recv_x.clone()
+            os.environ["UCCL_MOE_COMBINE_CE"] = "1"
+            os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
+            needles = ("UCCL_MOE_COMBINE_CE_CHUNKS", "chunks")
         try:
             nat.combine(x, res.handle, topk_weights=w, config=cfg)
             torch.cuda.synchronize()
@@ -873,9 +878,10 @@ def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
-@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce"])
+@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
-    tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs): refused."""
+    tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the
+    copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs): refused on every rank."""
     run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

@@ -191,6 +191,9 @@ def test_diag_message_names_rank_peer_channel_phase():
     ce_topk = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | 8, seen=ce, command=0,
                              waited_s=0.0)["message"]
     assert "peer 0 staged 0 top-k weights per row, this rank expected 8" in ce_topk
+    chunks = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | (3 << 20) | 8,
+                            seen=ce | (1 << 20) | 8, command=0, waited_s=0.0)["message"]
+    assert "peer 0 copies in 2 chunks, this rank expects 4" in chunks and "UCCL_MOE_COMBINE_CE_CHUNKS" in chunks
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct

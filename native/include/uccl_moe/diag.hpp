@@ -51,6 +51,9 @@ constexpr int32_t kPullArgsStaged = 1 << 16;
 constexpr int32_t kPullArgsCe = 1 << 17;
 /// The top-k part of a kCombinePullArgs value.
 constexpr int32_t kPullArgsTopkMask = kPullArgsStaged - 1;
+/// Bits [20, 23) of a copy-engine combine's kCombinePullArgs value: its chunks per peer block, less one (every rank
+/// must split alike: a reader maps rows to chunks by its own count).
+constexpr int kPullArgsChunksShift = 20;
 
 const char* diag_phase_name(DiagPhase phase);
 

@@ -67,6 +67,14 @@ std::string format_diag(const DiagRecord& r) {
              : (v & kPullArgsStaged) != 0 ? "a tensor of its own (staged)"
                                           : "its get_combine_buffer view";
     };
+    const int64_t chunks_seen = ((r.seen >> kPullArgsChunksShift) & 7) + 1;
+    const int64_t chunks_expected = ((r.expected >> kPullArgsChunksShift) & 7) + 1;
+    if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
+        chunks_seen != chunks_expected)
+      return detail::format(
+          "rank %d: copy-engine combine: peer %d copies in %lld chunks, this rank expects %lld; every rank must set "
+          "the same UCCL_MOE_COMBINE_CE_CHUNKS",
+          r.rank, r.peer, static_cast<long long>(chunks_seen), static_cast<long long>(chunks_expected));
     if ((r.seen & path_bits) != (r.expected & path_bits))
       return detail::format(
           "rank %d: combine: peer %d passed %s as x, this rank %s; every rank must pass the same kind of x to the "
@@ -82,9 +90,10 @@ std::string format_diag(const DiagRecord& r) {
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(
         "rank %d: ring-free or copy-engine dispatch: peer %d lays out its landing area as %lld, this rank as %lld "
-        "(codes of size, top-k and scales and their layout; from a sender: the area's rows and the row it needed); "
-        "every rank must pass the same hidden size, dtype, top-k, scales (row- or column-major alike) and "
-        "num_worst_tokens to the same dispatch, with the same UCCL_MOE_DISPATCH_DIRECT and UCCL_MOE_DISPATCH_CE",
+        "(codes of size, top-k and scales and their layout, copy-engine chunks; from a sender: the area's rows and "
+        "the row it needed); every rank must pass the same hidden size, dtype, top-k, scales (row- or column-major "
+        "alike) and num_worst_tokens to the same dispatch, with the same UCCL_MOE_DISPATCH_DIRECT, "
+        "UCCL_MOE_DISPATCH_CE and UCCL_MOE_DISPATCH_CE_CHUNKS",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

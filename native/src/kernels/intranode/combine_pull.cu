@@ -188,6 +188,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContex
   release_to_peers(ctx, kOffPullStart, round, checked);
   const bool entered = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase);
   if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+  // Our copies are enqueued behind this kernel whatever it found, and would land in a peer that may still be in an
+  // earlier op: raise every peer's abort flag too, so that op fails (a timeout naming this rank's record) instead of
+  // returning rows the copies overwrote.
+  const int d = static_cast<int>(threadIdx.x);
+  if (!entered && d < ctx.num_ranks && d != ctx.rank) {
+    gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
+  }
 }
 
 constexpr int kStageThreads = 512;
@@ -286,7 +293,8 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  launch_ce_enter(ctx, K | kPullArgsCe, DiagPhase::kCombinePullArgs, ce, stream);
+  launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), DiagPhase::kCombinePullArgs, ce,
+                  stream);
   const char* x = static_cast<const char*>(a.own_x);
   const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
@@ -307,7 +315,10 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
       if (r1 > r0)
         UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCombineInput + (at + r0) * row_bytes, x + (first + r0) * row_bytes,
                                          static_cast<size_t>((r1 - r0) * row_bytes), s));
-      // every chunk's flag, empty or not: the peer waits only for the chunks its tokens' rows are in
+      // every chunk's flag, empty or not: the peer waits only for the chunks its tokens' rows are in. The flag copy
+      // follows the chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are
+      // then visible to the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would
+      // fence explicitly, but bakes its value into a CUDA graph, which replays rounds)
       UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCeReady + sizeof(int32_t) * (me * kMaxCeChunks + k), round_word,
                                        sizeof(int32_t), s));
       r0 = r1;

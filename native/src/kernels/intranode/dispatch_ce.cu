@@ -93,10 +93,13 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr, "the copy-engine dispatch is intranode only");
   UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
               rank_tokens[me]);
-  const int S = a.x_scales != nullptr ? a.num_scales : 0;
-  // The scales go as one block in the caller's storage order: row-major [T, S] or column-major [S, T], dense.
-  const bool col = S > 1 && a.scale_token_stride == 1 && a.scale_hidden_stride == a.num_tokens;
-  UCCL_ASSERT(S == 0 || col || ((a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S),
+  // From num_scales, not the pointer: a rank with no tokens has empty scales (address 0) but lays out alike.
+  const int S = a.num_scales;
+  // The scales go as one block in the caller's storage order: row-major [T, S] or column-major [S, T], dense (with
+  // at most one token both orders are the same bytes, and an empty tensor's strides say little).
+  const bool col = S > 1 && a.scale_token_stride == 1;
+  UCCL_ASSERT(S == 0 || a.num_tokens <= 1 || (col ? a.scale_hidden_stride == a.num_tokens
+                                                  : (a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S),
               "the copy-engine dispatch takes dense row- or column-major scales (strides %lld, %lld for %d tokens, "
               "%d scales)", static_cast<long long>(a.scale_token_stride),
               static_cast<long long>(a.scale_hidden_stride), a.num_tokens, S);
@@ -121,7 +124,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   ce_dispatch_landing(p.tokens, N, me, a.row_bytes, S, p.rows_at, p.scales_at);
   // Every rank must lay out its rows alike (size, scales and their order), and take this path: checked by every peer.
-  const int32_t checked = (1 << 30) | (p.scales_col << 29) | ((S & 0x1FFF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+  const int32_t checked = (1 << 30) | (p.scales_col << 29) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) |
+                          ((a.row_bytes / 16) & 0xFFFF);
   launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
   const char* x = static_cast<const char*>(a.x);
   const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
@@ -132,7 +136,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
     ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);  // d's area: ours at [me]
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    if (S > 0 && T > 0)  // the scales first: chunk 0's flag covers them
+    if (S > 0 && T > 0 && a.x_scales != nullptr)  // the scales first: chunk 0's flag covers them
       UCCL_CHECK_GPU(gpu::memcpy_async(peer + scales_at[me], a.x_scales, static_cast<size_t>(T * S * 4), s));
     int64_t r0 = 0;
     for (int k = 0; k < chunks; ++k) {
