@@ -179,14 +179,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
 /// ce_round, which our copy engine copies into the peers' ce_ready words after each chunk. On a wait that expires
 /// the round is not advanced and the abort flag is up: the kernel after it then returns at once.
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContext ctx, int32_t checked,
-                                                                       DiagPhase args_phase) {
+                                                                       int32_t checked_mask, DiagPhase args_phase) {
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
   if (threadIdx.x == 0) *meta_ptr(local, kOffCeRound) = round;
   __syncthreads();
   release_to_peers(ctx, kOffPullStart, round, checked);
-  const bool entered = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase);
+  const bool entered =
+      wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase, checked_mask);
   if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
   // Our copies are enqueued behind this kernel whatever it found, and would land in a peer that may still be in an
   // earlier op: raise every peer's abort flag too, so that op fails (a timeout naming this rank's record) instead of
@@ -268,9 +269,10 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-void launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce, void* stream) {
+void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
+                     const CeCopies& ce, void* stream) {
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, args_phase);
+  ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, checked_mask, args_phase);
   UCCL_CHECK_GPU(gpu::get_last_error());
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
 }
@@ -293,8 +295,8 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), DiagPhase::kCombinePullArgs, ce,
-                  stream);
+  launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1, DiagPhase::kCombinePullArgs,
+                  ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x

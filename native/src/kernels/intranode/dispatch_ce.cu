@@ -20,6 +20,7 @@ namespace uccl_moe::intranode {
 namespace {
 
 constexpr int kGatherUnroll = 4;  // 16-B words per lane in flight
+constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales are column-major
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
@@ -33,6 +34,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
+    // Each source's scales layout, from the value it released in the enter hand-shake (bit kCeDispatchColBit): a
+    // rank with at most one token cannot tell (an empty tensor's strides say little), and both orders are the same
+    // bytes there, so the bit is not compared across ranks but read per source.
+    const gpu::LaneMask col_src = gpu::ballot(
+        lane < N && lane != me && ((gpu::load_volatile(meta_ptr(local, kOffPullTopk) + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
     if (lane < N && lane != me) {
@@ -59,7 +65,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
                                            num_16);
         const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
         for (int j = lane; j < S; j += gpu::kWarpSize)
-          out_scales[j] = gpu::load_ring_32(scales + (p.scales_col ? int64_t{j} * p.tokens[s] + src
+          out_scales[j] = gpu::load_ring_32(scales + (((col_src >> s) & 1) ? int64_t{j} * p.tokens[s] + src
                                                                    : int64_t{src} * S + j));
       }
     }
@@ -110,7 +116,6 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   p.recv_start[N] = rp[(N - 1) * N + me];
   p.chunks = chunks;
-  p.scales_col = col ? 1 : 0;
   UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
               a.num_recv_rows, p.recv_start[N]);
   // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).
@@ -123,10 +128,11 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
                 "Buffer has %lld", static_cast<long long>(end), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
   ce_dispatch_landing(p.tokens, N, me, a.row_bytes, S, p.rows_at, p.scales_at);
-  // Every rank must lay out its rows alike (size, scales and their order), and take this path: checked by every peer.
-  const int32_t checked = (1 << 30) | (p.scales_col << 29) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) |
-                          ((a.row_bytes / 16) & 0xFFFF);
-  launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
+  // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer. The
+  // scales' order is per rank (the gather reads each source's bit).
+  const int32_t checked = (1 << 30) | ((col ? 1 : 0) << kCeDispatchColBit) | ((chunks - 1) << 26) |
+                          ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+  launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
   const char* x = static_cast<const char*>(a.x);
   const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   const int64_t T = a.num_tokens;

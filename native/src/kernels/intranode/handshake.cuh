@@ -45,12 +45,14 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
 }
 
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
-/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value (else it reports
+/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value, in the bits of
+/// `arg_mask` (else it reports
 /// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
 /// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired, the
 /// launch was aborted or the values disagree.
 UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
-                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs) {
+                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs,
+                                   int32_t arg_mask = -1) {
   if (threadIdx.x == 0) sm->failed = 0;
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
@@ -61,7 +63,7 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
     if (!arrived) sm->failed = 1;
     if (arg >= 0 && arrived) {
       const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
-      if (theirs != arg) {
+      if ((theirs & arg_mask) != (arg & arg_mask)) {
         report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
         sm->failed = 1;
       }

@@ -247,8 +247,10 @@ struct CeCopies {
   void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
 };
 /// The copy-engine ops' enter hand-shake (a one-block kernel on `stream`, then ce.entered recorded after it): every
-/// rank releases the round with `checked`, a value every rank must agree on (else `args_phase`, InvalidUsage).
-void launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce, void* stream);
+/// rank releases the round with `checked`, whose bits in `checked_mask` every rank must agree on (else `args_phase`,
+/// InvalidUsage); the others are per rank (each peer reads them from its pull_topk word).
+void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
+                     const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
 /// peer d the rows of x that came from d (one block of x) and their top-k weights go back into d's landing area
 /// (ce_block_at) on d's copy stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's
@@ -266,7 +268,6 @@ struct CeDispatchPlan {
   int32_t tokens[kMaxLocalRanks];          ///< tokens of each rank
   int32_t recv_start[kMaxLocalRanks + 1];  ///< our received rows from source s: [recv_start[s], recv_start[s + 1])
   int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
-  int32_t scales_col;                      ///< 1: the scales are column-major ([S, T] storage); 0: row-major
 };
 /// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
 /// peer d on its copy stream our scales (one block in the caller's storage order) and all of x's rows in `chunks`
