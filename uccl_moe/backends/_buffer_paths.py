@@ -24,6 +24,7 @@ _MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank recei
 #: combine sizes its copies by, without a device sync. Absent on a num_worst_tokens handle (no host counts).
 _RANK_PREFIX_HOST_ATTR = "_uccl_moe_rank_prefix_host"
 _RANK_TOKENS_HOST_ATTR = "_uccl_moe_rank_tokens_host"  # every rank's token count, as notify published it
+_CE_FIT_ATTR = "_uccl_moe_ce_fit"  # the last copy-engine combine fit answered for the handle: (key, rank prefix)
 
 
 def _alike_rows(handle: Any, count_attr: str) -> int:
@@ -127,11 +128,18 @@ class BufferPaths:
     def _ce_rank_prefix(self, handle: Any, hidden: int, num_topk: int) -> list[int] | None:
         """The handle's rank prefix matrix as notify published it to the host, where a copy-engine combine of rows of
         `hidden` BF16 values (`num_topk` weights each) fits every rank's buffer; else None (alike on every rank)."""
-        rank_prefix = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_PREFIX_HOST_ATTR, None)
+        owner = handle_field(handle, "rank_prefix_matrix")
+        rank_prefix = getattr(owner, _RANK_PREFIX_HOST_ATTR, None)
         if rank_prefix is None or (hidden * 2) % 16 != 0:
             return None
+        key = (hidden, num_topk, self.ctx.num_nvl_bytes)
+        known = getattr(owner, _CE_FIT_ATTR, None)  # every combine of a handle asks alike: answered once
+        if known is not None and known[0] == key:
+            return known[1]  # type: ignore[no-any-return]
         fits = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk)) <= self.ctx.num_nvl_bytes
-        return list(rank_prefix) if fits else None
+        answer = list(rank_prefix) if fits else None
+        setattr(owner, _CE_FIT_ATTR, (key, answer))
+        return answer
 
     def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] view of this rank's NVL buffer that a combine from the buffer reads, or None where

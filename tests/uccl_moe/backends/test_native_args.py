@@ -586,3 +586,23 @@ def test_internode_stage_packs_by_field_name(monkeypatch: pytest.MonkeyPatch) ->
     assert (pack.x, pack.topk_idx, pack.topk_weights, pack.is_token_in_rank, pack.send_pos, pack.dst_row) == \
         (_ptr(x), _ptr(idx), _ptr(w), _ptr(in_rank), _ptr(plan.send_pos), _ptr(plan.pack_dst_row))
     assert (pack.num_tokens, pack.num_experts, pack.x_scales) == (T, 8, 0)
+
+
+@pytestmark_kernels
+def test_the_ce_combine_fit_is_answered_once_per_handle_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every combine of a handle asks whether the copy-engine combine fits; the answer is kept on the handle's
+    rank_prefix for its (hidden, top-k, buffer size) and computed again when one of them changes."""
+    from uccl_moe.backends import native
+
+    asked: list[tuple[int, int]] = []
+    real = native._C.intranode_ce_landing_bytes
+    monkeypatch.setattr(native._C, "intranode_ce_landing_bytes",
+                        lambda rp, hidden, k: asked.append((hidden, k)) or real(rp, hidden, k))
+    backend = _fake_backend(2, 7)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    h = _two_rank_handle(5, 7, _C.intranode_placed_geometry(24, 2, 8, 256, 1 << 30).num_lanes)
+    setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 4, 5, 7])
+    assert [backend.combine_ce_fits(h, 64, 2) for _ in range(3)] == [True] * 3 and asked == [(64, 2)]
+    assert backend.combine_ce_fits(h, 64, 0) and asked == [(64, 2), (64, 0)]
+    backend.ctx = SimpleNamespace(num_nvl_bytes=int(real([3, 4, 5, 7], 64, 0)) - 1)  # another Buffer size
+    assert not backend.combine_ce_fits(h, 64, 0) and len(asked) == 3
