@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       meta_ptr(peer, kOffExpertCounts)[me * kMaxExpertsPerRank + e] = a.num_tokens_per_expert[dst * experts_per_rank + e];
     for (int l = threadIdx.x; l < L; l += blockDim.x)
       meta_ptr(peer, kOffLanePrefix)[me * kMaxLanes + l] = a.lane_prefix[dst * L + l];
-    if (threadIdx.x == 0) meta_ptr(peer, kOffRankTokens)[me] = a.num_tokens;
+    if (threadIdx.x == 0) meta_ptr(peer, kOffRankTokens)[me] = tokens_of(a);
   }
   reset_ring_counters(ctx, L);
   if (!barrier_block(ctx, &s_failed)) return;  // its fence publishes step 3 before peers read it
