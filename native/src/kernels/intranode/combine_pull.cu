@@ -277,6 +277,36 @@ void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mas
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
 }
 
+void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
+                      int64_t row_bytes, int chunks, char* head_dst, const void* head_src, int64_t head_bytes) {
+  const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
+  UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+  if (head_bytes > 0)  // before the rows: chunk 0's flag covers it
+    UCCL_CHECK_GPU(gpu::memcpy_async(head_dst, head_src, static_cast<size_t>(head_bytes), s));
+  const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
+  char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
+  int64_t r0 = 0;
+  for (int k = 0; k < chunks; ++k) {
+    const int64_t r1 = ce_chunk_end(rows, k, chunks);
+    if (r1 > r0)
+      UCCL_CHECK_GPU(gpu::memcpy_async(dst + r0 * row_bytes, src + r0 * row_bytes,
+                                       static_cast<size_t>((r1 - r0) * row_bytes), s));
+    // every chunk's flag, empty or not: the peer waits only for the chunks it reads from. The flag copy follows the
+    // chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are then visible to
+    // the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would fence explicitly, but
+    // bakes its value into a CUDA graph, which replays rounds)
+    UCCL_CHECK_GPU(gpu::memcpy_async(ready + sizeof(int32_t) * k, round_word, sizeof(int32_t), s));
+    r0 = r1;
+  }
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+}
+
+void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream) {
+  for (int d = 0; d < ctx.num_ranks; ++d)
+    if (d != ctx.rank)
+      UCCL_CHECK_GPU(gpu::stream_wait_event(static_cast<gpu::Stream>(stream), static_cast<gpu::Event>(ce.copied[d])));
+}
+
 void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce,
                        void* stream) {
   const int N = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
@@ -294,46 +324,25 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  const gpu::Stream st = static_cast<gpu::Stream>(stream);
   launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1, DiagPhase::kCombinePullArgs,
                   ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
-  const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
     const int d = (me + i) % N;
-    const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
     const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
     const int64_t rows = rows_sent(rp, N, d, me);
     const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    if (K > 0 && rows > 0)  // the weights first: chunk 0's flag covers them
-      UCCL_CHECK_GPU(gpu::memcpy_async(
-          peer + combine_input_weights_offset(ce_landing_rows(rp, N, d), row_bytes) + at * K * 4,
-          a.topk_weights + first * K, static_cast<size_t>(rows * K * 4), s));
-    int64_t r0 = 0;
-    for (int k = 0; k < a.ce_chunks; ++k) {
-      const int64_t r1 = ce_chunk_end(rows, k, a.ce_chunks);
-      if (r1 > r0)
-        UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCombineInput + (at + r0) * row_bytes, x + (first + r0) * row_bytes,
-                                         static_cast<size_t>((r1 - r0) * row_bytes), s));
-      // every chunk's flag, empty or not: the peer waits only for the chunks its tokens' rows are in. The flag copy
-      // follows the chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are
-      // then visible to the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would
-      // fence explicitly, but bakes its value into a CUDA graph, which replays rounds)
-      UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCeReady + sizeof(int32_t) * (me * kMaxCeChunks + k), round_word,
-                                       sizeof(int32_t), s));
-      r0 = r1;
-    }
-    UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+    char* weights = peer + combine_input_weights_offset(ce_landing_rows(rp, N, d), row_bytes) + at * K * 4;
+    enqueue_ce_block(ctx, ce, d, peer + kOffCombineInput + at * row_bytes, x + first * row_bytes, rows, row_bytes,
+                     a.ce_chunks, weights, a.topk_weights + first * K, K > 0 ? rows * K * 4 : 0);
   }
   with_num_ranks(N, "combine", [&](auto n) {
-    combine_ce_sum_kernel<decltype(n)::value><<<dim3(num_sms), dim3(kThreadsPerBlock), 0, st>>>(ctx, a);
+    combine_ce_sum_kernel<decltype(n)::value>
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
-  // x is read by the copy engines until their streams finish: the caller's stream waits for them
-  for (int d = 0; d < N; ++d)
-    if (d != me) UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce.copied[d])));
+  join_ce_copies(ctx, ce, stream);
 }
 
 }  // namespace uccl_moe::intranode

@@ -21,11 +21,6 @@ namespace {
 constexpr int kSendUnroll = 8;  // 16-B words per lane in flight when copying a row we keep (4 KB per warp)
 constexpr int kRecvUnroll = 8;  // 16-B words per lane in flight when copying a slot out (local)
 
-/// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
-UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
-  return static_cast<const int32_t*>(a.x_scales)[tok * a.scale_token_stride + j * a.scale_hidden_stride];
-}
-
 /// The tokens of [chunk, chunk + warp width) below `end` that go to rank `dst`, as a lane mask. With `record`, also
 /// stores each token's position in the lane's stream to dst (from `pos` on; -1 if not sent) in send_head.
 UCCL_DEVICE_INLINE gpu::LaneMask select_tokens(const DispatchArgs& a, int N, int dst, int chunk, int end, int pos,

@@ -12,6 +12,8 @@
 // Hand-shakes: the copy-engine combine's (combine_pull.cu): the enter kernel (ce_enter_kernel, pull_start with the
 // checked value) before any copy into a peer, and the pull's done hand-shake at the end of the gather (a later op may
 // write into the peers' buffers at once).
+#include <algorithm>
+
 #include "handshake.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
@@ -37,8 +39,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
     // Each source's scales layout, from the value it released in the enter hand-shake (bit kCeDispatchColBit): a
     // rank with at most one token cannot tell (an empty tensor's strides say little), and both orders are the same
     // bytes there, so the bit is not compared across ranks but read per source.
-    const gpu::LaneMask col_src = gpu::ballot(
-        lane < N && lane != me && ((gpu::load_volatile(meta_ptr(local, kOffPullTopk) + lane) >> kCeDispatchColBit) & 1));
+    const int32_t* released = meta_ptr<const int32_t>(local, kOffPullTopk);
+    const gpu::LaneMask col_src =
+        gpu::ballot(lane < N && lane != me && ((gpu::load_volatile(released + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
     if (lane < N && lane != me) {
@@ -58,7 +61,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
         warp_copy_row<kGatherUnroll, false>(
             dst, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes), num_16);
         for (int j = lane; j < S; j += gpu::kWarpSize)
-          out_scales[j] = static_cast<const int32_t*>(a.x_scales)[src * a.scale_token_stride + j * a.scale_hidden_stride];
+          out_scales[j] = scale_at(a, src, j);
       } else {  // landed by a copy engine during the launch: coherent loads
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
         warp_copy_row<kGatherUnroll, true>(dst, reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes),
@@ -104,8 +107,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   // The scales go as one block in the caller's storage order: row-major [T, S] or column-major [S, T], dense (with
   // at most one token both orders are the same bytes, and an empty tensor's strides say little).
   const bool col = S > 1 && a.scale_token_stride == 1;
-  UCCL_ASSERT(S == 0 || a.num_tokens <= 1 || (col ? a.scale_hidden_stride == a.num_tokens
-                                                  : (a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S),
+  const bool row = (a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S;
+  UCCL_ASSERT(S == 0 || a.num_tokens <= 1 || (col ? a.scale_hidden_stride == a.num_tokens : row),
               "the copy-engine dispatch takes dense row- or column-major scales (strides %lld, %lld for %d tokens, "
               "%d scales)", static_cast<long long>(a.scale_token_stride),
               static_cast<long long>(a.scale_hidden_stride), a.num_tokens, S);
@@ -121,48 +124,34 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).
   UCCL_ASSERT(a.recv_src_idx != nullptr || p.recv_start[N] == 0,
               "the copy-engine dispatch gathers along the handle's recv_src_idx, which is missing");
-  int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks];
-  for (int d = 0; d < N; ++d) {  // every landing area fits (the host checked the same on every rank)
-    const int64_t end = ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);
+  // Every rank's landing area ([d][s]: where d holds source s's rows and scales); each fits (the host checked the
+  // same on every rank).
+  int64_t rows_at[kMaxLocalRanks][kMaxLocalRanks], scales_at[kMaxLocalRanks][kMaxLocalRanks];
+  for (int d = 0; d < N; ++d) {
+    const int64_t end = ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at[d], scales_at[d]);
     UCCL_ASSERT(end <= ctx.num_nvl_bytes, "a copy-engine dispatch lands %lld bytes in rank %d's buffer but the "
                 "Buffer has %lld", static_cast<long long>(end), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  ce_dispatch_landing(p.tokens, N, me, a.row_bytes, S, p.rows_at, p.scales_at);
+  std::copy(rows_at[me], rows_at[me] + N, p.rows_at);
+  std::copy(scales_at[me], scales_at[me] + N, p.scales_at);
   // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer. The
   // scales' order is per rank (the gather reads each source's bit).
   const int32_t checked = (1 << 30) | ((col ? 1 : 0) << kCeDispatchColBit) | ((chunks - 1) << 26) |
                           ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
   launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
-  const char* x = static_cast<const char*>(a.x);
-  const char* round_word = static_cast<const char*>(ctx.buffers[me]) + kOffCeRound;
   const int64_t T = a.num_tokens;
-  for (int i = 1; i < N; ++i) {
+  for (int i = 1; i < N; ++i) {  // all of x (and its scales) into d's area, at its entries for us
     const int d = (me + i) % N;
-    const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
-    ce_dispatch_landing(p.tokens, N, d, a.row_bytes, S, rows_at, scales_at);  // d's area: ours at [me]
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    if (S > 0 && T > 0 && a.x_scales != nullptr)  // the scales first: chunk 0's flag covers them
-      UCCL_CHECK_GPU(gpu::memcpy_async(peer + scales_at[me], a.x_scales, static_cast<size_t>(T * S * 4), s));
-    int64_t r0 = 0;
-    for (int k = 0; k < chunks; ++k) {
-      const int64_t r1 = ce_chunk_end(T, k, chunks);
-      if (r1 > r0)
-        UCCL_CHECK_GPU(gpu::memcpy_async(peer + rows_at[me] + r0 * a.row_bytes, x + r0 * a.row_bytes,
-                                         static_cast<size_t>((r1 - r0) * a.row_bytes), s));
-      UCCL_CHECK_GPU(gpu::memcpy_async(peer + kOffCeReady + sizeof(int32_t) * (me * kMaxCeChunks + k), round_word,
-                                       sizeof(int32_t), s));
-      r0 = r1;
-    }
-    UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
+                     peer + scales_at[d][me], a.x_scales, a.x_scales != nullptr ? T * S * 4 : 0);
   }
-  const gpu::Stream st = static_cast<gpu::Stream>(stream);
   with_num_ranks(N, "dispatch", [&](auto n) {
-    dispatch_ce_gather_kernel<decltype(n)::value><<<dim3(num_sms), dim3(kThreadsPerBlock), 0, st>>>(ctx, a, p);
+    dispatch_ce_gather_kernel<decltype(n)::value>
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
-  for (int d = 0; d < N; ++d)  // x is read by the copy engines until their streams finish
-    if (d != me) UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce.copied[d])));
+  join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish
 }
 
 }  // namespace uccl_moe::intranode

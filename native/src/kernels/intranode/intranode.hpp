@@ -251,6 +251,13 @@ struct CeCopies {
 /// InvalidUsage); the others are per rank (each peer reads them from its pull_topk word).
 void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
                      const CeCopies& ce, void* stream);
+/// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `head_bytes` from `head_src` to
+/// `head_dst` (none when 0), then `rows` rows of `row_bytes` from `src` to `dst` in `chunks` chunks (ce_chunk_end),
+/// each followed by a 4-byte copy of our ce_round into d's ce_ready[us][chunk]; ce.copied[d] recorded after them.
+void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
+                      int64_t row_bytes, int chunks, char* head_dst, const void* head_src, int64_t head_bytes);
+/// The caller's `stream` waits for every peer's copy stream (ce.copied): the copies read the caller's tensors.
+void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
 /// peer d the rows of x that came from d (one block of x) and their top-k weights go back into d's landing area
 /// (ce_block_at) on d's copy stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's

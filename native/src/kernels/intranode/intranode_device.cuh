@@ -319,6 +319,11 @@ UCCL_DEVICE_INLINE void publish_heads(const NvlContext& ctx, RecvSmem* sm, int f
   }
 }
 
+/// Scale j of token `tok` (row- or column-major x_scales, 4 bytes copied bit-exact).
+UCCL_DEVICE_INLINE int32_t scale_at(const DispatchArgs& a, int tok, int j) {
+  return static_cast<const int32_t*>(a.x_scales)[tok * a.scale_token_stride + j * a.scale_hidden_stride];
+}
+
 /// Token count of a launch: the host value, or the device one when an internode forwarder passes it.
 template <typename Args>
 UCCL_DEVICE_INLINE int tokens_of(const Args& a) {
