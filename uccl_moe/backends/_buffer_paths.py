@@ -52,6 +52,10 @@ class BufferPaths:
 
         def _stream(self) -> int: ...
 
+        @staticmethod
+        def _alloc_recv(rows: int, x: torch.Tensor, x_scales: torch.Tensor | None, num_topk: int,
+                        with_meta: bool) -> tuple[Any, ...]: ...
+
     def _combine_tensor(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None, bias: Any,
                         config: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A caller's (contiguous) tensor `x` combined through the copy engines or staged, where the knobs
@@ -89,9 +93,7 @@ class BufferPaths:
             return None
         rank_prefix, tokens = counts
         rows = int(handle.recv_src_idx.shape[0])
-        recv_x = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-        recv_scales = None if x_scales is None else torch.empty(
-            (rows,) if x_scales.dim() == 1 else (rows, num_scales), dtype=x_scales.dtype, device=x.device)
+        recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
         args = _C.DispatchArgs(
             x=_ptr(x), x_scales=_ptr(x_scales), rank_prefix=_ptr(handle.rank_prefix_matrix), num_tokens=x.shape[0],
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,

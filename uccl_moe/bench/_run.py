@@ -149,23 +149,21 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         fill_view()
         from_view = buf.combine(view[0], h, config=ccfg).combined_x
         out["combine_view_equal"] = bool(torch.equal(from_view, buf.combine(y, h, config=ccfg).combined_x))
-    if args.dispatch_direct:  # the same bytes as the rings' (FP8 rows and scales as bytes); fits, else it timed rings
-        fp8 = dtype == "fp8"  # x's own rows (1 or 2 bytes a value) and scales; a cached dispatch lands no ids
-        out["dispatch_direct_fits"] = bool(buf._live().dispatch_direct_fits(h, H if fp8 else 2 * H, 0,
-                                                                            H // 128 if fp8 else 0))
-        got, want = (_forced("UCCL_MOE_DISPATCH_DIRECT", v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x
-                     for v in ("1", "0"))
-        out["dispatch_direct_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
-                                           zip(got if isinstance(got, tuple) else (got,),
-                                               want if isinstance(want, tuple) else (want,)))
-    if args.dispatch_ce:  # fits (else it timed the rings), and the same bytes as the rings'
-        fp8 = dtype == "fp8"
-        out["dispatch_ce_fits"] = bool(buf._live().dispatch_ce_fits(h, H if fp8 else 2 * H, H // 128 if fp8 else 0))
-        got, want = (_forced("UCCL_MOE_DISPATCH_CE", v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x
-                     for v in ("1", "0"))
-        out["dispatch_ce_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
-                                       zip(got if isinstance(got, tuple) else (got,),
-                                           want if isinstance(want, tuple) else (want,)))
+    # Each forced dispatch path: whether it fits (else it timed the rings), and the same bytes as the rings' (FP8 rows
+    # and scales as bytes: x's own rows, 1 or 2 bytes a value, and scales; a cached dispatch lands no ids).
+    rb, ns = (H, H // 128) if dtype == "fp8" else (2 * H, 0)
+    dispatch_paths: list[tuple[str, str, bool, Callable[[], Any]]] = [
+        ("direct", "UCCL_MOE_DISPATCH_DIRECT", args.dispatch_direct,
+         lambda: buf._live().dispatch_direct_fits(h, rb, 0, ns)),
+        ("ce", "UCCL_MOE_DISPATCH_CE", args.dispatch_ce, lambda: buf._live().dispatch_ce_fits(h, rb, ns))]
+    for name, var, timed, fits_fn in dispatch_paths:
+        if not timed:
+            continue
+        out[f"dispatch_{name}_fits"] = bool(fits_fn())
+        got, want = (_forced(var, v, lambda: buf.dispatch(x, handle=h, config=dcfg)).recv_x for v in ("1", "0"))
+        out[f"dispatch_{name}_equal"] = all(torch.equal(p.view(torch.uint8), q.view(torch.uint8)) for p, q in
+                                            zip(got if isinstance(got, tuple) else (got,),
+                                                want if isinstance(want, tuple) else (want,)))
     if args.combine_staged:  # each path's fit (else it timed the next path) and bits against the ring's
         ring = _forced_combine(buf, y, h, ccfg, "ring").combined_x
         for path, fits in (("staged", buf._live().combine_staged_fits(h, H, 0)),

@@ -83,7 +83,7 @@ void NvlRuntime::connect(const std::vector<std::string>& handles) {
   UCCL_ASSERT(static_cast<int>(handles.size()) == num_ranks_, "got %zu IPC handles for %d local ranks",
               handles.size(), num_ranks_);
   UCCL_CHECK_GPU(gpu::set_device(device_));
-  ce_copies(nullptr);  // the copy-engine ops' streams and events now, never inside a CUDA graph capture
+  make_ce_streams();  // on our device (set above), so never inside a CUDA graph capture
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
     UCCL_ASSERT(handles[r].size() == sizeof(gpu::IpcMemHandle), "IPC handle of rank %d has %zu bytes, expected %zu",
@@ -121,25 +121,23 @@ void NvlRuntime::destroy() {
   connected_ = false;
 }
 
-intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host) {
-  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
-  if (ce_entered_ == nullptr) {  // first use: on our device, leaving the caller's current device as it was
-    int was = -1;
-    UCCL_CHECK_GPU(gpu::get_device(&was));
-    UCCL_CHECK_GPU(gpu::set_device(device_));
-    gpu::Event e = nullptr;
-    for (int r = 0; r < num_ranks_; ++r) {
-      if (r == rank_) continue;
-      gpu::Stream st = nullptr;
-      UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&st));
-      ce_streams_[r] = st;
-      UCCL_CHECK_GPU(gpu::event_create(&e));
-      ce_copied_[r] = e;
-    }
+void NvlRuntime::make_ce_streams() {
+  gpu::Event e = nullptr;
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    gpu::Stream st = nullptr;
+    UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&st));
+    ce_streams_[r] = st;
     UCCL_CHECK_GPU(gpu::event_create(&e));
-    ce_entered_ = e;
-    UCCL_CHECK_GPU(gpu::set_device(was));
+    ce_copied_[r] = e;
   }
+  UCCL_CHECK_GPU(gpu::event_create(&e));
+  ce_entered_ = e;
+}
+
+intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host) const {
+  UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
+  UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
   intranode::CeCopies c{};
   c.rank_prefix_host = rank_prefix_host;
   for (int r = 0; r < kMaxLocalRanks; ++r) {

@@ -80,7 +80,7 @@ class NvlRuntime {
   intranode::Geometry geometry(int num_sms, int nvl_send_tokens, int nvl_recv_tokens) const;
   /// The streams and events of the copy-engine ops (created by connect() on this runtime's device, so never inside
   /// a CUDA graph capture; kept until destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
-  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host);
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host) const;
 
  private:
   int rank_, num_ranks_, device_;
@@ -94,7 +94,8 @@ class NvlRuntime {
   int ring_channels_ = -1;
   int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
   int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
-  void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine combine: a stream per peer, and its events (ce_copies)
+  void make_ce_streams();  // connect(): the copy-engine ops' streams and events
+  void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine ops: a stream per peer, and its events (ce_copies)
   void* ce_entered_ = nullptr;
   void* ce_copied_[kMaxLocalRanks] = {};
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
