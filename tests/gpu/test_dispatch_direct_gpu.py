@@ -164,17 +164,19 @@ def test_direct_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_direct_worker, world, timeout_s=600)
 
 
-def _ce_worker(rank: int, world: int, gloo) -> None:
+def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     """The copy-engine cached dispatch (UCCL_MOE_DISPATCH_CE=1) against the rings, bit for bit: every case above
     (token counts differ per rank in the "neg" cases, a rank receives nothing in "empty_last", row-major, column-major
     and int scales) and a rank with no tokens; a num_worst_tokens handle (no host counts) takes the rings; 24 back to
     back with one rank late; interleaved with ring dispatches and every combine path (the copy-engine combine lands in
-    the same area)."""
+    the same area). `few` (6 and 8 ranks sharing the GPUs): the -1-entry, empty-rank and no-token cases, the
+    back-to-back and interleaved dispatches only."""
     R = world
     cfg, nat, ref, check = pull_buffers(rank, R, gloo)
     # and a rank with no tokens at all (empty x and scales, address 0): it still sends its (empty) x and receives
     no_tokens = [("fp8-col-no-tokens", 0 if rank == R - 1 else 300, 2048, 16, 8, True, "col", "random")]
-    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(CASES + no_tokens):
+    cases = [c for c in CASES + no_tokens if not few or c[7] in ("neg", "empty_last") or c[0].endswith("no-tokens")]
+    for seed, (name, T, H, per_rank, K, fp8, scales, routing) in enumerate(cases):
         T = T + 17 * rank if routing == "neg" else T
         case = _Case(rank, R, T, H, per_rank * R, K, fp8, scales, routing, 900 + seed)
         _, ring = _ce(False, _dispatch, nat, case, "cuda", config=cfg)
@@ -242,3 +244,8 @@ def _ce_worker(rank: int, world: int, gloo) -> None:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ce_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [6, 8])
+def test_ce_dispatch_more_ranks(world: int) -> None:
+    run_shared_gpu_ranks(_ce_worker, world, True, timeout_s=600)
