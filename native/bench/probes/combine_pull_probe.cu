@@ -22,6 +22,8 @@
 //              into the peer's flag for it); the kernel's blocks all sum chunk c once flagged: no SM crosses the
 //              link (issue 28: 24 SMs push at most ~320 GB/s, the copy engines move ~350 with both GPUs sending)
 //   ce_wait    the same copies, the kernel only waits for every flag: the copy engines alone
+//   ce_sum2 / ce_wait2  the same, with chunk c on the second of two streams per peer when c is odd (do two streams
+//              per direction move more than one, with both GPUs sending?); chunk 4096 is one copy per peer
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
 // The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (ce_gate).
 #include <cuda_runtime.h>
@@ -42,10 +44,11 @@ using kernels::pack_bf16x8;
 
 constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
-enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kNumModes };
-const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum",
-                                           "pull_only", "ce_sum",   "ce_wait"};
-constexpr bool is_ce(int mode) { return mode == kCeSum || mode == kCeWait; }
+enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kCeSum2, kCeWait2, kNumModes };
+const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only",
+                                           "ce_sum",    "ce_wait",   "ce_sum2",  "ce_wait2"};
+constexpr bool is_ce(int mode) { return mode == kCeSum || mode == kCeWait || mode == kCeSum2 || mode == kCeWait2; }
+constexpr bool two_streams(int mode) { return mode == kCeSum2 || mode == kCeWait2; }
 
 struct Args {
   int4* xu[kMaxGpus];      // inputs, [n blocks][tokens][row]
@@ -217,8 +220,10 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
     case kCopyPull: combine_probe<N, kCopyPull><<<grid, kThreads, 0, s>>>(a); break;
     case kPushSum: combine_probe<N, kPushSum><<<grid, kThreads, 0, s>>>(a); break;
     case kLocalSum: combine_probe<N, kLocalSum><<<grid, kThreads, 0, s>>>(a); break;
-    case kCeSum: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
-    case kCeWait: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeSum:
+    case kCeSum2: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeWait:
+    case kCeWait2: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
     default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
   }
   CK(cudaGetLastError());
@@ -235,7 +240,7 @@ int main(int argc, char** argv) {
   const long long row_bytes = kRowWords * 16ll, block_bytes = T * row_bytes;
   const int max_chunks = 4096;
   Args a{};
-  std::vector<cudaStream_t> st(n), ce(n * n);  // ce[g * n + p]: GPU g's copies to peer p
+  std::vector<cudaStream_t> st(n), ce(2 * n * n);  // ce[(i * n + g) * n + p]: GPU g's copies to peer p, stream i
   std::vector<int32_t*> epoch_word(n);           // the flag value the copy engines copy after each chunk
   int32_t* host_flag = nullptr;                  // the ce_ modes' start gate (mapped pinned memory)
   CK(cudaHostAlloc(&host_flag, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -255,7 +260,7 @@ int main(int argc, char** argv) {
     fill<<<264, 512>>>(a.xu[g], g, n, T);
     CK(cudaGetLastError());
     CK(cudaStreamCreateWithFlags(&st[g], cudaStreamNonBlocking));
-    for (int p = 0; p < n; ++p) CK(cudaStreamCreateWithFlags(&ce[g * n + p], cudaStreamNonBlocking));
+    for (int p = 0; p < 2 * n; ++p) CK(cudaStreamCreateWithFlags(&ce[(p / n * n + g) * n + p % n], cudaStreamNonBlocking));
     CK(cudaMalloc(&epoch_word[g], sizeof(int32_t)));
     CK(cudaEventCreate(&e0[g]));
     CK(cudaEventCreate(&e1[g]));
@@ -290,9 +295,9 @@ int main(int argc, char** argv) {
       CK(cudaEventRecord(e0[g], st[g]));
       for (int p = 0; p < n && is_ce(mode); ++p) {  // block p of our rows into p's landing zone, chunk by chunk
         if (p == g) continue;
-        cudaStream_t s = ce[g * n + p];
-        CK(cudaStreamWaitEvent(s, e0[g], 0));
+        for (int i = 0; i < 2; ++i) CK(cudaStreamWaitEvent(ce[(i * n + g) * n + p], e0[g], 0));
         for (int c = 0; c < chunks; ++c) {
+          cudaStream_t s = ce[((two_streams(mode) ? c % 2 : 0) * n + g) * n + p];
           const long long r0 = static_cast<long long>(c) * chunk, rows = std::min<long long>(chunk, T - r0);
           CK(cudaMemcpyAsync(a.xb[p] + (g * T + r0) * kRowWords, a.xu[g] + (p * T + r0) * kRowWords,
                              rows * row_bytes, cudaMemcpyDeviceToDevice, s));
@@ -309,7 +314,7 @@ int main(int argc, char** argv) {
     return worst * 1e3f;
   };
   auto check = [&](int mode) {  // rows 0, T/2 and T-1 of every GPU's output
-    if (mode == kCeWait) return;  // no output
+    if (mode == kCeWait || mode == kCeWait2) return;  // no output
     std::vector<uint16_t> row(kRowWords * 8);
     for (int g = 0; g < n; ++g)
       for (long long t : {0ll, T / 2, T - 1}) {
@@ -338,7 +343,7 @@ int main(int argc, char** argv) {
   const double remote_bytes = static_cast<double>(block_bytes) * (n - 1);
   for (int mode = 0; mode < kNumModes; ++mode)
     for (int sms : {16, 24, 32})
-      for (int chunk : {24, 48, 96, 256, 512, 1024}) {
+      for (int chunk : {24, 48, 96, 256, 512, 1024, 2048, 4096}) {
         if (is_ce(mode) != (chunk >= 256)) continue;  // the copy engines take big chunks (a host call per chunk)
         if (!is_ce(mode) && !(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
         if (is_ce(mode) && sms != 24) continue;  // the copy engines take no SMs: 24 sum (the DeepSeek-V3 setting)
