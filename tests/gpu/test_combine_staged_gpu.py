@@ -48,10 +48,11 @@ def _fits(buf, path: str, handle, hidden: int, num_topk: int) -> bool:
 
 
 def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool = False) -> None:
-    """`few` (6 and 8 ranks sharing the GPUs: the sum kernels' widest instantiations): the -1-entry and
-    empty-rank cases, the interleaving and the back-to-back combines only."""
+    """`few` (6 and 8 ranks sharing the GPUs: the sum kernels' widest instantiations; or UMOE_TEST_SMALL=1, for
+    compute-sanitizer): the -1-entry and empty-rank cases, the interleaving and the back-to-back combines only."""
     from uccl_moe import Buffer
 
+    few = few or os.environ.get("UMOE_TEST_SMALL", "0") == "1"
     R = world
     P = path  # the path under test: "staged" or "ce"
     cfg, nat, ref, check = pull_buffers(rank, R, gloo)
