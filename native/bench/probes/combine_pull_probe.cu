@@ -24,8 +24,12 @@
 //   ce_wait    the same copies, the kernel only waits for every flag: the copy engines alone
 //   ce_sum2 / ce_wait2  the same, with chunk c on the second of two streams per peer when c is odd (do two streams
 //              per direction move more than one, with both GPUs sending?); chunk 4096 is one copy per peer
+//   ce_sumwv / ce_waitwv  the same as ce_sum / ce_wait, each chunk's flag written by a stream memory operation
+//              (cuStreamWriteValue32, with its default fence) instead of a 4-byte copy-engine copy: what do the flag
+//              copies cost between the chunks?
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
 // The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (ce_gate).
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,11 +48,17 @@ using kernels::pack_bf16x8;
 
 constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
-enum Mode { kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kCeSum2, kCeWait2, kNumModes };
-const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only",
-                                           "ce_sum",    "ce_wait",   "ce_sum2",  "ce_wait2"};
-constexpr bool is_ce(int mode) { return mode == kCeSum || mode == kCeWait || mode == kCeSum2 || mode == kCeWait2; }
+enum Mode {
+  kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kCeSum2, kCeWait2, kCeSumWv, kCeWaitWv,
+  kNumModes
+};
+const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only", "ce_sum",
+                                           "ce_wait",   "ce_sum2",   "ce_wait2", "ce_sumwv",  "ce_waitwv"};
+constexpr bool is_ce(int mode) { return mode >= kCeSum; }
 constexpr bool two_streams(int mode) { return mode == kCeSum2 || mode == kCeWait2; }
+constexpr bool write_value(int mode) { return mode == kCeSumWv || mode == kCeWaitWv; }
+constexpr bool only_waits(int mode) { return mode == kCeWait || mode == kCeWait2 || mode == kCeWaitWv; }
+using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 struct Args {
   int4* xu[kMaxGpus];      // inputs, [n blocks][tokens][row]
@@ -221,9 +231,11 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
     case kPushSum: combine_probe<N, kPushSum><<<grid, kThreads, 0, s>>>(a); break;
     case kLocalSum: combine_probe<N, kLocalSum><<<grid, kThreads, 0, s>>>(a); break;
     case kCeSum:
-    case kCeSum2: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeSum2:
+    case kCeSumWv: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
     case kCeWait:
-    case kCeWait2: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeWait2:
+    case kCeWaitWv: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
     default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
   }
   CK(cudaGetLastError());
@@ -239,6 +251,11 @@ int main(int argc, char** argv) {
   }
   const long long row_bytes = kRowWords * 16ll, block_bytes = T * row_bytes;
   const int max_chunks = 4096;
+  WriteValue32 write_value32 = nullptr;  // the driver's cuStreamWriteValue32, through the runtime's entry point
+  cudaDriverEntryPointQueryResult found{};
+  CK(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", reinterpret_cast<void**>(&write_value32), 12000,
+                                      cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess) write_value32 = nullptr;
   Args a{};
   std::vector<cudaStream_t> st(n), ce(2 * n * n);  // ce[(i * n + g) * n + p]: GPU g's copies to peer p, stream i
   std::vector<int32_t*> epoch_word(n);           // the flag value the copy engines copy after each chunk
@@ -301,8 +318,18 @@ int main(int argc, char** argv) {
           const long long r0 = static_cast<long long>(c) * chunk, rows = std::min<long long>(chunk, T - r0);
           CK(cudaMemcpyAsync(a.xb[p] + (g * T + r0) * kRowWords, a.xu[g] + (p * T + r0) * kRowWords,
                              rows * row_bytes, cudaMemcpyDeviceToDevice, s));
-          CK(cudaMemcpyAsync(a.ready[p] + g * chunks + c, epoch_word[g], sizeof(int32_t), cudaMemcpyDeviceToDevice,
-                             s));  // after the chunk on the same stream: the peer's flag for it
+          if (write_value(mode)) {  // the flag by the stream's front end, after the chunk (default: fenced)
+            const CUresult r = write_value32(reinterpret_cast<CUstream>(s),
+                                             reinterpret_cast<CUdeviceptr>(a.ready[p] + g * chunks + c),
+                                             static_cast<cuuint32_t>(epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
+            if (r != CUDA_SUCCESS) {
+              std::fprintf(stderr, "cuStreamWriteValue32 failed: %d\n", static_cast<int>(r));
+              std::exit(1);
+            }
+          } else {
+            CK(cudaMemcpyAsync(a.ready[p] + g * chunks + c, epoch_word[g], sizeof(int32_t), cudaMemcpyDeviceToDevice,
+                               s));  // after the chunk on the same stream: the peer's flag for it
+          }
         }
       }
       (n == 2 ? launch<2> : launch<4>)(mode, dim3(sms), st[g], ag);
@@ -314,7 +341,7 @@ int main(int argc, char** argv) {
     return worst * 1e3f;
   };
   auto check = [&](int mode) {  // rows 0, T/2 and T-1 of every GPU's output
-    if (mode == kCeWait || mode == kCeWait2) return;  // no output
+    if (only_waits(mode)) return;  // no output
     std::vector<uint16_t> row(kRowWords * 8);
     for (int g = 0; g < n; ++g)
       for (long long t : {0ll, T / 2, T - 1}) {
@@ -347,6 +374,7 @@ int main(int argc, char** argv) {
         if (is_ce(mode) != (chunk >= 256)) continue;  // the copy engines take big chunks (a host call per chunk)
         if (!is_ce(mode) && !(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
         if (is_ce(mode) && sms != 24) continue;  // the copy engines take no SMs: 24 sum (the DeepSeek-V3 setting)
+        if (write_value(mode) && write_value32 == nullptr) continue;  // no driver entry point: not measured
         std::vector<float> t;
         CK(cudaSetDevice(0));
         for (int g = 0; g < n; ++g) {
