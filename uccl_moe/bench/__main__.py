@@ -21,7 +21,8 @@ after warm-up, the slowest rank's time. Before each flush the ranks meet in a on
 timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
 rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
 included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks only. FP8 rows count
-hidden bytes + 4 bytes per scale; combine counts BF16.
+hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose host time per call outgrew the
+flush's GPU time (``flush_us``): the GPU then waited for the host inside the timed window (a loaded host).
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
@@ -198,6 +199,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def host_bound_notes(rows: list[dict[str, Any]], device_time: bool) -> list[str]:
+    """One note per row where an op's host us per call (ours or NCCL's, slowest rank) exceeded the L2 flush's GPU time
+    (``flush_us``, the host time a call hides behind): the GPU waited for the host inside that op's timed window, so
+    its figure includes host time. None in --device-time (the GPU sleep hides the host there)."""
+    notes: list[str] = []
+    for r in [] if device_time else rows:
+        flush = r.get("flush_us") or 0.0
+        over = [f"{k[:-8]} {r[k]:.0f}" for k in sorted(r) if k.endswith("_host_us") and flush and r[k] > flush]
+        if over:
+            notes.append(f"NOTE: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: host us per call above "
+                         f"the L2 flush's {flush:.0f} us of GPU time ({', '.join(over)}): the GPU waited for the host, "
+                         f"so those figures include host time (a loaded host? rerun, or compare --device-time)")
+    return notes
+
+
 def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, seconds: float) -> dict[str, Any]:
     """Print the per-op table (and every column), write the JSON and PNG that args name; returns the JSON object.
     `result` is what the workers return: ``rows`` (one per point), ``peer_copy_GBps``, ``sm_push_GBps``."""
@@ -228,6 +244,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
             if r.get(f"combine_{path}_fits") is False:
                 print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer (or "
                       f"the handle has no host counts), so '{what}' timed the ring combine", file=sys.stderr)
+    for note in host_bound_notes(rows, args.device_time):
+        print(note, file=sys.stderr)
     if args.kernel_times:
         print(_kernel_lines(rows))
     out = {"device": dev, "ranks": R, "argv": sys.argv[1:], "mode": args.mode, "mode_label": mode_label(args),

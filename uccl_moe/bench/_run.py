@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ._timing import FLUSH_BYTES, kernel_us, time_op
+from ._timing import FLUSH_BYTES, flush_us, kernel_us, time_op
 
 
 # ------------------------------------------------------------------------------------------------ per rank
@@ -116,7 +116,7 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
         def align() -> None:
             dist.all_reduce(token)
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"flush_us": flush_us(flush)}
     # combine_view: the same rows combined from the Buffer's own memory (get_combine_buffer), where the producer of
     # the rows (Megatron's unpermute) writes them; each timing loop refills the view first, since the other ops'
     # rings run over it.
@@ -252,6 +252,8 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 "dispatch_ce_fits"):
         if key in per_rank[0]:
             row[key] = all(d[key] for d in per_rank)
+    if "flush_us" in per_rank[0]:  # the least host time any rank's flush hides
+        row["flush_us"] = round(min(d["flush_us"] for d in per_rank), 1)
     for op in _OPS:
         key = f"{op}_kernels"
         if key in per_rank[0]:  # slowest rank per kernel

@@ -46,6 +46,22 @@ def time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
     return float(statistics.median(times)), float(statistics.median(host))
 
 
+def flush_us(flush: Any, runs: int = 11) -> float:
+    """Median GPU microseconds of one L2 flush (time_op's, before each timed run): the host time per call it hides.
+    A call whose host time exceeds it leaves the GPU waiting for the host inside the timed window."""
+    import torch
+
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        flush.zero_()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(statistics.median(times))
+
+
 def kernel_us(fn: Callable[[], Any], flush: Any, iters: int, align: Callable[[], Any] | None) -> dict[str, float]:
     """GPU time per call of each kernel fn() launches: time_op's loop under torch.profiler (the flush's and the
     alignment's kernels are left out), the kernel-only view next to the event time of the whole Python call."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from uccl_moe.bench.__main__ import build_parser, main
+from uccl_moe.bench.__main__ import build_parser, host_bound_notes, main
 from uccl_moe.bench._run import _kernel_lines, _summarise, _table
 from uccl_moe.bench._timing import kernel_table
 
@@ -98,6 +98,25 @@ def test_host_time_per_call_is_the_slowest_ranks_and_tabled() -> None:
     assert "comb_host" not in header
     assert lines[1].split()[header.index("disp_host")] == "15.5"
     assert lines[1].split()[header.index("nccl_host")] == "8.0"
+
+
+def test_host_bound_notes_name_the_ops_whose_host_time_outgrew_the_flush() -> None:
+    """The flush each timed run starts behind hides at most its own GPU time of host work: an op whose host us per
+    call (slowest rank) exceeds the least of the ranks' flush times is named, ours or NCCL's; none in device time."""
+    a = {**_rank(100.0, 400, 300), "dispatch_host_us": 95.0, "combine_host_us": 40.0, "nccl_dispatch_us": 90.0,
+         "nccl_dispatch_host_us": 30.0, "flush_us": 88.0}
+    b = {**_rank(90.0, 400, 300), "dispatch_host_us": 50.0, "combine_host_us": 41.0, "nccl_dispatch_us": 80.0,
+         "nccl_dispatch_host_us": 91.0, "flush_us": 86.0}
+    row = _summarise([a, b])
+    assert row["flush_us"] == 86.0
+    row.update(ranks=2, tokens=4096, hidden=7168, dtype="fp8")
+    (note,) = host_bound_notes([row], device_time=False)
+    assert "EP2 T=4096 H=7168 fp8" in note and "86 us" in note
+    assert "dispatch 95" in note and "nccl_dispatch 91" in note and "combine" not in note.replace("--", "")
+    assert host_bound_notes([row], device_time=True) == []
+    calm = {**row, "dispatch_host_us": 50.0, "nccl_dispatch_host_us": 30.0}
+    assert host_bound_notes([calm], device_time=False) == []
+    assert host_bound_notes([{k: v for k, v in row.items() if k != "flush_us"}], device_time=False) == []
 
 
 @pytest.mark.parametrize("hold", [False, True])
