@@ -17,12 +17,13 @@ For every point of the sweep (tokens x hidden x experts x dispatch dtype x SMs [
 and once per run two ceilings: the one-way peer copy (copy engine, rank 0 -> rank 1, other ranks idle) and the SM
 push (torch's copy kernel on all SMs of every GPU storing into its peers' memory over P2P at once).
 Method (docs/benchmarks.md, "Method"): L2 flushed (256 MB written) before each run, CUDA events, median of >= 20 runs
-after warm-up, the slowest rank's time. Before each flush the ranks meet in a one-float NCCL all-reduce (not
-timed), so each timed call starts at nearly the same moment on every rank (``--no-align`` turns it off; then a
-rank's time also counts how late its peers launched). Metrics: ``logical_GBps`` = all rows a rank receives (own rows
-included) x row bytes / time; ``nvlink_GBps`` = rows received from other ranks only. FP8 rows count
-hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose host time per call outgrew the
-flush's GPU time (``flush_us``): the GPU then waited for the host inside the timed window (a loaded host).
+after warm-up (the first point also runs once untimed before it is timed), the slowest rank's time. Before each flush
+the ranks meet in a one-float NCCL all-reduce (not timed), so each timed call starts at nearly the same moment on every
+rank (``--no-align`` turns it off; then a rank's time also counts how late its peers launched). Metrics:
+``logical_GBps`` = all rows a rank receives (own rows included) x row bytes / time; ``nvlink_GBps`` = rows received from
+other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose
+host time per call outgrew the flush's GPU time (``flush_us``): the GPU then waited for the host inside the timed window
+(a loaded host).
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
