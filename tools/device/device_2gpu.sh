@@ -22,7 +22,8 @@
 #   probe    native/bench/probes/nvlink_probe.cu: SM push, pull, local and mixed copies between the GPUs at 8-64 SMs
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 #   cprobe   native/bench/probes/combine_pull_probe.cu: combine designs at 4096 tokens (SM pull, SM push, and the
-#            copy engines moving the rows while 24 SMs sum: ce_sum / ce_wait), each checked, median us and GB/s
+#            copy engines moving the rows while 24 SMs sum: ce_sum / ce_wait, on two streams per peer: ce_sum2 /
+#            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv; chunks up to one copy), each checked, median us
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -105,7 +106,7 @@ for stage in ${STAGES:-quick bench}; do
   cprobe)
     nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/combine_probe native/bench/probes/combine_pull_probe.cu \
       > "$OUT/cprobe.log" 2>&1 && timeout "${CPROBE_T:-150}" /tmp/combine_probe 4096 9 >> "$OUT/cprobe.log" 2>&1
-    echo "cprobe rc=$?"; tail -30 "$OUT/cprobe.log" ;;
+    echo "cprobe rc=$?"; tail -60 "$OUT/cprobe.log" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \

@@ -22,8 +22,8 @@ the ranks meet in a one-float NCCL all-reduce (not timed), so each timed call st
 rank (``--no-align`` turns it off; then a rank's time also counts how late its peers launched). Metrics:
 ``logical_GBps`` = all rows a rank receives (own rows included) x row bytes / time; ``nvlink_GBps`` = rows received from
 other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose
-host time per call outgrew the flush's GPU time (``flush_us``): the GPU then waited for the host inside the timed window
-(a loaded host).
+host time per call outgrew the flush's GPU time (``flush_us``): the GPU may then have waited for the host inside the
+timed window (a loaded host).
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
@@ -202,16 +202,17 @@ def run(args: argparse.Namespace) -> int:
 
 def host_bound_notes(rows: list[dict[str, Any]], device_time: bool) -> list[str]:
     """One note per row where an op's host us per call (ours or NCCL's, slowest rank) exceeded the L2 flush's GPU time
-    (``flush_us``, the host time a call hides behind): the GPU waited for the host inside that op's timed window, so
-    its figure includes host time. None in --device-time (the GPU sleep hides the host there)."""
+    (``flush_us``, the host time a call surely hides behind): the GPU may have waited for the host inside that op's
+    timed window, so its figure may include host time. None in --device-time (the GPU sleep hides the host there)."""
     notes: list[str] = []
     for r in [] if device_time else rows:
         flush = r.get("flush_us") or 0.0
         over = [f"{k[:-8]} {r[k]:.0f}" for k in sorted(r) if k.endswith("_host_us") and flush and r[k] > flush]
         if over:
             notes.append(f"NOTE: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: host us per call above "
-                         f"the L2 flush's {flush:.0f} us of GPU time ({', '.join(over)}): the GPU waited for the host, "
-                         f"so those figures include host time (a loaded host? rerun, or compare --device-time)")
+                         f"the L2 flush's {flush:.0f} us of GPU time ({', '.join(over)}): the GPU may have waited for "
+                         f"the host, so those figures may include host time (a loaded host? rerun, or compare "
+                         f"--device-time)")
     return notes
 
 

@@ -358,8 +358,10 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
             bar = None
     # One untimed pass over the first point: a process's first timed loops ran up to 25 us slow (FP8 dispatch, device
     # time, 2 x H100), and the first point's NCCL loops, timed after ours, would not pay it.
-    T, H, E, dt, sms, ns, nr = points[0]
-    _point(buf, rank, R, gloo, T, H, E, args.topk, dt, *point_configs(R, sms, ns, nr, dt)[:2], args)
+    if points:  # (its kernel profile, --kernel-times, would be thrown away: not taken)
+        T, H, E, dt, sms, ns, nr = points[0]
+        _point(buf, rank, R, gloo, T, H, E, args.topk, dt, *point_configs(R, sms, ns, nr, dt)[:2],
+               argparse.Namespace(**{**vars(args), "kernel_times": False}))
     rows = []
     for i, (T, H, E, dt, sms, ns, nr) in enumerate(points):
         dcfg, ccfg, d_run, c_run = point_configs(R, sms, ns, nr, dt)
