@@ -24,6 +24,8 @@
 #   cprobe   native/bench/probes/combine_pull_probe.cu: combine designs at 4096 tokens (SM pull, SM push, and the
 #            copy engines moving the rows while 24 SMs sum: ce_sum / ce_wait, on two streams per peer: ce_sum2 /
 #            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv; chunks up to one copy), each checked, median us
+#   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (UMOE_TEST_SMALL=1; SAN_TESTS, default the
+#            copy-engine combine's test); sanitizer.log
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -112,6 +114,16 @@ for stage in ${STAGES:-quick bench}; do
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
       tests/gpu/test_megatron_ep_overlap_gpu.py > "$OUT/mtest.log" 2>&1
     echo "mtest rc=$?"; sum "$OUT/mtest.log" 12; grep -E "under compute|max \|d" "$OUT/mtest.log" | tail -6 ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      # shellcheck disable=SC2086
+      UMOE_TEST_SMALL=1 UMOE_TEST_ITERS=2 UMOE_TEST_BIG=0 UCCL_MOE_TIMEOUT_S=100 timeout "${SAN_T:-170}" \
+        compute-sanitizer --tool $tool --target-processes all python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
+        ${SAN_TESTS:-"tests/gpu/test_combine_staged_gpu.py::test_staged_and_ce_combine_match_the_ring[ce-2]"} \
+        >> "$OUT/sanitizer.log" 2>&1
+      echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -2
+    done ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
   esac
   el "$stage done"
 done
