@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _kernels
+from test_combine_staged_gpu import _combine, _kernels
 from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, _eq, _split, pull_buffers
 
 pytestmark = pytest.mark.gpu
@@ -229,11 +229,7 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
             view.copy_(y)
             got = nat.combine(view, bb.handle, config=cfg).combined_x
         else:
-            os.environ["UCCL_MOE_COMBINE_CE"] = "1" if comb == "ce" else "0"
-            os.environ["UCCL_MOE_COMBINE_STAGED"] = "1" if comb == "staged" else "0"
-            got = nat.combine(y, bb.handle, config=cfg).combined_x
-            os.environ.pop("UCCL_MOE_COMBINE_CE")
-            os.environ.pop("UCCL_MOE_COMBINE_STAGED")
+            got = _combine(nat, comb, y, bb.handle, config=cfg).combined_x
         ok &= _eq(got, ring_comb)
         ok &= _eq(late_ce(), want_b)
         ok &= _eq(_ce(False, nat.dispatch, xb, handle=bb.handle, config=cfg).recv_x, want_b)
