@@ -91,8 +91,8 @@ STAGED_COMBINE: dict[int, str] = {
 
 #: EP sizes whose intranode combine of a caller's tensor goes through the copy engines by default
 #: (``UCCL_MOE_COMBINE_CE=auto``; before the staged path), each naming where it measured faster than the staged and
-#: the ring combine in the same runs (``python -m uccl_moe.bench --ranks R --combine-ce --device-time``; figures in
-#: docs/benchmarks.md).
+#: the ring combine in the same runs (``python -m uccl_moe.bench --ranks R --combine-staged --device-time``, which
+#: times all three; figures in docs/benchmarks.md).
 CE_COMBINE: dict[int, str] = {
     2: "NVIDIA H200 x 2, 2026-11-26, python -m uccl_moe.bench --ranks 2 --dtypes bf16 --combine-staged --device-time",
 }

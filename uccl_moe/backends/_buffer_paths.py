@@ -113,8 +113,9 @@ class BufferPaths:
     def _ce_dispatch_counts(self, handle: Any, row_bytes: int, num_scales: int) -> tuple[list[int], list[int]] | None:
         """(rank prefix, every rank's tokens) as notify published them to the host, where a copy-engine dispatch of
         such rows fits every rank's buffer; else None (alike on every rank)."""
-        rank_prefix = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_PREFIX_HOST_ATTR, None)
-        tokens = getattr(handle_field(handle, "rank_prefix_matrix"), _RANK_TOKENS_HOST_ATTR, None)
+        owner = handle_field(handle, "rank_prefix_matrix")
+        rank_prefix = getattr(owner, _RANK_PREFIX_HOST_ATTR, None)
+        tokens = getattr(owner, _RANK_TOKENS_HOST_ATTR, None)
         if rank_prefix is None or tokens is None:
             return None
         need = int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales))
