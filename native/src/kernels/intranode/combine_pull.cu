@@ -152,17 +152,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
                                a.hidden * 2));
 }
 
-/// A copy-engine combine's sum: every token's copies, the peers' read from our landing area once their chunk landed.
-/// Then the pull's end hand-shake: a rank leaves once every peer stopped reading its own landing area, since the
-/// next op may write into the peers' buffers at once (ring slots overlap the landing areas).
+/// A copy-engine combine's sum: first our top-k weights into the peers' landing areas (push_ce_head), then every
+/// token's copies, the peers' read from our landing area once their chunk landed. Then the pull's end hand-shake: a
+/// rank leaves once every peer stopped reading its own landing area, since the next op may write into the peers'
+/// buffers at once (ring slots overlap the landing areas).
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a) {
+__global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a,
+                                                                             CeHead head) {
   UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
                  trace::begin());
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
   // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no sum.
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  push_ce_head(ctx, head, round, &sm);
   if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true>(ctx, a, round);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
@@ -278,11 +281,9 @@ void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mas
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, char* head_dst, const void* head_src, int64_t head_bytes) {
+                      int64_t row_bytes, int chunks) {
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
   UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
-  if (head_bytes > 0)  // before the rows: chunk 0's flag covers it
-    UCCL_CHECK_GPU(gpu::memcpy_async(head_dst, head_src, static_cast<size_t>(head_bytes), s));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
   int64_t r0 = 0;
@@ -327,19 +328,25 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1, DiagPhase::kCombinePullArgs,
                   ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
+  CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
     const int d = (me + i) % N;
     const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
     const int64_t rows = rows_sent(rp, N, d, me);
     const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    char* weights = peer + combine_input_weights_offset(ce_landing_rows(rp, N, d), row_bytes) + at * K * 4;
     enqueue_ce_block(ctx, ce, d, peer + kOffCombineInput + at * row_bytes, x + first * row_bytes, rows, row_bytes,
-                     a.ce_chunks, weights, a.topk_weights + first * K, K > 0 ? rows * K * 4 : 0);
+                     a.ce_chunks);
+    if (K > 0 && rows > 0) {
+      head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
+      head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
+                                                                                   row_bytes) + at * K * 4);
+      head.words[d] = rows * K;
+    }
   }
   with_num_ranks(N, "combine", [&](auto n) {
     combine_ce_sum_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a);
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
   join_ce_copies(ctx, ce, stream);

@@ -1,6 +1,7 @@
 // Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE; launch_dispatch_ce). No SM moves a token across
 // the link: each rank's copy engines move its whole x (every token, in chunks, each chunk followed by a 4-byte flag
-// copy) and its scales into every peer's landing area (ce_dispatch_landing), and each rank's num_sms blocks gather
+// copy) into every peer's landing area (ce_dispatch_landing), its SMs store its scales there as they start
+// (push_ce_head: a copy of their own would delay the first chunk by an engine start), and num_sms blocks gather
 // the rows it receives into its outputs, its own from x at once and a peer's from the landing area once the chunk
 // that holds it landed. The handle's recv_src_idx says which token each received row is, so nothing else is needed.
 //
@@ -27,12 +28,13 @@ constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
-                                                                                 CeDispatchPlan p) {
+                                                                                 CeDispatchPlan p, CeHead head) {
   __shared__ PullSmem sm;
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id();
   void* local = ctx.buffers[me];
   // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no gather.
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  push_ce_head(ctx, head, round, &sm);  // our scales into the peers' landing areas
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
@@ -140,15 +142,20 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
                           ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
   launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
-  for (int i = 1; i < N; ++i) {  // all of x (and its scales) into d's area, at its entries for us
+  CeHead head{};  // our scales, stored by the gather kernel's SMs
+  for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
-                     peer + scales_at[d][me], a.x_scales, a.x_scales != nullptr ? T * S * 4 : 0);
+    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks);
+    if (a.x_scales != nullptr && T * S > 0) {
+      head.src[d] = static_cast<const int32_t*>(a.x_scales);
+      head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);
+      head.words[d] = T * S;
+    }
   }
   with_num_ranks(N, "dispatch", [&](auto n) {
     dispatch_ce_gather_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p);
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
   join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish

@@ -2,7 +2,7 @@
 // from the buffer, combine_pull.cu; the ring-free dispatch, dispatch.cu): a launch-wide "last block" count, a release
 // of a round number into a word of every peer's meta, and a bounded wait for every peer's release into ours. The
 // words and the round counter are in nvl_layout.hpp (kOffPull*, kOffDirectEnter, kOffCe*); and the copy-engine ops'
-// wait for landed chunks (LandedChunks).
+// small blocks stored by their SMs (push_ce_head) and wait for landed chunks (LandedChunks).
 #pragma once
 
 #include "intranode_device.cuh"
@@ -73,13 +73,42 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
   return sm->failed == 0;
 }
 
+/// Called by every thread of every block of a copy-engine op, first: stores the op's small block for each peer
+/// (CeHead: the combine's top-k weights, the dispatch's scales) into that peer's landing area with the SMs, which
+/// costs the copy engine nothing (a copy of its own would delay the rows' first chunk by the engine's start), then
+/// the last block to finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the
+/// first chunk it reads). Each storing thread fences its stores system-wide before the block counts itself. Not
+/// after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes.
+UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm) {
+  const bool aborted = gpu::load_volatile(ctx.abort_flag) != 0;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool stored = false;
+  for (int d = 0; d < ctx.num_ranks && !aborted; ++d) {
+    const int32_t* src = h.src[d];
+    int32_t* dst = h.dst[d];
+    const int64_t n = h.words[d];
+    int64_t done = 0;  // 16-B words where both ends allow them, then 4-B words
+    if ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0) {
+      done = n / 4 * 4;
+      for (int64_t i = first; i < n / 4; i += step, stored = true)
+        reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
+    }
+    for (int64_t i = done + first; i < n; i += step, stored = true) dst[i] = src[i];
+  }
+  if (stored) gpu::fence_sys();
+  if (last_block(meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive), sm) && !aborted)
+    release_to_peers(ctx, kOffCeHead, round);
+}
+
 /// A copy-engine op's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
-/// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk.
+/// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk. Before the first
+/// chunk it also waits for d's ce_head word (d's SMs stored its small block: push_ce_head).
 struct LandedChunks {
   int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
-  int ready = -1;     // chunks [0, ready] of d's block landed
+  int ready = -1;     // chunks [0, ready] of d's block landed (and d's head, once ready >= 0)
   int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
-  DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires
+  DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
@@ -87,8 +116,12 @@ struct LandedChunks {
     if (q >= 0) {
       const int k = ce_chunk_of(q, rows, chunks);
       if (k > ready) {
-        const int32_t* word = meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffCeReady) + d * kMaxCeChunks + k;
-        ok = wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
+        void* local = ctx.buffers[ctx.rank];
+        if (ready < 0)
+          ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
+                            DiagRole::kReceiver, d, -1);
+        const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
+        ok = ok && wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
         if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
       }
     }

@@ -251,18 +251,27 @@ struct CeCopies {
 /// InvalidUsage); the others are per rank (each peer reads them from its pull_topk word).
 void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
                      const CeCopies& ce, void* stream);
-/// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `head_bytes` from `head_src` to
-/// `head_dst` (none when 0), then `rows` rows of `row_bytes` from `src` to `dst` in `chunks` chunks (ce_chunk_end),
-/// each followed by a 4-byte copy of our ce_round into d's ce_ready[us][chunk]; ce.copied[d] recorded after them.
+/// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
+/// to `dst` in `chunks` chunks (ce_chunk_end), each followed by a 4-byte copy of our ce_round into d's
+/// ce_ready[us][chunk]; ce.copied[d] recorded after them.
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, char* head_dst, const void* head_src, int64_t head_bytes);
+                      int64_t row_bytes, int chunks);
+/// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
+/// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
+/// handshake.cuh) rather than copied by the engine ahead of the rows' first chunk. Computed on the host.
+struct CeHead {
+  const int32_t* src[kMaxLocalRanks];
+  int32_t* dst[kMaxLocalRanks];
+  int64_t words[kMaxLocalRanks];  ///< 0 for us and where there is nothing to send
+};
 /// The caller's `stream` waits for every peer's copy stream (ce.copied): the copies read the caller's tensors.
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
-/// peer d the rows of x that came from d (one block of x) and their top-k weights go back into d's landing area
-/// (ce_block_at) on d's copy stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's
-/// ce_ready word; meanwhile `num_sms` blocks sum each token's copies (ours from x = own_x, the peers' from our
-/// landing area once their chunk's word says so), in the same rank order, so the same bits, as every other combine.
+/// peer d the rows of x that came from d (one block of x) go back into d's landing area (ce_block_at) on d's copy
+/// stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's ce_ready word; meanwhile
+/// `num_sms` blocks store their top-k weights into d's landing area (CeHead) and sum each token's copies (ours from
+/// x = own_x, the peers' from our landing area once their chunk's word and head word say so), in the same rank
+/// order, so the same bits, as every other combine.
 /// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
 /// done hand-shake (a later op's ring slots overlap the landing areas).
 void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce, void* stream);
@@ -277,9 +286,10 @@ struct CeDispatchPlan {
   int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
 };
 /// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
-/// peer d on its copy stream our scales (one block in the caller's storage order) and all of x's rows in `chunks`
-/// chunks (ce_chunk_end over our tokens) into d's landing area (ce_dispatch_landing), each chunk followed by a
-/// 4-byte copy of the round into d's ce_ready word; meanwhile `num_sms` blocks gather every row we receive into
+/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens) into d's landing area
+/// (ce_dispatch_landing), each chunk followed by a 4-byte copy of the round into d's ce_ready word; meanwhile
+/// `num_sms` blocks store our scales (one block in the caller's storage order, CeHead) there and gather every row
+/// we receive into
 /// recv_x / recv_scales along a.recv_src_idx (the handle's, read): ours from x, a peer's from our landing area once
 /// its chunk landed; then the pull's done hand-shake. The caller's stream waits for the copy streams. `rank_tokens`:
 /// every rank's token count (notify's); ce.rank_prefix_host the handle's matrix. Same outputs as the rings.

@@ -75,6 +75,8 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //                                     us landed (written by src's copy engine, after the chunk on the same stream)
 //   ce_round         1                the round of this rank's copy-engine combine: the word its copy engine copies
 //                                     into the peers' ce_ready (local)
+//   ce_head[src]     kMaxLocalRanks   round number src released once its SMs stored its small block (the combine's
+//                                     top-k weights, the dispatch's scales) into our landing area (written by src)
 // A copy-engine dispatch (dispatch_ce.cu) uses the same words. Notify also writes:
 //   rank_tokens[src] kMaxLocalRanks   tokens of rank src (written by src; published to the host, for the copy engines)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
@@ -87,7 +89,8 @@ constexpr size_t kOffDirectEnter = kOffPullLeave + sizeof(int32_t);
 constexpr int kMaxCeChunks = 8;  // chunks of a peer's rows in a copy-engine combine (UCCL_MOE_COMBINE_CE_CHUNKS)
 constexpr size_t kOffCeReady = align_up(kOffDirectEnter + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kOffCeRound = kOffCeReady + sizeof(int32_t) * kMaxLocalRanks * kMaxCeChunks;
-constexpr size_t kOffRankTokens = align_up(kOffCeRound + sizeof(int32_t), 128);
+constexpr size_t kOffCeHead = kOffCeRound + sizeof(int32_t);
+constexpr size_t kOffRankTokens = align_up(kOffCeHead + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kPullMetaEnd = kOffRankTokens + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
