@@ -100,8 +100,17 @@ CE_COMBINE: dict[int, str] = {
 
 #: EP sizes whose intranode cached dispatch goes through the copy engines by default (``UCCL_MOE_DISPATCH_CE=auto``),
 #: each naming where it measured faster than the rings in the same runs (``python -m uccl_moe.bench --ranks R
-#: --dispatch-ce --device-time``; figures in docs/benchmarks.md).
-CE_DISPATCH: dict[int, str] = {}
+#: --dispatch-ce --device-time``; figures in docs/benchmarks.md), at DeepSeek-V3's routing (top-8 of 256 experts:
+#: 99.6% of tokens go to the peer). The engines move every token, so ``auto`` also needs CE_DISPATCH_MIN_SENT.
+CE_DISPATCH: dict[int, str] = {
+    2: "NVIDIA H100 x 2, 2026-11-26, python -m uccl_moe.bench --ranks 2 --dispatch-ce --device-time",
+}
+
+#: ``UCCL_MOE_DISPATCH_CE=auto`` takes the copy engines only where every rank sends at least this share of its tokens
+#: to every other rank (from the handle's counts, alike on every rank): the engines move all of x to each peer at
+#: about 1.4x the rings' pace of the rows sent (357 against about 250 GB/s at EP2), so below about 0.7 the rings move
+#: fewer bytes for less; 0.9 keeps ``auto`` near the routing it was measured at.
+CE_DISPATCH_MIN_SENT = 0.9
 
 
 #: EP sizes whose intranode dispatch takes the ring-free path by default (``UCCL_MOE_DISPATCH_DIRECT=auto``), each
@@ -123,10 +132,27 @@ def combine_ce(num_ranks: int, knob: str) -> bool:
     return _chosen(knob, num_ranks, CE_COMBINE)
 
 
-def dispatch_ce(num_ranks: int, knob: str) -> bool:
+def dispatch_ce(num_ranks: int, knob: str, least_sent: float = 1.0) -> bool:
     """Whether an intranode cached dispatch over `num_ranks` ranks goes through the copy engines (where the handle has
-    host counts and the landing areas fit), given ``UCCL_MOE_DISPATCH_CE``'s value `knob`."""
-    return _chosen(knob, num_ranks, CE_DISPATCH)
+    host counts and the landing areas fit), given ``UCCL_MOE_DISPATCH_CE``'s value `knob` and the least share of its
+    tokens any rank sends to any other (`least_sent`, ``auto`` only: CE_DISPATCH_MIN_SENT)."""
+    return _chosen(knob, num_ranks, CE_DISPATCH) and (knob == "1" or least_sent >= CE_DISPATCH_MIN_SENT)
+
+
+def least_sent_share(rank_prefix: list[int], tokens: list[int]) -> float:
+    """The least share of its tokens any rank with tokens sends to any other rank, from a handle's rank prefix matrix
+    (row-major [R, R], inclusive over sources: entry [s][d] counts the rows d receives from sources 0..s) and every
+    rank's token count; 1.0 with one rank."""
+    R = len(tokens)
+    least = 1.0
+    for s in range(R):
+        if tokens[s] <= 0:
+            continue
+        for d in range(R):
+            if d != s:
+                sent = rank_prefix[s * R + d] - (rank_prefix[(s - 1) * R + d] if s > 0 else 0)
+                least = min(least, sent / tokens[s])
+    return least
 
 
 def dispatch_direct(num_ranks: int, knob: str) -> bool:

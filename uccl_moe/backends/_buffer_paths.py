@@ -25,6 +25,7 @@ _MOST_REMOTE_ATTR = "_uccl_moe_most_remote_rows"  # the most rows any rank recei
 _RANK_PREFIX_HOST_ATTR = "_uccl_moe_rank_prefix_host"
 _RANK_TOKENS_HOST_ATTR = "_uccl_moe_rank_tokens_host"  # every rank's token count, as notify published it
 _CE_FIT_ATTR = "_uccl_moe_ce_fit"  # the last copy-engine combine fit answered for the handle: (key, rank prefix)
+_CE_DISPATCH_FIT_ATTR = "_uccl_moe_ce_dispatch_fit"  # and dispatch's: (key, (rank prefix, tokens, least share))
 
 
 def _alike_rows(handle: Any, count_attr: str) -> int:
@@ -81,17 +82,18 @@ class BufferPaths:
                      num_sms: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A cached dispatch of (contiguous) `x` through the copy engines where UCCL_MOE_DISPATCH_CE, the EP size and
         the fit say so (alike on every rank: the fit rests on notify's counts); None: the rings."""
-        if not tuning.dispatch_ce(self.R, env.get("DISPATCH_CE")):
+        knob = env.get("DISPATCH_CE")
+        if not tuning.dispatch_ce(self.R, knob):
             return None
         if x_scales is not None and x_scales.dim() == 2 and x_scales.stride() not in (
                 (1, x_scales.shape[0]), (x_scales.shape[1], 1)):
-            x_scales = x_scales.contiguous()  # the engines move the scales as one dense block
+            x_scales = x_scales.contiguous()  # the SMs store the scales into the peers as one dense block
         num_scales, s_tok, s_hid = scale_layout(x_scales)
         row_bytes = int(x.shape[1]) * x.element_size()
         counts = self._ce_dispatch_counts(handle, row_bytes, num_scales)
-        if counts is None:
+        if counts is None or not tuning.dispatch_ce(self.R, knob, counts[2]):
             return None
-        rank_prefix, tokens = counts
+        rank_prefix, tokens, _ = counts
         rows = int(handle.recv_src_idx.shape[0])
         recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
         args = _C.DispatchArgs(
@@ -110,16 +112,26 @@ class BufferPaths:
         self._check_alive()
         return self._inter is None and self._ce_dispatch_counts(handle, row_bytes, num_scales) is not None
 
-    def _ce_dispatch_counts(self, handle: Any, row_bytes: int, num_scales: int) -> tuple[list[int], list[int]] | None:
-        """(rank prefix, every rank's tokens) as notify published them to the host, where a copy-engine dispatch of
-        such rows fits every rank's buffer; else None (alike on every rank)."""
+    def _ce_dispatch_counts(self, handle: Any, row_bytes: int,
+                            num_scales: int) -> tuple[list[int], list[int], float] | None:
+        """(rank prefix, every rank's tokens, the least share of its tokens a rank sends to another) as notify
+        published them to the host, where a copy-engine dispatch of such rows fits every rank's buffer; else None
+        (alike on every rank). Answered once per handle and row layout (cached dispatches repeat it)."""
         owner = handle_field(handle, "rank_prefix_matrix")
+        key = (row_bytes, num_scales, self.ctx.num_nvl_bytes)
+        known = getattr(owner, _CE_DISPATCH_FIT_ATTR, None)
+        if known is not None and known[0] == key:
+            return known[1]  # type: ignore[no-any-return]
         rank_prefix = getattr(owner, _RANK_PREFIX_HOST_ATTR, None)
         tokens = getattr(owner, _RANK_TOKENS_HOST_ATTR, None)
         if rank_prefix is None or tokens is None:
             return None
         need = int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales))
-        return (list(rank_prefix), list(tokens)) if need <= self.ctx.num_nvl_bytes else None
+        answer = None
+        if need <= self.ctx.num_nvl_bytes:
+            answer = (list(rank_prefix), list(tokens), tuning.least_sent_share(list(rank_prefix), list(tokens)))
+        setattr(owner, _CE_DISPATCH_FIT_ATTR, (key, answer))
+        return answer
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify

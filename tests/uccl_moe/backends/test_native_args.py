@@ -457,9 +457,12 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     (read), notify's host rank prefix and token counts and UCCL_MOE_DISPATCH_CE_CHUNKS chunks; scales that are neither
     dense row- nor column-major are made contiguous first (the engines move them as one block). A handle without host
     counts or an x that does not fit every other rank's buffer takes the rings, alike on every rank; auto takes the
-    copy engines at the EP sizes of tuning.CE_DISPATCH only (the GPU suite checks the bits)."""
-    from uccl_moe.backends import native
+    copy engines at the EP sizes of tuning.CE_DISPATCH only, and only where every rank sends at least
+    tuning.CE_DISPATCH_MIN_SENT of its tokens to every other (the GPU suite checks the bits)."""
+    from uccl_moe import tuning
+    from uccl_moe.backends import _buffer_paths, native
 
+    assert 2 in tuning.CE_DISPATCH and 0.7 <= tuning.CE_DISPATCH_MIN_SENT <= 1.0  # the shipped table: EP2 measured
     calls: list[tuple[str, Any]] = []
     monkeypatch.setattr(native._C, "dispatch_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
     monkeypatch.setattr(native._C, "dispatch_ce_intranode", lambda rt, num_sms, args, rank_prefix, tokens, chunks,
@@ -506,10 +509,35 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert [op for op, _ in calls] == ["ring"]
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
+    # This handle's rank 1 sends 2 of its 6 tokens to rank 0: auto keeps the rings even where EP2 was measured.
+    assert tuning.least_sent_share([3, 4, 5, 7], [T, 6]) == pytest.approx(2 / 6)
+    _check_auto_knob(monkeypatch, "UCCL_MOE_DISPATCH_CE", "CE_DISPATCH", calls,
+                     lambda: backend.cached_dispatch(x, scales, h, cfg),
+                     (("auto", {2: "measured"}, "ring"), ("1", {}, "ce"), (None, {2: "measured"}, "ring")))
+    # Every token to the peer both ways (DeepSeek-V3's routing at EP2): auto takes the copy engines where measured.
+    setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 5, 9, 11])
+    delattr(h.rank_prefix_matrix, _buffer_paths._CE_DISPATCH_FIT_ATTR)  # answered once per handle: forget it
+    assert tuning.least_sent_share([3, 5, 9, 11], [T, 6]) == 1.0
     _check_auto_knob(monkeypatch, "UCCL_MOE_DISPATCH_CE", "CE_DISPATCH", calls,
                      lambda: backend.cached_dispatch(x, scales, h, cfg),
                      (("auto", {}, "ring"), ("auto", {2: "measured"}, "ce"), ("0", {2: "measured"}, "ring"),
-                      (None, {}, "ring")))  # None: unset, the default auto (no EP size measured yet)
+                      (None, {2: "measured"}, "ce")))  # None: unset, the default auto
+
+
+def test_least_sent_share_reads_the_inclusive_rank_prefix() -> None:
+    """The least share of its tokens a rank sends to another (what UCCL_MOE_DISPATCH_CE=auto asks of a handle): rows
+    from the inclusive-over-sources prefix, a rank with no tokens left out, 1.0 with one rank."""
+    from uccl_moe import tuning
+
+    # 3 ranks of 10, 4 and 0 tokens; [s][d] counts the rows d gets from sources 0..s
+    prefix = [10, 9, 7,
+              12, 13, 9,
+              12, 13, 9]
+    assert tuning.least_sent_share(prefix, [10, 4, 0]) == pytest.approx(min(9 / 10, 7 / 10, 2 / 4, 2 / 4))
+    assert tuning.least_sent_share([5], [5]) == 1.0
+    assert tuning.dispatch_ce(2, "auto", 0.95) == (2 in tuning.CE_DISPATCH)
+    assert not tuning.dispatch_ce(2, "auto", tuning.CE_DISPATCH_MIN_SENT - 0.01)
+    assert tuning.dispatch_ce(2, "1", 0.0) and not tuning.dispatch_ce(2, "0", 1.0)
 
 
 @pytestmark_kernels
