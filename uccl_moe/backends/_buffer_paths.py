@@ -85,15 +85,16 @@ class BufferPaths:
         knob = env.get("DISPATCH_CE")
         if not tuning.dispatch_ce(self.R, knob):
             return None
-        if x_scales is not None and x_scales.dim() == 2 and x_scales.stride() not in (
-                (1, x_scales.shape[0]), (x_scales.shape[1], 1)):
-            x_scales = x_scales.contiguous()  # the SMs store the scales into the peers as one dense block
-        num_scales, s_tok, s_hid = scale_layout(x_scales)
+        num_scales = scale_layout(x_scales)[0]
         row_bytes = int(x.shape[1]) * x.element_size()
         counts = self._ce_dispatch_counts(handle, row_bytes, num_scales)
         if counts is None or not tuning.dispatch_ce(self.R, knob, counts[2]):
             return None
         rank_prefix, tokens, _ = counts
+        if x_scales is not None and x_scales.dim() == 2 and x_scales.stride() not in (
+                (1, x_scales.shape[0]), (x_scales.shape[1], 1)):
+            x_scales = x_scales.contiguous()  # the SMs store the scales into the peers as one dense block
+        _, s_tok, s_hid = scale_layout(x_scales)
         rows = int(handle.recv_src_idx.shape[0])
         recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
         args = _C.DispatchArgs(
@@ -108,7 +109,8 @@ class BufferPaths:
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
         """Whether a cached dispatch along `handle` of rows of `row_bytes` (`num_scales` 4-byte scales each) could go
         through the copy engines: notify published the handle's counts to the host and every rank's whole x fits
-        every other rank's landing area. UCCL_MOE_DISPATCH_CE and the EP size decide whether it does."""
+        every other rank's landing area. Whether it does: UCCL_MOE_DISPATCH_CE, and for ``auto`` the EP size and
+        the least share of its tokens a rank sends to another (tuning.dispatch_ce)."""
         self._check_alive()
         return self._inter is None and self._ce_dispatch_counts(handle, row_bytes, num_scales) is not None
 

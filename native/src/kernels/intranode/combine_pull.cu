@@ -71,6 +71,16 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   if (kLanded && lane < N && lane != me) {
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
+    landed.head = false;  // waited for below, once
+  }
+  if (kLanded && a.num_topk > 0) {  // the peers' top-k weights (CeHead::used is K > 0, alike on every rank): waited
+    // for before the first token, which needs chunk 0 anyway, and that lands long after them
+    bool ok = true;
+    if (lane < N && lane != me)
+      ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + lane, round,
+                        DiagPhase::kCombineCeChunk, DiagRole::kReceiver, lane, -1);
+    gpu::sync_warp();  // lane d's acquire covers the warp's later loads of d's weights
+    if (gpu::ballot(!ok) != 0) return;
   }
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
@@ -329,6 +339,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
                   ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
+  head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
     const int d = (me + i) % N;
     const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x

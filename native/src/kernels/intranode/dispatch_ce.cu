@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
     if (lane < N && lane != me) {
       landed.rows = p.tokens[lane];
       landed.round = round;
+      landed.head = S > 0;  // as the launch's CeHead::used, alike on every rank
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id(); i < rows; i += stride) {
@@ -143,6 +144,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
+  head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
   for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);

@@ -10,8 +10,9 @@
 namespace uccl_moe::intranode {
 
 struct PullSmem {
-  int last;    // this block is the last to count itself (last_block)
-  int failed;  // a wait of this block expired (wait_peers)
+  int last;     // this block is the last to count itself (last_block)
+  int failed;   // a wait of this block expired (wait_peers)
+  int aborted;  // the abort flag as thread 0 read it (push_ce_head: one choice per block)
 };
 
 /// Called by every thread of every block: counts the block in `counter` (after a GPU-scope fence over the block's
@@ -78,13 +79,20 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
 /// costs the copy engine nothing (a copy of its own would delay the rows' first chunk by the engine's start), then
 /// the last block to finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the
 /// first chunk it reads). Each storing thread fences its stores system-wide before the block counts itself. Not
-/// after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes.
+/// after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes. An op
+/// without a head on any rank (h.used == 0: no top-k weights, no scales; alike, the enter value checks it) skips
+/// all of it, so its readers wait for the engines alone and not for every peer block to have run.
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm) {
-  const bool aborted = gpu::load_volatile(ctx.abort_flag) != 0;
+  if (h.used == 0) return;
+  if (threadIdx.x == 0) sm->aborted = gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
+  __syncthreads();
+  const bool aborted = sm->aborted != 0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool stored = false;
-  for (int d = 0; d < ctx.num_ranks && !aborted; ++d) {
+#pragma unroll  // constant indices: h's arrays are read from the parameter space, not copied to local memory
+  for (int d = 0; d < kMaxLocalRanks; ++d) {
+    if (d >= ctx.num_ranks || aborted) break;
     const int32_t* src = h.src[d];
     int32_t* dst = h.dst[d];
     const int64_t n = h.words[d];
@@ -108,6 +116,7 @@ struct LandedChunks {
   int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
   int ready = -1;     // chunks [0, ready] of d's block landed (and d's head, once ready >= 0)
   int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
+  bool head = true;   // the op has a head (CeHead::used): wait for d's ce_head before the first chunk
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
@@ -117,7 +126,7 @@ struct LandedChunks {
       const int k = ce_chunk_of(q, rows, chunks);
       if (k > ready) {
         void* local = ctx.buffers[ctx.rank];
-        if (ready < 0)
+        if (ready < 0 && head)
           ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
                             DiagRole::kReceiver, d, -1);
         const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;

@@ -263,6 +263,7 @@ struct CeHead {
   const int32_t* src[kMaxLocalRanks];
   int32_t* dst[kMaxLocalRanks];
   int64_t words[kMaxLocalRanks];  ///< 0 for us and where there is nothing to send
+  int32_t used;                   ///< 1: the op has a head on every rank alike (weights / scales); 0: none at all
 };
 /// The caller's `stream` waits for every peer's copy stream (ce.copied): the copies read the caller's tensors.
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
