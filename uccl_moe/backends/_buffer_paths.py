@@ -7,7 +7,8 @@ on counts notify published alike to every rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 
@@ -37,6 +38,20 @@ def _alike_rows(handle: Any, count_attr: str) -> int:
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else int(t.data_ptr())
+
+
+_T = TypeVar("_T")
+
+
+def _answered_once(owner: Any, attr: str, key: tuple[int, ...], answer: Callable[[], _T]) -> _T:
+    """answer(), kept on the handle's rank_prefix tensor `owner` under `attr` with `key`: every op of a handle asks a
+    fit alike, so it is answered once per handle and key (another key answers afresh and replaces it)."""
+    known = getattr(owner, attr, None)
+    if known is not None and known[0] == key:
+        return cast(_T, known[1])
+    value = answer()
+    setattr(owner, attr, (key, value))
+    return value
 
 
 class BufferPaths:
@@ -120,20 +135,19 @@ class BufferPaths:
         published them to the host, where a copy-engine dispatch of such rows fits every rank's buffer; else None
         (alike on every rank). Answered once per handle and row layout (cached dispatches repeat it)."""
         owner = handle_field(handle, "rank_prefix_matrix")
-        key = (row_bytes, num_scales, self.ctx.num_nvl_bytes)
-        known = getattr(owner, _CE_DISPATCH_FIT_ATTR, None)
-        if known is not None and known[0] == key:
-            return known[1]  # type: ignore[no-any-return]
         rank_prefix = getattr(owner, _RANK_PREFIX_HOST_ATTR, None)
         tokens = getattr(owner, _RANK_TOKENS_HOST_ATTR, None)
         if rank_prefix is None or tokens is None:
             return None
-        need = int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales))
-        answer = None
-        if need <= self.ctx.num_nvl_bytes:
-            answer = (list(rank_prefix), list(tokens), tuning.least_sent_share(list(rank_prefix), list(tokens)))
-        setattr(owner, _CE_DISPATCH_FIT_ATTR, (key, answer))
-        return answer
+
+        def answer() -> tuple[list[int], list[int], float] | None:
+            if int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales)) > self.ctx.num_nvl_bytes:
+                return None
+            prefix, counts = list(rank_prefix), list(tokens)
+            return prefix, counts, tuning.least_sent_share(prefix, counts)
+
+        return _answered_once(owner, _CE_DISPATCH_FIT_ATTR, (row_bytes, num_scales, self.ctx.num_nvl_bytes),
+                              answer)
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify
@@ -149,14 +163,13 @@ class BufferPaths:
         rank_prefix = getattr(owner, _RANK_PREFIX_HOST_ATTR, None)
         if rank_prefix is None or (hidden * 2) % 16 != 0:
             return None
-        key = (hidden, num_topk, self.ctx.num_nvl_bytes)
-        known = getattr(owner, _CE_FIT_ATTR, None)  # every combine of a handle asks alike: answered once
-        if known is not None and known[0] == key:
-            return known[1]  # type: ignore[no-any-return]
-        fits = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk)) <= self.ctx.num_nvl_bytes
-        answer = list(rank_prefix) if fits else None
-        setattr(owner, _CE_FIT_ATTR, (key, answer))
-        return answer
+
+        def answer() -> list[int] | None:
+            fits = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk)) <= self.ctx.num_nvl_bytes
+            return list(rank_prefix) if fits else None
+
+        return _answered_once(owner, _CE_FIT_ATTR, (hidden, num_topk, self.ctx.num_nvl_bytes),
+                              answer)
 
     def combine_buffer(self, handle: DispatchHandle, hidden: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The [T_recv, hidden] view of this rank's NVL buffer that a combine from the buffer reads, or None where
