@@ -100,7 +100,7 @@ class BufferPaths:
         knob = env.get("DISPATCH_CE")
         if not tuning.dispatch_ce(self.R, knob):
             return None
-        num_scales = scale_layout(x_scales)[0]
+        num_scales, s_tok, s_hid = scale_layout(x_scales)
         row_bytes = int(x.shape[1]) * x.element_size()
         counts = self._ce_dispatch_counts(handle, row_bytes, num_scales)
         if counts is None or not tuning.dispatch_ce(self.R, knob, counts[2]):
@@ -109,7 +109,7 @@ class BufferPaths:
         if x_scales is not None and x_scales.dim() == 2 and x_scales.stride() not in (
                 (1, x_scales.shape[0]), (x_scales.shape[1], 1)):
             x_scales = x_scales.contiguous()  # the SMs store the scales into the peers as one dense block
-        _, s_tok, s_hid = scale_layout(x_scales)
+            _, s_tok, s_hid = scale_layout(x_scales)
         rows = int(handle.recv_src_idx.shape[0])
         recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
         args = _C.DispatchArgs(
