@@ -1,0 +1,67 @@
+"""tools/device/ce_timeline.py: splits each timed iteration of a copy-engine op (torch.profiler's chrome trace) into
+lead, copies, tail, span, kernel start and the data copies' boundary; skips iterations of other paths; refuses to run
+without GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("ce_timeline", ROOT / "tools/device/ce_timeline.py")
+assert spec is not None and spec.loader is not None
+ct = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ct)
+
+
+def _k(name: str, ts: float, dur: float) -> dict[str, Any]:
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def _c(ts: float, dur: float, nbytes: int) -> dict[str, Any]:
+    return {"cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": ts, "dur": dur,
+            "args": {"bytes": nbytes, "stream": 7}}
+
+
+def _iteration(t: float, tail: float) -> list[dict[str, Any]]:
+    """align, flush, then an op at t: enter 10 us, two data chunks with a flag after each, the gather kernel ending
+    `tail` us after the last flag (t + 82)."""
+    return [_k("ncclDevKernel_AllReduce_Sum_f32", t - 100, 5), _k("elementwise_kernel<FillFunctor>", t - 90, 80),
+            _k("ce_enter_kernel", t, 10), _c(t + 12, 40, 1 << 20), _k("dispatch_ce_gather_kernel", t + 20, 62 + tail),
+            _c(t + 54, 2, 4), _c(t + 58, 20, 1 << 19), _c(t + 80, 2, 4)]
+
+
+def test_parts_of_each_iteration_and_medians() -> None:
+    its = []
+    for n, tail in enumerate((5.0, 7.0, 9.0)):
+        its += _iteration(1000.0 * (n + 1), tail)
+    trace = {"traceEvents": [{"cat": "cpu_op", "name": "aten::zero_", "ts": 0}] + its[::-1]}  # any order
+    got = [ct.parts(it) for it in ct.iterations(ct.gpu_events(trace))]
+    assert [g["tail"] for g in got if g] == pytest.approx([5.0, 7.0, 9.0])
+    med, n = ct.summarise(trace)
+    assert n == 3
+    assert med["lead"] == pytest.approx(12.0) and med["copies"] == pytest.approx(70.0)
+    assert med["span"] == pytest.approx(89.0) and med["kernel_start"] == pytest.approx(20.0)
+    assert med["boundary"] == pytest.approx(6.0)  # data end (t + 52) to the next data's start (t + 58), flag between
+    lines = ct.listing(trace)
+    assert len(lines) == 6 and "ce_enter_kernel" in lines[0] and "AllReduce" not in "".join(lines)
+
+
+def test_other_paths_are_skipped_and_an_empty_trace_says_so() -> None:
+    ring = [_k("FillFunctor", 0, 80), _k("dispatch_intranode_kernel", 100, 150)]
+    assert ct.parts(ct.iterations(ct.gpu_events({"traceEvents": ring}))[0]) is None
+    med, n = ct.summarise({"traceEvents": ring})
+    assert n == 0 and all(math.isnan(v) for v in med.values())
+    assert ct.listing({"traceEvents": []}) == []
+
+
+def test_refuses_without_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() > 0:
+        pytest.skip("this machine has GPUs: the refusal is for machines without")
+    assert ct.main(["--iters", "2"]) == 2
+    assert "needs GPUs" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""Where the time of the copy-engine ops goes, per GPU (2+ GPUs): the API-default cached dispatch (FP8 with
+column-major scales, BF16) and combine at the bench's headline setting, timed by the bench's loop (ranks aligned, L2
+flushed) under torch.profiler; from each iteration's GPU events, in us:
+
+- ``lead``: the enter kernel's start to the first copy's start (the enter hand-shake, the copy stream's wait);
+- ``copies``: the first copy's start to the last copy's end (the rows in chunks, each chunk's 4-byte flag);
+- ``tail``: the last copy's end (our last flag) to the end of the op's last kernel (the work on the peers' last
+  chunks, the done hand-shake);
+- ``span``: the enter kernel's start to that end; ``kernel_start``: the enter kernel's start to the gather / sum
+  kernel's (late where the host enqueues more slowly than the GPU runs: the profiler slows the host, too);
+- ``boundary``: the median gap between one data copy's end and the next data copy's start (the flag between them
+  included).
+
+Medians over iterations, one line per rank and op. ``--listing`` also prints the last iteration's events of rank 0.
+Figures are per GPU clock; compare variants inside one call (docs/benchmarks.md).
+
+    python tools/device/ce_timeline.py [--ranks 2] [--tokens 4096] [--hidden 7168] [--iters 14] [--listing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary")
+FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
+
+
+def _end(e: dict[str, Any]) -> float:
+    return float(e["ts"]) + float(e["dur"])
+
+
+def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The kernels and copies of a chrome trace (torch.profiler's export), by start time."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
+    return sorted(evs, key=lambda e: float(e["ts"]))
+
+
+def iterations(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The events after each L2 flush (torch's fill kernel) up to the next one: one timed call each; the alignment's
+    all-reduce is left out."""
+    fills = [i for i, e in enumerate(events) if "fill" in e["name"].lower() and e["cat"] == "kernel"]
+    out = []
+    for n, i in enumerate(fills):
+        stop = fills[n + 1] if n + 1 < len(fills) else len(events)
+        out.append([e for e in events[i + 1:stop] if "AllReduce" not in e["name"]])
+    return out
+
+
+def parts(it: list[dict[str, Any]]) -> dict[str, float] | None:
+    """PARTS of one copy-engine op's iteration; None where it has no enter kernel, op kernel or copy (another path
+    ran)."""
+    enter = [e for e in it if e["cat"] == "kernel" and "ce_enter" in e["name"]]
+    kernels = [e for e in it if e["cat"] == "kernel" and "ce_enter" not in e["name"]]
+    copies = [e for e in it if e["cat"] == "gpu_memcpy"]
+    if not (enter and kernels and copies):
+        return None
+    t0, end = float(enter[0]["ts"]), max(_end(e) for e in kernels)
+    data = [e for e in copies if int(e.get("args", {}).get("bytes", FLAG_BYTES + 1)) != FLAG_BYTES]
+    gaps = [float(b["ts"]) - _end(a) for a, b in zip(data, data[1:])]
+    return {"lead": float(copies[0]["ts"]) - t0, "copies": _end(copies[-1]) - float(copies[0]["ts"]),
+            "tail": end - _end(copies[-1]), "span": end - t0, "kernel_start": float(kernels[0]["ts"]) - t0,
+            "boundary": statistics.median(gaps) if gaps else float("nan")}
+
+
+def summarise(trace: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """Median of each of PARTS over the trace's copy-engine iterations, and how many there were."""
+    got = [p for p in (parts(it) for it in iterations(gpu_events(trace))) if p is not None]
+    if not got:
+        return {k: float("nan") for k in PARTS}, 0
+    return {k: statistics.median(p[k] for p in got) for k in PARTS}, len(got)
+
+
+def listing(trace: dict[str, Any]) -> list[str]:
+    """The last iteration's events: start and end in us from its first event, stream, name, bytes."""
+    its = iterations(gpu_events(trace))
+    if not its or not its[-1]:
+        return []
+    t0 = float(its[-1][0]["ts"])
+    return [f"{float(e['ts']) - t0:8.1f} {_end(e) - t0:8.1f} s{e.get('args', {}).get('stream', '?')} "
+            f"{e['name'][:70]} {e.get('args', {}).get('bytes', '')}" for e in its[-1]]
+
+
+def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from uccl_moe import Buffer
+    from uccl_moe.bench._run import fp8_scales
+    from uccl_moe.bench._timing import FLUSH_BYTES, time_op
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init}", rank=rank, world_size=R)
+    T, H, E, K = args.tokens, args.hidden, 256, 8
+    Buffer.set_num_sms(24)
+    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R),
+                 explicitly_destroy=True)
+    gen = torch.Generator(device="cuda").manual_seed(rank + 1)
+    idx = torch.topk(torch.rand((T, E), generator=gen, device="cuda"), K, dim=1).indices
+    xb = torch.randn((T, H), generator=gen, device="cuda").bfloat16()
+    x8 = (xb.float().clamp(-440, 440).to(torch.float8_e4m3fn), fp8_scales(T, H, "col", gen, "cuda"))
+    lay = buf.get_dispatch_layout(idx, E)
+    r = buf.dispatch(xb, topk_idx=idx, topk_weights=torch.rand((T, K), generator=gen, device="cuda"),
+                     num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                     num_tokens_per_expert=lay.num_tokens_per_expert)
+    h, y = r.handle, r.recv_x.clone()
+    one = torch.ones(1, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    ops = {"dispatch fp8": lambda: buf.dispatch(x8, handle=h), "dispatch bf16": lambda: buf.dispatch(xb, handle=h),
+           "combine": lambda: buf.combine(y, h)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, fn in ops.items():
+            for _ in range(5):  # warm-up
+                fn()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                time_op(fn, flush, args.iters, 0, align=lambda: dist.all_reduce(one))
+            path = os.path.join(tmp, f"trace_{rank}.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+            med, n = summarise(trace)
+            print(f"rank {rank} {name:13s} " + " ".join(f"{k} {med[k]:6.1f}" for k in PARTS) + f" (n={n})",
+                  flush=True)
+            if args.listing and rank == 0:
+                print("\n".join(listing(trace)), flush=True)
+            dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--iters", type=int, default=14)
+    p.add_argument("--listing", action="store_true", help="also print rank 0's last iteration, event by event")
+    args = p.parse_args(argv)
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 1:
+        print("ce_timeline needs GPUs (the copy-engine ops run between GPUs)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
