@@ -291,24 +291,25 @@ void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mas
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int k_begin, int k_end) {
+                      int64_t row_bytes, int chunks) {
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-  if (k_begin == 0) UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+  UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
-  for (int k = k_begin; k < k_end; ++k) {
-    const int64_t r0 = k > 0 ? ce_chunk_end(rows, k - 1, chunks) : 0, r1 = ce_chunk_end(rows, k, chunks);
+  int64_t r0 = 0;
+  for (int k = 0; k < chunks; ++k) {
+    const int64_t r1 = ce_chunk_end(rows, k, chunks);
     if (r1 > r0)
       UCCL_CHECK_GPU(gpu::memcpy_async(dst + r0 * row_bytes, src + r0 * row_bytes,
                                        static_cast<size_t>((r1 - r0) * row_bytes), s));
     // every chunk's flag, empty or not: the peer waits only for the chunks it reads from. The flag copy follows the
     // chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are then visible to
     // the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would fence explicitly, but
-    // bakes its value into a CUDA graph, which replays rounds; a flag on a second stream waits behind the later
-    // chunks on the same engine: docs/intranode.md)
+    // bakes its value into a CUDA graph, which replays rounds)
     UCCL_CHECK_GPU(gpu::memcpy_async(ready + sizeof(int32_t) * k, round_word, sizeof(int32_t), s));
+    r0 = r1;
   }
-  if (k_end == chunks) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
 }
 
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream) {
@@ -339,37 +340,26 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
   head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
-  // Peer d gets back the copies of its tokens we hold: a block of x (from first[d], rows[d] rows), into its landing
-  // area at at[d].
-  int64_t first[kMaxLocalRanks] = {}, rows[kMaxLocalRanks] = {}, at[kMaxLocalRanks] = {};
-  for (int d = 0; d < N; ++d) {
-    if (d == me) continue;
-    first[d] = d > 0 ? rp[(d - 1) * N + me] : 0;
-    rows[d] = rows_sent(rp, N, d, me);
-    at[d] = ce_block_at(rp, N, d, me);
-    if (K > 0 && rows[d] > 0) {
-      head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first[d] * K);
-      head.dst[d] = reinterpret_cast<int32_t*>(static_cast<char*>(ctx.buffers[d]) + at[d] * K * 4 +
-                                               combine_input_weights_offset(ce_landing_rows(rp, N, d), row_bytes));
-      head.words[d] = rows[d] * K;
+  for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
+    const int d = (me + i) % N;
+    const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
+    const int64_t rows = rows_sent(rp, N, d, me);
+    const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
+    char* peer = static_cast<char*>(ctx.buffers[d]);
+    enqueue_ce_block(ctx, ce, d, peer + kOffCombineInput + at * row_bytes, x + first * row_bytes, rows, row_bytes,
+                     a.ce_chunks);
+    if (K > 0 && rows > 0) {
+      head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
+      head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
+                                                                                   row_bytes) + at * K * 4);
+      head.words[d] = rows * K;
     }
   }
-  // The host enqueues each block's first chunk, then the sum kernel, then the other chunks: the GPU starts the
-  // engines and the kernel as soon as the enter kernel ends, even where the host enqueues more slowly than it runs.
-  const auto copies = [&](int k_begin, int k_end) {
-    for (int i = 1; i < N; ++i) {
-      const int d = (me + i) % N;
-      enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + kOffCombineInput + at[d] * row_bytes,
-                       x + first[d] * row_bytes, rows[d], row_bytes, a.ce_chunks, k_begin, k_end);
-    }
-  };
-  copies(0, 1);
   with_num_ranks(N, "combine", [&](auto n) {
     combine_ce_sum_kernel<decltype(n)::value>
         <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
-  copies(1, a.ce_chunks);
   join_ce_copies(ctx, ce, stream);
 }
 

@@ -145,30 +145,21 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
   head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
-  for (int i = 1; i < N; ++i) {  // our scales into d's area at its entries for us (the rows: copies below)
+  for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
     const int d = (me + i) % N;
+    char* peer = static_cast<char*>(ctx.buffers[d]);
+    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks);
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
-      head.dst[d] = reinterpret_cast<int32_t*>(static_cast<char*>(ctx.buffers[d]) + scales_at[d][me]);
+      head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);
       head.words[d] = T * S;
     }
   }
-  // All of x into every peer's area: each peer's first chunk, the gather kernel, then the other chunks (the GPU
-  // starts both as soon as the enter kernel ends, even where the host enqueues more slowly than the GPU runs).
-  const auto copies = [&](int k_begin, int k_end) {
-    for (int i = 1; i < N; ++i) {
-      const int d = (me + i) % N;
-      enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
-                       static_cast<const char*>(a.x), T, a.row_bytes, chunks, k_begin, k_end);
-    }
-  };
-  copies(0, 1);
   with_num_ranks(N, "dispatch", [&](auto n) {
     dispatch_ce_gather_kernel<decltype(n)::value>
         <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
-  copies(1, chunks);
   join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish
 }
 

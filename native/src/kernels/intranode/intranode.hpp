@@ -253,10 +253,9 @@ void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mas
                      const CeCopies& ce, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end), each followed by a 4-byte copy of our ce_round into d's
-/// ce_ready[us][chunk]; ce.copied[d] recorded after them. Enqueues chunks [k_begin, k_end) (the wait for
-/// ce.entered with chunk 0, the record with the last), so a launch can put its kernel between them.
+/// ce_ready[us][chunk]; ce.copied[d] recorded after them.
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int k_begin, int k_end);
+                      int64_t row_bytes, int chunks);
 /// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
 /// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
 /// handshake.cuh) rather than copied by the engine ahead of the rows' first chunk. Computed on the host.
