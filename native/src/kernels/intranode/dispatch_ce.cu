@@ -22,7 +22,8 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-constexpr int kGatherUnroll = 4;  // 16-B words per lane in flight
+constexpr int kGatherUnroll = 4;  // 16-B words per lane in each of a row's two buffers (warp_copy_row_pipelined)
+constexpr int kScalesAhead = 2;   // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales are column-major
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
@@ -52,28 +53,41 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
       landed.head = S > 0;  // as the launch's CeHead::used, alike on every rank
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id(); i < rows; i += stride) {
+    int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+    // The next row's recv_src_idx entry loads while this row copies.
+    int32_t src_next = i < rows ? a.recv_src_idx[(own0 + i) % rows] : 0;
+    for (; i < rows; i += stride) {
       const int64_t r = (own0 + i) % rows;
       int s = 0;
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
-      const int32_t src = a.recv_src_idx[r];  // the handle's: token src of source s
+      const int32_t src = src_next;  // the handle's: token src of source s
+      if (i + stride < rows) src_next = a.recv_src_idx[(own0 + i + stride) % rows];
       if (s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
       int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.row_bytes);
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
+      // The row's first kScalesAhead scales per lane load before its words, and are stored after them.
+      const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
+      const bool col = ((col_src >> s) & 1) != 0;
+      const auto scale = [&](int j) {
+        return s == me ? scale_at(a, src, j)
+                       : gpu::load_ring_32(scales + (col ? int64_t{j} * p.tokens[s] + src : int64_t{src} * S + j));
+      };
+      int32_t ahead[kScalesAhead];
+#pragma unroll
+      for (int u = 0; u < kScalesAhead; ++u)
+        if (lane + u * gpu::kWarpSize < S) ahead[u] = scale(lane + u * gpu::kWarpSize);
       if (s == me) {  // x is not written during the launch
-        warp_copy_row<kGatherUnroll, false>(
+        warp_copy_row_pipelined<kGatherUnroll, false>(
             dst, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes), num_16);
-        for (int j = lane; j < S; j += gpu::kWarpSize)
-          out_scales[j] = scale_at(a, src, j);
       } else {  // landed by a copy engine during the launch: coherent loads
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
-        warp_copy_row<kGatherUnroll, true>(dst, reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes),
-                                           num_16);
-        const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
-        for (int j = lane; j < S; j += gpu::kWarpSize)
-          out_scales[j] = gpu::load_ring_32(scales + (((col_src >> s) & 1) ? int64_t{j} * p.tokens[s] + src
-                                                                   : int64_t{src} * S + j));
+        warp_copy_row_pipelined<kGatherUnroll, true>(
+            dst, reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes), num_16);
       }
+#pragma unroll
+      for (int u = 0; u < kScalesAhead; ++u)
+        if (lane + u * gpu::kWarpSize < S) out_scales[lane + u * gpu::kWarpSize] = ahead[u];
+      for (int j = lane + kScalesAhead * gpu::kWarpSize; j < S; j += gpu::kWarpSize) out_scales[j] = scale(j);
     }
   }
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {

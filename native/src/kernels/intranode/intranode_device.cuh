@@ -121,6 +121,39 @@ template <int kUnroll, bool kSrcIsRing>
 UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
   warp_copy_cols<kUnroll, kSrcIsRing>(dst, src, 0, num_16);
 }
+/// One round of warp_copy_row_pipelined: words [base, base + kUnroll * warp) of the row into / out of `v`.
+template <int kUnroll, bool kSrcIsRing>
+UCCL_DEVICE_INLINE void load_round(int4 (&v)[kUnroll], const int4* __restrict__ src, int base, int num_16) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
+    if (i < num_16) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
+  }
+}
+template <int kUnroll>
+UCCL_DEVICE_INLINE void store_round(int4* __restrict__ dst, const int4 (&v)[kUnroll], int base, int num_16) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
+    if (i < num_16) gpu::store_stream_128(dst + i, v[u]);
+  }
+}
+/// The whole row as warp_copy_row, double-buffered: each round's loads are issued before the previous round's
+/// stores, so a row waits for about one load latency rather than one per round (the loads and stores are ordered
+/// asm statements, so a single buffer exposes every round's latency).
+template <int kUnroll, bool kSrcIsRing>
+UCCL_DEVICE_INLINE void warp_copy_row_pipelined(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
+  constexpr int kRound = kUnroll * gpu::kWarpSize;
+  int4 a[kUnroll], b[kUnroll];  // two named buffers, so both stay in registers
+  load_round<kUnroll, kSrcIsRing>(a, src, 0, num_16);
+  for (int base = 0; base < num_16; base += 2 * kRound) {
+    if (base + kRound < num_16) load_round<kUnroll, kSrcIsRing>(b, src, base + kRound, num_16);
+    store_round<kUnroll>(dst, a, base, num_16);
+    if (base + kRound >= num_16) break;
+    if (base + 2 * kRound < num_16) load_round<kUnroll, kSrcIsRing>(a, src, base + 2 * kRound, num_16);
+    store_round<kUnroll>(dst, b, base + kRound, num_16);
+  }
+}
 
 /// Ring positions a sender block's remote warps hand to their lane's direct warp, which publishes them
 /// (TailPublisher): per sender warp, indexed by its warp id in the block.
