@@ -23,7 +23,8 @@
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 #   cprobe   native/bench/probes/combine_pull_probe.cu: combine designs at 4096 tokens (SM pull, SM push, and the
 #            copy engines moving the rows while 24 SMs sum: ce_sum / ce_wait, on two streams per peer: ce_sum2 /
-#            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv; chunks up to one copy), each checked, median us
+#            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv; chunks up to one copy; the engines and the SMs
+#            moving shares of the rows at once: ce_push), each checked, median us; CPROBE_MODE=<mode> runs one mode
 #   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (UMOE_TEST_SMALL=1; SAN_TESTS, default the
 #            copy-engine combine's test); sanitizer.log
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
@@ -107,7 +108,7 @@ for stage in ${STAGES:-quick bench}; do
     echo "probe rc=$?"; tail -16 "$OUT/probe.log" ;;
   cprobe)
     nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/combine_probe native/bench/probes/combine_pull_probe.cu \
-      > "$OUT/cprobe.log" 2>&1 && timeout "${CPROBE_T:-150}" /tmp/combine_probe 4096 9 >> "$OUT/cprobe.log" 2>&1
+      > "$OUT/cprobe.log" 2>&1 && timeout "${CPROBE_T:-150}" /tmp/combine_probe 4096 9 ${CPROBE_MODE:-} >> "$OUT/cprobe.log" 2>&1
     echo "cprobe rc=$?"; tail -60 "$OUT/cprobe.log" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \

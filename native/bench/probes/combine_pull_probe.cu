@@ -27,8 +27,13 @@
 //   ce_sumwv / ce_waitwv  the same as ce_sum / ce_wait, each chunk's flag written by a stream memory operation
 //              (cuStreamWriteValue32, with its default fence) instead of a 4-byte copy-engine copy: what do the flag
 //              copies cost between the chunks?
+//   ce_push    the copy engines move the first `chunk` tokens of each peer's block (one copy and its flag) while the
+//              kernel's SMs push the rest into the peer's landing zone at once, then wait for both: does the link move
+//              more with both kinds of writer than with the engines alone? (chunk = tokens: the engines alone, one
+//              copy, as ce_wait; chunk 0: the SMs alone)
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
 // The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (ce_gate).
+//   /tmp/cpp [tokens] [reps] [mode]   (mode: run only that one)
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -50,14 +55,16 @@ constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
 enum Mode {
   kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kCeSum2, kCeWait2, kCeSumWv, kCeWaitWv,
-  kNumModes
+  kCePush, kNumModes
 };
 const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only", "ce_sum",
-                                           "ce_wait",   "ce_sum2",   "ce_wait2", "ce_sumwv",  "ce_waitwv"};
+                                           "ce_wait",   "ce_sum2",   "ce_wait2", "ce_sumwv",  "ce_waitwv", "ce_push"};
 constexpr bool is_ce(int mode) { return mode >= kCeSum; }
 constexpr bool two_streams(int mode) { return mode == kCeSum2 || mode == kCeWait2; }
 constexpr bool write_value(int mode) { return mode == kCeSumWv || mode == kCeWaitWv; }
-constexpr bool only_waits(int mode) { return mode == kCeWait || mode == kCeWait2 || mode == kCeWaitWv; }
+constexpr bool only_waits(int mode) {
+  return mode == kCeWait || mode == kCeWait2 || mode == kCeWaitWv || mode == kCePush;
+}
 using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 struct Args {
@@ -66,6 +73,7 @@ struct Args {
   int4* y[kMaxGpus];       // outputs, [tokens][row]
   int32_t* ready[kMaxGpus];  // [n][chunks] chunk flags, then [n] start flags
   int32_t* done[kMaxGpus];   // one counter: peer blocks finished with my memory
+  int32_t* pushed[kMaxGpus];  // ce_push: [n] blocks of each peer whose pushed rows landed here
   int me, tokens, chunk, chunks;
   int32_t epoch;
 };
@@ -193,6 +201,39 @@ __global__ void __launch_bounds__(kThreads, 1) ce_probe(Args a) {
   }
 }
 
+/// ce_push: rows [chunk, tokens) of each peer's block pushed by the SMs into the peer's landing zone, while the
+/// engines move [0, chunk) (host side); then every GPU waits for both kinds of rows from every peer.
+template <int N>
+__global__ void __launch_bounds__(kThreads, 1) ce_push_probe(Args a) {
+  const int me = a.me;
+  const long long T = a.tokens, rw = kRowWords, split = a.chunk;
+#pragma unroll 1
+  for (int p = 0; p < N; ++p) {
+    if (p == me) continue;
+    const int4* s = a.xu[me] + (p * T + split) * rw;
+    int4* d = a.xb[p] + (me * T + split) * rw;
+    const long long words = (T - split) * rw, step = static_cast<long long>(gridDim.x) * kThreads;
+    for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < words; i += step * kU) {
+      int4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i + u * step < words) v[u] = __ldcs(s + i + u * step);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i + u * step < words) __stcg(d + i + u * step, v[u]);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < N && threadIdx.x != me) {
+    __threadfence_system();
+    atomicAdd_system(a.pushed[threadIdx.x] + me, 1);
+  }
+  if (blockIdx.x == 0 && threadIdx.x < N && threadIdx.x != me) {
+    spin_until(a.pushed[me] + threadIdx.x, static_cast<int32_t>(gridDim.x), "pushed");
+    if (split > 0) spin_until(a.ready[me] + threadIdx.x * a.chunks, a.epoch, "ce_push chunk");
+  }
+}
+
 /// The ce_ modes' start gate: stores this run's epoch into the word the copy engines copy as flags, then waits until
 /// the host, done enqueueing every GPU's copies, sets its mapped flag to the epoch (so the time starts together on
 /// every GPU and never includes the host's enqueueing).
@@ -236,6 +277,7 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
     case kCeWait:
     case kCeWait2:
     case kCeWaitWv: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
+    case kCePush: ce_push_probe<N><<<grid, kThreads, 0, s>>>(a); break;
     default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
   }
   CK(cudaGetLastError());
@@ -244,6 +286,7 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
 int main(int argc, char** argv) {
   const long long T = argc > 1 ? std::atoll(argv[1]) : 4096;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 15;
+  const char* only = argc > 3 ? argv[3] : nullptr;
   const int n = visible_gpus(kMaxGpus);
   if (n != 2 && n != 4) {
     std::fprintf(stderr, "runs on 2 or 4 GPUs, found %d\n", n);
@@ -276,6 +319,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&a.ready[g], sizeof(int32_t) * (n * max_chunks + n)));
     CK(cudaMemset(a.ready[g], 0, sizeof(int32_t) * (n * max_chunks + n)));
     CK(cudaMalloc(&a.done[g], sizeof(int32_t)));
+    CK(cudaMalloc(&a.pushed[g], sizeof(int32_t) * kMaxGpus));
     CK(cudaMalloc(&flush[g], flush_bytes));
     fill<<<264, 512>>>(a.xu[g], g, n, T);
     CK(cudaGetLastError());
@@ -292,10 +336,12 @@ int main(int argc, char** argv) {
     for (int g = 0; g < n; ++g) {
       CK(cudaSetDevice(g));
       CK(cudaMemset(a.done[g], 0, sizeof(int32_t)));
+      CK(cudaMemset(a.pushed[g], 0, sizeof(int32_t) * kMaxGpus));
       CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));  // L2 flush
     }
     sync_all(n);
-    const int chunks = static_cast<int>((T + chunk - 1) / chunk);
+    // ce_push: one copy of `chunk` tokens per peer (none at chunk 0)
+    const int chunks = mode == kCePush ? 1 : static_cast<int>((T + chunk - 1) / chunk);
     if (is_ce(mode))  // every GPU waits at the gate until the host enqueued every copy (set below)
       for (int g = 0; g < n; ++g) {
         CK(cudaSetDevice(g));
@@ -319,6 +365,7 @@ int main(int argc, char** argv) {
         for (int c = 0; c < chunks; ++c) {
           cudaStream_t s = ce[((two_streams(mode) ? c % 2 : 0) * n + g) * n + p];
           const long long r0 = static_cast<long long>(c) * chunk, rows = std::min<long long>(chunk, T - r0);
+          if (rows <= 0) continue;  // ce_push with no engine share
           CK(cudaMemcpyAsync(a.xb[p] + (g * T + r0) * kRowWords, a.xu[g] + (p * T + r0) * kRowWords,
                              rows * row_bytes, cudaMemcpyDeviceToDevice, s));
           if (write_value(mode)) {  // the flag by the stream's front end, after the chunk (default: fenced)
@@ -374,10 +421,16 @@ int main(int argc, char** argv) {
   const double remote_bytes = static_cast<double>(block_bytes) * (n - 1);
   for (int mode = 0; mode < kNumModes; ++mode)
     for (int sms : {16, 24, 32})
-      for (int chunk : {24, 48, 96, 256, 512, 1024, 2048, 4096}) {
-        if (is_ce(mode) != (chunk >= 256)) continue;  // the copy engines take big chunks (a host call per chunk)
+      for (int chunk : {24, 48, 96, 256, 512, 1024, 2048, 4096, -8, -7, -6, -5, -4, -1}) {
+        if (only != nullptr && std::strcmp(only, kModeNames[mode]) != 0) continue;
+        if ((mode == kCePush) != (chunk < 0)) continue;  // ce_push: the engines' share in eighths of the tokens
+        if (mode == kCePush) {
+          chunk = chunk == -1 ? 0 : static_cast<int>(T * -chunk / 8);
+        } else if (is_ce(mode) != (chunk >= 256)) {
+          continue;  // the copy engines take big chunks (a host call per chunk)
+        }
         if (!is_ce(mode) && !(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
-        if (is_ce(mode) && sms != 24) continue;  // the copy engines take no SMs: 24 sum (the DeepSeek-V3 setting)
+        if (is_ce(mode) && mode != kCePush && sms != 24) continue;  // no SMs move rows: 24 sum (DeepSeek-V3's)
         if (write_value(mode) && write_value32 == nullptr) continue;  // no driver entry point: not measured
         std::vector<float> t;
         CK(cudaSetDevice(0));
