@@ -282,34 +282,18 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-/// The copy stream the enter kernel runs on (the next rank's), or null at one rank (no copies: the caller's stream).
-static gpu::Stream enter_stream(const NvlContext& ctx, const CeCopies& ce) {
-  return ctx.num_ranks > 1 ? static_cast<gpu::Stream>(ce.streams[(ctx.rank + 1) % ctx.num_ranks]) : nullptr;
-}
-
 void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
                      const CeCopies& ce, void* stream) {
-  const gpu::Stream caller = static_cast<gpu::Stream>(stream), copies = enter_stream(ctx, ce);
-  const gpu::Event entered = static_cast<gpu::Event>(ce.entered);
-  // The kernel runs on the next rank's copy stream, after the caller's work: that peer's first chunk then follows it
-  // on one stream, where an event wait between streams would delay the chunk by a few microseconds. A wait takes
-  // the event's last record when it is enqueued, so `entered` first marks the caller's work, then the hand-shake.
-  const gpu::Stream st = copies != nullptr ? copies : caller;
-  if (copies != nullptr) {
-    UCCL_CHECK_GPU(gpu::event_record(entered, caller));
-    UCCL_CHECK_GPU(gpu::stream_wait_event(copies, entered));
-  }
+  const gpu::Stream st = static_cast<gpu::Stream>(stream);
   ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, checked_mask, args_phase);
   UCCL_CHECK_GPU(gpu::get_last_error());
-  UCCL_CHECK_GPU(gpu::event_record(entered, st));
-  // the op's kernel on the caller's stream reads the round the enter kernel set
-  if (copies != nullptr) UCCL_CHECK_GPU(gpu::stream_wait_event(caller, entered));
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
                       int64_t row_bytes, int chunks) {
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-  if (s != enter_stream(ctx, ce)) UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+  UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
   int64_t r0 = 0;

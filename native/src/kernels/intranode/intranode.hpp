@@ -246,8 +246,7 @@ struct CeCopies {
   void* entered;                     ///< recorded after the enter hand-shake; every copy stream waits for it
   void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
 };
-/// The copy-engine ops' enter hand-shake (a one-block kernel on the next rank's copy stream after `stream`'s work,
-/// then ce.entered recorded after it, which `stream` waits for; on `stream` at one rank): every
+/// The copy-engine ops' enter hand-shake (a one-block kernel on `stream`, then ce.entered recorded after it): every
 /// rank releases the round with `checked`, whose bits in `checked_mask` every rank must agree on (else `args_phase`,
 /// InvalidUsage); the others are per rank (each peer reads them from its pull_topk word).
 void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
