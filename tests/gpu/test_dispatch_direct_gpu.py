@@ -251,3 +251,11 @@ def test_ce_dispatch_matches_the_rings(world: int) -> None:
 @pytest.mark.parametrize("world", [6, 8])
 def test_ce_dispatch_more_ranks(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, True, timeout_s=600)
+
+
+def test_ce_ops_where_launches_block() -> None:
+    """CUDA_LAUNCH_BLOCKING=1 (a common debugging step): a launch returns only when its kernel ended, so the copy-engine
+    ops must enqueue every chunk before their kernel, or each rank's kernel waits for chunks its peer has not enqueued
+    yet. The copy-engine dispatch against the rings and interleaved with every combine path (the copy-engine combine
+    among them), at EP2."""
+    run_shared_gpu_ranks(_ce_worker, 2, True, env={"CUDA_LAUNCH_BLOCKING": "1"}, timeout_s=600)
