@@ -86,6 +86,20 @@ __device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, con
       __trap();
     }
 }
+/// Words [0, words) of s into d (peer memory: stores that bypass L1), this thread's share: first, first + step, ...,
+/// kU words in flight.
+__device__ __forceinline__ void copy_words(int4* d, const int4* s, long long words, long long first, long long step) {
+  for (long long i = first; i < words; i += step * kU) {
+    int4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i + u * step < words) v[u] = __ldcs(s + i + u * step);
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (i + u * step < words) __stcg(d + i + u * step, v[u]);
+  }
+}
+
 /// y[me][t]: token t's copies where `kMode` finds them, summed in float32 in rank order, rounded once to BF16. Warp.
 template <int N, int kMode>
 __device__ __forceinline__ void sum_token(const Args& a, long long t, int lane) {
@@ -148,15 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_probe(Args a) {
       if (p == me) continue;
       const int4* s = a.xu[me] + (p * T + r0) * rw;
       int4* d = kMode == kPushSum ? a.xb[p] + (me * T + r0) * rw : a.xb[me] + (p * T + r0) * rw;
-      for (long long i = threadIdx.x; i < words; i += kThreads * kU) {
-        int4 v[kU];
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (i + u * kThreads < words) v[u] = __ldcs(s + i + u * kThreads);
-#pragma unroll
-        for (int u = 0; u < kU; ++u)
-          if (i + u * kThreads < words) __stcg(d + i + u * kThreads, v[u]);
-      }
+      copy_words(d, s, words, threadIdx.x, kThreads);
     }
     __syncthreads();
     if (threadIdx.x < N && threadIdx.x != me) {
@@ -212,16 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1) ce_push_probe(Args a) {
     if (p == me) continue;
     const int4* s = a.xu[me] + (p * T + split) * rw;
     int4* d = a.xb[p] + (me * T + split) * rw;
-    const long long words = (T - split) * rw, step = static_cast<long long>(gridDim.x) * kThreads;
-    for (long long i = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x; i < words; i += step * kU) {
-      int4 v[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i + u * step < words) v[u] = __ldcs(s + i + u * step);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (i + u * step < words) __stcg(d + i + u * step, v[u]);
-    }
+    const long long step = static_cast<long long>(gridDim.x) * kThreads;
+    copy_words(d, s, (T - split) * rw, static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x, step);
   }
   __syncthreads();
   if (threadIdx.x < N && threadIdx.x != me) {
