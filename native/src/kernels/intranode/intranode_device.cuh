@@ -97,46 +97,37 @@ UCCL_DEVICE_INLINE bool warp_wait_at_least(const NvlContext& ctx, const int32_t*
   }
 }
 
+/// One round of a warp copy: words [base, base + kUnroll * warp) below `end` into / out of `v`, kUnroll per lane.
+template <int kUnroll, bool kSrcIsRing>
+UCCL_DEVICE_INLINE void load_round(int4 (&v)[kUnroll], const int4* __restrict__ src, int base, int end) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
+    if (i < end) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
+  }
+}
+template <int kUnroll>
+UCCL_DEVICE_INLINE void store_round(int4* __restrict__ dst, const int4 (&v)[kUnroll], int base, int end) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
+    if (i < end) gpu::store_stream_128(dst + i, v[u]);
+  }
+}
 /// Copies 16-byte words [begin, end) from src to dst with the whole warp, kUnroll words per lane in flight.
 /// `kSrcIsRing`: src was written by a peer in this launch (no non-coherent loads).
 template <int kUnroll, bool kSrcIsRing>
 UCCL_DEVICE_INLINE void warp_copy_cols(int4* __restrict__ dst, const int4* __restrict__ src, int begin, int end) {
-  const int lane = gpu::lane_id();
   for (int base = begin; base < end; base += kUnroll * gpu::kWarpSize) {
     int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * gpu::kWarpSize + lane;
-      if (i < end) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int i = base + u * gpu::kWarpSize + lane;
-      if (i < end) gpu::store_stream_128(dst + i, v[u]);
-    }
+    load_round<kUnroll, kSrcIsRing>(v, src, base, end);
+    store_round<kUnroll>(dst, v, base, end);
   }
 }
 /// The whole row: `num_16` 16-byte words.
 template <int kUnroll, bool kSrcIsRing>
 UCCL_DEVICE_INLINE void warp_copy_row(int4* __restrict__ dst, const int4* __restrict__ src, int num_16) {
   warp_copy_cols<kUnroll, kSrcIsRing>(dst, src, 0, num_16);
-}
-/// One round of warp_copy_row_pipelined: words [base, base + kUnroll * warp) of the row into / out of `v`.
-template <int kUnroll, bool kSrcIsRing>
-UCCL_DEVICE_INLINE void load_round(int4 (&v)[kUnroll], const int4* __restrict__ src, int base, int num_16) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
-    if (i < num_16) v[u] = kSrcIsRing ? gpu::load_ring_128(src + i) : gpu::load_stream_128(src + i);
-  }
-}
-template <int kUnroll>
-UCCL_DEVICE_INLINE void store_round(int4* __restrict__ dst, const int4 (&v)[kUnroll], int base, int num_16) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int i = base + u * gpu::kWarpSize + gpu::lane_id();
-    if (i < num_16) gpu::store_stream_128(dst + i, v[u]);
-  }
 }
 /// The whole row as warp_copy_row, double-buffered: each round's loads are issued before the previous round's
 /// stores, so a row waits for about one load latency rather than one per round (the loads and stores are ordered
