@@ -92,7 +92,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from uccl_moe import Buffer
-    from uccl_moe.bench._run import fp8_scales
+    from uccl_moe.bench._run import point_inputs
     from uccl_moe.bench._timing import FLUSH_BYTES, time_op
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -101,14 +101,11 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     Buffer.set_num_sms(24)
     buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R),
                  explicitly_destroy=True)
-    gen = torch.Generator(device="cuda").manual_seed(rank + 1)
-    idx = torch.topk(torch.rand((T, E), generator=gen, device="cuda"), K, dim=1).indices
-    xb = torch.randn((T, H), generator=gen, device="cuda").bfloat16()
-    x8 = (xb.float().clamp(-440, 440).to(torch.float8_e4m3fn), fp8_scales(T, H, "col", gen, "cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)  # the bench's inputs
+    idx, w, xb, x8 = point_inputs(T, H, E, K, "col", gen, "cuda")
     lay = buf.get_dispatch_layout(idx, E)
-    r = buf.dispatch(xb, topk_idx=idx, topk_weights=torch.rand((T, K), generator=gen, device="cuda"),
-                     num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                     num_tokens_per_expert=lay.num_tokens_per_expert)
+    r = buf.dispatch(xb, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay.num_tokens_per_rank,
+                     is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
     h, y = r.handle, r.recv_x.clone()
     one = torch.ones(1, device="cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")

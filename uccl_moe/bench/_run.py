@@ -75,6 +75,20 @@ def fp8_scales(T: int, H: int, layout: str, gen: Any, device: Any) -> Any:
     raise ValueError(f"scale layout {layout!r}: expected 'col' or 'row'")
 
 
+def point_inputs(T: int, H: int, E: int, K: int, scales: str, gen: Any, dev: Any) -> tuple[Any, Any, Any, Any]:
+    """A point's inputs, drawn from `gen` in this order: top-K of E uniform scores per token (`topk_idx`), their
+    weights, BF16 rows `xb` [T, H], then the FP8 rows (`xb` x 100, saturated to e4m3's range) with scales laid out as
+    `scales` (fp8_scales). Returns (topk_idx, topk_weights, xb, (x_fp8, scales))."""
+    import torch
+
+    scores = torch.rand((T, E), generator=gen, dtype=torch.float32, device=dev) + 0.1
+    idx = torch.topk(scores, K, dim=1).indices.to(torch.int64)
+    w = torch.rand((T, K), generator=gen, dtype=torch.float32, device=dev)
+    xb = torch.randn((T, H), generator=gen, dtype=torch.float32, device=dev).bfloat16()
+    x8 = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), fp8_scales(T, H, scales, gen, dev))
+    return idx, w, xb, x8
+
+
 # long: one benchmark point: inputs, then each op timed against NCCL with the same inputs, in one scope
 def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: int, dtype: str, dcfg: Any, ccfg: Any,
            args: argparse.Namespace) -> dict[str, Any]:
@@ -83,16 +97,9 @@ def _point(buf: Any, rank: int, R: int, gloo: Any, T: int, H: int, E: int, K: in
 
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    scores = torch.rand((T, E), generator=gen, dtype=torch.float32, device=dev) + 0.1
-    idx = torch.topk(scores, K, dim=1).indices.to(torch.int64)
-    w = torch.rand((T, K), generator=gen, dtype=torch.float32, device=dev)
-    xb = torch.randn((T, H), generator=gen, dtype=torch.float32, device=dev).bfloat16()
-    if dtype == "fp8":
-        x: Any = ((xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn), fp8_scales(T, H, args.scales, gen, dev))
-        row_bytes = H + 4 * (H // 128)
-    else:
-        x = xb
-        row_bytes = 2 * H
+    idx, w, xb, x8 = point_inputs(T, H, E, K, args.scales, gen, dev)
+    x: Any = x8 if dtype == "fp8" else xb
+    row_bytes = H + 4 * (H // 128) if dtype == "fp8" else 2 * H
     lay = buf.get_dispatch_layout(idx, E)
     res = buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
                        num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=dcfg)

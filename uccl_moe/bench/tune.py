@@ -303,7 +303,7 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
     import torch
     import torch.distributed as dist
 
-    from ._run import fp8_scales
+    from ._run import point_inputs
     from ._timing import FLUSH_BYTES, time_op
 
     if args.cpu:
@@ -324,11 +324,7 @@ def _tune_worker(rank: int, R: int, init_file: str, args: argparse.Namespace, re
     buf = Buffer(dist.group.WORLD, max(g["hint_bytes"] for g in grid), backend="reference" if args.cpu else "native",
                  explicitly_destroy=True)
     gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    idx = torch.topk(torch.rand((T, E), generator=gen, device=dev) + 0.1, K, dim=1).indices.to(torch.int64)
-    w = torch.rand((T, K), generator=gen, dtype=torch.float32, device=dev)
-    xb = torch.randn((T, H), generator=gen, dtype=torch.float32, device=dev).bfloat16()
-    x8 = (xb.float() * 100).clamp(-440, 440).to(torch.float8_e4m3fn)
-    s8 = fp8_scales(T, H, "col", gen, dev)
+    idx, w, xb, (x8, s8) = point_inputs(T, H, E, K, "col", gen, dev)
     lay = buf.get_dispatch_layout(idx, E)
     copies = lay.is_token_in_rank.sum(1, dtype=torch.float32)[:, None]
 
