@@ -130,26 +130,37 @@ TEST(CeLanding, EverySendersBlockLandsWhereTheReceiverSumsIt) {
 }
 
 TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
-  for (int chunks = 1; chunks <= kMaxCeChunks; ++chunks) {
-    for (int64_t rows : {0, 1, 2, 3, 7, 100, 2047, 4096, 4093}) {
-      int64_t prev = 0, prev_len = rows + 1;
-      for (int k = 0; k < chunks; ++k) {
-        const int64_t end = ce_chunk_end(rows, k, chunks);
-        ASSERT_LE(prev, end) << chunks << " " << rows << " " << k;  // in order, maybe empty
-        if (k < chunks - 1 && rows >= (int64_t{1} << chunks))
-          ASSERT_LE(end - prev, prev_len) << chunks << " " << rows << " " << k;  // no chunk outgrows the one before
-        for (int64_t q = prev; q < end; ++q) ASSERT_EQ(ce_chunk_of(q, rows, chunks), k) << rows << " " << q;
-        prev_len = end - prev;
-        prev = end;
+  for (int shrink : {kCeCombineShrinkPct, kCeDispatchShrinkPct, 20, 75, 100}) {
+    for (int chunks = 1; chunks <= kMaxCeChunks; ++chunks) {
+      for (int64_t rows : {0, 1, 2, 3, 7, 100, 2047, 4096, 4093, 1 << 30}) {
+        int64_t prev = 0, prev_len = rows + 1;
+        for (int k = 0; k < chunks; ++k) {
+          const int64_t end = ce_chunk_end(rows, k, chunks, shrink);
+          ASSERT_LE(prev, end) << shrink << " " << chunks << " " << rows << " " << k;  // in order, maybe empty
+          // no chunk before the last outgrows the one before it (by more than a rounded-down end, for shares)
+          if (k < chunks - 1 && rows >= (int64_t{1} << chunks))
+            ASSERT_LE(end - prev, prev_len + (shrink > 0 ? 1 : 0))
+                << shrink << " " << chunks << " " << rows << " " << k;
+          if (rows < 5000)
+            for (int64_t q = prev; q < end; ++q) ASSERT_EQ(ce_chunk_of(q, rows, chunks, shrink), k) << rows << " " << q;
+          prev_len = end - prev;
+          prev = end;
+        }
+        ASSERT_EQ(prev, rows);  // the last chunk ends the block
       }
-      ASSERT_EQ(prev, rows);  // the last chunk ends the block
     }
   }
-  EXPECT_EQ(ce_chunk_end(4096, 0, 4), 2048);  // halves, then quarters, then eighths, then the rest
-  EXPECT_EQ(ce_chunk_end(4096, 1, 4), 3072);
-  EXPECT_EQ(ce_chunk_end(4096, 2, 4), 3584);
-  EXPECT_EQ(ce_chunk_end(4096, 3, 4), 4096);
-  EXPECT_EQ(ce_chunk_of(4095, 4096, 4), 3);
+  EXPECT_EQ(ce_chunk_end(4096, 0, 4, 0), 2048);  // halves, then quarters, then eighths, then the rest
+  EXPECT_EQ(ce_chunk_end(4096, 1, 4, 0), 3072);
+  EXPECT_EQ(ce_chunk_end(4096, 2, 4, 0), 3584);
+  EXPECT_EQ(ce_chunk_end(4096, 3, 4, 0), 4096);
+  EXPECT_EQ(ce_chunk_of(4095, 4096, 4, 0), 3);
+  // 40%: weights 1, 0.4, 0.16 of 1.56: 2625.6, then 3675.9 rounded down
+  EXPECT_EQ(ce_chunk_end(4096, 0, 3, 40), 2625);
+  EXPECT_EQ(ce_chunk_end(4096, 1, 3, 40), 3675);
+  EXPECT_EQ(ce_chunk_end(4096, 2, 3, 40), 4096);
+  EXPECT_EQ(ce_chunk_of(3675, 4096, 3, 40), 2);
+  EXPECT_EQ(ce_chunk_end(4096, 0, 2, 100), 2048);  // equal shares
 }
 
 TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {

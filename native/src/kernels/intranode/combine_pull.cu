@@ -291,14 +291,14 @@ void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mas
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks) {
+                      int64_t row_bytes, int chunks, int shrink_pct) {
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
   UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
   int64_t r0 = 0;
   for (int k = 0; k < chunks; ++k) {
-    const int64_t r1 = ce_chunk_end(rows, k, chunks);
+    const int64_t r1 = ce_chunk_end(rows, k, chunks, shrink_pct);
     if (r1 > r0)
       UCCL_CHECK_GPU(gpu::memcpy_async(dst + r0 * row_bytes, src + r0 * row_bytes,
                                        static_cast<size_t>((r1 - r0) * row_bytes), s));
@@ -347,7 +347,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
     char* peer = static_cast<char*>(ctx.buffers[d]);
     enqueue_ce_block(ctx, ce, d, peer + kOffCombineInput + at * row_bytes, x + first * row_bytes, rows, row_bytes,
-                     a.ce_chunks);
+                     a.ce_chunks, kCeCombineShrinkPct);
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),

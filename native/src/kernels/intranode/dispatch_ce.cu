@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
         gpu::ballot(lane < N && lane != me && ((gpu::load_volatile(released + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
+    landed.shrink_pct = kCeDispatchShrinkPct;
     if (lane < N && lane != me) {
       landed.rows = p.tokens[lane];
       landed.round = round;
@@ -162,7 +163,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks);
+    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
+                     kCeDispatchShrinkPct);
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);

@@ -118,12 +118,13 @@ struct LandedChunks {
   int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
   bool head = true;   // the op has a head (CeHead::used): wait for d's ce_head before the first chunk
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
+  int shrink_pct = kCeCombineShrinkPct;          // the op's chunks (ce_chunk_end)
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
     bool ok = true;
     if (q >= 0) {
-      const int k = ce_chunk_of(q, rows, chunks);
+      const int k = ce_chunk_of(q, rows, chunks, shrink_pct);
       if (k > ready) {
         void* local = ctx.buffers[ctx.rank];
         if (ready < 0 && head)

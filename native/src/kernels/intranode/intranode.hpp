@@ -252,10 +252,10 @@ struct CeCopies {
 void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
                      const CeCopies& ce, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
-/// to `dst` in `chunks` chunks (ce_chunk_end), each followed by a 4-byte copy of our ce_round into d's
-/// ce_ready[us][chunk]; ce.copied[d] recorded after them.
+/// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
+/// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them.
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks);
+                      int64_t row_bytes, int chunks, int shrink_pct);
 /// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
 /// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
 /// handshake.cuh) rather than copied by the engine ahead of the rows' first chunk. Computed on the host.
@@ -287,13 +287,13 @@ struct CeDispatchPlan {
   int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
 };
 /// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
-/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens) into d's landing area
-/// (ce_dispatch_landing), each chunk followed by a 4-byte copy of the round into d's ce_ready word; meanwhile
-/// `num_sms` blocks store our scales (one block in the caller's storage order, CeHead) there and gather every row
-/// we receive into
-/// recv_x / recv_scales along a.recv_src_idx (the handle's, read): ours from x, a peer's from our landing area once
-/// its chunk landed; then the pull's done hand-shake. The caller's stream waits for the copy streams. `rank_tokens`:
-/// every rank's token count (notify's); ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
+/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens,
+/// kCeDispatchShrinkPct) into d's landing area (ce_dispatch_landing), each chunk followed by a 4-byte copy of the
+/// round into d's ce_ready word; meanwhile `num_sms` blocks store our scales (one block in the caller's storage
+/// order, CeHead) there and gather every row we receive into recv_x / recv_scales along a.recv_src_idx (the
+/// handle's, read): ours from x, a peer's from our landing area once its chunk landed; then the pull's done
+/// hand-shake. The caller's stream waits for the copy streams. `rank_tokens`: every rank's token count (notify's);
+/// ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
                         int chunks, const CeCopies& ce, void* stream);
 

@@ -164,18 +164,35 @@ UCCL_HOST_DEVICE_FN int64_t ce_block_at(const int32_t* rank_prefix, int N, int d
 UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, int d) {
   return ce_block_at(rank_prefix, N, d, N);
 }
-/// End of chunk k (of `chunks`) of a block of `rows` rows: halves, then quarters, ... of what is left, the last
-/// chunk taking the rest. The copy engines pay a few microseconds per copy, and the sum of the last chunk cannot
-/// overlap any copy, so the chunks shrink toward the end (docs/intranode.md).
-UCCL_HOST_DEVICE_FN int64_t ce_chunk_end(int64_t rows, int k, int chunks) {
-  return k >= chunks - 1 ? rows : rows - (rows >> (k + 1));
+/// How a copy-engine op's chunks shrink toward the end (ce_chunk_end's `shrink_pct`). The copy engines pay a few
+/// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
+/// combine's sum halves them (0), the dispatch's gather, a plain copy that keeps pace with chunks that shrink faster,
+/// makes each 40% of the one before, so 3 chunks leave it less after the last copy than 4 halves did
+/// (docs/intranode.md).
+constexpr int kCeCombineShrinkPct = 0;
+constexpr int kCeDispatchShrinkPct = 40;
+/// End of chunk k (of `chunks`) of a block of `rows` rows, the last chunk ending the block. shrink_pct 0: halves,
+/// then quarters, ... of what is left, the last chunk taking the rest; else chunk k + 1 holds shrink_pct% of chunk
+/// k's rows (ends rounded down). Host and device compute the same integers.
+UCCL_HOST_DEVICE_FN int64_t ce_chunk_end(int64_t rows, int k, int chunks, int shrink_pct) {
+  if (k >= chunks - 1) return rows;
+  if (shrink_pct == 0) return rows - (rows >> (k + 1));
+  int64_t w = int64_t{1} << 20, below = 0, total = 0;  // chunk i's weight: 2^20 * (shrink_pct / 100)^i
+  for (int i = 0; i < chunks; ++i) {
+    total += w;
+    if (i <= k) below += w;
+    w = w * shrink_pct / 100;
+  }
+  return rows * below / total;
 }
 /// The chunk that row q of a block of `rows` rows travels in.
-UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks) {
+UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks, int shrink_pct) {
   int k = 0;
-  while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks)) ++k;
+  while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks, shrink_pct)) ++k;
   return k;
 }
+static_assert(kCeDispatchShrinkPct >= 20 && kCeDispatchShrinkPct <= 100,
+              "a chunk's weight must stay above 0 over kMaxCeChunks chunks");
 
 /// Where a copy-engine dispatch (dispatch_ce.cu) lands the tokens of every other rank in rank d's buffer: for each
 /// source s != d in rank order, all of s's rows (`tokens[s]` of `row_bytes`, in token order: the copy engines move x
