@@ -253,6 +253,14 @@ def test_ce_dispatch_more_ranks(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, True, timeout_s=600)
 
 
+@pytest.mark.parametrize("chunks", [1, 8])
+def test_ce_dispatch_chunk_counts(chunks: int) -> None:
+    """UCCL_MOE_DISPATCH_CE_CHUNKS at its ends (the default, 3, runs above): one copy per peer, and 8 that shrink so
+    fast that the last ones hold no row for the smaller cases, against the rings at EP2 (the BF16 and the FP8 split
+    both)."""
+    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks)}, timeout_s=600)
+
+
 def test_ce_ops_where_launches_block() -> None:
     """CUDA_LAUNCH_BLOCKING=1 (a common debugging step): a launch returns only when its kernel ended, so the copy-engine
     ops must enqueue every chunk before their kernel, or each rank's kernel waits for chunks its peer has not enqueued

@@ -130,7 +130,7 @@ TEST(CeLanding, EverySendersBlockLandsWhereTheReceiverSumsIt) {
 }
 
 TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
-  for (int shrink : {kCeCombineShrinkPct, kCeDispatchShrinkPct, 20, 75, 100}) {
+  for (int shrink : {kCeCombineShrinkPct, kCeDispatchShrinkPct, kCeDispatchScaledShrinkPct, 20, 75, 100}) {
     for (int chunks = 1; chunks <= kMaxCeChunks; ++chunks) {
       for (int64_t rows : {0, 1, 2, 3, 7, 100, 2047, 4096, 4093, 1 << 30}) {
         int64_t prev = 0, prev_len = rows + 1;

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
         gpu::ballot(lane < N && lane != me && ((gpu::load_volatile(released + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
-    landed.shrink_pct = kCeDispatchShrinkPct;
+    landed.shrink_pct = p.shrink_pct;
     if (lane < N && lane != me) {
       landed.rows = p.tokens[lane];
       landed.round = round;
@@ -137,6 +137,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   p.recv_start[N] = rp[(N - 1) * N + me];
   p.chunks = chunks;
+  p.shrink_pct = S > 0 ? kCeDispatchScaledShrinkPct : kCeDispatchShrinkPct;  // S: checked alike at enter
   UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
               a.num_recv_rows, p.recv_start[N]);
   // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).
@@ -164,7 +165,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);
     enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
-                     kCeDispatchShrinkPct);
+                     p.shrink_pct);
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);

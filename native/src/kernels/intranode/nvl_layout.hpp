@@ -166,11 +166,12 @@ UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, i
 }
 /// How a copy-engine op's chunks shrink toward the end (ce_chunk_end's `shrink_pct`). The copy engines pay a few
 /// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
-/// combine's sum halves them (0), the dispatch's gather, a plain copy that keeps pace with chunks that shrink faster,
-/// makes each 40% of the one before, so 3 chunks leave it less after the last copy than 4 halves did
-/// (docs/intranode.md).
+/// combine's sum halves them (0); the dispatch's gather keeps pace with chunks that shrink faster, so 3 chunks
+/// leave it no more after the last copy than 4 halves did: each 40% of the one before for rows without scales,
+/// 50% with scales (FP8: the gather also reads every row's scales) (docs/intranode.md).
 constexpr int kCeCombineShrinkPct = 0;
 constexpr int kCeDispatchShrinkPct = 40;
+constexpr int kCeDispatchScaledShrinkPct = 50;
 /// End of chunk k (of `chunks`) of a block of `rows` rows, the last chunk ending the block. shrink_pct 0: halves,
 /// then quarters, ... of what is left, the last chunk taking the rest; else chunk k + 1 holds shrink_pct% of chunk
 /// k's rows (ends rounded down). Host and device compute the same integers.
@@ -191,7 +192,8 @@ UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks, int shr
   while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks, shrink_pct)) ++k;
   return k;
 }
-static_assert(kCeDispatchShrinkPct >= 20 && kCeDispatchShrinkPct <= 100,
+static_assert(kCeDispatchShrinkPct >= 20 && kCeDispatchShrinkPct <= 100 && kCeDispatchScaledShrinkPct >= 20 &&
+                  kCeDispatchScaledShrinkPct <= 100,
               "a chunk's weight must stay above 0 over kMaxCeChunks chunks");
 
 /// Where a copy-engine dispatch (dispatch_ce.cu) lands the tokens of every other rank in rank d's buffer: for each
