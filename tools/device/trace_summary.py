@@ -1,6 +1,7 @@
 """Summary of the ring kernels' phase trace (a build with -DUCCL_MOE_TRACE_DISPATCH:
 native/src/kernels/intranode/phase_trace.cuh). Each traced launch prints one ``uccl-trace <op>`` line (op: dispatch,
-combine, and the staged combine's stage and pull_staged / pull_view, whose phases the header describes) per role (send_remote, send_direct, recv) and rank: the mean per warp, in us, of its span and of the time it
+combine, and the staged combine's stage and pull_staged / pull_view, whose phases the header describes) per role
+(send_remote, send_direct, recv) and rank: the mean per warp, in us, of its span and of the time it
 spent copying rows (combine's receivers: summing them), writing metadata, waiting (for ring room, for rows, for the
 senders it publishes for), copying kept rows, publishing positions and selecting tokens. This averages them over
 launches per op, row size, role and rank, skipping each group's first `--skip` launches (warm-up), and adds `other`:
