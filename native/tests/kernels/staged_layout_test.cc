@@ -161,6 +161,13 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
   EXPECT_EQ(ce_chunk_end(4096, 2, 3, 40), 4096);
   EXPECT_EQ(ce_chunk_of(3675, 4096, 3, 40), 2);
   EXPECT_EQ(ce_chunk_end(4096, 0, 2, 100), 2048);  // equal shares
+  // 50%: 1, 0.5, 0.25 of 1.75
+  EXPECT_EQ(ce_chunk_end(4096, 0, 3, 50), 2340);
+  EXPECT_EQ(ce_chunk_end(4096, 1, 3, 50), 3510);
+  // the dispatch's pick: steeper shares for rows without scales (BF16), 50% with scales (FP8)
+  EXPECT_EQ(ce_dispatch_shrink_pct(0), 40);
+  EXPECT_EQ(ce_dispatch_shrink_pct(56), 50);
+  EXPECT_EQ(ce_dispatch_shrink_pct(1), 50);
 }
 
 TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {

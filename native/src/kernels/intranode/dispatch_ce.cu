@@ -137,7 +137,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   p.recv_start[N] = rp[(N - 1) * N + me];
   p.chunks = chunks;
-  p.shrink_pct = S > 0 ? kCeDispatchScaledShrinkPct : kCeDispatchShrinkPct;  // S: checked alike at enter
+  p.shrink_pct = ce_dispatch_shrink_pct(S);  // S is in the value every rank checks at enter (its low 10 bits)
   UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
               a.num_recv_rows, p.recv_start[N]);
   // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).

@@ -166,9 +166,10 @@ UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, i
 }
 /// How a copy-engine op's chunks shrink toward the end (ce_chunk_end's `shrink_pct`). The copy engines pay a few
 /// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
-/// combine's sum halves them (0); the dispatch's gather keeps pace with chunks that shrink faster, so 3 chunks
-/// leave it no more after the last copy than 4 halves did: each 40% of the one before for rows without scales,
-/// 50% with scales (FP8: the gather also reads every row's scales) (docs/intranode.md).
+/// combine's sum halves them (0). The dispatch's gather of rows without scales keeps pace with chunks that shrink
+/// faster, so 3 chunks of 40% shares leave it the same tail as 4 halves with one copy fewer; rows with scales (FP8)
+/// take 50% shares, where the gather, which reads every row's scales too, falls behind: as fast as 4 halves, not
+/// faster (docs/intranode.md).
 constexpr int kCeCombineShrinkPct = 0;
 constexpr int kCeDispatchShrinkPct = 40;
 constexpr int kCeDispatchScaledShrinkPct = 50;
@@ -191,6 +192,10 @@ UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks, int shr
   int k = 0;
   while (k < chunks - 1 && q >= ce_chunk_end(rows, k, chunks, shrink_pct)) ++k;
   return k;
+}
+/// The copy-engine dispatch's shrink for rows with `num_scales` scales each.
+UCCL_HOST_DEVICE_FN int ce_dispatch_shrink_pct(int num_scales) {
+  return num_scales > 0 ? kCeDispatchScaledShrinkPct : kCeDispatchShrinkPct;
 }
 static_assert(kCeDispatchShrinkPct >= 20 && kCeDispatchShrinkPct <= 100 && kCeDispatchScaledShrinkPct >= 20 &&
                   kCeDispatchScaledShrinkPct <= 100,
