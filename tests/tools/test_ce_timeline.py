@@ -65,3 +65,15 @@ def test_refuses_without_gpus(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("this machine has GPUs: the refusal is for machines without")
     assert ct.main(["--iters", "2"]) == 2
     assert "needs GPUs" in capsys.readouterr().err
+
+
+def test_ops_are_picked_by_name_in_a_fixed_order() -> None:
+    assert ct.select_ops("combine, dispatch fp8") == ["dispatch fp8", "combine"]
+    assert ct.select_ops(",".join(ct.OPS)) == list(ct.OPS)
+    for bad in ("dispatch", "", "combine,dispatch fp16"):
+        with pytest.raises(ValueError, match="pick from"):
+            ct.select_ops(bad)
+    with pytest.raises(SystemExit):  # argparse names the bad value before anything runs
+        ct.main(["--ops", "combine,nope"])
+    with pytest.raises(SystemExit):
+        ct.main(["--scales", "diagonal"])

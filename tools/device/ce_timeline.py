@@ -12,9 +12,12 @@ flushed) under torch.profiler; from each iteration's GPU events, in us:
   included).
 
 Medians over iterations, one line per rank and op. ``--listing`` also prints the last iteration's events of rank 0.
-Figures are per GPU clock; compare variants inside one call (docs/benchmarks.md).
+Figures are per GPU clock; compare variants inside one call (docs/benchmarks.md). ``--ops`` picks some of the ops,
+``--scales row`` lays the FP8 scales out row-major. With ``UCCL_MOE_DISPATCH_CE_CHUNKS=1`` a dispatch's tail is its
+whole gather after the one chunk landed: the gather's own pace, per row type and scales layout.
 
     python tools/device/ce_timeline.py [--ranks 2] [--tokens 4096] [--hidden 7168] [--iters 14] [--listing]
+        [--ops "dispatch fp8,dispatch bf16,combine"] [--scales col|row]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import tempfile
 from typing import Any
 
 PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary")
+OPS = ("dispatch fp8", "dispatch bf16", "combine")
 FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
 
 
@@ -86,6 +90,15 @@ def listing(trace: dict[str, Any]) -> list[str]:
             f"{e['name'][:70]} {e.get('args', {}).get('bytes', '')}" for e in its[-1]]
 
 
+def select_ops(spec: str) -> list[str]:
+    """The ops named in `spec` (comma-separated, from OPS), in OPS order; ValueError names an unknown one."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in OPS]
+    if unknown or not names:
+        raise ValueError(f"--ops {spec!r}: pick from {', '.join(OPS)} (comma-separated)")
+    return [op for op in OPS if op in names]
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -102,7 +115,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R),
                  explicitly_destroy=True)
     gen = torch.Generator(device="cuda").manual_seed(1234 + rank)  # the bench's inputs
-    idx, w, xb, x8 = point_inputs(T, H, E, K, "col", gen, "cuda")
+    idx, w, xb, x8 = point_inputs(T, H, E, K, args.scales, gen, "cuda")
     lay = buf.get_dispatch_layout(idx, E)
     r = buf.dispatch(xb, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay.num_tokens_per_rank,
                      is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
@@ -112,7 +125,8 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     ops = {"dispatch fp8": lambda: buf.dispatch(x8, handle=h), "dispatch bf16": lambda: buf.dispatch(xb, handle=h),
            "combine": lambda: buf.combine(y, h)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in ops.items():
+        for name in select_ops(args.ops):
+            fn = ops[name]
             for _ in range(5):  # warm-up
                 fn()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -138,7 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--iters", type=int, default=14)
     p.add_argument("--listing", action="store_true", help="also print rank 0's last iteration, event by event")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
+    p.add_argument("--scales", choices=("col", "row"), default="col", help="the FP8 scales' layout (default col)")
     args = p.parse_args(argv)
+    try:
+        select_ops(args.ops)
+    except ValueError as e:
+        p.error(str(e))
     import torch
     import torch.multiprocessing as mp
 
