@@ -125,7 +125,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     ops = {"dispatch fp8": lambda: buf.dispatch(x8, handle=h), "dispatch bf16": lambda: buf.dispatch(xb, handle=h),
            "combine": lambda: buf.combine(y, h)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in select_ops(args.ops):
+        for name in args.ops:  # main() made it a list (select_ops)
             fn = ops[name]
             for _ in range(5):  # warm-up
                 fn()
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scales", choices=("col", "row"), default="col", help="the FP8 scales' layout (default col)")
     args = p.parse_args(argv)
     try:
-        select_ops(args.ops)
+        args.ops = select_ops(args.ops)
     except ValueError as e:
         p.error(str(e))
     import torch
