@@ -142,7 +142,15 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
             ASSERT_LE(end - prev, prev_len + (shrink > 0 ? 1 : 0))
                 << shrink << " " << chunks << " " << rows << " " << k;
           if (rows < 5000)
-            for (int64_t q = prev; q < end; ++q) ASSERT_EQ(ce_chunk_of(q, rows, chunks, shrink), k) << rows << " " << q;
+            for (int64_t q = prev; q < end; ++q) {
+              ASSERT_EQ(ce_chunk_of(q, rows, chunks, shrink), k) << rows << " " << q;
+              // a reader that knows chunks [0, k0) landed searches from k0 and learns where q's chunk ends
+              for (int k0 = 0; k0 <= k; ++k0) {
+                int64_t got_end = -1;
+                ASSERT_EQ(ce_chunk_from(q, rows, chunks, shrink, k0, &got_end), k) << rows << " " << q << " " << k0;
+                ASSERT_EQ(got_end, end) << rows << " " << q << " " << k0;
+              }
+            }
           prev_len = end - prev;
           prev = end;
         }

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
         gpu::ballot(lane < N && lane != me && ((gpu::load_volatile(released + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
-    landed.shrink_pct = p.shrink_pct;
+    landed.shrink_pct = ce_dispatch_shrink_pct(S);  // S is in the value every rank checks at enter
     if (lane < N && lane != me) {
       landed.rows = p.tokens[lane];
       landed.round = round;
@@ -55,14 +55,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
-    // The next row's recv_src_idx entry loads while this row copies.
-    int32_t src_next = i < rows ? a.recv_src_idx[(own0 + i) % rows] : 0;
+    // Row own0 + i, wrapped (own0 <= rows and stride < rows while a next row exists: one subtraction, not a 64-bit
+    // modulo per row). The next row's recv_src_idx entry loads while this row copies.
+    int64_t r_next = own0 + i < rows ? own0 + i : own0 + i - rows;
+    int32_t src_next = i < rows ? a.recv_src_idx[r_next] : 0;
     for (; i < rows; i += stride) {
-      const int64_t r = (own0 + i) % rows;
+      const int64_t r = r_next;
+      r_next = r + stride < rows ? r + stride : r + stride - rows;
       int s = 0;
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
-      if (i + stride < rows) src_next = a.recv_src_idx[(own0 + i + stride) % rows];
+      if (i + stride < rows) src_next = a.recv_src_idx[r_next];
       if (s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
       int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.row_bytes);
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
@@ -137,7 +140,6 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   p.recv_start[N] = rp[(N - 1) * N + me];
   p.chunks = chunks;
-  p.shrink_pct = ce_dispatch_shrink_pct(S);  // S is in the value every rank checks at enter (its low 10 bits)
   UCCL_ASSERT(p.recv_start[N] <= a.num_recv_rows, "the outputs hold %d rows, the handle receives %d",
               a.num_recv_rows, p.recv_start[N]);
   // A rank that receives nothing has an empty recv_src_idx (address 0) and still takes part (it sends).
@@ -165,7 +167,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);
     enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
-                     p.shrink_pct);
+                     ce_dispatch_shrink_pct(S));  // as the peer's gather splits them (S is checked at enter)
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);

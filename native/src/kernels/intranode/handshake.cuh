@@ -115,6 +115,7 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
 struct LandedChunks {
   int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
   int ready = -1;     // chunks [0, ready] of d's block landed (and d's head, once ready >= 0)
+  int32_t ready_end = 0;  // the rows of chunks [0, ready]: [0, ready_end) (a block has < 2^31 rows)
   int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
   bool head = true;   // the op has a head (CeHead::used): wait for d's ce_head before the first chunk
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
@@ -123,16 +124,20 @@ struct LandedChunks {
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
     bool ok = true;
-    if (q >= 0) {
-      const int k = ce_chunk_of(q, rows, chunks, shrink_pct);
-      if (k > ready) {
-        void* local = ctx.buffers[ctx.rank];
-        if (ready < 0 && head)
-          ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
-                            DiagRole::kReceiver, d, -1);
-        const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
-        ok = ok && wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
-        if (ok) ready = k;  // the copy engine wrote chunk k's word after chunks 0..k on one stream
+    // A row below ready_end (or none: q < 0) needs neither a wait nor the chunk arithmetic (a loop and a 64-bit
+    // division), which per row would cost about as many instructions as copying a short row.
+    if (q >= ready_end) {
+      int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
+      const int k = ce_chunk_from(q, rows, chunks, shrink_pct, ready + 1, &end);
+      void* local = ctx.buffers[ctx.rank];
+      if (ready < 0 && head)
+        ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
+                          DiagRole::kReceiver, d, -1);
+      const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
+      ok = ok && wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
+      if (ok) {  // the copy engine wrote chunk k's word after chunks 0..k on one stream
+        ready = k;
+        ready_end = static_cast<int32_t>(end);
       }
     }
     // The lanes that waited acquired d's rows for the whole warp: a warp barrier orders the other lanes' loads after

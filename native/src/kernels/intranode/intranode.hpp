@@ -285,11 +285,10 @@ struct CeDispatchPlan {
   int32_t tokens[kMaxLocalRanks];          ///< tokens of each rank
   int32_t recv_start[kMaxLocalRanks + 1];  ///< our received rows from source s: [recv_start[s], recv_start[s + 1])
   int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
-  int32_t shrink_pct;                      ///< how they shrink (ce_chunk_end): by num_scales, alike on every rank
 };
 /// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
-/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens,
-/// CeDispatchPlan::shrink_pct) into d's landing area (ce_dispatch_landing), each chunk followed by a 4-byte copy of the
+/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens, shrinking by
+/// ce_dispatch_shrink_pct) into d's landing area (ce_dispatch_landing), each chunk followed by a 4-byte copy of the
 /// round into d's ce_ready word; meanwhile `num_sms` blocks store our scales (one block in the caller's storage
 /// order, CeHead) there and gather every row we receive into recv_x / recv_scales along a.recv_src_idx (the
 /// handle's, read): ours from x, a peer's from our landing area once its chunk landed; then the pull's done
