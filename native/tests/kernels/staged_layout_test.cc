@@ -130,6 +130,10 @@ TEST(CeLanding, EverySendersBlockLandsWhereTheReceiverSumsIt) {
 }
 
 TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
+  const auto ce_chunk_of = [](int64_t q, int64_t rows, int chunks, int shrink) {  // searched from the first chunk
+    int64_t end = -1;
+    return ce_chunk_from(q, rows, chunks, shrink, 0, &end);
+  };
   for (int shrink : {kCeCombineShrinkPct, kCeDispatchShrinkPct, kCeDispatchScaledShrinkPct, 20, 75, 100}) {
     for (int chunks = 1; chunks <= kMaxCeChunks; ++chunks) {
       for (int64_t rows : {0, 1, 2, 3, 7, 100, 2047, 4096, 4093, 1 << 30}) {

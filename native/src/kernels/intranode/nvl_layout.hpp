@@ -188,16 +188,11 @@ UCCL_HOST_DEVICE_FN int64_t ce_chunk_end(int64_t rows, int k, int chunks, int sh
   return rows * below / total;
 }
 /// The chunk that row q of a block of `rows` rows travels in, searched from chunk `k` on (q is at or after chunk k's
-/// start), and that chunk's end (`*end`): a reader that knows chunks [0, k) landed starts there.
+/// start; 0: from the first), and that chunk's end (`*end`): a reader that knows chunks [0, k) landed starts there.
 UCCL_HOST_DEVICE_FN int ce_chunk_from(int64_t q, int64_t rows, int chunks, int shrink_pct, int k, int64_t* end) {
   *end = ce_chunk_end(rows, k, chunks, shrink_pct);
   while (q >= *end && k < chunks - 1) *end = ce_chunk_end(rows, ++k, chunks, shrink_pct);
   return k;
-}
-/// The chunk that row q of a block of `rows` rows travels in.
-UCCL_HOST_DEVICE_FN int ce_chunk_of(int64_t q, int64_t rows, int chunks, int shrink_pct) {
-  int64_t end = 0;
-  return ce_chunk_from(q, rows, chunks, shrink_pct, 0, &end);
 }
 /// The copy-engine dispatch's shrink for rows with `num_scales` scales each.
 UCCL_HOST_DEVICE_FN int ce_dispatch_shrink_pct(int num_scales) {
