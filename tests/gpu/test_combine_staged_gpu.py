@@ -108,12 +108,15 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
     ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
     wants = [_combine(nat, "ring", yi, rn.handle, config=cfg).combined_x for yi in ys]
     outs = []
+    early0 = early_ops(nat)
     for yi in ys:
         if rank == 0:
             torch.cuda._sleep(200_000)
         outs.append(_combine(nat, P, yi, rn.handle, config=cfg).combined_x)
     check(f"24 {P} combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
+    if P == "ce":  # every one after the first (which follows a ring combine) starts its copies at once
+        check("early copy-engine combines", early_ops(nat) - early0 == (23 if early_wanted() else 0))
     if few:
         torch.cuda.synchronize()
         check.finish(gloo, nat, ref)
@@ -167,6 +170,15 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
     check.finish(gloo, small, nat, ref)
 
 
+def early_ops(buf) -> int:
+    """Copy-engine ops of `buf` that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)."""
+    return int(buf._live()._rt.ce_early_ops)
+
+
+def early_wanted() -> bool:
+    return os.environ.get("UCCL_MOE_CE_EARLY", "1") != "0"
+
+
 def _kernels(fn) -> str:
     """The names of the GPU kernels fn() ran (torch profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -198,3 +210,9 @@ def test_staged_and_ce_combine_match_the_ring(world: int, path: str) -> None:
 @pytest.mark.parametrize("path", ["staged", "ce"])
 def test_staged_and_ce_combine_more_ranks(world: int, path: str) -> None:
     run_shared_gpu_ranks(_staged_worker, world, path, True, timeout_s=600)
+
+
+def test_ce_combine_with_the_enter_kernel_always() -> None:
+    """UCCL_MOE_CE_EARLY=0: every copy-engine combine waits for the enter hand-shake kernel before its copies (the
+    default starts them at once where the op before ended with the done hand-shake): the same bits, at EP2."""
+    run_shared_gpu_ranks(_staged_worker, 2, "ce", True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _combine, _kernels
+from test_combine_staged_gpu import _combine, _kernels, early_ops, early_wanted
 from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, _eq, _split, pull_buffers
 
 pytestmark = pytest.mark.gpu
@@ -208,12 +208,15 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
           for i in range(4 if sanitizer else 24)]
     wants = [_ce(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0] for xi in xs]
     outs = []
+    early0 = early_ops(nat)
     for xi in xs:
         if rank == 0:
             torch.cuda._sleep(200_000)
         outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
     check(f"{len(xs)} copy-engine dispatches back to back, one rank late",
           all(_eq(o, w) for o, w in zip(outs, wants)))
+    # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY)
+    check("early copy-engine dispatches", early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() else 0))
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
@@ -267,3 +270,9 @@ def test_ce_ops_where_launches_block() -> None:
     yet. The copy-engine dispatch against the rings and interleaved with every combine path (the copy-engine combine
     among them), at EP2."""
     run_shared_gpu_ranks(_ce_worker, 2, True, env={"CUDA_LAUNCH_BLOCKING": "1"}, timeout_s=600)
+
+
+def test_ce_dispatch_with_the_enter_kernel_always() -> None:
+    """UCCL_MOE_CE_EARLY=0: every copy-engine dispatch waits for the enter hand-shake kernel before its copies: the
+    same outputs as the rings, at EP2 (the default's early copies run in the tests above)."""
+    run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)

@@ -833,7 +833,9 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     odd = world - 1
     view = nat.get_combine_buffer(res.handle, 2048)
     view.copy_(res.recv_x)
-    if mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks"):  # refused on every rank: other weights, layout
+    if mode.endswith("_early"):
+        _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
+    elif mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks"):  # refused on every rank: other weights, layout
         weights = mode == "weights"
         x = view if weights or rank != odd else res.recv_x.clone()
         w = res.recv_topk_weights if weights and rank != odd else None
@@ -873,12 +875,41 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     nat.destroy()
 
 
-@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes"])
+def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
+    """A fault in a copy-engine combine that starts its copies at once (UCCL_MOE_CE_EARLY: it follows one every rank
+    ran through the copy engines, so no enter kernel runs): rank `odd` skips it (`ce_skip_early`: the others are named
+    in a bounded combine/pull-start wait) or splits its copies otherwise (`ce_chunks_early`: every rank raises
+    InvalidUsageError naming the chunks, checked by the sum kernel before it reads a peer's rows)."""
+    from uccl_moe import CommTimeoutError, InvalidUsageError
+
+    os.environ["UCCL_MOE_COMBINE_CE"] = "1"
+    nat.combine(res.recv_x.clone(), res.handle, config=cfg)
+    torch.cuda.synchronize()
+    early0 = int(nat._live()._rt.ce_early_ops)
+    if mode == "ce_chunks_early":
+        os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
+    elif rank == odd:
+        return  # skips it
+    try:
+        nat.combine(res.recv_x.clone(), res.handle, config=cfg)
+        assert int(nat._live()._rt.ce_early_ops) == early0 + 1, "the combine did not start its copies at once"
+        torch.cuda.synchronize()
+        nat.get_dispatch_layout(case.idx.cuda(), 4 * (odd + 1))  # the next call surfaces the abort
+    except InvalidUsageError as e:
+        assert mode == "ce_chunks_early" and "UCCL_MOE_COMBINE_CE_CHUNKS" in str(e), str(e)
+    except CommTimeoutError as e:
+        rec = e.record or {}
+        assert mode == "ce_skip_early" and rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
+    else:
+        raise AssertionError(f"an early copy-engine combine returned through a fault ({mode})")
+
+
+@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
-@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks"])
+@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the

@@ -47,6 +47,7 @@ def test_parts_of_each_iteration_and_medians() -> None:
     assert med["lead"] == pytest.approx(12.0) and med["copies"] == pytest.approx(70.0)
     assert med["span"] == pytest.approx(89.0) and med["kernel_start"] == pytest.approx(20.0)
     assert med["boundary"] == pytest.approx(6.0)  # data end (t + 52) to the next data's start (t + 58), flag between
+    assert med["flushed"] == pytest.approx(89.0 + 10.0)  # the flush ended at t - 10
     lines = ct.listing(trace)
     assert len(lines) == 6 and "ce_enter_kernel" in lines[0] and "AllReduce" not in "".join(lines)
 
@@ -77,3 +78,11 @@ def test_ops_are_picked_by_name_in_a_fixed_order() -> None:
         ct.main(["--ops", "combine,nope"])
     with pytest.raises(SystemExit):
         ct.main(["--scales", "diagonal"])
+
+
+def test_an_early_op_starts_at_its_first_copy_or_kernel() -> None:
+    """UCCL_MOE_CE_EARLY: no enter kernel; the op starts at its first copy (here before its kernel)."""
+    it = [e for e in _iteration(1000.0, 5.0) if "ce_enter" not in e["name"]]
+    [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": it}))]
+    assert got is not None and got["lead"] == pytest.approx(0.0) and got["span"] == pytest.approx(89.0 - 12.0)
+    assert got["kernel_start"] == pytest.approx(8.0) and got["flushed"] == pytest.approx(99.0)

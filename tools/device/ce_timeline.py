@@ -2,14 +2,17 @@
 column-major scales, BF16) and combine at the bench's headline setting, timed by the bench's loop (ranks aligned, L2
 flushed) under torch.profiler; from each iteration's GPU events, in us:
 
-- ``lead``: the enter kernel's start to the first copy's start (the enter hand-shake, the copy stream's wait);
+- ``lead``: the enter kernel's start to the first copy's start (the enter hand-shake, the copy stream's wait); an
+  early op (UCCL_MOE_CE_EARLY: no enter kernel) starts at its first copy or kernel, whichever comes first;
 - ``copies``: the first copy's start to the last copy's end (the rows in chunks, each chunk's 4-byte flag);
 - ``tail``: the last copy's end (our last flag) to the end of the op's last kernel (the work on the peers' last
   chunks, the done hand-shake);
 - ``span``: the enter kernel's start to that end; ``kernel_start``: the enter kernel's start to the gather / sum
   kernel's (late where the host enqueues more slowly than the GPU runs: the profiler slows the host, too);
 - ``boundary``: the median gap between one data copy's end and the next data copy's start (the flag between them
-  included).
+  included);
+- ``flushed``: the L2 flush's end to the op's end: what the bench's event time holds where the host enqueued the op
+  during the flush (early and enter-kernel ops compare here, since their spans start at different events).
 
 Medians over iterations, one line per rank and op. ``--listing`` also prints the last iteration's events of rank 0.
 Figures are per GPU clock; compare variants inside one call (docs/benchmarks.md). ``--ops`` picks some of the ops,
@@ -30,7 +33,7 @@ import sys
 import tempfile
 from typing import Any
 
-PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary")
+PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary", "flushed")
 OPS = ("dispatch fp8", "dispatch bf16", "combine")
 FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
 
@@ -45,31 +48,37 @@ def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(evs, key=lambda e: float(e["ts"]))
 
 
+def _is_fill(e: dict[str, Any]) -> bool:
+    return "fill" in e["name"].lower() and e["cat"] == "kernel"
+
+
 def iterations(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The events after each L2 flush (torch's fill kernel) up to the next one: one timed call each; the alignment's
-    all-reduce is left out."""
-    fills = [i for i, e in enumerate(events) if "fill" in e["name"].lower() and e["cat"] == "kernel"]
+    """Each L2 flush (torch's fill kernel) and the events after it up to the next one: one timed call each; the
+    alignment's all-reduce is left out."""
+    fills = [i for i, e in enumerate(events) if _is_fill(e)]
     out = []
     for n, i in enumerate(fills):
         stop = fills[n + 1] if n + 1 < len(fills) else len(events)
-        out.append([e for e in events[i + 1:stop] if "AllReduce" not in e["name"]])
+        out.append([e for e in events[i:stop] if "AllReduce" not in e["name"]])
     return out
 
 
 def parts(it: list[dict[str, Any]]) -> dict[str, float] | None:
-    """PARTS of one copy-engine op's iteration; None where it has no enter kernel, op kernel or copy (another path
+    """PARTS of one copy-engine op's iteration (its flush first); None where it has no op kernel or copy (another path
     ran)."""
+    flushed = _end(it[0]) if it and _is_fill(it[0]) else float("nan")
     enter = [e for e in it if e["cat"] == "kernel" and "ce_enter" in e["name"]]
-    kernels = [e for e in it if e["cat"] == "kernel" and "ce_enter" not in e["name"]]
+    kernels = [e for e in it if e["cat"] == "kernel" and "ce_enter" not in e["name"] and not _is_fill(e)]
     copies = [e for e in it if e["cat"] == "gpu_memcpy"]
-    if not (enter and kernels and copies):
+    if not (kernels and copies):
         return None
-    t0, end = float(enter[0]["ts"]), max(_end(e) for e in kernels)
+    t0 = float(enter[0]["ts"]) if enter else min(float(copies[0]["ts"]), float(kernels[0]["ts"]))
+    end = max(_end(e) for e in kernels)
     data = [e for e in copies if int(e.get("args", {}).get("bytes", FLAG_BYTES + 1)) != FLAG_BYTES]
     gaps = [float(b["ts"]) - _end(a) for a, b in zip(data, data[1:])]
     return {"lead": float(copies[0]["ts"]) - t0, "copies": _end(copies[-1]) - float(copies[0]["ts"]),
             "tail": end - _end(copies[-1]), "span": end - t0, "kernel_start": float(kernels[0]["ts"]) - t0,
-            "boundary": statistics.median(gaps) if gaps else float("nan")}
+            "boundary": statistics.median(gaps) if gaps else float("nan"), "flushed": end - flushed}
 
 
 def summarise(trace: dict[str, Any]) -> tuple[dict[str, float], int]:
@@ -82,7 +91,7 @@ def summarise(trace: dict[str, Any]) -> tuple[dict[str, float], int]:
 
 def listing(trace: dict[str, Any]) -> list[str]:
     """The last iteration's events: start and end in us from its first event, stream, name, bytes."""
-    its = iterations(gpu_events(trace))
+    its = [[e for e in it if not _is_fill(e)] for it in iterations(gpu_events(trace))]
     if not its or not its[-1]:
         return []
     t0 = float(its[-1][0]["ts"])

@@ -118,7 +118,7 @@ class BufferPaths:
             num_recv_rows=rows, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
             recv_src_idx=_ptr(handle.recv_src_idx))
         _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, int(env.get("DISPATCH_CE_CHUNKS")),
-                                 self._stream())
+                                 bool(env.get("CE_EARLY")), self._stream())
         return recv_x, recv_scales
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
@@ -284,7 +284,8 @@ class BufferPaths:
             num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w),
             staged=int(own), own_x=_ptr(x) if own else 0, ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
         if ce_rank_prefix is not None:
-            _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, self._stream())
+            _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, bool(env.get("CE_EARLY")),
+                                    self._stream())
         else:
             _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
         return out, out_w

@@ -200,6 +200,8 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("connected", &NvlRuntime::connected)
       .def_prop_ro("local_buffer", &NvlRuntime::local_buffer)
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
+      .def_prop_ro("ce_early_ops", &NvlRuntime::ce_early_ops,
+                   "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
       .def("set_global_rank", &NvlRuntime::set_global_rank, "rank"_a)
       .def("aborted", &NvlRuntime::aborted)
       .def("check_num_sms", &NvlRuntime::check_num_sms, "num_sms"_a,
@@ -300,6 +302,7 @@ void register_runtime(nb::module_& m) {
     rt.check_graph_channels(g.num_channels, stream_of(stream));
     intranode::launch_notify_dispatch(rt.context(), g, a, stream_of(stream));
     rt.set_ring_channels(g.num_channels);  // notify resets the ring counters
+    rt.note_op(stream_of(stream), false);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("dispatch_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
@@ -307,6 +310,7 @@ void register_runtime(nb::module_& m) {
     const auto ctx = rt.context();
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
+    rt.note_op(stream_of(stream), false);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("dispatch_direct_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
@@ -315,6 +319,7 @@ void register_runtime(nb::module_& m) {
     // whole GPU (a grid of two blocks per SM; at its register count one is resident per SM at a time).
     const int unpack_blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
     intranode::launch_dispatch_direct(rt.context(), g, a, unpack_blocks, stream_of(stream));
+    rt.note_op(stream_of(stream), false);  // its hand-shakes are its own (the direct words)
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a,
   "The ring-free dispatch (intranode.hpp launch_dispatch_direct): same outputs as dispatch_intranode");
   m.def("intranode_direct_landing_bytes", &intranode::direct_landing_bytes, "rows"_a, "row_bytes"_a, "num_topk"_a,
@@ -325,6 +330,7 @@ void register_runtime(nb::module_& m) {
     const auto ctx = rt.context();
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
+    rt.note_op(stream_of(stream), false);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("combine_pull_intranode", [](NvlRuntime& rt, int num_sms, int64_t num_rows, const intranode::CombinePullArgs& a,
@@ -332,32 +338,40 @@ void register_runtime(nb::module_& m) {
     // No ring is used, so the ring counters need no reset (ensure_rings) and the op's SM count is free.
     rt.check_num_sms(num_sms);
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
+    rt.note_op(stream_of(stream), true);
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
 
   m.def("combine_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::CombinePullArgs& a,
-                                   const std::vector<int32_t>& rank_prefix, uintptr_t stream) {
+                                   const std::vector<int32_t>& rank_prefix, bool early, uintptr_t stream) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
                 rank_prefix.size(), N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
-    intranode::launch_combine_ce(rt.context(), num_sms, a, rt.ce_copies(rank_prefix.data()), stream_of(stream));
-  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "stream"_a,
+    auto ce = rt.ce_copies(rank_prefix.data());
+    ce.early = rt.take_ce_early(stream_of(stream), early) ? 1 : 0;
+    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream));
+    rt.note_op(stream_of(stream), true);
+  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a,
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
-  "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major");
+  "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major; early: "
+  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake)");
 
   m.def("dispatch_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::DispatchArgs& a,
                                     const std::vector<int32_t>& rank_prefix, const std::vector<int32_t>& rank_tokens,
-                                    int chunks, uintptr_t stream) {
+                                    int chunks, bool early, uintptr_t stream) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N && static_cast<int>(rank_tokens.size()) == N,
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
-    intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks,
-                                  rt.ce_copies(rank_prefix.data()), stream_of(stream));
-  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "stream"_a,
+    auto ce = rt.ce_copies(rank_prefix.data());
+    ce.early = rt.take_ce_early(stream_of(stream), early) ? 1 : 0;
+    intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream));
+    rt.note_op(stream_of(stream), true);
+  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
-  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts)");
+  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early as for "
+  "combine_ce_intranode");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {
@@ -365,11 +379,13 @@ void register_runtime(nb::module_& m) {
     const int blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
     intranode::launch_stage_combine_rows(rt.context(), reinterpret_cast<const void*>(x), hidden, max_rows,
                                          reinterpret_cast<const int32_t*>(rank_prefix), blocks, stream_of(stream));
+    rt.note_op(stream_of(stream), false);
   }, "runtime"_a, "x"_a, "hidden"_a, "max_rows"_a, "rank_prefix"_a, "stream"_a,
   "A staged combine's first half: the rows of x that came from other ranks into this rank's buffer (intranode.hpp)");
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
+    rt.note_op(stream_of(stream), false);
   }, "runtime"_a, "peer"_a, "bytes"_a, "stream"_a,
   "Copy-engine copy of `bytes` from this rank's NVL ring region into peer's (benchmark ceiling)");
 }

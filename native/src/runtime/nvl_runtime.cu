@@ -253,6 +253,18 @@ void NvlRuntime::check_graph_channels(int channels, void* stream) {
   if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
 }
 
+bool NvlRuntime::take_ce_early(void* stream, bool wanted) {
+  const bool early = wanted && after_done_ && !captured_ && graph_channels_ < 0 &&
+                     !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+  if (early) ++ce_early_ops_;
+  return early;
+}
+
+void NvlRuntime::note_op(void* stream, bool done) {
+  if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) captured_ = true;
+  after_done_ = done;
+}
+
 void NvlRuntime::check_num_sms(int num_sms) const {
   if (device_sms_ > 0 && num_sms > device_sms_)
     UCCL_THROW(kInvalidUsage,

@@ -81,6 +81,17 @@ class NvlRuntime {
   /// The streams and events of the copy-engine ops (created by connect() on this runtime's device, so never inside
   /// a CUDA graph capture; kept until destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host) const;
+  /// Whether a copy-engine op enqueued now on `stream` starts its copies before any hand-shake (CeCopies::early):
+  /// `wanted` (UCCL_MOE_CE_EARLY), the op launched last on this Buffer ended with every rank's done release
+  /// (note_op), no op of this Buffer was ever captured in a CUDA graph (a replay's first op follows whatever ran
+  /// before it, which the host does not see) and `stream` is not capturing. Every rank sees the same calls, so
+  /// decides alike (a rank that does not is caught by the op's checks as a different op would be).
+  bool take_ce_early(void* stream, bool wanted);
+  /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
+  /// copy-engine op). Remembers a capture.
+  void note_op(void* stream, bool done);
+  /// Copy-engine ops that started their copies at once, since the Buffer was made (tests: the path was taken).
+  int64_t ce_early_ops() const { return ce_early_ops_; }
 
  private:
   int rank_, num_ranks_, device_;
@@ -93,6 +104,9 @@ class NvlRuntime {
   bool destroyed_ = false;
   int ring_channels_ = -1;
   int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
+  bool after_done_ = false;  // the last op launched ended with the done hand-shake (note_op)
+  bool captured_ = false;    // an op of this Buffer was captured in a CUDA graph
+  int64_t ce_early_ops_ = 0;
   int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
   void make_ce_streams();  // connect(): the copy-engine ops' streams and events
   void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine ops: a stream per peer, and its events (ce_copies)

@@ -40,7 +40,8 @@ namespace {
 /// copy (or -1 when the token did not go to d). `kLanded`: a copy-engine combine, where the peers' copies of our
 /// tokens landed in our own buffer (ce_block_at) chunk by chunk (waited for per token), with their weights.
 template <int kNumRanks, int kColUnroll, bool kLanded = false>
-UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a, int32_t round = 0) {
+UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a, int32_t round = 0,
+                                 const CeEnter& enter = CeEnter{}) {
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id(), L = a.num_lanes, T = a.num_tokens;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int num_16 = static_cast<int>(row_bytes / 16);
@@ -72,6 +73,13 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
     landed.head = false;  // waited for below, once
+  }
+  if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
+    // theirs is read (their weights, then their rows)
+    int32_t value = 0;
+    const bool ok = lane >= N || lane == me || wait_entered(ctx, enter, round, lane, &value);
+    gpu::sync_warp();
+    if (gpu::ballot(!ok) != 0) return;
   }
   if (kLanded && a.num_topk > 0) {  // the peers' top-k weights (CeHead::used is K > 0, alike on every rank): waited
     // for before the first token, which needs chunk 0 anyway, and that lands long after them
@@ -154,8 +162,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   UCCL_MOE_TRACE(const long long t_end = trace::now());
   if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     release_to_peers(ctx, kOffPullDone, round);
-    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
-    if (threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+    const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
+    if (done && threadIdx.x == 0) {
+      *meta_ptr(local, kOffPullRound) = round;
+      *meta_ptr(local, kOffCeRound) = round + 1;  // the flags' value if the next op is an early copy-engine op
+    }
   }
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, a.staged != 0 ? "pull_staged" : "pull_view", me,
@@ -168,20 +179,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
 /// buffers at once (ring slots overlap the landing areas).
 template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a,
-                                                                             CeHead head) {
+                                                                             CeHead head, CeEnter enter) {
   UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
                  trace::begin());
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
-  // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no sum.
-  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  // The enter kernel advanced the round (where its wait gave up it did not, and the abort flag is up: no sum); an
+  // early op releases its entry here (CeEnter).
+  const int32_t round = ce_op_round(ctx, enter);
+  ce_release_entry(ctx, enter, round);
   push_ce_head(ctx, head, round, &sm);
-  if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true>(ctx, a, round);
+  if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true>(ctx, a, round, enter);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
-    release_to_peers(ctx, kOffPullDone, round);
-    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
-  }
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm))
+    ce_op_end(ctx, enter, round, a.ce_chunks, DiagPhase::kCombineCeChunk, &sm);
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, "ce_sum", ctx.rank, a.hidden * 2));
 }
@@ -282,12 +293,15 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
-                     const CeCopies& ce, void* stream) {
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
+                        const CeCopies& ce, void* stream) {
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
-  ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, checked_mask, args_phase);
-  UCCL_CHECK_GPU(gpu::get_last_error());
+  if (ce.early == 0) {
+    ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, checked_mask, args_phase);
+    UCCL_CHECK_GPU(gpu::get_last_error());
+  }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, checked_mask, args_phase};
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
@@ -335,8 +349,8 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1, DiagPhase::kCombinePullArgs,
-                  ce, stream);
+  const CeEnter enter = launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1,
+                                        DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
   head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
@@ -357,7 +371,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   }
   with_num_ranks(N, "combine", [&](auto n) {
     combine_ce_sum_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head);
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
   join_ce_copies(ctx, ce, stream);

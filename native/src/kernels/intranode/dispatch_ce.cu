@@ -11,8 +11,9 @@
 // reads, so the path is on by default only where it measured faster (uccl_moe/tuning.py CE_DISPATCH).
 //
 // Hand-shakes: the copy-engine combine's (combine_pull.cu): the enter kernel (ce_enter_kernel, pull_start with the
-// checked value) before any copy into a peer, and the pull's done hand-shake at the end of the gather (a later op may
-// write into the peers' buffers at once).
+// checked value) before any copy into a peer, or where the op before ended with the done hand-shake none (CeEnter:
+// the copies start at once and the gather checks each peer's entry before its rows), and the pull's done hand-shake
+// at the end of the gather (a later op may write into the peers' buffers at once).
 #include <algorithm>
 
 #include "handshake.cuh"
@@ -29,22 +30,19 @@ constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
-                                                                                 CeDispatchPlan p, CeHead head) {
+                                                                                 CeDispatchPlan p, CeHead head,
+                                                                                 CeEnter enter) {
   __shared__ PullSmem sm;
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id();
   void* local = ctx.buffers[me];
-  // The enter kernel advanced the round; where its wait gave up it did not, and the abort flag is up: no gather.
-  const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound));
+  // The enter kernel advanced the round (where its wait gave up it did not, and the abort flag is up: no gather); an
+  // early op releases its entry here (CeEnter).
+  const int32_t round = ce_op_round(ctx, enter);
+  ce_release_entry(ctx, enter, round);
   push_ce_head(ctx, head, round, &sm);  // our scales into the peers' landing areas
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
-    // Each source's scales layout, from the value it released in the enter hand-shake (bit kCeDispatchColBit): a
-    // rank with at most one token cannot tell (an empty tensor's strides say little), and both orders are the same
-    // bytes there, so the bit is not compared across ranks but read per source.
-    const int32_t* released = meta_ptr<const int32_t>(local, kOffPullTopk);
-    const gpu::LaneMask col_src =
-        gpu::ballot(lane < N && lane != me && ((gpu::load_volatile(released + lane) >> kCeDispatchColBit) & 1));
     LandedChunks landed;
     landed.phase = DiagPhase::kDispatchCeChunk;
     landed.shrink_pct = ce_dispatch_shrink_pct(S);  // S is in the value every rank checks at enter
@@ -52,6 +50,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
       landed.rows = p.tokens[lane];
       landed.round = round;
       landed.head = S > 0;  // as the launch's CeHead::used, alike on every rank
+      landed.enter = enter;
+      // each source's entry value (early: read by the first wait for its rows, after its release)
+      if (enter.early == 0) landed.released = gpu::load_volatile(meta_ptr<const int32_t>(local, kOffPullTopk) + lane);
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
@@ -71,7 +72,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
       // The row's first kScalesAhead scales per lane load before its words, and are stored after them.
       const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
-      const bool col = ((col_src >> s) & 1) != 0;
+      // Each source's scales layout, from the value it released on entry (bit kCeDispatchColBit): a rank with at
+      // most one token cannot tell (an empty tensor's strides say little), and both orders are the same bytes
+      // there, so the bit is not compared across ranks but read per source.
+      const int32_t released = gpu::shfl(landed.released, s);
+      const bool col = s != me && ((released >> kCeDispatchColBit) & 1) != 0;
       const auto scale = [&](int j) {
         return s == me ? scale_at(a, src, j)
                        : gpu::load_ring_32(scales + (col ? int64_t{j} * p.tokens[s] + src : int64_t{src} * S + j));
@@ -94,19 +99,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
       for (int j = lane + kScalesAhead * gpu::kWarpSize; j < S; j += gpu::kWarpSize) out_scales[j] = scale(j);
     }
   }
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
-    // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: before
-    // saying "done", every peer's last chunk must have landed (its flag follows every copy of the peer's stream), or
-    // a late chunk could land on what our next op (a peer's ring slots, the caller's get_combine_buffer rows) put
-    // there.
-    const int d = static_cast<int>(threadIdx.x);
-    if (d < N && d != me && gpu::load_volatile(ctx.abort_flag) == 0)
-      wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + p.chunks - 1, round,
-                   DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, d, p.chunks - 1);
-    __syncthreads();
-    release_to_peers(ctx, kOffPullDone, round);
-    wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
-  }
+  // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: the end
+  // waits for every peer's last chunk before saying "done".
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm))
+    ce_op_end(ctx, enter, round, p.chunks, DiagPhase::kDispatchCeChunk, &sm);
 }
 
 }  // namespace
@@ -159,7 +155,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   // scales' order is per rank (the gather reads each source's bit).
   const int32_t checked = (1 << 30) | ((col ? 1 : 0) << kCeDispatchColBit) | ((chunks - 1) << 26) |
                           ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
-  launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
+  const CeEnter enter =
+      launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
   head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
@@ -176,7 +173,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   with_num_ranks(N, "dispatch", [&](auto n) {
     dispatch_ce_gather_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head);
+        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
   join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish

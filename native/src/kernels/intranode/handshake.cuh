@@ -109,6 +109,61 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
     release_to_peers(ctx, kOffCeHead, round);
 }
 
+/// Lane d (d < N, d != me) of an early copy-engine op's kernel (CeEnter::early: no enter kernel ran): waits until
+/// peer d released this round into our pull_start[d] (it entered the op; every rank's kernel releases it as it
+/// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours in the bits of `e.mask`. Returns
+/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage); `*value`: d's value.
+UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d, int32_t* value) {
+  void* local = ctx.buffers[ctx.rank];
+  if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffPullStart) + d, round,
+                    DiagPhase::kCombinePullStart, DiagRole::kReceiver, d, -1))
+    return false;
+  *value = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
+  if ((*value & e.mask) == (e.checked & e.mask)) return true;
+  report_timeout(diag_of(ctx), e.args_phase, DiagRole::kReceiver, d, -1, e.checked, *value, 0, 0.0);
+  return false;
+}
+
+/// The round of a copy-engine op's kernel: the enter kernel advanced pull_round (not early); an early op's is the
+/// next one, and pull_round moves when the op ends (ce_op_end).
+UCCL_DEVICE_INLINE int32_t ce_op_round(const NvlContext& ctx, const CeEnter& e) {
+  return gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullRound)) + (e.early != 0 ? 1 : 0);
+}
+
+/// An early copy-engine op's entry, by block 0 as the kernel starts: the release the enter kernel would have made
+/// (the round, with the checked value in the peers' pull_topk[me]).
+UCCL_DEVICE_INLINE void ce_release_entry(const NvlContext& ctx, const CeEnter& e, int32_t round) {
+  if (e.early != 0 && blockIdx.x == 0) release_to_peers(ctx, kOffPullStart, round, e.checked);
+}
+
+/// The end of a copy-engine op (its kernel's last block, every thread): every peer's last chunk landed (its flag
+/// follows every copy on the peer's stream; a peer whose rows we never read, or read only in part, may still be
+/// copying, and a late chunk would land on what our next op puts there), and in an early op every peer entered with
+/// our checked bits (a peer whose rows we never read was not checked yet). Then the pull's done hand-shake. After it
+/// every peer's flag copies of this op are done (each waited for our last chunk before its done release), so the
+/// next op's round goes into ce_round for the flags of an early next op, and pull_round into the meta. An early op
+/// that failed raises every peer's abort flag: its copies may have landed in a peer that runs another op.
+UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32_t round, int chunks, DiagPhase phase,
+                                  PullSmem* sm) {
+  const int d = static_cast<int>(threadIdx.x);
+  void* local = ctx.buffers[ctx.rank];
+  if (d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) == 0) {
+    int32_t value = 0;
+    if (e.early == 0 || wait_entered(ctx, e, round, d, &value))
+      wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round,
+                   phase, DiagRole::kReceiver, d, chunks - 1);
+  }
+  __syncthreads();
+  release_to_peers(ctx, kOffPullDone, round);
+  const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, sm);
+  if (done && threadIdx.x == 0) {
+    *meta_ptr(local, kOffPullRound) = round;
+    *meta_ptr(local, kOffCeRound) = round + 1;
+  }
+  if (e.early != 0 && !done && d < ctx.num_ranks && d != ctx.rank)
+    gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
+}
+
 /// A copy-engine op's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
 /// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk. Before the first
 /// chunk it also waits for d's ce_head word (d's SMs stored its small block: push_ce_head).
@@ -120,6 +175,8 @@ struct LandedChunks {
   bool head = true;   // the op has a head (CeHead::used): wait for d's ce_head before the first chunk
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   int shrink_pct = kCeCombineShrinkPct;          // the op's chunks (ce_chunk_end)
+  CeEnter enter{};     // an early op (enter.early): before the first chunk, wait for d's entry (wait_entered)
+  int32_t released = 0;  // d's entry value (its pull_topk word), once read
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
@@ -130,7 +187,8 @@ struct LandedChunks {
       int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
       const int k = ce_chunk_from(q, rows, chunks, shrink_pct, ready + 1, &end);
       void* local = ctx.buffers[ctx.rank];
-      if (ready < 0 && head)
+      if (ready < 0 && enter.early != 0) ok = wait_entered(ctx, enter, round, d, &released);
+      if (ok && ready < 0 && head)
         ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
                           DiagRole::kReceiver, d, -1);
       const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;

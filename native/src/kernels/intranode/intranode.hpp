@@ -245,12 +245,28 @@ struct CeCopies {
   void* streams[kMaxLocalRanks];     ///< [d]: our copy engine's stream for the rows that go back to rank d
   void* entered;                     ///< recorded after the enter hand-shake; every copy stream waits for it
   void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
+  int32_t early;                     ///< 1: the op before this one on the Buffer ended with the done hand-shake (the
+                                     ///< host tracks it, NvlRuntime::take_ce_early): no enter kernel, the copies
+                                     ///< start at once and the op's kernel checks the peers' entry (CeEnter)
 };
-/// The copy-engine ops' enter hand-shake (a one-block kernel on `stream`, then ce.entered recorded after it): every
-/// rank releases the round with `checked`, whose bits in `checked_mask` every rank must agree on (else `args_phase`,
-/// InvalidUsage); the others are per rank (each peer reads them from its pull_topk word).
-void launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
-                     const CeCopies& ce, void* stream);
+/// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
+/// ran before it (launch_ce_enter) and advanced the round. With `early` there was none: the copies started as soon as
+/// the caller's stream reached the op, which is safe because the op before it ended with every rank's done release
+/// (nobody reads or writes its landing area any more) and the previous op's kernel left this round in ce_round for
+/// the flag copies; the kernel then releases the round with `checked` itself and each warp, before it reads a peer's
+/// rows, waits for that peer's release and compares the bits in `mask` (LandedChunks).
+struct CeEnter {
+  int32_t early;
+  int32_t checked;
+  int32_t mask;
+  DiagPhase args_phase;
+};
+/// The copy-engine ops' enter hand-shake. Not early: a one-block kernel on `stream`, then ce.entered recorded after
+/// it: every rank releases the round with `checked`, whose bits in `checked_mask` every rank must agree on (else
+/// `args_phase`, InvalidUsage); the others are per rank (each peer reads them from its pull_topk word). Early
+/// (ce.early): only ce.entered, at once; the op's kernel checks the same (the returned CeEnter).
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
+                        const CeCopies& ce, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
 /// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them.
