@@ -177,7 +177,10 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
   EXPECT_EQ(ce_chunk_end(4096, 0, 3, 50), 2340);
   EXPECT_EQ(ce_chunk_end(4096, 1, 3, 50), 3510);
   // the dispatch's pick: steeper shares for rows without scales (BF16), 50% with scales (FP8)
-  EXPECT_EQ(ce_dispatch_shrink_pct(0), 40);
+  EXPECT_EQ(ce_dispatch_shrink_pct(0), 25);
+  // 25%: 1, 0.25, 0.0625 of 1.3125: 3120.8, then 3900.9 rounded down (the last chunk 195 rows)
+  EXPECT_EQ(ce_chunk_end(4096, 0, 3, 25), 3120);
+  EXPECT_EQ(ce_chunk_end(4096, 1, 3, 25), 3900);
   EXPECT_EQ(ce_dispatch_shrink_pct(56), 50);
   EXPECT_EQ(ce_dispatch_shrink_pct(1), 50);
 }

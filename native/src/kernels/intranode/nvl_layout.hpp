@@ -167,11 +167,11 @@ UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, i
 /// How a copy-engine op's chunks shrink toward the end (ce_chunk_end's `shrink_pct`). The copy engines pay a few
 /// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
 /// combine's sum halves them (0). The dispatch's gather of rows without scales keeps pace with chunks that shrink
-/// faster, so 3 chunks of 40% shares leave it the same tail as 4 halves with one copy fewer; rows with scales (FP8)
-/// take 50% shares, where the gather, which reads every row's scales too, falls behind: as fast as 4 halves, not
-/// faster (docs/intranode.md).
+/// faster: 3 chunks of 40% shares left it the same tail as 4 halves with one copy fewer, and since the copies start
+/// with the op (early copies) 25% measured faster still; rows with scales (FP8) take 50% shares, where the gather,
+/// which reads every row's scales too, falls behind (docs/intranode.md).
 constexpr int kCeCombineShrinkPct = 0;
-constexpr int kCeDispatchShrinkPct = 40;
+constexpr int kCeDispatchShrinkPct = 25;
 constexpr int kCeDispatchScaledShrinkPct = 50;
 /// End of chunk k (of `chunks`) of a block of `rows` rows, the last chunk ending the block. shrink_pct 0: halves,
 /// then quarters, ... of what is left, the last chunk taking the rest; else chunk k + 1 holds shrink_pct% of chunk
