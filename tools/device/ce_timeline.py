@@ -108,27 +108,37 @@ def select_ops(spec: str) -> list[str]:
     return [op for op in OPS if op in names]
 
 
+def headline(rank: int, R: int, init: str, tokens: int, hidden: int, scales: str = "col") -> tuple[Any, ...]:
+    """A rank's process group and API-default Buffer at the bench's headline setting (256 experts, top-8, 24 SMs, the
+    bench's inputs), after a first dispatch: (Buffer, handle, combine input, BF16 x, (FP8 x, scales))."""
+    import torch
+    import torch.distributed as dist
+
+    from uccl_moe import Buffer
+    from uccl_moe.bench._run import point_inputs
+
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init}", rank=rank, world_size=R)
+    E, K = 256, 8
+    Buffer.set_num_sms(24)
+    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(hidden * 2, R),
+                 explicitly_destroy=True)
+    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)  # the bench's inputs
+    idx, w, xb, x8 = point_inputs(tokens, hidden, E, K, scales, gen, "cuda")
+    lay = buf.get_dispatch_layout(idx, E)
+    r = buf.dispatch(xb, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay.num_tokens_per_rank,
+                     is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
+    return buf, r.handle, r.recv_x.clone(), xb, x8
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from uccl_moe import Buffer
-    from uccl_moe.bench._run import point_inputs
     from uccl_moe.bench._timing import FLUSH_BYTES, time_op
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{init}", rank=rank, world_size=R)
-    T, H, E, K = args.tokens, args.hidden, 256, 8
-    Buffer.set_num_sms(24)
-    buf = Buffer(dist.group.WORLD, Buffer.get_dispatch_config(R).get_nvl_buffer_size_hint(H * 2, R),
-                 explicitly_destroy=True)
-    gen = torch.Generator(device="cuda").manual_seed(1234 + rank)  # the bench's inputs
-    idx, w, xb, x8 = point_inputs(T, H, E, K, args.scales, gen, "cuda")
-    lay = buf.get_dispatch_layout(idx, E)
-    r = buf.dispatch(xb, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay.num_tokens_per_rank,
-                     is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
-    h, y = r.handle, r.recv_x.clone()
+    buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden, args.scales)
     one = torch.ones(1, device="cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     ops = {"dispatch fp8": lambda: buf.dispatch(x8, handle=h), "dispatch bf16": lambda: buf.dispatch(xb, handle=h),

@@ -14,20 +14,26 @@ import torch
 from one_gpu_case import one_gpu_case
 
 
-def host_us(fn: Callable[[], Any], calls: int) -> float:
-    """Median over 7 rounds of the host us per call of `calls` calls enqueued behind a sleeping GPU."""
+def host_us(fn: Callable[[], Any], calls: int, rounds: int = 7,
+            sync: Callable[[], Any] | None = None) -> float:
+    """Median over `rounds` rounds of the host us per call of `calls` calls enqueued behind a sleeping GPU. `sync`
+    (several ranks: a barrier) runs after the warm-up and after each round, once the GPU is done."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    rounds = []
-    for _ in range(7):
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(rounds):
         torch.cuda._sleep(200_000_000)  # ~0.1 s: longer than any round's enqueueing
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(rounds)
+        if sync is not None:
+            sync()
+    return statistics.median(times)
 
 
 def main() -> None:
