@@ -263,10 +263,10 @@ class Buffer(LowLatencyNotImplemented):
         pushing it through the rings: one NVLink load per remote row, no ring hand-offs (figures: docs/benchmarks.md).
 
         The tensor is this rank's NVL buffer itself (the memory the rings use), so:
-        - take it (and write it) after the dispatch that made `handle`, and call combine before any other dispatch
-          or combine of this Buffer (they overwrite it; combine refuses a view taken before another call ran, and a
-          view still being written races with a copy-engine op's early copies into this memory, UCCL_MOE_CE_EARLY);
-          the caller's stream waits here for any op still running on the comm stream;
+        - its rows are the next combine's input only: write them after the dispatch that made `handle`, then
+          combine before any other op of this Buffer (combine refuses a view taken before another call ran); from
+          that combine on, peers' next ops may write this memory first (UCCL_MOE_CE_EARLY's early copies, a cached
+          ring dispatch), so never read it after; the caller's stream waits here for ops on the comm stream;
         - every rank of the group must combine from its view for the same call (a rank that passes a tensor of its
           own while the others pass their views ends in a ``CommTimeoutError`` naming it, never a hang);
         - it stays valid while the Buffer lives (like DeepEP's ``get_local_buffer_tensor``); rows past the received
