@@ -25,7 +25,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, pull_buffers, pull_cases, pull_inputs
+from test_intranode_native import (
+    PULL_WORST_T,
+    _Case,
+    _close_bf16,
+    _dispatch,
+    early_ops,
+    early_wanted,
+    pull_buffers,
+    pull_cases,
+    pull_inputs,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -168,15 +178,6 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
               _ran(P, names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()
     check.finish(gloo, small, nat, ref)
-
-
-def early_ops(buf) -> int:
-    """Copy-engine ops of `buf` that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)."""
-    return int(buf._live()._rt.ce_early_ops)
-
-
-def early_wanted() -> bool:
-    return os.environ.get("UCCL_MOE_CE_EARLY", "1") != "0"
 
 
 def _kernels(fn) -> str:

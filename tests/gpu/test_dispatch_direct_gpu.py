@@ -21,8 +21,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _combine, _kernels, early_ops, early_wanted
-from test_intranode_native import PULL_WORST_T, _Case, _close_bf16, _dispatch, _eq, _split, pull_buffers
+from test_combine_staged_gpu import _combine, _kernels
+from test_intranode_native import (
+    PULL_WORST_T,
+    _Case,
+    _close_bf16,
+    _dispatch,
+    _eq,
+    _split,
+    early_ops,
+    early_wanted,
+    pull_buffers,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -875,6 +875,15 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     nat.destroy()
 
 
+def early_ops(buf) -> int:
+    """Copy-engine ops of `buf` that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)."""
+    return int(buf._live()._rt.ce_early_ops)
+
+
+def early_wanted() -> bool:
+    return os.environ.get("UCCL_MOE_CE_EARLY", "1") != "0"
+
+
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
     """A fault in a copy-engine combine that starts its copies at once (UCCL_MOE_CE_EARLY: it follows one every rank
     ran through the copy engines, so no enter kernel runs): rank `odd` skips it (`ce_skip_early`: the others are named
@@ -885,14 +894,14 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     os.environ["UCCL_MOE_COMBINE_CE"] = "1"
     nat.combine(res.recv_x.clone(), res.handle, config=cfg)
     torch.cuda.synchronize()
-    early0 = int(nat._live()._rt.ce_early_ops)
+    early0 = early_ops(nat)
     if mode == "ce_chunks_early":
         os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
     elif rank == odd:
         return  # skips it
     try:
         nat.combine(res.recv_x.clone(), res.handle, config=cfg)
-        assert int(nat._live()._rt.ce_early_ops) == early0 + 1, "the combine did not start its copies at once"
+        assert early_ops(nat) == early0 + 1, "the combine did not start its copies at once"
         torch.cuda.synchronize()
         nat.get_dispatch_layout(case.idx.cuda(), 4 * (odd + 1))  # the next call surfaces the abort
     except InvalidUsageError as e:
