@@ -86,3 +86,15 @@ def test_an_early_op_starts_at_its_first_copy_or_kernel() -> None:
     [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": it}))]
     assert got is not None and got["lead"] == pytest.approx(0.0) and got["span"] == pytest.approx(87.0 - 12.0)
     assert got["kernel_start"] == pytest.approx(8.0) and got["flushed"] == pytest.approx(97.0)  # gather ends t + 87
+
+
+def test_held_iterations_leave_out_the_gpu_sleep() -> None:
+    """--hold (the bench's --device-time): flush, the GPU sleep (torch's spin_kernel), alignment, then the op; the
+    sleep is neither the op's kernel nor its start, as the all-reduce is not."""
+    t = 5000.0
+    it = _iteration(t, 5.0)
+    flush = _k("elementwise_kernel<FillFunctor>", t - 1200.0, 80.0)
+    held = [flush, _k("at::cuda::(anonymous namespace)::spin_kernel(long)", t - 1110.0, 1000.0), it[0]] + it[2:]
+    [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": held}))]
+    assert got is not None and got["kernel_start"] == pytest.approx(20.0) and got["span"] == pytest.approx(87.0)
+    assert "spin_kernel" not in "".join(ct.listing({"traceEvents": held}))

@@ -2,9 +2,11 @@
 scales, BF16) and combine at the bench's headline setting, each rank enqueueing behind a sleeping GPU so that the GPU
 never pushes back. Per op: the whole Buffer call, its native launch alone (the same arguments, replayed), and its
 Python path alone (the native launch replaced by a no-op on every rank); and NCCL's all_to_all_single of the FP8 rows.
-Medians of 5 rounds of --calls calls (host_parts.host_us), rank 0's figures.
+Medians of 5 rounds of --calls calls (host_parts.host_us), rank 0's figures. ``--loop bench``: each call timed as
+the bench's default mode times it instead (ranks aligned, L2 flushed, the host waiting for the GPU after every call:
+bench._timing.time_op's host figure, median of --calls calls), where a call starts on a host that just waited.
 
-    python tools/device/ce_host.py [--tokens 4096] [--hidden 7168] [--calls 40]
+    python tools/device/ce_host.py [--tokens 4096] [--hidden 7168] [--calls 40] [--loop sleep|bench]
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     a2a_in = torch.empty(args.tokens * args.hidden, dtype=torch.uint8, device="cuda")
     a2a_out = torch.empty_like(a2a_in)
 
+    from uccl_moe.bench._timing import FLUSH_BYTES, time_op
+
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    one = torch.ones(1, device="cuda")
+
     def timed(fn: Any) -> float:  # every rank enqueues the same rounds, so the ops meet their peers once GPUs wake
+        if args.loop == "bench":
+            return time_op(fn, flush, args.calls, 3, lambda: dist.all_reduce(one))[1]
         return host_us(fn, args.calls, rounds=5, sync=dist.barrier)
 
     res = {"NCCL all_to_all_single (FP8 rows)": timed(lambda: dist.all_to_all_single(a2a_out, a2a_in))}
@@ -54,7 +63,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
             setattr(C, launch, real)
     if rank == 0:
         for k, v in res.items():
-            print(f"host us per call  {k:36s} {v:7.1f}", flush=True)
+            print(f"host us per call ({args.loop} loop)  {k:36s} {v:7.1f}", flush=True)
     dist.barrier()
     buf.destroy()
     dist.destroy_process_group()
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--loop", choices=("sleep", "bench"), default="sleep",
+                   help="enqueue behind a sleeping GPU (default), or as the bench's default mode times a call")
     args = p.parse_args(argv)
     import torch
     import torch.multiprocessing as mp

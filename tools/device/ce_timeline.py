@@ -16,7 +16,8 @@ flushed) under torch.profiler; from each iteration's GPU events, in us:
 
 Medians over iterations, one line per rank and op. ``--listing`` also prints the last iteration's events of rank 0.
 Figures are per GPU clock; compare variants inside one call (docs/benchmarks.md). ``--ops`` picks some of the ops,
-``--scales row`` lays the FP8 scales out row-major. With ``UCCL_MOE_DISPATCH_CE_CHUNKS=1`` a dispatch's tail is its
+``--scales row`` lays the FP8 scales out row-major, ``--hold`` hides the host as the bench's
+``--device-time`` does. With ``UCCL_MOE_DISPATCH_CE_CHUNKS=1`` a dispatch's tail is its
 whole gather after the one chunk landed: the gather's own pace, per row type and scales layout.
 
     python tools/device/ce_timeline.py [--ranks 2] [--tokens 4096] [--hidden 7168] [--iters 14] [--listing]
@@ -36,6 +37,7 @@ from typing import Any
 PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary", "flushed")
 OPS = ("dispatch fp8", "dispatch bf16", "combine")
 FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
+SKIPPED = ("AllReduce", "spin_kernel")  # the alignment's all-reduce and --hold's GPU sleep (torch.cuda._sleep)
 
 
 def _end(e: dict[str, Any]) -> float:
@@ -59,7 +61,7 @@ def iterations(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     out = []
     for n, i in enumerate(fills):
         stop = fills[n + 1] if n + 1 < len(fills) else len(events)
-        out.append([e for e in events[i:stop] if "AllReduce" not in e["name"]])
+        out.append([e for e in events[i:stop] if not any(n in e["name"] for n in SKIPPED)])
     return out
 
 
@@ -149,7 +151,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
             for _ in range(5):  # warm-up
                 fn()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                time_op(fn, flush, args.iters, 0, align=lambda: dist.all_reduce(one))
+                time_op(fn, flush, args.iters, 0, align=lambda: dist.all_reduce(one), hold=args.hold)
             path = os.path.join(tmp, f"trace_{rank}.json")
             prof.export_chrome_trace(path)
             with open(path) as f:
@@ -173,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listing", action="store_true", help="also print rank 0's last iteration, event by event")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
     p.add_argument("--scales", choices=("col", "row"), default="col", help="the FP8 scales' layout (default col)")
+    p.add_argument("--hold", action="store_true",
+                   help="the bench's --device-time: the GPU sleeps before each op, so the host enqueued all of it "
+                        "first and the timeline is the GPU's alone (`flushed` then holds the sleep)")
     args = p.parse_args(argv)
     try:
         args.ops = select_ops(args.ops)

@@ -19,21 +19,22 @@ def time_op(fn: Callable[[], Any], flush: Any, iters: int, warmup: int,
     for the GPU, so this is what a caller pays per call on its own thread, e.g. at decode size where the GPU waits for
     it). `align` (a tiny NCCL all-reduce) runs before the flush so every rank starts the timed call at nearly the
     same moment: without it a rank's time includes how late its peers launched, which is host noise, not
-    communication. `hold` (--device-time): the flush runs before the alignment and the GPU sleeps for HOLD_CYCLES
-    after it, so the call is enqueued before the timed window opens and the GPU time excludes the host's."""
+    communication. `hold` (--device-time): the GPU sleeps for HOLD_CYCLES after the flush and before the alignment,
+    so the call is enqueued before the timed window opens and the GPU time excludes the host's. The alignment comes
+    after the sleep: a sleep counts clock cycles, and two GPUs at different clocks leave the same sleep tens of us
+    apart, which would count in the earlier rank's time (and the slowest rank's is the one reported)."""
     import torch
 
     for _ in range(warmup):
         fn()
     times, host = [], []
     for _ in range(iters):
-        if hold:  # flush first: the ranks leave the alignment together and sleep alike, whatever the host does
+        if hold:  # the host enqueues the alignment and the call while the GPU sleeps
             flush.zero_()
+            torch.cuda._sleep(HOLD_CYCLES)
         if align is not None:
             align()
-        if hold:
-            torch.cuda._sleep(HOLD_CYCLES)
-        else:
+        if not hold:
             flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -122,8 +122,9 @@ def test_host_bound_notes_name_the_ops_whose_host_time_outgrew_the_flush() -> No
 @pytest.mark.parametrize("hold", [False, True])
 def test_time_op_orders_flush_align_and_the_hold(monkeypatch: pytest.MonkeyPatch, hold: bool) -> None:
     """time_op on a fake torch.cuda: by default align, flush, then the call inside the events; with hold
-    (--device-time) flush, align, the GPU sleep, then the call, so the ranks leave the alignment together and the
-    call is enqueued before the timed window opens. Warm-up calls run untimed first; GPU time comes from the events."""
+    (--device-time) flush, the GPU sleep, align, then the call, so the call is enqueued before the timed window opens
+    and the ranks leave the alignment, not the sleep, together (a sleep counts cycles; GPUs at different clocks leave
+    it apart). Warm-up calls run untimed first; GPU time comes from the events."""
     import torch
 
     from uccl_moe.bench import _timing
@@ -150,7 +151,7 @@ def test_time_op_orders_flush_align_and_the_hold(monkeypatch: pytest.MonkeyPatch
     flush = type("Flush", (), {"zero_": lambda self: log.append("flush")})()
     gpu, host = _timing.time_op(lambda: log.append("call"), flush, iters=2, warmup=1,
                                 align=lambda: log.append("align"), hold=hold)
-    one = (["flush", "align", f"sleep {_timing.HOLD_CYCLES}"] if hold else ["align", "flush"]) + \
+    one = (["flush", f"sleep {_timing.HOLD_CYCLES}", "align"] if hold else ["align", "flush"]) + \
         ["record", "call", "record"]
     assert log == ["call"] + one + one
     assert gpu == 2e3 and host >= 0.0  # the events are 2 "ms" apart in the fake: microseconds out
