@@ -27,6 +27,9 @@
 // All waits are bounded (UCCL_MOE_TIMEOUT_S): a rank that skips a combine from the buffer, or passes a tensor of
 // its own while its peers pass the buffer's, is named in a combine/pull-start timeout (where that tensor takes the
 // rings) or a combine/pull-args record (where it is staged: the start release carries the layout).
+#include <algorithm>
+#include <cstdlib>
+
 #include "combine_sum.cuh"
 #include "handshake.cuh"
 #include "phase_trace.cuh"
@@ -304,14 +307,26 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_
   return CeEnter{ce.early != 0 ? 1 : 0, checked, checked_mask, args_phase};
 }
 
+int ce_chunks_before_kernel(int chunks) {
+  static const bool blocking = [] {
+    for (const char* var : {"CUDA_LAUNCH_BLOCKING", "HIP_LAUNCH_BLOCKING"}) {
+      const char* v = std::getenv(var);
+      if (v != nullptr && std::atoi(v) != 0) return true;
+    }
+    return false;
+  }();
+  return blocking ? chunks : std::min(chunks, 1);
+}
+
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int shrink_pct) {
+                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end) {
+  if (k_begin >= k_end) return;
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-  UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+  if (k_begin == 0) UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
-  int64_t r0 = 0;
-  for (int k = 0; k < chunks; ++k) {
+  int64_t r0 = k_begin > 0 ? ce_chunk_end(rows, k_begin - 1, chunks, shrink_pct) : 0;
+  for (int k = k_begin; k < k_end; ++k) {
     const int64_t r1 = ce_chunk_end(rows, k, chunks, shrink_pct);
     if (r1 > r0)
       UCCL_CHECK_GPU(gpu::memcpy_async(dst + r0 * row_bytes, src + r0 * row_bytes,
@@ -323,7 +338,7 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
     UCCL_CHECK_GPU(gpu::memcpy_async(ready + sizeof(int32_t) * k, round_word, sizeof(int32_t), s));
     r0 = r1;
   }
-  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+  if (k_end == chunks) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
 }
 
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream) {
@@ -354,14 +369,20 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
   head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
+  const int before = ce_chunks_before_kernel(a.ce_chunks);
+  char* dst[kMaxLocalRanks];
+  const char* src[kMaxLocalRanks];
+  int64_t block_rows[kMaxLocalRanks];
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
     const int d = (me + i) % N;
     const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
     const int64_t rows = rows_sent(rp, N, d, me);
     const int64_t at = ce_block_at(rp, N, d, me);  // where d's landing area holds them
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    enqueue_ce_block(ctx, ce, d, peer + kOffCombineInput + at * row_bytes, x + first * row_bytes, rows, row_bytes,
-                     a.ce_chunks, kCeCombineShrinkPct);
+    dst[d] = peer + kOffCombineInput + at * row_bytes;
+    src[d] = x + first * row_bytes;
+    block_rows[d] = rows;
+    enqueue_ce_block(ctx, ce, d, dst[d], src[d], rows, row_bytes, a.ce_chunks, kCeCombineShrinkPct, 0, before);
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
@@ -374,6 +395,11 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
         <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
+  for (int i = 1; i < N; ++i) {
+    const int d = (me + i) % N;
+    enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct, before,
+                     a.ce_chunks);
+  }
   join_ce_copies(ctx, ce, stream);
 }
 

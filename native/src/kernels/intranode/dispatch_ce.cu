@@ -160,11 +160,15 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
   head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
+  const int before = ce_chunks_before_kernel(chunks), shrink = ce_dispatch_shrink_pct(S);  // S: checked at enter
+  const auto copies = [&](int d, int k_begin, int k_end) {  // as the peer's gather splits them
+    enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
+                     static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end);
+  };
   for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
     const int d = (me + i) % N;
     char* peer = static_cast<char*>(ctx.buffers[d]);
-    enqueue_ce_block(ctx, ce, d, peer + rows_at[d][me], static_cast<const char*>(a.x), T, a.row_bytes, chunks,
-                     ce_dispatch_shrink_pct(S));  // as the peer's gather splits them (S is checked at enter)
+    copies(d, 0, before);
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);
@@ -176,6 +180,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
         <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
+  for (int i = 1; i < N; ++i) copies((me + i) % N, before, chunks);
   join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish
 }
 

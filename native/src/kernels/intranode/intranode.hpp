@@ -269,9 +269,16 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_
                         const CeCopies& ce, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
-/// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them.
+/// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them. Chunks [k_begin, k_end) only: the launches
+/// enqueue each peer's first chunks, then their kernel, then the rest (ce_chunks_before_kernel).
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int shrink_pct);
+                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end);
+/// How many of an op's `chunks` chunks per peer the host enqueues before the op's kernel: one, so that the first
+/// copy starts at once and the kernel (which has work of its own: the gather's own rows) follows a few microseconds
+/// later instead of after every copy's enqueueing, which counts where the host runs behind the GPU. All of them
+/// where launches block until their kernel ends (CUDA_LAUNCH_BLOCKING / HIP_LAUNCH_BLOCKING = 1): there a kernel
+/// enqueued before its peer's later chunks would wait for chunks that peer enqueues only after its own kernel ended.
+int ce_chunks_before_kernel(int chunks);
 /// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
 /// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
 /// handshake.cuh) rather than copied by the engine ahead of the rows' first chunk. Computed on the host.
