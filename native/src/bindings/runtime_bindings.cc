@@ -347,8 +347,7 @@ void register_runtime(nb::module_& m) {
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
                 rank_prefix.size(), N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
-    auto ce = rt.ce_copies(rank_prefix.data());
-    ce.early = rt.take_ce_early(stream_of(stream), early) ? 1 : 0;
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream));
     rt.note_op(stream_of(stream), true);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a,
@@ -364,8 +363,7 @@ void register_runtime(nb::module_& m) {
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
-    auto ce = rt.ce_copies(rank_prefix.data());
-    ce.early = rt.take_ce_early(stream_of(stream), early) ? 1 : 0;
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream));
     rt.note_op(stream_of(stream), true);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,

@@ -135,7 +135,7 @@ void NvlRuntime::make_ce_streams() {
   ce_entered_ = e;
 }
 
-intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host) const {
+intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted) {
   UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
   UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
   intranode::CeCopies c{};
@@ -145,6 +145,10 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host) const
     c.copied[r] = ce_copied_[r];
   }
   c.entered = ce_entered_;
+  const bool early = early_wanted && after_done_ && !captured_ && graph_channels_ < 0 &&
+                     !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+  if (early) ++ce_early_ops_;
+  c.early = early ? 1 : 0;
   return c;
 }
 
@@ -251,13 +255,6 @@ void NvlRuntime::check_graph_channels(int channels, void* stream) {
                "would re-lay its NVL rings under the graph's replays. Use one num_sms for every op of a Buffer that "
                "is captured (Config.num_sms), or a second Buffer", 2 * graph_channels_, 2 * channels);
   if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
-}
-
-bool NvlRuntime::take_ce_early(void* stream, bool wanted) {
-  const bool early = wanted && after_done_ && !captured_ && graph_channels_ < 0 &&
-                     !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
-  if (early) ++ce_early_ops_;
-  return early;
 }
 
 void NvlRuntime::note_op(void* stream, bool done) {

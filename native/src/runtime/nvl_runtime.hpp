@@ -78,15 +78,15 @@ class NvlRuntime {
   /// is computed (check_num_sms, then intranode::placed_geometry for this buffer). Throws
   /// InvalidUsage naming the Config field to change.
   intranode::Geometry geometry(int num_sms, int nvl_send_tokens, int nvl_recv_tokens) const;
-  /// The streams and events of the copy-engine ops (created by connect() on this runtime's device, so never inside
-  /// a CUDA graph capture; kept until destroy), with `rank_prefix_host` ([N, N], held by the caller for the launch).
-  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host) const;
-  /// Whether a copy-engine op enqueued now on `stream` starts its copies before any hand-shake (CeCopies::early):
-  /// `wanted` (UCCL_MOE_CE_EARLY), the op launched last on this Buffer ended with every rank's done release
-  /// (note_op), no op of this Buffer was ever captured in a CUDA graph (a replay's first op follows whatever ran
-  /// before it, which the host does not see) and `stream` is not capturing. Every rank sees the same calls, so
-  /// decides alike (a rank that does not is caught by the op's checks as a different op would be).
-  bool take_ce_early(void* stream, bool wanted);
+  /// What a copy-engine op enqueued now on `stream` needs: the streams and events of the copy-engine ops (created
+  /// by connect() on this runtime's device, so never inside a CUDA graph capture; kept until destroy), with
+  /// `rank_prefix_host` ([N, N], held by the caller for the launch), and whether its copies start before any
+  /// hand-shake (CeCopies::early, counted in ce_early_ops): `early_wanted` (UCCL_MOE_CE_EARLY), the op launched last
+  /// on this Buffer ended with every rank's done release (note_op), no op of this Buffer was ever captured in a CUDA
+  /// graph (a replay's first op follows whatever ran before it, which the host does not see) and `stream` is not
+  /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
+  /// as a different op would be).
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted);
   /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
   /// copy-engine op). Remembers a capture.
   void note_op(void* stream, bool done);

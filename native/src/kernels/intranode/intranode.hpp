@@ -246,7 +246,7 @@ struct CeCopies {
   void* entered;                     ///< recorded after the enter hand-shake; every copy stream waits for it
   void* copied[kMaxLocalRanks];      ///< [d]: recorded after d's copies; the caller's stream waits for each
   int32_t early;                     ///< 1: the op before this one on the Buffer ended with the done hand-shake (the
-                                     ///< host tracks it, NvlRuntime::take_ce_early): no enter kernel, the copies
+                                     ///< host tracks it, NvlRuntime::ce_copies): no enter kernel, the copies
                                      ///< start at once and the op's kernel checks the peers' entry (CeEnter)
 };
 /// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
