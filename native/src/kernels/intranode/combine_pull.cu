@@ -104,6 +104,11 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     const int l = t / per_lane;
     int64_t row = -1;
     if (lane < N && p >= 0) row = from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p;
+    if (kLanded) {  // a warp about to wait for the chunk that holds a peer's copy: our own copy into L2 meanwhile,
+      // so that the sum once the chunk landed (the op's tail, for the last chunk) reads it from there
+      const bool waits = lane < N && lane != me && row >= 0 && row - from_me_d >= landed.ready_end;
+      if (gpu::ballot(waits) != 0 && lane == me && row >= 0) gpu::prefetch_l2(rows_d + row * row_bytes, row_bytes);
+    }
     if (kLanded) {
       UCCL_MOE_TRACE(const long long t_land = trace::now());
       if (!landed.wait(ctx, a.ce_chunks, lane != me && row >= 0 ? row - from_me_d : -1, lane)) return;
@@ -163,14 +168,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   UCCL_MOE_TRACE(trace::add(trace::kWait, t_start));
   if (started) pull_sum<kNumRanks, kColUnroll>(ctx, a);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
-    release_to_peers(ctx, kOffPullDone, round);
-    const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, &sm);
-    if (done && threadIdx.x == 0) {
-      *meta_ptr(local, kOffPullRound) = round;
-      *meta_ptr(local, kOffCeRound) = round + 1;  // the flags' value if the next op is an early copy-engine op
-    }
-  }
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) pull_done(ctx, round, &sm);
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, a.staged != 0 ? "pull_staged" : "pull_view", me,
                                a.hidden * 2));

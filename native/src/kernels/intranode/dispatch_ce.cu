@@ -23,13 +23,15 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-constexpr int kGatherUnroll = 4;  // 16-B words per lane in each of a row's two buffers (warp_copy_row_pipelined)
+constexpr int kGatherUnroll = 8;  // 16-B words per lane in each of a row's two buffers (warp_copy_row_pipelined)
+constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
+constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;   // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales are column-major
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
-__global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
+__global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                  CeDispatchPlan p, CeHead head,
                                                                                  CeEnter enter) {
   __shared__ PullSmem sm;
@@ -54,8 +56,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) dispatch_ce_gather_kernel
       // each source's entry value (early: read by the first wait for its rows, after its release)
       if (enter.early == 0) landed.released = gpu::load_volatile(meta_ptr<const int32_t>(local, kOffPullTopk) + lane);
     }
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
-    int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
+    int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + gpu::warp_id();
     // Row own0 + i, wrapped (own0 <= rows and stride < rows while a next row exists: one subtraction, not a 64-bit
     // modulo per row). The next row's recv_src_idx entry loads while this row copies.
     int64_t r_next = own0 + i < rows ? own0 + i : own0 + i - rows;
@@ -177,7 +179,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   with_num_ranks(N, "dispatch", [&](auto n) {
     dispatch_ce_gather_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
+        <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
   });
   UCCL_CHECK_GPU(gpu::get_last_error());
   for (int i = 1; i < N; ++i) copies((me + i) % N, before, chunks);

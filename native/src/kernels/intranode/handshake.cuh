@@ -51,27 +51,51 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
 /// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
 /// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired, the
 /// launch was aborted or the values disagree.
+UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
+                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs);
+
 UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
                                    int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs,
                                    int32_t arg_mask = -1) {
   if (threadIdx.x == 0) sm->failed = 0;
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
-  if (d < ctx.num_ranks && d != ctx.rank) {
-    // released by rank d (release_to_peers)
-    const bool arrived = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], off) + d, round,
-                                      phase, DiagRole::kReceiver, d, -1);
-    if (!arrived) sm->failed = 1;
-    if (arg >= 0 && arrived) {
-      const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
-      if ((theirs & arg_mask) != (arg & arg_mask)) {
-        report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
-        sm->failed = 1;
-      }
-    }
-  }
+  int32_t theirs = 0;
+  if (d < ctx.num_ranks && d != ctx.rank && !wait_peer(ctx, d, off, round, phase, arg, args_phase, arg_mask, &theirs))
+    sm->failed = 1;
   __syncthreads();
   return sm->failed == 0;
+}
+
+/// One thread's part of wait_peers, for peer d: waits until word [d] at `off` of our meta reached `round` (released
+/// by rank d: release_to_peers), then with `arg` >= 0 reads d's value (our pull_topk[d], into *theirs) and checks
+/// it against `arg` in the bits of `arg_mask` (else an `args_phase` InvalidUsage record). Returns false on an
+/// expiry, an abort or a mismatch.
+UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
+                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs) {
+  void* local = ctx.buffers[ctx.rank];
+  if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, off) + d, round, phase, DiagRole::kReceiver, d, -1))
+    return false;
+  if (arg < 0) return true;
+  *theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
+  if ((*theirs & arg_mask) == (arg & arg_mask)) return true;
+  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, *theirs, 0, 0.0);
+  return false;
+}
+
+/// The pull's done hand-shake, by the last block of a kernel that read the peers' buffers (every thread): releases
+/// `round` into every peer's pull_done and waits for theirs; once all came, the round is this rank's pull_round, and
+/// round + 1 goes into ce_round (the flags' value if the next op is an early copy-engine op). Returns whether all
+/// came (block-uniform).
+UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem* sm) {
+  release_to_peers(ctx, kOffPullDone, round);
+  const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, sm);
+  if (done && threadIdx.x == 0) {
+    void* local = ctx.buffers[ctx.rank];
+    *meta_ptr(local, kOffPullRound) = round;
+    *meta_ptr(local, kOffCeRound) = round + 1;
+  }
+  return done;
 }
 
 /// Called by every thread of every block of a copy-engine op, first: stores the op's small block for each peer
@@ -114,14 +138,7 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
 /// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours in the bits of `e.mask`. Returns
 /// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage); `*value`: d's value.
 UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d, int32_t* value) {
-  void* local = ctx.buffers[ctx.rank];
-  if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffPullStart) + d, round,
-                    DiagPhase::kCombinePullStart, DiagRole::kReceiver, d, -1))
-    return false;
-  *value = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
-  if ((*value & e.mask) == (e.checked & e.mask)) return true;
-  report_timeout(diag_of(ctx), e.args_phase, DiagRole::kReceiver, d, -1, e.checked, *value, 0, 0.0);
-  return false;
+  return wait_peer(ctx, d, kOffPullStart, round, DiagPhase::kCombinePullStart, e.checked, e.args_phase, e.mask, value);
 }
 
 /// The round of a copy-engine op's kernel: the enter kernel advanced pull_round (not early); an early op's is the
@@ -154,12 +171,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
                    phase, DiagRole::kReceiver, d, chunks - 1);
   }
   __syncthreads();
-  release_to_peers(ctx, kOffPullDone, round);
-  const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, sm);
-  if (done && threadIdx.x == 0) {
-    *meta_ptr(local, kOffPullRound) = round;
-    *meta_ptr(local, kOffCeRound) = round + 1;
-  }
+  const bool done = pull_done(ctx, round, sm);
   if (e.early != 0 && !done && d < ctx.num_ranks && d != ctx.rank)
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
 }
