@@ -307,7 +307,7 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_
 
 int ce_chunks_before_kernel(int chunks) {
   static const bool blocking = [] {
-    for (const char* var : {"CUDA_LAUNCH_BLOCKING", "HIP_LAUNCH_BLOCKING"}) {
+    for (const char* var : {"CUDA_LAUNCH_BLOCKING", "HIP_LAUNCH_BLOCKING", "AMD_SERIALIZE_KERNEL"}) {
       const char* v = std::getenv(var);
       if (v != nullptr && std::atoi(v) != 0) return true;
     }
@@ -392,13 +392,14 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     combine_ce_sum_kernel<decltype(n)::value>
         <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
   });
-  UCCL_CHECK_GPU(gpu::get_last_error());
+  // the other chunks and the join before the launch's error check: the peers' kernels wait for those chunks
   for (int i = 1; i < N; ++i) {
     const int d = (me + i) % N;
     enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct, before,
                      a.ce_chunks);
   }
   join_ce_copies(ctx, ce, stream);
+  UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
 }  // namespace uccl_moe::intranode

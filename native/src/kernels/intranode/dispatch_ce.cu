@@ -23,17 +23,17 @@ namespace uccl_moe::intranode {
 
 namespace {
 
-constexpr int kGatherUnroll = 8;  // 16-B words per lane in each of a row's two buffers (warp_copy_row_pipelined)
+constexpr int kGatherUnroll = 8;     // 16-B words per lane in each of a row's two buffers (warp_copy_row_pipelined)
 constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
 constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
-constexpr int kScalesAhead = 2;   // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
+constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales are column-major
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
-                                                                                 CeDispatchPlan p, CeHead head,
-                                                                                 CeEnter enter) {
+                                                                               CeDispatchPlan p, CeHead head,
+                                                                               CeEnter enter) {
   __shared__ PullSmem sm;
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id();
   void* local = ctx.buffers[me];
@@ -181,9 +181,10 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     dispatch_ce_gather_kernel<decltype(n)::value>
         <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
   });
-  UCCL_CHECK_GPU(gpu::get_last_error());
+  // the other chunks and the join before the launch's error check: the peers' gathers wait for those chunks
   for (int i = 1; i < N; ++i) copies((me + i) % N, before, chunks);
   join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish
+  UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
 }  // namespace uccl_moe::intranode

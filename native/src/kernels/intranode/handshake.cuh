@@ -45,15 +45,27 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
   }
 }
 
+/// One thread's part of wait_peers (below), for peer d: waits until word [d] at `off` of our meta reached `round`
+/// (released by rank d: release_to_peers), then with `arg` >= 0 reads d's value (our pull_topk[d], into *theirs)
+/// and checks it against `arg` in the bits of `arg_mask` (else an `args_phase` InvalidUsage record). Returns false
+/// on an expiry, an abort or a mismatch.
+UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
+                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs) {
+  void* local = ctx.buffers[ctx.rank];
+  if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, off) + d, round, phase, DiagRole::kReceiver, d, -1))
+    return false;
+  if (arg < 0) return true;
+  *theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
+  if ((*theirs & arg_mask) == (arg & arg_mask)) return true;
+  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, *theirs, 0, 0.0);
+  return false;
+}
+
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
 /// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value, in the bits of
-/// `arg_mask` (else it reports
-/// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
-/// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired, the
-/// launch was aborted or the values disagree.
-UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
-                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs);
-
+/// `arg_mask` (else it reports `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage
+/// could leave d's buffer; for the direct dispatch, d would land rows where we do not look). Returns false,
+/// block-uniform, if a wait expired, the launch was aborted or the values disagree.
 UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
                                    int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs,
                                    int32_t arg_mask = -1) {
@@ -65,22 +77,6 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
     sm->failed = 1;
   __syncthreads();
   return sm->failed == 0;
-}
-
-/// One thread's part of wait_peers, for peer d: waits until word [d] at `off` of our meta reached `round` (released
-/// by rank d: release_to_peers), then with `arg` >= 0 reads d's value (our pull_topk[d], into *theirs) and checks
-/// it against `arg` in the bits of `arg_mask` (else an `args_phase` InvalidUsage record). Returns false on an
-/// expiry, an abort or a mismatch.
-UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
-                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs) {
-  void* local = ctx.buffers[ctx.rank];
-  if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, off) + d, round, phase, DiagRole::kReceiver, d, -1))
-    return false;
-  if (arg < 0) return true;
-  *theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
-  if ((*theirs & arg_mask) == (arg & arg_mask)) return true;
-  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, *theirs, 0, 0.0);
-  return false;
 }
 
 /// The pull's done hand-shake, by the last block of a kernel that read the peers' buffers (every thread): releases
@@ -136,7 +132,8 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
 /// Lane d (d < N, d != me) of an early copy-engine op's kernel (CeEnter::early: no enter kernel ran): waits until
 /// peer d released this round into our pull_start[d] (it entered the op; every rank's kernel releases it as it
 /// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours in the bits of `e.mask`. Returns
-/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage); `*value`: d's value.
+/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage); `*value`: d's value (read
+/// since `e.checked` is never negative: every op's checked value leaves bit 31 clear).
 UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d, int32_t* value) {
   return wait_peer(ctx, d, kOffPullStart, round, DiagPhase::kCombinePullStart, e.checked, e.args_phase, e.mask, value);
 }

@@ -276,8 +276,9 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
 /// How many of an op's `chunks` chunks per peer the host enqueues before the op's kernel: one, so that the first
 /// copy starts at once and the kernel (which has work of its own: the gather's own rows) follows a few microseconds
 /// later instead of after every copy's enqueueing, which counts where the host runs behind the GPU. All of them
-/// where launches block until their kernel ends (CUDA_LAUNCH_BLOCKING / HIP_LAUNCH_BLOCKING = 1): there a kernel
-/// enqueued before its peer's later chunks would wait for chunks that peer enqueues only after its own kernel ended.
+/// where launches block until their kernel ends (CUDA_LAUNCH_BLOCKING, HIP_LAUNCH_BLOCKING or AMD_SERIALIZE_KERNEL
+/// set and not 0): there a kernel enqueued before its peer's later chunks would wait for chunks that peer enqueues
+/// only after its own kernel ended. (compute-sanitizer's --force-blocking-launches sets no variable: not with it.)
 int ce_chunks_before_kernel(int chunks);
 /// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
 /// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
