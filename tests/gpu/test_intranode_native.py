@@ -881,7 +881,10 @@ def early_ops(buf) -> int:
 
 
 def early_wanted() -> bool:
-    return os.environ.get("UCCL_MOE_CE_EARLY", "1") != "0"
+    """UCCL_MOE_CE_EARLY as the Buffer reads it."""
+    from uccl_moe import env
+
+    return bool(env.get("CE_EARLY"))
 
 
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:

@@ -32,7 +32,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
 
     from uccl_moe.bench._timing import FLUSH_BYTES, time_op
 
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if args.loop == "bench" else None
     one = torch.ones(1, device="cuda")
 
     def timed(fn: Any) -> float:  # every rank enqueues the same rounds, so the ops meet their peers once GPUs wake
