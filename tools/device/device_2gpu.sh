@@ -23,8 +23,10 @@
 #            (what 24 SMs can move, against the all-SM ceilings the bench prints)
 #   cprobe   native/bench/probes/combine_pull_probe.cu: combine designs at 4096 tokens (SM pull, SM push, and the
 #            copy engines moving the rows while 24 SMs sum: ce_sum / ce_wait, on two streams per peer: ce_sum2 /
-#            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv; chunks up to one copy; the engines and the SMs
-#            moving shares of the rows at once: ce_push), each checked, median us; CPROBE_MODE=<mode> runs one mode
+#            ce_wait2, with stream-memop flags: ce_sumwv / ce_waitwv, the flag on a second stream per peer after an
+#            event on the chunk: ce_sumws / ce_waitws (a stream write), ce_waitcs (a copy); chunks up to one copy; the
+#            engines and the SMs moving shares of the rows at once: ce_push), each checked, median us;
+#            CPROBE_MODE=<mode> runs one mode
 #   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (UMOE_TEST_SMALL=1; SAN_TESTS, default the
 #            copy-engine combine's test); sanitizer.log
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)

@@ -27,6 +27,9 @@
 //   ce_sumwv / ce_waitwv  the same as ce_sum / ce_wait, each chunk's flag written by a stream memory operation
 //              (cuStreamWriteValue32, with its default fence) instead of a 4-byte copy-engine copy: what do the flag
 //              copies cost between the chunks?
+//   ce_sumws / ce_waitws / ce_waitcs  each chunk's flag on a second stream per peer, after an event on the chunk
+//              (a stream memory operation; ce_waitcs: a 4-byte copy), so nothing runs between the chunks on the
+//              first stream: what is a chunk boundary without the flag between the copies?
 //   ce_push    the copy engines move the first `chunk` tokens of each peer's block (one copy and its flag) while the
 //              kernel's SMs push the rest into the peer's landing zone at once, then wait for both: does the link move
 //              more with both kinds of writer than with the engines alone? (chunk = tokens: the engines alone, one
@@ -55,15 +58,18 @@ constexpr int kMaxGpus = 8, kThreads = 768, kWarps = kThreads / 32, kU = 4;
 constexpr int kRowWords = 896;  // 14336 B: BF16 hidden 7168
 enum Mode {
   kZeroCopy, kCopyPull, kPushSum, kLocalSum, kPullOnly, kCeSum, kCeWait, kCeSum2, kCeWait2, kCeSumWv, kCeWaitWv,
-  kCePush, kNumModes
+  kCePush, kCeSumWs, kCeWaitWs, kCeWaitCs, kNumModes
 };
 const char* const kModeNames[kNumModes] = {"zero_copy", "copy_pull", "push_sum", "local_sum", "pull_only", "ce_sum",
-                                           "ce_wait",   "ce_sum2",   "ce_wait2", "ce_sumwv",  "ce_waitwv", "ce_push"};
+                                           "ce_wait",   "ce_sum2",   "ce_wait2", "ce_sumwv",  "ce_waitwv", "ce_push",
+                                           "ce_sumws", "ce_waitws", "ce_waitcs"};
 constexpr bool is_ce(int mode) { return mode >= kCeSum; }
 constexpr bool two_streams(int mode) { return mode == kCeSum2 || mode == kCeWait2; }
 constexpr bool write_value(int mode) { return mode == kCeSumWv || mode == kCeWaitWv; }
+constexpr bool side_flag(int mode) { return mode == kCeSumWs || mode == kCeWaitWs || mode == kCeWaitCs; }
 constexpr bool only_waits(int mode) {
-  return mode == kCeWait || mode == kCeWait2 || mode == kCeWaitWv || mode == kCePush;
+  return mode == kCeWait || mode == kCeWait2 || mode == kCeWaitWv || mode == kCePush || mode == kCeWaitWs ||
+         mode == kCeWaitCs;
 }
 using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
@@ -271,10 +277,13 @@ void launch(int mode, dim3 grid, cudaStream_t s, const Args& a) {
     case kLocalSum: combine_probe<N, kLocalSum><<<grid, kThreads, 0, s>>>(a); break;
     case kCeSum:
     case kCeSum2:
-    case kCeSumWv: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeSumWv:
+    case kCeSumWs: ce_probe<N, kCeSum><<<grid, kThreads, 0, s>>>(a); break;
     case kCeWait:
     case kCeWait2:
-    case kCeWaitWv: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
+    case kCeWaitWv:
+    case kCeWaitWs:
+    case kCeWaitCs: ce_probe<N, kCeWait><<<grid, kThreads, 0, s>>>(a); break;
     case kCePush: ce_push_probe<N><<<grid, kThreads, 0, s>>>(a); break;
     default: combine_probe<N, kPullOnly><<<grid, kThreads, 0, s>>>(a); break;
   }
@@ -306,7 +315,7 @@ int main(int argc, char** argv) {
   int32_t* host_flag = nullptr;                  // the ce_ modes' start gate (mapped pinned memory)
   CK(cudaHostAlloc(&host_flag, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
   *reinterpret_cast<volatile int32_t*>(host_flag) = 0;
-  std::vector<cudaEvent_t> e0(n), e1(n);
+  std::vector<cudaEvent_t> e0(n), e1(n), chunk_ev(n * kMaxGpus * 32);
   std::vector<void*> flush(n);
   const size_t flush_bytes = 256 << 20;
   for (int g = 0; g < n; ++g) {
@@ -326,6 +335,8 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&epoch_word[g], sizeof(int32_t)));
     CK(cudaEventCreate(&e0[g]));
     CK(cudaEventCreate(&e1[g]));
+    for (int i = 0; i < kMaxGpus * 32; ++i)
+      CK(cudaEventCreateWithFlags(&chunk_ev[g * kMaxGpus * 32 + i], cudaEventDisableTiming));
   }
   sync_all(n);
   int32_t epoch = 0;
@@ -366,7 +377,21 @@ int main(int argc, char** argv) {
           if (rows <= 0) continue;  // ce_push with no engine share
           CK(cudaMemcpyAsync(a.xb[p] + (g * T + r0) * kRowWords, a.xu[g] + (p * T + r0) * kRowWords,
                              rows * row_bytes, cudaMemcpyDeviceToDevice, s));
-          if (write_value(mode)) {  // the flag by the stream's front end, after the chunk (default: fenced)
+          if (side_flag(mode)) {  // the flag on the second stream after an event on the chunk: no op between chunks
+            cudaStream_t side = ce[((1 * n) + g) * n + p];
+            cudaEvent_t ev = chunk_ev[(g * kMaxGpus + p) * 32 + c];
+            CK(cudaEventRecord(ev, s));
+            CK(cudaStreamWaitEvent(side, ev, 0));
+            if (mode == kCeWaitCs) {
+              CK(cudaMemcpyAsync(a.ready[p] + g * chunks + c, epoch_word[g], sizeof(int32_t),
+                                 cudaMemcpyDeviceToDevice, side));
+            } else if (write_value32(reinterpret_cast<CUstream>(side),
+                                     reinterpret_cast<CUdeviceptr>(a.ready[p] + g * chunks + c),
+                                     static_cast<cuuint32_t>(epoch), CU_STREAM_WRITE_VALUE_DEFAULT) != CUDA_SUCCESS) {
+              std::fprintf(stderr, "cuStreamWriteValue32 failed on the side stream\n");
+              std::exit(1);
+            }
+          } else if (write_value(mode)) {  // the flag by the stream's front end, after the chunk (default: fenced)
             const CUresult r = write_value32(reinterpret_cast<CUstream>(s),
                                              reinterpret_cast<CUdeviceptr>(a.ready[p] + g * chunks + c),
                                              static_cast<cuuint32_t>(epoch), CU_STREAM_WRITE_VALUE_DEFAULT);
@@ -429,7 +454,7 @@ int main(int argc, char** argv) {
         }
         if (!is_ce(mode) && !(mode == kCopyPull || mode == kPushSum) && chunk != 48) continue;
         if (is_ce(mode) && mode != kCePush && sms != 24) continue;  // no SMs move rows: 24 sum (DeepSeek-V3's)
-        if (write_value(mode) && write_value32 == nullptr) continue;  // no driver entry point: not measured
+        if ((write_value(mode) || (side_flag(mode) && mode != kCeWaitCs)) && write_value32 == nullptr) continue;  // no driver entry point: not measured
         std::vector<float> t;
         CK(cudaSetDevice(0));
         for (int g = 0; g < n; ++g) {
