@@ -176,13 +176,16 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
   // 50%: 1, 0.5, 0.25 of 1.75
   EXPECT_EQ(ce_chunk_end(4096, 0, 3, 50), 2340);
   EXPECT_EQ(ce_chunk_end(4096, 1, 3, 50), 3510);
-  // the dispatch's pick: steeper shares for rows without scales (BF16), 50% with scales (FP8)
+  // the dispatch's pick: steeper shares for rows without scales (BF16), 35% with scales (FP8)
   EXPECT_EQ(ce_dispatch_shrink_pct(0), 25);
   // 25%: 1, 0.25, 0.0625 of 1.3125: 3120.8, then 3900.9 rounded down (the last chunk 195 rows)
   EXPECT_EQ(ce_chunk_end(4096, 0, 3, 25), 3120);
   EXPECT_EQ(ce_chunk_end(4096, 1, 3, 25), 3900);
-  EXPECT_EQ(ce_dispatch_shrink_pct(56), 50);
-  EXPECT_EQ(ce_dispatch_shrink_pct(1), 50);
+  EXPECT_EQ(ce_dispatch_shrink_pct(56), 35);
+  EXPECT_EQ(ce_dispatch_shrink_pct(1), 35);
+  // 35%: 1, 0.35, 0.1225 of 1.4725: 2781.7, then 3755.2 rounded down (the last chunk 341 rows)
+  EXPECT_EQ(ce_chunk_end(4096, 0, 3, 35), 2781);
+  EXPECT_EQ(ce_chunk_end(4096, 1, 3, 35), 3755);
 }
 
 TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {

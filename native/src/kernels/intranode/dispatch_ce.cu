@@ -27,7 +27,6 @@ constexpr int kGatherUnroll = 8;     // 16-B words per lane in each of a row's t
 constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
 constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
-constexpr int kCeDispatchColBit = 29;  // of the enter value: this rank's scales are column-major
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 template <int kNumRanks>
@@ -41,7 +40,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
-  push_ce_head(ctx, head, round, &sm);  // our scales into the peers' landing areas
+  push_ce_head<true>(ctx, head, round, &sm);  // our scales into the peers' landing areas (row-major)
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
@@ -53,8 +52,6 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       landed.round = round;
       landed.head = S > 0;  // as the launch's CeHead::used, alike on every rank
       landed.enter = enter;
-      // each source's entry value (early: read by the first wait for its rows, after its release)
-      if (enter.early == 0) landed.released = gpu::load_volatile(meta_ptr<const int32_t>(local, kOffPullTopk) + lane);
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + gpu::warp_id();
@@ -74,14 +71,9 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
       // The row's first kScalesAhead scales per lane load before its words, and are stored after them.
       const int32_t* scales = reinterpret_cast<const int32_t*>(static_cast<const char*>(local) + p.scales_at[s]);
-      // Each source's scales layout, from the value it released on entry (bit kCeDispatchColBit): a rank with at
-      // most one token cannot tell (an empty tensor's strides say little), and both orders are the same bytes
-      // there, so the bit is not compared across ranks but read per source.
-      const int32_t released = gpu::shfl(landed.released, s);
-      const bool col = s != me && ((released >> kCeDispatchColBit) & 1) != 0;
+      // A peer's scales landed row-major whatever its order (the column-major ones stored transposed).
       const auto scale = [&](int j) {
-        return s == me ? scale_at(a, src, j)
-                       : gpu::load_ring_32(scales + (col ? int64_t{j} * p.tokens[s] + src : int64_t{src} * S + j));
+        return s == me ? scale_at(a, src, j) : gpu::load_ring_32(scales + int64_t{src} * S + j);
       };
       int32_t ahead[kScalesAhead];
 #pragma unroll
@@ -123,8 +115,9 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
               rank_tokens[me]);
   // From num_scales, not the pointer: a rank with no tokens has empty scales (address 0) but lays out alike.
   const int S = a.num_scales;
-  // The scales go as one block in the caller's storage order: row-major [T, S] or column-major [S, T], dense (with
-  // at most one token both orders are the same bytes, and an empty tensor's strides say little).
+  // The scales land row-major [T, S] in every peer's area: the caller's dense row-major scales as one block,
+  // column-major [S, T] ones stored transposed (CeHead::transpose_rows). With at most one token both orders are the
+  // same bytes, and an empty tensor's strides say little.
   const bool col = S > 1 && a.scale_token_stride == 1;
   const bool row = (a.scale_hidden_stride == 1 || S == 1) && a.scale_token_stride == S;
   UCCL_ASSERT(S == 0 || a.num_tokens <= 1 || (col ? a.scale_hidden_stride == a.num_tokens : row),
@@ -153,12 +146,10 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   }
   std::copy(rows_at[me], rows_at[me] + N, p.rows_at);
   std::copy(scales_at[me], scales_at[me] + N, p.scales_at);
-  // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer. The
-  // scales' order is per rank (the gather reads each source's bit).
-  const int32_t checked = (1 << 30) | ((col ? 1 : 0) << kCeDispatchColBit) | ((chunks - 1) << 26) |
-                          ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
-  const CeEnter enter =
-      launch_ce_enter(ctx, checked, ~(1 << kCeDispatchColBit), DiagPhase::kDispatchDirectArgs, ce, stream);
+  // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer (the
+  // scales' order may differ per rank: every landing area holds them row-major).
+  const int32_t checked = (1 << 30) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+  const CeEnter enter = launch_ce_enter(ctx, checked, -1, DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
   head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
@@ -175,6 +166,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);
       head.words[d] = T * S;
+      // column-major scales land row-major: the gather then reads a row's scales as one run
+      head.transpose_rows = col ? static_cast<int32_t>(T) : 0;
     }
   }
   with_num_ranks(N, "dispatch", [&](auto n) {

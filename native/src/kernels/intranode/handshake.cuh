@@ -94,6 +94,40 @@ UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem
   return done;
 }
 
+/// push_ce_head's column-major source stored row-major (CeHead::transpose_rows, the dispatch's scales): tiles of
+/// kCeHeadTileRows tokens by up to kCeHeadTileCols scale indices, each read one scale index at a time along the
+/// tokens (coalesced) into shared memory, then written row by row (runs of the tile's columns; one run where a row
+/// fits the tile). Every thread of the block takes part (block-wide barriers, block-uniform loop bounds). Returns
+/// whether this thread stored anything.
+UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const CeHead& h) {
+  __shared__ int32_t tile[kCeHeadTileRows][kCeHeadTileCols + 1];  // + 1: a tile column spans the banks
+  const int64_t rows = h.transpose_rows, row_tiles = (rows + kCeHeadTileRows - 1) / kCeHeadTileRows;
+  bool stored = false;
+#pragma unroll  // constant indices: h's arrays are read from the parameter space, not copied to local memory
+  for (int d = 0; d < kMaxLocalRanks; ++d) {
+    if (d >= ctx.num_ranks) break;
+    const int32_t* src = h.src[d];
+    int32_t* dst = h.dst[d];
+    const int cols = static_cast<int>(h.words[d] / rows);  // 0 for us and where nothing goes
+    const int col_tiles = (cols + kCeHeadTileCols - 1) / kCeHeadTileCols;
+    for (int64_t t = blockIdx.x; t < row_tiles * col_tiles; t += gridDim.x) {
+      const int64_t r0 = t / col_tiles * kCeHeadTileRows;
+      const int c0 = static_cast<int>(t % col_tiles) * kCeHeadTileCols;
+      const int n = static_cast<int>(min(static_cast<int64_t>(kCeHeadTileRows), rows - r0));
+      const int m = min(kCeHeadTileCols, cols - c0);
+      for (int e = static_cast<int>(threadIdx.x); e < m * kCeHeadTileRows; e += static_cast<int>(blockDim.x)) {
+        const int j = e / kCeHeadTileRows, rr = e % kCeHeadTileRows;
+        if (rr < n) tile[rr][j] = src[(c0 + j) * rows + r0 + rr];
+      }
+      __syncthreads();
+      for (int e = static_cast<int>(threadIdx.x); e < n * m; e += static_cast<int>(blockDim.x), stored = true)
+        dst[(r0 + e / m) * cols + c0 + e % m] = tile[e / m][e % m];
+      __syncthreads();
+    }
+  }
+  return stored;
+}
+
 /// Called by every thread of every block of a copy-engine op, first: stores the op's small block for each peer
 /// (CeHead: the combine's top-k weights, the dispatch's scales) into that peer's landing area with the SMs, which
 /// costs the copy engine nothing (a copy of its own would delay the rows' first chunk by the engine's start), then
@@ -101,7 +135,10 @@ UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem
 /// first chunk it reads). Each storing thread fences its stores system-wide before the block counts itself. Not
 /// after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes. An op
 /// without a head on any rank (h.used == 0: no top-k weights, no scales; alike, the enter value checks it) skips
-/// all of it, so its readers wait for the engines alone and not for every peer block to have run.
+/// all of it, so its readers wait for the engines alone and not for every peer block to have run. `kTransposable`:
+/// the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather kernel, whose shared
+/// memory then holds the tile).
+template <bool kTransposable = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm) {
   if (h.used == 0) return;
   if (threadIdx.x == 0) sm->aborted = gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
@@ -110,9 +147,16 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool stored = false;
+  bool flat = true;
+  if constexpr (kTransposable) {
+    if (h.transpose_rows > 0) {
+      flat = false;
+      if (!aborted) stored = store_ce_head_transposed(ctx, h);
+    }
+  }
 #pragma unroll  // constant indices: h's arrays are read from the parameter space, not copied to local memory
   for (int d = 0; d < kMaxLocalRanks; ++d) {
-    if (d >= ctx.num_ranks || aborted) break;
+    if (d >= ctx.num_ranks || aborted || !flat) break;
     const int32_t* src = h.src[d];
     int32_t* dst = h.dst[d];
     const int64_t n = h.words[d];

@@ -288,7 +288,14 @@ struct CeHead {
   int32_t* dst[kMaxLocalRanks];
   int64_t words[kMaxLocalRanks];  ///< 0 for us and where there is nothing to send
   int32_t used;                   ///< 1: the op has a head on every rank alike (weights / scales); 0: none at all
+  /// > 0: src is a column-major [rows, cols] matrix (cols x rows words: cols = words / rows), stored transposed,
+  /// row-major, at dst (the dispatch's column-major scales: every peer's landing area holds scales row-major, so
+  /// the gather reads a row's scales as one run).
+  int32_t transpose_rows;
 };
+/// The transposed store's tile (store_ce_head_transposed): tokens by scale indices, in shared memory.
+constexpr int kCeHeadTileRows = 32;
+constexpr int kCeHeadTileCols = 128;
 /// The caller's `stream` waits for every peer's copy stream (ce.copied): the copies read the caller's tensors.
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per

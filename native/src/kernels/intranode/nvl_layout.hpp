@@ -168,11 +168,12 @@ UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, i
 /// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
 /// combine's sum halves them (0). The dispatch's gather of rows without scales keeps pace with chunks that shrink
 /// faster: 3 chunks of 40% shares left it the same tail as 4 halves with one copy fewer, and since the copies start
-/// with the op (early copies) 25% measured faster still; rows with scales (FP8) take 50% shares, where the gather,
-/// which reads every row's scales too, falls behind (docs/intranode.md).
+/// with the op (early copies) 25% measured faster still; rows with scales (FP8) take 35% shares: the gather reads
+/// every row's scales too (one run per row, since every landing area holds them row-major), and at 25% it fell
+/// behind as at 50% (docs/intranode.md).
 constexpr int kCeCombineShrinkPct = 0;
 constexpr int kCeDispatchShrinkPct = 25;
-constexpr int kCeDispatchScaledShrinkPct = 50;
+constexpr int kCeDispatchScaledShrinkPct = 35;
 /// End of chunk k (of `chunks`) of a block of `rows` rows, the last chunk ending the block. shrink_pct 0: halves,
 /// then quarters, ... of what is left, the last chunk taking the rest; else chunk k + 1 holds shrink_pct% of chunk
 /// k's rows (ends rounded down). Host and device compute the same integers.
@@ -204,7 +205,7 @@ static_assert(kCeDispatchShrinkPct >= 20 && kCeDispatchShrinkPct <= 100 && kCeDi
 
 /// Where a copy-engine dispatch (dispatch_ce.cu) lands the tokens of every other rank in rank d's buffer: for each
 /// source s != d in rank order, all of s's rows (`tokens[s]` of `row_bytes`, in token order: the copy engines move x
-/// whole, and d gathers the rows it receives), then their `num_scales` 4-byte scales in s's storage order, each
+/// whole, and d gathers the rows it receives), then their `num_scales` 4-byte scales, row-major [tokens, scales], each
 /// piece on a 128-B line. Byte offsets from the buffer's start; -1 for s == d. Returns the end.
 UCCL_HOST_DEVICE_FN int64_t ce_dispatch_landing(const int32_t* tokens, int N, int d, int64_t row_bytes,
                                                 int num_scales, int64_t* rows_at, int64_t* scales_at) {
