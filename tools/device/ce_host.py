@@ -5,8 +5,11 @@ Python path alone (the native launch replaced by a no-op on every rank); and NCC
 Medians of 5 rounds of --calls calls (host_parts.host_us), rank 0's figures. ``--loop bench``: each call timed as
 the bench's default mode times it instead (ranks aligned, L2 flushed, the host waiting for the GPU after every call:
 bench._timing.time_op's host figure, median of --calls calls), where a call starts on a host that just waited.
+``--profile``: then, per op, cProfile's top entries (own time) over the calls of its Python path (the native launch a
+no-op) in the chosen loop, and the host us of the primitives the path calls (an output's torch.empty, the current
+stream, an event record): where a slow host spends the Python path's time.
 
-    python tools/device/ce_host.py [--tokens 4096] [--hidden 7168] [--calls 40] [--loop sleep|bench]
+    python tools/device/ce_host.py [--tokens 4096] [--hidden 7168] [--calls 40] [--loop sleep|bench] [--profile]
 """
 
 from __future__ import annotations
@@ -64,9 +67,53 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     if rank == 0:
         for k, v in res.items():
             print(f"host us per call ({args.loop} loop)  {k:36s} {v:7.1f}", flush=True)
+    if args.profile:
+        from uccl_moe.utils import current_raw_stream
+
+        dev, event = torch.device("cuda", torch.cuda.current_device()), torch.cuda.Event()
+        rows = (2 * xb.shape[0], xb.shape[1])  # an EP2 dispatch's recv_x
+        prims = {"torch.empty of recv_x (FP8)": lambda: torch.empty(rows, dtype=torch.float8_e4m3fn, device=dev),
+                 "torch.cuda.current_stream()": torch.cuda.current_stream,
+                 "uccl_moe.utils.current_raw_stream": lambda: current_raw_stream(dev.index),
+                 "torch.cuda.Event.record()": event.record}
+        report = _profile(ops, C, timed, prims)
+        if rank == 0:
+            print(report, flush=True)
     dist.barrier()
     buf.destroy()
     dist.destroy_process_group()
+
+
+def _profile(ops: dict[str, Any], C: Any, timed: Any, prims: dict[str, Any]) -> str:
+    """cProfile's top entries over the calls `timed` makes of each op's Python path (its native launch, an attribute
+    of `C`, a no-op meanwhile on every rank), then the host us of each of `prims`, in the same loop."""
+    import cProfile
+    import io
+    import pstats
+
+    out = []
+    for name, (fn, launch) in ops.items():
+        real = getattr(C, launch)
+        setattr(C, launch, lambda *a: None)
+        prof = cProfile.Profile()
+
+        def profiled(fn: Any = fn, prof: Any = prof) -> None:
+            prof.enable()
+            try:
+                fn()
+            finally:
+                prof.disable()
+
+        try:
+            timed(profiled)
+        finally:
+            setattr(C, launch, real)
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
+        out.append(f"==== {name}: Python path, cProfile (own time first)\n{text.getvalue()}")
+    for what, prim in prims.items():
+        out.append(f"host us per call  {what:36s} {timed(prim):7.2f}")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--loop", choices=("sleep", "bench"), default="sleep",
                    help="enqueue behind a sleeping GPU (default), or as the bench's default mode times a call")
+    p.add_argument("--profile", action="store_true",
+                   help="then cProfile each op's Python path and time the host primitives it calls")
     args = p.parse_args(argv)
     import torch
     import torch.multiprocessing as mp
