@@ -252,6 +252,15 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
         ok &= _eq(late_ce(), want_b)
         ok &= _eq(_ce(False, nat.dispatch, xb, handle=bb.handle, config=cfg).recv_x, want_b)
     check("copy-engine and ring dispatches, every combine path interleaved", ok)
+    # Ranks passing their scales in different orders to one dispatch (column-major on even ranks, row-major on odd
+    # ones): every landing area holds them row-major, so the outputs are the rings'.
+    mixed = _Case(rank, R, 600, 7168, 16 * R, 8, True, "col", "random", 952)
+    _, mr = _ce(False, _dispatch, nat, mixed, "cuda", config=cfg)
+    xm, sm = mixed.xin("cuda")
+    sm = sm if rank % 2 == 0 else sm.contiguous()
+    want_m = _ce(False, nat.dispatch, (xm, sm), handle=mr.handle, config=cfg).recv_x
+    got_m = _ce(True, nat.dispatch, (xm, sm), handle=mr.handle, config=cfg).recv_x
+    check("scales in different orders on different ranks", all(_eq(p, q) for p, q in zip(got_m, want_m)))
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 
