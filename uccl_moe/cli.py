@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("uccl_moe.train.compare", "train one recipe once per dispatcher: loss parity, step time, tokens/s"),
     "bench": ("uccl_moe.bench.cli", "time dispatch/combine vs NCCL all_to_all_single on this host's GPUs"),
     "doctor": ("uccl_moe.doctor", "check this host's GPUs, NICs and settings for internode runs; --pair: self-test"),
+    "env": ("uccl_moe.env_cli", "list every UCCL_MOE_* knob: its value, who set it, what it does"),
 }
 """The built-in subcommands. Append a row for yours."""
 

@@ -1,6 +1,7 @@
 """Environment knobs (``UCCL_MOE_*``), read from the one table ``env_knobs.def`` that C++ also compiles.
 
-``python -m uccl_moe.env`` prints every knob with its value and who set it (default or environment).
+``uccl-moe env`` (or ``python -m uccl_moe.env``) prints every knob with its value and who set it (default or
+environment).
 Parsing is strict and identical to the native parser: ``UCCL_MOE_PROXY_THREADS=12abc`` is an error naming
 the variable, never a silent 12. Unknown ``UCCL_MOE_*`` variables get a warning (likely typos).
 """
@@ -20,6 +21,9 @@ from typing import Any
 from .errors import InvalidUsageError
 
 _PREFIX = "UCCL_MOE_"
+#: UCCL_MOE_* variables that are not knobs: our launchers set them for the processes they start (uccl_moe.launch:
+#: the Primus entry script's path), so they are never reported as unknown.
+LAUNCHER_VARS = frozenset({"PRIMUS_ENTRY"})
 _ROW = re.compile(
     r'^UCCL_MOE_KNOB\((?P<name>[A-Z0-9_]+),\s*(?P<type>INT|FLOAT|BOOL|STRING|CHOICE),\s*"(?P<default>[^"]*)",'
     r'\s*"(?P<min>[^"]*)",\s*"(?P<max>[^"]*)",\s*"(?P<doc>[^"]*)"\)\s*$'
@@ -120,13 +124,7 @@ def get(name: str) -> Any:
     global _warned_unknown
     if not _warned_unknown:
         _warned_unknown = True
-        unknown = sorted(k for k in os.environ if k.startswith(_PREFIX) and k[len(_PREFIX):] not in KNOBS)
-        if unknown:
-            warnings.warn(
-                f"unknown uccl-moe environment variables {unknown} (typo?); "
-                f"`python -m uccl_moe.env` lists the known ones",
-                stacklevel=2,
-            )
+        _warn_unknown()
     knob = KNOBS[name]
     if _ENV_DATA is not None and os.environ is _ENVIRON:
         key = _ENV_KEYS.get(name)
@@ -145,6 +143,34 @@ def get(name: str) -> Any:
         _logged.add(name)
         logging.getLogger("uccl_moe.env").info("%s=%s (default %s)", knob.var, text, knob.default)
     return value
+
+
+def _warn_unknown() -> None:
+    """One warning naming every UCCL_MOE_* variable that is neither a knob nor a launcher's, each with the knobs its
+    name is close to, pointed at the first frame outside this package (the user's code, not ours)."""
+    import difflib
+
+    unknown = sorted(k for k in os.environ if k.startswith(_PREFIX) and k[len(_PREFIX):] not in KNOBS
+                     and k[len(_PREFIX):] not in LAUNCHER_VARS)
+    if not unknown:
+        return
+    described = []
+    for var in unknown:  # names compared without the prefix they all share
+        close = [_PREFIX + n for n in difflib.get_close_matches(var[len(_PREFIX):], list(KNOBS), n=2, cutoff=0.7)]
+        described.append(f"{var} (did you mean {' or '.join(close)}?)" if close else var)
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+    # stacklevel 2 is our caller; warnings.warn does not count the import machinery's frames (above an `import
+    # uccl_moe`), so neither does this
+    level, frame = 2, sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        internal = "importlib" in name and "_bootstrap" in name
+        if not internal and not os.path.abspath(name).startswith(package):
+            break
+        level, frame = level + (0 if internal else 1), frame.f_back
+    warnings.warn(f"unknown uccl-moe environment variables: {', '.join(described)}; `uccl-moe env` lists the known "
+                  f"ones", stacklevel=level)
 
 
 def source(name: str) -> str:

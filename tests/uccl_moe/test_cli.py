@@ -232,7 +232,7 @@ def test_a_bad_knob_in_the_environment_is_refused_at_launch(dry_run, capsys, mon
     launched = []
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: launched.append(a))
     err = _short_error(capsys, ["train", "recipe=tiny_cpu_moe", *(["--dry-run"] if dry_run else [])])
-    assert 'UCCL_MOE_TIMEOUT_S="abc" is invalid: expected a number' in err and "python -m uccl_moe.env" in err
+    assert 'UCCL_MOE_TIMEOUT_S="abc" is invalid: expected a number' in err and "uccl-moe env" in err
     assert not launched
 
 

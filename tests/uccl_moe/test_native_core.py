@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,10 +101,38 @@ def test_env_main_reports_bad_values(capsys, monkeypatch):
 
 
 def test_unknown_knob_warns(monkeypatch):
+    """One warning names each unknown UCCL_MOE_* variable with the knobs its name is close to, at the caller's line
+    (not ours); a variable our launchers set (the Primus entry) is not unknown."""
     monkeypatch.setenv("UCCL_MOE_PROXY_THREAD", "4")  # typo
+    monkeypatch.setenv("UCCL_MOE_QWERTY", "1")  # nothing like a knob
+    monkeypatch.setenv("UCCL_MOE_PRIMUS_ENTRY", "/somewhere/primus_entry.py")  # launch.primus.ENTRY_VAR
     monkeypatch.setattr(env, "_warned_unknown", False)
-    with pytest.warns(UserWarning, match="UCCL_MOE_PROXY_THREAD"):
+    with pytest.warns(UserWarning) as seen:
         env.get("BACKEND")
+    [w] = seen
+    msg = str(w.message)
+    assert "UCCL_MOE_PROXY_THREAD (did you mean UCCL_MOE_PROXY_THREADS" in msg
+    assert "UCCL_MOE_QWERTY;" in msg and "PRIMUS_ENTRY" not in msg and "`uccl-moe env`" in msg
+    assert w.filename == __file__  # the caller's line
+    monkeypatch.setattr(env, "_warned_unknown", False)
+    monkeypatch.delenv("UCCL_MOE_PROXY_THREAD")
+    monkeypatch.delenv("UCCL_MOE_QWERTY")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env.get("BACKEND")  # only the launcher's variable is left: no warning
+
+
+def test_uccl_moe_env_lists_the_knobs(capsys, monkeypatch):
+    """`uccl-moe env` is uccl_moe.env.main: every knob with its value and source; 1 where a value is refused."""
+    from uccl_moe import cli
+
+    monkeypatch.setenv("UCCL_MOE_PROXY_THREADS", "6")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "UCCL_MOE_TIMEOUT_S" in out and any(
+        line.split()[:3] == ["UCCL_MOE_PROXY_THREADS", "6", "env"] for line in out.splitlines())
+    monkeypatch.setenv("UCCL_MOE_TIMEOUT_S", "soon")
+    assert cli.main(["env"]) == 1
 
 
 def test_env_get_follows_the_environment_and_refuses_a_bad_value_every_time(monkeypatch):

@@ -81,7 +81,7 @@ def _check_env(cfg: Any, s: dict[str, Any]) -> list[str]:
                 continue
             name = k[len("UCCL_MOE_"):]
             if name not in KNOBS:
-                out.append(f"{where}: {k} is not a uccl-moe knob (see `python -m uccl_moe.env`)")
+                out.append(f"{where}: {k} is not a uccl-moe knob (see `uccl-moe env`)")
                 continue
             try:
                 KNOBS[name].parse(str(v))

@@ -97,4 +97,4 @@ def check_env_knobs(env: Mapping[str, str]) -> None:
         except InvalidUsageError as e:
             what = knob.doc.split(";")[0]
             raise PreflightError(f"{e}\n  rule: {var} is a uccl-moe knob ({what}); fix: unset it or give a valid "
-                                 f"value (every knob and its range: python -m uccl_moe.env)") from None
+                                 f"value (every knob and its range: uccl-moe env)") from None

@@ -64,3 +64,11 @@ def test_primus_command_uses_our_entry_script():
     assert cmd[:4] == ["primus-cli", "direct", "--script", '"$UCCL_MOE_PRIMUS_ENTRY"']
     assert cmd[4:] == ["--", "train", "pretrain", "--config", '"exp.yaml"']
     assert primus_experiment(cfg)["modules"]["pre_trainer"]["overrides"]["expert_model_parallel_size"] == 16
+
+
+def test_the_entry_variable_is_not_an_unknown_knob() -> None:
+    """The launchers export the entry script's path in a UCCL_MOE_* variable: uccl_moe.env must not warn about it."""
+    from uccl_moe import env
+    from uccl_moe.launch import primus
+
+    assert primus.ENTRY_VAR.startswith("UCCL_MOE_") and primus.ENTRY_VAR[len("UCCL_MOE_"):] in env.LAUNCHER_VARS

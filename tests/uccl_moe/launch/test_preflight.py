@@ -62,7 +62,7 @@ def test_a_bad_knob_value_names_the_knob_and_the_fix(var, value, needle):
     with pytest.raises(PreflightError) as e:
         check_env_knobs({var: value, "PATH": "/usr/bin"})
     msg = str(e.value)
-    assert needle in msg and "python -m uccl_moe.env" in msg and len(msg.splitlines()) <= 5
+    assert needle in msg and "uccl-moe env" in msg and len(msg.splitlines()) <= 5
 
 
 def test_good_knobs_and_non_knob_variables_pass():
