@@ -228,9 +228,12 @@ def check_config(config: Any, default: Callable[[], Any]) -> Any:
     return config
 
 
-def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle: DispatchHandle | None = None) -> None:
+def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle: DispatchHandle | None = None,
+                      rows_dtype: torch.dtype | None = None) -> None:
     """Raise if `op` with `config` does not fit the buffers of `buf` (a live Buffer). With a handle (a cached dispatch
-    or a combine), the op runs on the handle's lanes: the SM count its dispatch laid them out with, not config's."""
+    or a combine), the op runs on the handle's lanes: the SM count its dispatch laid them out with, not config's.
+    `rows_dtype`: the rows' dtype, named in the error where it is wider than 2 bytes (an upcast the caller may not
+    have meant)."""
     backend = buf._live()
     sms = backend.handle_num_sms(handle) if handle is not None else None
     # What the answer depends on (a Config is read-only, the topology fixed at construction); the Buffer keeps the
@@ -252,10 +255,14 @@ def check_buffer_size(buf: Any, hidden_bytes: int, config: Any, op: str, handle:
         ran_on = f" (num_sms={sms}: it runs on the lanes of the dispatch that made the handle)"
     need = config.get_nvl_buffer_size_hint(hidden_bytes, buf.group_size, per_node)
     if need > buf.num_nvl_bytes:
+        wide = ""
+        if rows_dtype is not None and rows_dtype.itemsize > 2:
+            wide = (f"; x is {str(rows_dtype).replace('torch.', '')} ({rows_dtype.itemsize} bytes per value): if that "
+                    f"was not meant, cast it to bfloat16, whose rows take half the room")
         raise err(
             f"{op} with hidden_bytes={hidden_bytes} and {config}{ran_on} needs {need} bytes of NVL buffer per "
             f"rank, but the Buffer has num_nvl_bytes={buf.num_nvl_bytes}; construct Buffer with num_nvl_bytes >= "
-            f"{need} (config.get_nvl_buffer_size_hint(hidden_bytes, {buf.group_size}))"
+            f"{need} (config.get_nvl_buffer_size_hint(hidden_bytes, {buf.group_size})){wide}"
         )
     if buf.topology.num_nodes > 1:
         need = backend.required_rdma_bytes(config, hidden_bytes, buf.group_size, per_node)
@@ -377,6 +384,11 @@ def check_layout(num_tokens_per_rank: Any, num_tokens_per_rdma_rank: Any, is_tok
             f"layout was computed for another group"
         )
     in_rank = check_tensor("is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), ndim=2, device=device)
+    if in_rank.shape[0] != num_tokens and in_rank.shape[1] == R:
+        raise err(
+            f"x has {num_tokens} tokens but is_token_in_rank has {in_rank.shape[0]} rows: pass x, topk_idx and the "
+            f"layout (get_dispatch_layout of that topk_idx) of the same tokens"
+        )
     if tuple(in_rank.shape) != (num_tokens, R):
         raise err(
             f"is_token_in_rank has shape {tuple(in_rank.shape)}, expected [{num_tokens}, {R}] (tokens, "

@@ -425,7 +425,7 @@ class Buffer(LowLatencyNotImplemented):
         h = self._check_handle(handle) if handle is not None else None
         if h is None:  # a cached dispatch (and combine) runs on the handle's lanes, whatever config.num_sms says
             backend.check_config(config)
-        _checks.check_buffer_size(self, hidden_bytes, config, "dispatch", h)
+        _checks.check_buffer_size(self, hidden_bytes, config, "dispatch", h, data.dtype)
         expert_alignment, num_worst_tokens = _checks.check_dispatch_counts(expert_alignment, num_worst_tokens)
         num_tokens = data.shape[0]
         if h is not None:
@@ -487,7 +487,7 @@ class Buffer(LowLatencyNotImplemented):
         hidden_bytes = _checks.hidden_bytes(x)
         config = _checks.check_config(config, lambda: tuning.shared_config(
             tuning.preset_for(self.group_size).combine, Buffer.num_sms))
-        _checks.check_buffer_size(self, hidden_bytes, config, "combine", h)
+        _checks.check_buffer_size(self, hidden_bytes, config, "combine", h, x.dtype)
         topk_weights = _checks.check_combine_topk_weights(topk_weights, int(h.recv_src_idx.shape[0]), self.device)
         biases = _checks.check_bias(bias, x, int(h.is_token_in_rank.shape[0]), self.device)
         from_view = _checks.check_combine_view(self._combine_view, self._op_seq, x, h)

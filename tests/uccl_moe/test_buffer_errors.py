@@ -162,9 +162,13 @@ def test_topk_weights_dtype(buf):
 
 
 def test_topk_rows_must_match_x(buf):
+    """x with fewer rows than the routing it came with: the error names x's token count against the layout's."""
     idx, ntr, nte, itr = _layout(buf)
-    _raises(InvalidUsageError, "is_token_in_rank has shape", buf.dispatch, torch.zeros((5, H), dtype=torch.bfloat16),
-            num_tokens_per_rank=ntr, is_token_in_rank=itr, num_tokens_per_expert=nte)
+    _raises(InvalidUsageError, "x has 5 tokens but is_token_in_rank has 6 rows", buf.dispatch,
+            torch.zeros((5, H), dtype=torch.bfloat16), num_tokens_per_rank=ntr, is_token_in_rank=itr,
+            num_tokens_per_expert=nte, topk_idx=idx, topk_weights=torch.ones(idx.shape))
+    _raises(InvalidUsageError, "is_token_in_rank has shape", buf.dispatch, torch.zeros((6, H), dtype=torch.bfloat16),
+            num_tokens_per_rank=ntr, is_token_in_rank=itr[:, :0], num_tokens_per_expert=nte)
 
 
 def test_wrong_group_size_layout(buf):
@@ -188,7 +192,22 @@ def test_buffer_too_small(group):
     e = _raises(InvalidUsageError, f"needs {need} bytes of NVL buffer.*num_nvl_bytes >= {need}", b.dispatch,
                 torch.zeros((2, 7168), dtype=torch.bfloat16), num_tokens_per_rank=ntr, is_token_in_rank=itr,
                 num_tokens_per_expert=nte)
-    assert "num_nvl_bytes=1048576" in str(e)
+    assert "num_nvl_bytes=1048576" in str(e) and "bytes per value" not in str(e)
+
+
+def test_buffer_too_small_for_float32_rows_names_the_dtype(group):
+    """A combine (or dispatch) of float32 rows that overflows the Buffer says x is float32, whose rows take twice the
+    room of bfloat16 ones: an upcast the caller may not have meant, which a bigger Buffer would hide."""
+    H2 = 7168
+    need_bf16 = Buffer.get_dispatch_config(1).get_nvl_buffer_size_hint(H2 * 2, 1)
+    b = Buffer(group, need_bf16, backend="reference")  # room for bfloat16 rows of H2 values, not float32 ones
+    idx = torch.zeros((2, 1), dtype=torch.int64)
+    ntr, _, nte, itr, _ = b.get_dispatch_layout(idx, 2)
+    r = b.dispatch(torch.zeros((2, H2), dtype=torch.bfloat16), num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                   num_tokens_per_expert=nte, topk_idx=idx, topk_weights=torch.ones(idx.shape))
+    e = _raises(InvalidUsageError, "needs .* bytes of NVL buffer", b.combine, r.recv_x.float(), r.handle)
+    assert "x is float32 (4 bytes per value)" in str(e) and "cast it to bfloat16" in str(e)
+    b.combine(r.recv_x, r.handle)  # the bfloat16 rows fit
 
 
 def test_backend_config_check_comes_before_the_size_check(group, monkeypatch):

@@ -147,10 +147,11 @@ def render_table(result: dict[str, Any]) -> str:
     if rep is not None:
         lines.append(f"run-to-run noise ({rep['runs'][0]} vs {rep['runs'][1]}): max |Δloss| "
                      f"{_fmt(rep['max_abs_dloss'], '.3e')} over {len(rep['per_step_abs_dloss'])} steps")
-    lines.append(f"step ms, tokens/s, cpu cores and dispatch/combine: means over steps after the first "
-                 f"{result['warmup_steps']}; cpu cores: CPU seconds (user+sys, all threads) of the logging rank's "
-                 "process / step seconds; dispatch/combine: forward, per MoE layer of the logging rank, from "
-                 "*_preprocess to *_postprocess (the comm phase as the compute stream sees it)")
+    lines.append(f"over the steps after the first {result['warmup_steps']}: step ms the median, tokens/s (and the "
+                 f"speedup, its ratio to the baseline's), cpu cores and dispatch/combine means; cpu cores: CPU "
+                 "seconds (user+sys, all threads) of the logging rank's process / step seconds; dispatch/combine: "
+                 "forward, per MoE layer of the logging rank, from *_preprocess to *_postprocess (the comm phase as "
+                 "the compute stream sees it)")
     return "\n".join(lines)
 
 

@@ -145,6 +145,7 @@ def test_table_and_png(tmp_path: Path):
     assert cols[cols.index("cpu cores")] == "cpu cores"
     assert [c.strip() for c in row.strip("|").split("|")][cols.index("cpu cores")] == "2.00"  # 0.511 s / 0.2554 s
     assert "run-to-run noise (uccl vs uccl#2): max |Δloss| 1.000e-05 over 4 steps" in table
+    assert "step ms (median)" in lines[0] and "step ms the median, tokens/s (and the speedup" in table  # one story
     require("matplotlib")
     png = tmp_path / "c.png"
     note = cmp.write_png(res, png)
