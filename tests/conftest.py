@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
         n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001
         n_gpus = 0
-    skip = pytest.mark.skip(reason="needs CUDA GPUs (run through the device tool)")
+    skip = pytest.mark.skip(reason="needs CUDA GPUs (run on a GPU machine: tools/device)")
     for item in items:
         if "gpu" in item.keywords and n_gpus == 0:
             item.add_marker(skip)

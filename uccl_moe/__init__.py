@@ -51,7 +51,17 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'uccl_moe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    try:
+        loaded = importlib.import_module(f".{module}", __name__)
+    except ModuleNotFoundError as e:
+        if e.name != "torch":
+            raise
+        # the launcher runs without torch; the API does not: say what to install instead of a bare import error
+        raise ModuleNotFoundError(
+            f"uccl_moe.{name} needs PyTorch, which is not installed in this environment: pip install torch (on a "
+            f"CPU-only machine: pip install torch --index-url https://download.pytorch.org/whl/cpu), or install "
+            f"uccl-moe with its [train] extra", name="torch") from e
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

@@ -25,7 +25,7 @@ def _native():
 
 def test_a_cuda_allocation_exports_as_a_dmabuf_fd() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run through the device tool)")
+        pytest.skip("needs a CUDA GPU (run on a GPU machine: tools/device)")
     C = _native()
     if C.gpu_backend() == "none":
         pytest.skip("CPU-only build of uccl_moe")
@@ -49,7 +49,7 @@ def test_a_cuda_allocation_exports_as_a_dmabuf_fd() -> None:
 
 def test_an_unaligned_or_host_range_is_refused_with_a_reason() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run through the device tool)")
+        pytest.skip("needs a CUDA GPU (run on a GPU machine: tools/device)")
     C = _native()
     host = torch.empty(_ALIGN, dtype=torch.uint8)
     fd, why = C.gpu_export_dmabuf(host.data_ptr(), _ALIGN)

@@ -14,7 +14,7 @@ _SLEEP = 50_000_000  # cycles (~30 ms): the write behind it lands long after an 
 @pytest.fixture(params=["raw", "torch"])
 def comm(request):
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run through the device tool)")
+        pytest.skip("needs a CUDA GPU (run on a GPU machine: tools/device)")
     from uccl_moe.streams import CommStream
 
     torch.cuda.set_device(0)
@@ -115,7 +115,7 @@ def world1():
     (buf, x, handle). Uses the default process group where it is a world of one made by another test (gloo, say),
     through an NCCL group of its own."""
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run through the device tool)")
+        pytest.skip("needs a CUDA GPU (run on a GPU machine: tools/device)")
     import os
     import tempfile
 

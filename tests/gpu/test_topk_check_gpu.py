@@ -121,6 +121,6 @@ def _worker(rank: int, world: int, gloo) -> None:
 
 def test_bad_topk_ids_raise_from_the_device_without_a_sync() -> None:
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run through the device tool)")
+        pytest.skip("needs a CUDA GPU (run on a GPU machine: tools/device)")
     run_shared_gpu_ranks(_worker, 2, timeout_s=300)
 

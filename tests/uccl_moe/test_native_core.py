@@ -297,3 +297,30 @@ def test_diag_role_names():
                             waited_s=1.0)["message"] for r in range(7)]
     for r, name in enumerate(["host", "sender", "receiver", "forwarder", "coordinator", "proxy", "unknown"]):
         assert f"({name})" in roles[r], (r, roles[r])
+
+
+def test_the_api_without_torch_says_what_to_install(monkeypatch):
+    """`from uccl_moe import Buffer` where torch is missing (the launcher installs without it): a ModuleNotFoundError
+    that names torch and how to install it, not a bare import error from deep inside the package."""
+    import importlib
+
+    real = importlib.import_module
+
+    def no_torch(name, package=None):
+        if name == ".buffer" and package == "uccl_moe":
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_torch)
+    monkeypatch.delitem(uccl_moe.__dict__, "Buffer", raising=False)
+    with pytest.raises(ModuleNotFoundError, match=r"uccl_moe.Buffer needs PyTorch.*pip install torch") as e:
+        uccl_moe.Buffer  # noqa: B018 - the lazy attribute's import is the point
+    assert e.value.name == "torch"
+
+    def other_missing(name, package=None):
+        raise ModuleNotFoundError("No module named 'numpy'", name="numpy")
+
+    monkeypatch.setattr(importlib, "import_module", other_missing)
+    monkeypatch.delitem(uccl_moe.__dict__, "Config", raising=False)
+    with pytest.raises(ModuleNotFoundError, match="numpy"):
+        uccl_moe.Config  # noqa: B018 - another module missing is reported as it is

@@ -16,7 +16,7 @@ def test_host_ints_reads_every_value_in_order(dtype):
     assert host_ints(torch.empty(0, dtype=dtype)) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine: tools/device)")
 @pytest.mark.gpu
 def test_host_ints_on_the_device_matches_cpu():
     t = torch.randint(-5, 1 << 20, (17, 3), dtype=torch.int64)
