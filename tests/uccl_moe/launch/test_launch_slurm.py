@@ -13,7 +13,7 @@ require("omegaconf")
 
 from uccl_moe.cli import main
 from uccl_moe.config import available, compose, validate
-from uccl_moe.launch.commands import summary_text
+from uccl_moe.launch.commands import default_run_dir, summary_text
 from uccl_moe.launch.megatron_args import launch_env, megatron_argv
 from uccl_moe.launch.slurm import render_sbatch
 
@@ -111,3 +111,12 @@ def test_preflight_step_renders_before_training(recipe: str, tmp_path: Path, lin
     assert '--nnodes="$SLURM_NNODES"' in step and f"--nproc-per-node={cfg.platform.gpus_per_node}" in step
     assert '--master-port="$((MASTER_PORT + 1))"' in step and "--kill-on-bad-exit=1" in step
     assert "\nexport " in text and text.rindex("\nexport ") < pre  # the platform env applies to the self-test
+
+
+def test_the_default_run_dir_names_the_recipe_or_default(tmp_path: Path) -> None:
+    """runs/<recipe>/<time>; without a recipe (the config's defaults: the tiny CPU model) runs/default/<time>, not
+    runs/None; an explicit base wins."""
+    assert default_run_dir(compose(["recipe=tiny_cpu_moe"]), None).parts[:2] == ("runs", "tiny_cpu_moe")
+    d = default_run_dir(compose([]), None, "x")
+    assert d.parts[:2] == ("runs", "default") and d.name.endswith("-x")
+    assert default_run_dir(compose([]), tmp_path, "x") == tmp_path / "x"
