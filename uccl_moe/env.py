@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,8 @@ def _warn_unknown() -> None:
 
     # stacklevel 2 is our caller; warnings.warn does not count the import machinery's frames (above an `import
     # uccl_moe`), so neither does this
-    level, frame = 2, sys._getframe(1)
+    level = 2
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         internal = "importlib" in name and "_bootstrap" in name
