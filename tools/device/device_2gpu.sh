@@ -8,6 +8,10 @@
 #            a 567632d tests/ snapshot)
 #   inter    emulated-internode GPU tests (ranks share the 2 GPUs)
 #   itest    the intranode GPU suite (UMOE_TEST_ITERS back-to-back calls; default 5)
+#   cetest   the copy-engine ops' GPU tests: the dispatch against the rings (EP1-4, 6 and 8 sharing the GPUs, chunk
+#            counts 1 and 8, the enter kernel always, launches that block), the combine's (EP1-4, 6 and 8, the enter
+#            kernel always) and their fault tests (early copies, a rank that skips, other chunks); two runs of
+#            under 5 minutes each
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
 #   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
@@ -73,6 +77,20 @@ for stage in ${STAGES:-quick bench}; do
     timeout "${INTER_T:-240}" "${P[@]}" --timeout 230 tests/gpu/test_internode_native.py -k "${INTER_K:-}" \
       > "$OUT/inter.log" 2>&1
     echo "inter rc=$?"; sum "$OUT/inter.log" ;;
+  cetest)
+    timeout 300 "${P[@]}" --timeout 290 tests/gpu/test_dispatch_direct_gpu.py -k "ce_dispatch or ce_ops" \
+      > "$OUT/cetest.log" 2>&1
+    echo "cetest (dispatch) rc=$?"; sum "$OUT/cetest.log" 12
+    C=tests/gpu/test_combine_staged_gpu.py N=tests/gpu/test_intranode_native.py
+    timeout 290 "${P[@]}" --timeout 280 \
+      "$C::test_staged_and_ce_combine_match_the_ring[ce-1]" "$C::test_staged_and_ce_combine_match_the_ring[ce-2]" \
+      "$C::test_staged_and_ce_combine_match_the_ring[ce-3]" "$C::test_staged_and_ce_combine_match_the_ring[ce-4]" \
+      "$C::test_staged_and_ce_combine_more_ranks[ce-6]" "$C::test_staged_and_ce_combine_more_ranks[ce-8]" \
+      "$C::test_ce_combine_with_the_enter_kernel_always" "$N::test_native_combine_from_buffer_timeout[ce_skip_early]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[mixed_ce]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks_early]" > "$OUT/cetest_combine.log" 2>&1
+    echo "cetest (combine) rc=$?"; sum "$OUT/cetest_combine.log" 12 ;;
   itest)
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1
