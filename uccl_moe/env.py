@@ -160,7 +160,6 @@ def _warn_unknown() -> None:
         close = [_PREFIX + n for n in difflib.get_close_matches(var[len(_PREFIX):], list(KNOBS), n=2, cutoff=0.7)]
         described.append(f"{var} (did you mean {' or '.join(close)}?)" if close else var)
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
     # stacklevel 2 is our caller; warnings.warn does not count the import machinery's frames (above an `import
     # uccl_moe`), so neither does this
     level = 2

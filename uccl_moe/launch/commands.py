@@ -74,12 +74,12 @@ def config_summary(cfg: Any) -> str:
 
 def default_run_dir(cfg: Any, base: Path | None, tag: str = "") -> Path:
     """`base`/`tag` when `base` is given, else ``runs/<recipe>/<time>[-tag]`` (``runs/default/...`` without a recipe:
-    the config's defaults, the tiny CPU model)."""
+    compose's meta.recipe "none", the config's defaults, the tiny CPU model)."""
     if base is not None:
         return base / tag if tag else base
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    recipe = cfg.meta.recipe if cfg.meta.recipe not in (None, "", "none", "None") else "default"
-    return Path("runs") / str(recipe) / (stamp + (f"-{tag}" if tag else ""))
+    recipe = "default" if cfg.meta.recipe == "none" else str(cfg.meta.recipe)
+    return Path("runs") / recipe / (stamp + (f"-{tag}" if tag else ""))
 
 
 def _rel(path: Path) -> str:
