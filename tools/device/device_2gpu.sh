@@ -11,7 +11,7 @@
 #   cetest   the copy-engine ops' GPU tests: the dispatch against the rings (EP1-4, 6 and 8 sharing the GPUs, chunk
 #            counts 1 and 8, the enter kernel always, launches that block), the combine's (EP1-4, 6 and 8, the enter
 #            kernel always) and their fault tests (early copies, a rank that skips, other chunks); two runs of
-#            under 5 minutes each
+#            about 2.5 minutes each (2 x H100)
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
 #   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
@@ -32,7 +32,7 @@
 #            engines and the SMs moving shares of the rows at once: ce_push), each checked, median us;
 #            CPROBE_MODE=<mode> runs one mode
 #   sanitize compute-sanitizer memcheck and racecheck on small EP2 cases (UMOE_TEST_SMALL=1; SAN_TESTS, default the
-#            copy-engine combine's test); sanitizer.log
+#            copy-engine combine's and dispatch's tests); sanitizer.log
 # carry: .whl (megatron-core 0.19 for Python 3.12, hydra-core, omegaconf, antlr4, nanobind, pytest-timeout)
 set -uo pipefail
 FINAL=${OUT:-/tmp/out}; OUT=/tmp/res; mkdir -p "$OUT" "$FINAL"
@@ -140,7 +140,8 @@ for stage in ${STAGES:-quick bench}; do
       # shellcheck disable=SC2086
       UMOE_TEST_SMALL=1 UMOE_TEST_ITERS=2 UMOE_TEST_BIG=0 UCCL_MOE_TIMEOUT_S=100 timeout "${SAN_T:-170}" \
         compute-sanitizer --tool $tool --target-processes all python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
-        ${SAN_TESTS:-"tests/gpu/test_combine_staged_gpu.py::test_staged_and_ce_combine_match_the_ring[ce-2]"} \
+        ${SAN_TESTS:-"tests/gpu/test_combine_staged_gpu.py::test_staged_and_ce_combine_match_the_ring[ce-2] \
+          tests/gpu/test_dispatch_direct_gpu.py::test_ce_dispatch_matches_the_rings[2]"} \
         >> "$OUT/sanitizer.log" 2>&1
       echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -2
     done ;;
