@@ -136,12 +136,13 @@ for stage in ${STAGES:-quick bench}; do
       tests/gpu/test_megatron_ep_overlap_gpu.py > "$OUT/mtest.log" 2>&1
     echo "mtest rc=$?"; sum "$OUT/mtest.log" 12; grep -E "under compute|max \|d" "$OUT/mtest.log" | tail -6 ;;
   sanitize)
+    san_default="tests/gpu/test_combine_staged_gpu.py::test_staged_and_ce_combine_match_the_ring[ce-2]
+      tests/gpu/test_dispatch_direct_gpu.py::test_ce_dispatch_matches_the_rings[2]"
     for tool in memcheck racecheck; do
-      # shellcheck disable=SC2086
+      # shellcheck disable=SC2086  # (the test ids split into words)
       UMOE_TEST_SMALL=1 UMOE_TEST_ITERS=2 UMOE_TEST_BIG=0 UCCL_MOE_TIMEOUT_S=100 timeout "${SAN_T:-170}" \
         compute-sanitizer --tool $tool --target-processes all python3 -m pytest -q -s -p no:cacheprovider -o addopts="" \
-        ${SAN_TESTS:-"tests/gpu/test_combine_staged_gpu.py::test_staged_and_ce_combine_match_the_ring[ce-2] \
-          tests/gpu/test_dispatch_direct_gpu.py::test_ce_dispatch_matches_the_rings[2]"} \
+        ${SAN_TESTS:-$san_default} \
         >> "$OUT/sanitizer.log" 2>&1
       echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -2
     done ;;

@@ -79,8 +79,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   }
   if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
     // theirs is read (their weights, then their rows)
-    int32_t value = 0;
-    const bool ok = lane >= N || lane == me || wait_entered(ctx, enter, round, lane, &value);
+    const bool ok = lane >= N || lane == me || wait_entered(ctx, enter, round, lane);
     gpu::sync_warp();
     if (gpu::ballot(!ok) != 0) return;
   }
@@ -204,7 +203,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
 /// ce_round, which our copy engine copies into the peers' ce_ready words after each chunk. On a wait that expires
 /// the round is not advanced and the abort flag is up: the kernel after it then returns at once.
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContext ctx, int32_t checked,
-                                                                       int32_t checked_mask, DiagPhase args_phase) {
+                                                                       DiagPhase args_phase) {
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
@@ -212,7 +211,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContex
   __syncthreads();
   release_to_peers(ctx, kOffPullStart, round, checked);
   const bool entered =
-      wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase, checked_mask);
+      wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase);
   if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
   // Our copies are enqueued behind this kernel whatever it found, and would land in a peer that may still be in an
   // earlier op: raise every peer's abort flag too, so that op fails (a timeout naming this rank's record) instead of
@@ -294,15 +293,15 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
-                        const CeCopies& ce, void* stream) {
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
+                        void* stream) {
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
   if (ce.early == 0) {
-    ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, checked_mask, args_phase);
+    ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, args_phase);
     UCCL_CHECK_GPU(gpu::get_last_error());
   }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
-  return CeEnter{ce.early != 0 ? 1 : 0, checked, checked_mask, args_phase};
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase};
 }
 
 int ce_chunks_before_kernel(int chunks) {
@@ -362,12 +361,11 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  const CeEnter enter = launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift), -1,
+  const CeEnter enter = launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift),
                                         DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
   head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
-  const int before = ce_chunks_before_kernel(a.ce_chunks);
   char* dst[kMaxLocalRanks];
   const char* src[kMaxLocalRanks];
   int64_t block_rows[kMaxLocalRanks];
@@ -380,7 +378,6 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     dst[d] = peer + kOffCombineInput + at * row_bytes;
     src[d] = x + first * row_bytes;
     block_rows[d] = rows;
-    enqueue_ce_block(ctx, ce, d, dst[d], src[d], rows, row_bytes, a.ce_chunks, kCeCombineShrinkPct, 0, before);
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
@@ -388,18 +385,19 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
       head.words[d] = rows * K;
     }
   }
-  with_num_ranks(N, "combine", [&](auto n) {
-    combine_ce_sum_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
-  });
-  // the other chunks and the join before the launch's error check: the peers' kernels wait for those chunks
-  for (int i = 1; i < N; ++i) {
-    const int d = (me + i) % N;
-    enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct, before,
-                     a.ce_chunks);
-  }
-  join_ce_copies(ctx, ce, stream);
-  UCCL_CHECK_GPU(gpu::get_last_error());
+  launch_around_ce_copies(
+      ctx, ce, a.ce_chunks,
+      [&](int d, int k_begin, int k_end) {
+        enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
+                         k_begin, k_end);
+      },
+      [&] {
+        with_num_ranks(N, "combine", [&](auto n) {
+          combine_ce_sum_kernel<decltype(n)::value>
+              <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
+        });
+      },
+      stream);
 }
 
 }  // namespace uccl_moe::intranode

@@ -149,35 +149,34 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer (the
   // scales' order may differ per rank: every landing area holds them row-major).
   const int32_t checked = (1 << 30) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
-  const CeEnter enter = launch_ce_enter(ctx, checked, -1, DiagPhase::kDispatchDirectArgs, ce, stream);
+  const CeEnter enter = launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, stored by the gather kernel's SMs
   head.used = S > 0 ? 1 : 0;  // S is in the value every rank checks at enter
-  const int before = ce_chunks_before_kernel(chunks), shrink = ce_dispatch_shrink_pct(S);  // S: checked at enter
-  const auto copies = [&](int d, int k_begin, int k_end) {  // as the peer's gather splits them
-    enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
-                     static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end);
-  };
-  for (int i = 1; i < N; ++i) {  // all of x into d's area (and the scales, by the SMs), at its entries for us
+  const int shrink = ce_dispatch_shrink_pct(S);  // S: checked at enter
+  for (int i = 1; i < N; ++i) {  // the scales into d's area, by the gather kernel's SMs, at its entries for us
     const int d = (me + i) % N;
-    char* peer = static_cast<char*>(ctx.buffers[d]);
-    copies(d, 0, before);
     if (a.x_scales != nullptr && T * S > 0) {
       head.src[d] = static_cast<const int32_t*>(a.x_scales);
-      head.dst[d] = reinterpret_cast<int32_t*>(peer + scales_at[d][me]);
+      head.dst[d] = reinterpret_cast<int32_t*>(static_cast<char*>(ctx.buffers[d]) + scales_at[d][me]);
       head.words[d] = T * S;
       // column-major scales land row-major: the gather then reads a row's scales as one run
       head.transpose_rows = col ? static_cast<int32_t>(T) : 0;
     }
   }
-  with_num_ranks(N, "dispatch", [&](auto n) {
-    dispatch_ce_gather_kernel<decltype(n)::value>
-        <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
-  });
-  // the other chunks and the join before the launch's error check: the peers' gathers wait for those chunks
-  for (int i = 1; i < N; ++i) copies((me + i) % N, before, chunks);
-  join_ce_copies(ctx, ce, stream);  // x is read by the copy engines until their streams finish
-  UCCL_CHECK_GPU(gpu::get_last_error());
+  launch_around_ce_copies(
+      ctx, ce, chunks,
+      [&](int d, int k_begin, int k_end) {  // all of x into d's area, chunked as the peer's gather splits them
+        enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
+                         static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end);
+      },
+      [&] {
+        with_num_ranks(N, "dispatch", [&](auto n) {
+          dispatch_ce_gather_kernel<decltype(n)::value>
+              <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
+        });
+      },
+      stream);
 }
 
 }  // namespace uccl_moe::intranode

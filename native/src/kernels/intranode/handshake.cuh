@@ -6,6 +6,7 @@
 #pragma once
 
 #include "intranode_device.cuh"
+#include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
 
@@ -46,34 +47,31 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
 }
 
 /// One thread's part of wait_peers (below), for peer d: waits until word [d] at `off` of our meta reached `round`
-/// (released by rank d: release_to_peers), then with `arg` >= 0 reads d's value (our pull_topk[d], into *theirs)
-/// and checks it against `arg` in the bits of `arg_mask` (else an `args_phase` InvalidUsage record). Returns false
-/// on an expiry, an abort or a mismatch.
+/// (released by rank d: release_to_peers), then with `arg` >= 0 checks that d's value (our pull_topk[d]) is `arg`
+/// (else an `args_phase` InvalidUsage record). Returns false on an expiry, an abort or a mismatch.
 UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int32_t round, DiagPhase phase,
-                                  int32_t arg, DiagPhase args_phase, int32_t arg_mask, int32_t* theirs) {
+                                  int32_t arg, DiagPhase args_phase) {
   void* local = ctx.buffers[ctx.rank];
   if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, off) + d, round, phase, DiagRole::kReceiver, d, -1))
     return false;
   if (arg < 0) return true;
-  *theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
-  if ((*theirs & arg_mask) == (arg & arg_mask)) return true;
-  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, *theirs, 0, 0.0);
+  const int32_t theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
+  if (theirs == arg) return true;
+  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
   return false;
 }
 
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
-/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value, in the bits of
-/// `arg_mask` (else it reports `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage
-/// could leave d's buffer; for the direct dispatch, d would land rows where we do not look). Returns false,
-/// block-uniform, if a wait expired, the launch was aborted or the values disagree.
+/// `round` (wrapping compare); with `arg` >= 0 it then checks that rank d released the same value (else it reports
+/// `args_phase`, an InvalidUsage record: for the pull, reading weights d did not stage could leave d's buffer; for
+/// the direct dispatch, d would land rows where we do not look). Returns false, block-uniform, if a wait expired,
+/// the launch was aborted or the values disagree.
 UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t round, DiagPhase phase, PullSmem* sm,
-                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs,
-                                   int32_t arg_mask = -1) {
+                                   int32_t arg = -1, DiagPhase args_phase = DiagPhase::kCombinePullArgs) {
   if (threadIdx.x == 0) sm->failed = 0;
   __syncthreads();
   const int d = static_cast<int>(threadIdx.x);
-  int32_t theirs = 0;
-  if (d < ctx.num_ranks && d != ctx.rank && !wait_peer(ctx, d, off, round, phase, arg, args_phase, arg_mask, &theirs))
+  if (d < ctx.num_ranks && d != ctx.rank && !wait_peer(ctx, d, off, round, phase, arg, args_phase))
     sm->failed = 1;
   __syncthreads();
   return sm->failed == 0;
@@ -147,16 +145,13 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   bool stored = false;
-  bool flat = true;
+  const bool transposed = kTransposable && h.transpose_rows > 0;
   if constexpr (kTransposable) {
-    if (h.transpose_rows > 0) {
-      flat = false;
-      if (!aborted) stored = store_ce_head_transposed(ctx, h);
-    }
+    if (transposed && !aborted) stored = store_ce_head_transposed(ctx, h);
   }
 #pragma unroll  // constant indices: h's arrays are read from the parameter space, not copied to local memory
   for (int d = 0; d < kMaxLocalRanks; ++d) {
-    if (d >= ctx.num_ranks || aborted || !flat) break;
+    if (d >= ctx.num_ranks || aborted || transposed) break;
     const int32_t* src = h.src[d];
     int32_t* dst = h.dst[d];
     const int64_t n = h.words[d];
@@ -175,11 +170,11 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
 
 /// Lane d (d < N, d != me) of an early copy-engine op's kernel (CeEnter::early: no enter kernel ran): waits until
 /// peer d released this round into our pull_start[d] (it entered the op; every rank's kernel releases it as it
-/// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours in the bits of `e.mask`. Returns
-/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage); `*value`: d's value (read
-/// since `e.checked` is never negative: every op's checked value leaves bit 31 clear).
-UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d, int32_t* value) {
-  return wait_peer(ctx, d, kOffPullStart, round, DiagPhase::kCombinePullStart, e.checked, e.args_phase, e.mask, value);
+/// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours (`e.checked`). Returns
+/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage; the value is compared since
+/// `e.checked` is never negative: every op's checked value leaves bit 31 clear).
+UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d) {
+  return wait_peer(ctx, d, kOffPullStart, round, DiagPhase::kCombinePullStart, e.checked, e.args_phase);
 }
 
 /// The round of a copy-engine op's kernel: the enter kernel advanced pull_round (not early); an early op's is the
@@ -206,8 +201,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   const int d = static_cast<int>(threadIdx.x);
   void* local = ctx.buffers[ctx.rank];
   if (d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) == 0) {
-    int32_t value = 0;
-    if (e.early == 0 || wait_entered(ctx, e, round, d, &value))
+    if (e.early == 0 || wait_entered(ctx, e, round, d))
       wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round,
                    phase, DiagRole::kReceiver, d, chunks - 1);
   }
@@ -229,7 +223,6 @@ struct LandedChunks {
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   int shrink_pct = kCeCombineShrinkPct;          // the op's chunks (ce_chunk_end)
   CeEnter enter{};     // an early op (enter.early): before the first chunk, wait for d's entry (wait_entered)
-  int32_t released = 0;  // d's entry value (its pull_topk word), once read
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {
@@ -240,7 +233,7 @@ struct LandedChunks {
       int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
       const int k = ce_chunk_from(q, rows, chunks, shrink_pct, ready + 1, &end);
       void* local = ctx.buffers[ctx.rank];
-      if (ready < 0 && enter.early != 0) ok = wait_entered(ctx, enter, round, d, &released);
+      if (ready < 0 && enter.early != 0) ok = wait_entered(ctx, enter, round, d);
       if (ok && ready < 0 && head)
         ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
                           DiagRole::kReceiver, d, -1);
@@ -257,5 +250,20 @@ struct LandedChunks {
     return gpu::ballot(!ok) == 0;
   }
 };
+
+/// A copy-engine op's launch order, on the host: each peer's first chunks (ce_chunks_before_kernel), then `kernel()`
+/// (the op's gather or sum), then the other chunks, the join, and the launch's error check after all of them (the
+/// peers' kernels wait for those chunks, so a stale error raised earlier would leave them waiting).
+/// `copies(d, k_begin, k_end)` enqueues chunks [k_begin, k_end) of the block for peer d (enqueue_ce_block).
+template <class Copies, class Kernel>
+void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chunks, const Copies& copies,
+                             const Kernel& kernel, void* stream) {
+  const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
+  for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, 0, before);
+  kernel();
+  for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, before, chunks);
+  join_ce_copies(ctx, ce, stream);  // the copies read the caller's tensors until their streams finish
+  UCCL_CHECK_GPU(gpu::get_last_error());
+}
 
 }  // namespace uccl_moe::intranode

@@ -254,19 +254,18 @@ struct CeCopies {
 /// the caller's stream reached the op, which is safe because the op before it ended with every rank's done release
 /// (nobody reads or writes its landing area any more) and the previous op's kernel left this round in ce_round for
 /// the flag copies; the kernel then releases the round with `checked` itself and each warp, before it reads a peer's
-/// rows, waits for that peer's release and compares the bits in `mask` (LandedChunks).
+/// rows, waits for that peer's release and compares its value with `checked` (LandedChunks).
 struct CeEnter {
   int32_t early;
   int32_t checked;
-  int32_t mask;
   DiagPhase args_phase;
 };
 /// The copy-engine ops' enter hand-shake. Not early: a one-block kernel on `stream`, then ce.entered recorded after
-/// it: every rank releases the round with `checked`, whose bits in `checked_mask` every rank must agree on (else
-/// `args_phase`, InvalidUsage); the others are per rank (each peer reads them from its pull_topk word). Early
-/// (ce.early): only ce.entered, at once; the op's kernel checks the same (the returned CeEnter).
-CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, int32_t checked_mask, DiagPhase args_phase,
-                        const CeCopies& ce, void* stream);
+/// it: every rank releases the round with `checked`, which every rank must agree on (else `args_phase`,
+/// InvalidUsage). Early (ce.early): only ce.entered, at once; the op's kernel checks the same (the returned
+/// CeEnter).
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
+                        void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
 /// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them. Chunks [k_begin, k_end) only: the launches
