@@ -188,6 +188,21 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
   EXPECT_EQ(ce_chunk_end(4096, 1, 3, 35), 3755);
 }
 
+TEST(CeChunks, TheKernelStoresTheFirstRowsOfABlockWithoutScales) {
+  // kCeSmHeadBytes of whole rows, never more than the block, none where the head holds scales
+  EXPECT_EQ(ce_head_rows(4096, 14336, false), (int64_t{2} << 20) / 14336);
+  EXPECT_EQ(ce_head_rows(4096, 14336, true), 0);
+  EXPECT_EQ(ce_head_rows(100, 14336, false), 100);
+  EXPECT_EQ(ce_head_rows(0, 14336, false), 0);
+  EXPECT_EQ(ce_head_rows(4096, 7168, false), 292);
+  EXPECT_EQ(ce_head_rows(4096, int64_t{4} << 20, false), 0);  // a row longer than the head: the engines copy it
+  for (int64_t rows : {0, 1, 7, 146, 147, 4096}) {
+    const int64_t head = ce_head_rows(rows, 14336, false);
+    ASSERT_LE(head * 14336, kCeSmHeadBytes);
+    ASSERT_LE(head, rows);
+  }
+}
+
 TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {
   // Rank d's landing area: each other source's whole x, then its scales, in rank order, each piece on a 128-B line
   // from kOffCombineInput, none overlapping; d's own entries are -1; the end covers the last piece.

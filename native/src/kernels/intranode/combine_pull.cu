@@ -76,6 +76,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
     landed.head = false;  // waited for below, once
+    landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false));
   }
   if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
     // theirs is read (their weights, then their rows)
@@ -83,8 +84,8 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     gpu::sync_warp();
     if (gpu::ballot(!ok) != 0) return;
   }
-  if (kLanded && a.num_topk > 0) {  // the peers' top-k weights (CeHead::used is K > 0, alike on every rank): waited
-    // for before the first token, which needs chunk 0 anyway, and that lands long after them
+  if (kLanded) {  // the peers' heads (their top-k weights and their blocks' first rows): waited for before the
+    // first token, which needs them or chunk 0, and that lands long after them
     bool ok = true;
     if (lane < N && lane != me)
       ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + lane, round,
@@ -316,8 +317,11 @@ int ce_chunks_before_kernel(int chunks) {
 }
 
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end) {
+                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end, int64_t head_rows) {
   if (k_begin >= k_end) return;
+  dst += head_rows * row_bytes;  // the op's kernel stores the first rows (push_ce_head)
+  src += head_rows * row_bytes;
+  rows -= head_rows;
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
   if (k_begin == 0) UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
@@ -364,8 +368,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   const CeEnter enter = launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift),
                                         DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
-  CeHead head{};  // the rows' top-k weights, stored by the sum kernel's SMs
-  head.used = K > 0 ? 1 : 0;  // K is in the value every rank checks at enter
+  CeHead head{};  // each block's first rows and their top-k weights, stored by the sum kernel's SMs
   char* dst[kMaxLocalRanks];
   const char* src[kMaxLocalRanks];
   int64_t block_rows[kMaxLocalRanks];
@@ -378,6 +381,9 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     dst[d] = peer + kOffCombineInput + at * row_bytes;
     src[d] = x + first * row_bytes;
     block_rows[d] = rows;
+    head.rows_src[d] = src[d];
+    head.rows_dst[d] = dst[d];
+    head.rows_16[d] = ce_head_rows(rows, row_bytes, false) * row_bytes / 16;
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
@@ -389,7 +395,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
       ctx, ce, a.ce_chunks,
       [&](int d, int k_begin, int k_end) {
         enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
-                         k_begin, k_end);
+                         k_begin, k_end, ce_head_rows(block_rows[d], row_bytes, false));
       },
       [&] {
         with_num_ranks(N, "combine", [&](auto n) {

@@ -126,19 +126,17 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
   return stored;
 }
 
-/// Called by every thread of every block of a copy-engine op, first: stores the op's small block for each peer
-/// (CeHead: the combine's top-k weights, the dispatch's scales) into that peer's landing area with the SMs, which
-/// costs the copy engine nothing (a copy of its own would delay the rows' first chunk by the engine's start), then
-/// the last block to finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the
-/// first chunk it reads). Each storing thread fences its stores system-wide before the block counts itself. Not
-/// after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes. An op
-/// without a head on any rank (h.used == 0: no top-k weights, no scales; alike, the enter value checks it) skips
-/// all of it, so its readers wait for the engines alone and not for every peer block to have run. `kTransposable`:
+/// Called by every thread of every block of a copy-engine op, first: stores the op's head for each peer (CeHead:
+/// the combine's top-k weights, the dispatch's scales, and the block's first rows, ce_head_rows) into that peer's
+/// landing area with the SMs, which costs the copy engine nothing (a copy of its own would delay the rows' first
+/// chunk by the engine's start) and moves rows while the copy stream still waits to begin, then the last block to
+/// finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the first row it reads).
+/// Each storing thread fences its stores system-wide before the block counts itself. Not after an abort (the enter
+/// wait gave up: a peer may still be in an earlier op); the count still completes. `kTransposable`:
 /// the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather kernel, whose shared
 /// memory then holds the tile).
 template <bool kTransposable = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm) {
-  if (h.used == 0) return;
   if (threadIdx.x == 0) sm->aborted = gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
   __syncthreads();
   const bool aborted = sm->aborted != 0;
@@ -162,6 +160,24 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
         reinterpret_cast<int4*>(dst)[i] = reinterpret_cast<const int4*>(src)[i];
     }
     for (int64_t i = done + first; i < n; i += step, stored = true) dst[i] = src[i];
+  }
+#pragma unroll
+  for (int d = 0; d < kMaxLocalRanks; ++d) {  // the block's first rows: 16-B words, kU loads before their stores
+    if (d >= ctx.num_ranks || aborted) break;
+    const int4* src = static_cast<const int4*>(h.rows_src[d]);
+    int4* dst = static_cast<int4*>(h.rows_dst[d]);
+    const int64_t n = h.rows_16[d];
+    constexpr int kU = 4;
+    for (int64_t i0 = first; i0 < n; i0 += step * kU) {
+      int4 v[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i0 + u * step < n) v[u] = src[i0 + u * step];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (i0 + u * step < n) dst[i0 + u * step] = v[u];
+      stored = true;
+    }
   }
   if (stored) gpu::fence_sys();
   if (last_block(meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive), sm) && !aborted)
@@ -213,15 +229,17 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
 
 /// A copy-engine op's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
 /// to have landed, so each lane reads its ce_ready words only when a token needs a later chunk. Before the first
-/// chunk it also waits for d's ce_head word (d's SMs stored its small block: push_ce_head).
+/// row it also waits for d's ce_head word (d's SMs stored its head: push_ce_head), which covers the block's first
+/// `head_rows` rows.
 struct LandedChunks {
   int64_t rows = 0;   // rows of d's block in our landing area (what we sent d)
-  int ready = -1;     // chunks [0, ready] of d's block landed (and d's head, once ready >= 0)
+  int ready = -2;     // chunks [0, ready] of d's block landed; -2: d's entry and head not waited for yet
   int32_t ready_end = 0;  // the rows of chunks [0, ready]: [0, ready_end) (a block has < 2^31 rows)
   int32_t round = 0;  // this op's round (what d's copy engine writes into ce_ready[d][k])
-  bool head = true;   // the op has a head (CeHead::used): wait for d's ce_head before the first chunk
+  bool head = true;   // wait for d's ce_head (push_ce_head) before the first row (false: the caller waited)
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   int shrink_pct = kCeCombineShrinkPct;          // the op's chunks (ce_chunk_end)
+  int32_t head_rows = 0;  // rows [0, head_rows) of d's block came with its head (ce_head_rows), the chunks the rest
   CeEnter enter{};     // an early op (enter.early): before the first chunk, wait for d's entry (wait_entered)
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
@@ -230,18 +248,26 @@ struct LandedChunks {
     // A row below ready_end (or none: q < 0) needs neither a wait nor the chunk arithmetic (a loop and a 64-bit
     // division), which per row would cost about as many instructions as copying a short row.
     if (q >= ready_end) {
-      int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
-      const int k = ce_chunk_from(q, rows, chunks, shrink_pct, ready + 1, &end);
       void* local = ctx.buffers[ctx.rank];
-      if (ready < 0 && enter.early != 0) ok = wait_entered(ctx, enter, round, d);
-      if (ok && ready < 0 && head)
-        ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
-                          DiagRole::kReceiver, d, -1);
-      const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
-      ok = ok && wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
-      if (ok) {  // the copy engine wrote chunk k's word after chunks 0..k on one stream
-        ready = k;
-        ready_end = static_cast<int32_t>(end);
+      if (ready == -2) {
+        if (enter.early != 0) ok = wait_entered(ctx, enter, round, d);
+        if (ok && head)
+          ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase,
+                            DiagRole::kReceiver, d, -1);
+        if (ok) {
+          ready = -1;
+          ready_end = head_rows;
+        }
+      }
+      if (ok && q >= ready_end) {
+        int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
+        const int k = ce_chunk_from(q - head_rows, rows - head_rows, chunks, shrink_pct, ready + 1, &end);
+        const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
+        ok = wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
+        if (ok) {  // the copy engine wrote chunk k's word after chunks 0..k on one stream
+          ready = k;
+          ready_end = static_cast<int32_t>(head_rows + end);
+        }
       }
     }
     // The lanes that waited acquired d's rows for the whole warp: a warp barrier orders the other lanes' loads after

@@ -269,9 +269,10 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
 /// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them. Chunks [k_begin, k_end) only: the launches
-/// enqueue each peer's first chunks, then their kernel, then the rest (ce_chunks_before_kernel).
+/// enqueue each peer's first chunks, then their kernel, then the rest (ce_chunks_before_kernel). The block's first
+/// `head_rows` rows are the kernel's to store (ce_head_rows, CeHead::rows_src): the chunks split the rest.
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
-                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end);
+                      int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end, int64_t head_rows);
 /// How many of an op's `chunks` chunks per peer the host enqueues before the op's kernel: one, so that the first
 /// copy starts at once and the kernel (which has work of its own: the gather's own rows) follows a few microseconds
 /// later instead of after every copy's enqueueing, which counts where the host runs behind the GPU. All of them
@@ -286,11 +287,16 @@ struct CeHead {
   const int32_t* src[kMaxLocalRanks];
   int32_t* dst[kMaxLocalRanks];
   int64_t words[kMaxLocalRanks];  ///< 0 for us and where there is nothing to send
-  int32_t used;                   ///< 1: the op has a head on every rank alike (weights / scales); 0: none at all
   /// > 0: src is a column-major [rows, cols] matrix (cols x rows words: cols = words / rows), stored transposed,
   /// row-major, at dst (the dispatch's column-major scales: every peer's landing area holds scales row-major, so
   /// the gather reads a row's scales as one run).
   int32_t transpose_rows;
+  /// The first rows of the block for peer d (ce_head_rows of it: `rows_16[d]` 16-B words from `rows_src[d]` to
+  /// `rows_dst[d]`, where the block lands in d's area), stored by the SMs as the op starts, while the copy stream
+  /// still waits to begin; the engines copy the rest.
+  const void* rows_src[kMaxLocalRanks];
+  void* rows_dst[kMaxLocalRanks];
+  int64_t rows_16[kMaxLocalRanks];
 };
 /// The transposed store's tile (store_ce_head_transposed): tokens by scale indices, in shared memory.
 constexpr int kCeHeadTileRows = 32;

@@ -195,6 +195,17 @@ UCCL_HOST_DEVICE_FN int ce_chunk_from(int64_t q, int64_t rows, int chunks, int s
   while (q >= *end && k < chunks - 1) *end = ce_chunk_end(rows, ++k, chunks, shrink_pct);
   return k;
 }
+/// The first rows of a copy-engine op's block that the op's kernel stores into the peer with its SMs as it starts
+/// (push_ce_head), ahead of the engines, which start a few microseconds after the kernel (the copy stream waits for
+/// the caller's): so the link carries rows from the op's start. The engines' chunks (ce_chunk_end) split the rest of
+/// the block. kCeSmHeadBytes of whole rows, at most the block; none for a dispatch of rows with scales, whose head
+/// already stores the scales and whose gather, near the op's critical path, slowed with more stores ahead of it.
+constexpr int64_t kCeSmHeadBytes = int64_t{2} << 20;
+UCCL_HOST_DEVICE_FN int64_t ce_head_rows(int64_t rows, int64_t row_bytes, bool scaled) {
+  if (scaled || row_bytes <= 0) return 0;
+  const int64_t fit = kCeSmHeadBytes / row_bytes;
+  return rows < fit ? rows : fit;
+}
 /// The copy-engine dispatch's shrink for rows with `num_scales` scales each.
 UCCL_HOST_DEVICE_FN int ce_dispatch_shrink_pct(int num_scales) {
   return num_scales > 0 ? kCeDispatchScaledShrinkPct : kCeDispatchShrinkPct;
