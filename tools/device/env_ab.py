@@ -1,0 +1,171 @@
+"""Paired A/B of knob settings for the intranode ops, in one process per rank (2+ GPUs): the API-default cached
+dispatch (FP8 with column-major scales, BF16) and combine at the bench's headline setting, each variant a set of
+UCCL_MOE_* knobs, which the package reads per call (uccl_moe.env.get), so every variant runs on the same Buffer,
+inputs and build. First each variant's outputs are compared bit for bit with the first variant's (a line names any
+that differ, and the exit status is 1); then --rounds rounds time every variant and op once each, in alternating
+order, with the bench's loop (bench._timing.time_op: ranks aligned, L2 flushed; device time unless --default-mode).
+Per op and variant: the slowest rank's median us over rounds, its range, the median of the per-round differences to
+the first variant (the host's drift is paired out), and the host us per call.
+
+Why: device_ab.sh swaps builds and spawns a bench per run (about 30 s each); here a round of every variant takes a
+few seconds, so 8 paired rounds of 5 variants fit in a minute of device time. Figures are per machine and call
+(docs/benchmarks.md).
+
+    python tools/device/env_ab.py --variant base --variant c3:UCCL_MOE_COMBINE_CE_CHUNKS=3 [--ops fp8,bf16,combine]
+        [--rounds 8] [--iters 15] [--tokens 4096] [--hidden 7168] [--default-mode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+OPS = ("fp8", "bf16", "combine")
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME:VAR=VALUE[,VAR=VALUE...]`` -> (NAME, {VAR: VALUE}); VAR must be a UCCL_MOE_* knob."""
+    name, _, rest = spec.partition(":")
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"variant {spec!r}: give NAME or NAME:VAR=VALUE,... (NAME letters, digits, - and _)")
+    env: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        var, eq, value = item.partition("=")
+        if not eq or not var.startswith("UCCL_MOE_"):
+            raise ValueError(f"variant {spec!r}: {item!r} is not UCCL_MOE_<KNOB>=VALUE")
+        env[var] = value
+    return name, env
+
+
+def apply_variant(environ: MutableMapping[str, str], base: Mapping[str, str], variants: Sequence[Mapping[str, str]],
+                  chosen: Mapping[str, str]) -> None:
+    """Set `environ` to `chosen`'s knobs: every knob any variant names is reset to its value in `base` (removed where
+    `base` has none), then `chosen`'s are set."""
+    for var in {v for env in variants for v in env}:
+        if var in base:
+            environ[var] = base[var]
+        else:
+            environ.pop(var, None)
+    environ.update(chosen)
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """The variants in round r: forward in even rounds, backward in odd ones (each variant's neighbours alternate)."""
+    return list(names) if r % 2 == 0 else list(names)[::-1]
+
+
+def summarize(times: Mapping[tuple[str, str], Sequence[float]], host: Mapping[tuple[str, str], Sequence[float]],
+              names: Sequence[str], ops: Sequence[str]) -> list[str]:
+    """One line per op and variant: median, min and max us over rounds, the median per-round difference to the first
+    variant, and the median host us per call."""
+    lines = []
+    for op in ops:
+        first = times[(names[0], op)]
+        for n in names:
+            v = times[(n, op)]
+            diff = statistics.median(a - b for a, b in zip(v, first))
+            lines.append(f"{op:8s} {n:12s} median {statistics.median(v):7.1f} us  range {min(v):.1f}-{max(v):.1f}  "
+                         f"vs {names[0]}: {diff:+6.1f}  host {statistics.median(host[(n, op)]):6.1f}")
+    return lines
+
+
+def _output(op: str, out: Any) -> Any:
+    """The tensor an op returns (dispatch: recv_x, FP8: its data)."""
+    if op == "combine":
+        return out.combined_x
+    return out.recv_x[0] if isinstance(out.recv_x, tuple) else out.recv_x
+
+
+def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from ce_timeline import headline  # this folder's tools (the script's folder leads sys.path)
+
+    from uccl_moe.bench._timing import FLUSH_BYTES, time_op
+
+    buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
+    one = torch.ones(1, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
+           "combine": lambda: buf.combine(y, h)}
+    names = [n for n, _ in args.variants]
+    envs = [e for _, e in args.variants]
+    base = dict(os.environ)
+    reference: dict[str, Any] = {}
+    differ = torch.zeros(1, device="cuda")
+    for (name, env) in args.variants:
+        apply_variant(os.environ, base, envs, env)
+        for op in args.ops:
+            out = _output(op, ops[op]()).clone()
+            torch.cuda.synchronize()
+            if op not in reference:
+                reference[op] = out
+            elif not torch.equal(reference[op].view(torch.uint8), out.view(torch.uint8)):
+                print(f"rank {rank}: variant {name} {op}: outputs differ from {names[0]}'s", flush=True)
+                differ += 1
+    times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in args.ops}
+    host: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in args.ops}
+    for r in range(args.rounds):
+        for n in round_order(names, r):
+            apply_variant(os.environ, base, envs, envs[names.index(n)])
+            for op in args.ops:
+                us, host_us = time_op(ops[op], flush, args.iters, 3, lambda: dist.all_reduce(one),
+                                      not args.default_mode)
+                slowest = torch.tensor([us, host_us], device="cuda")
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                times[(n, op)].append(slowest[0].item())
+                host[(n, op)].append(slowest[1].item())
+    apply_variant(os.environ, base, envs, {})
+    dist.all_reduce(differ)
+    if rank == 0:
+        mode = "default mode (host included)" if args.default_mode else "device time"
+        print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds, {mode}", flush=True)
+        print("\n".join(summarize(times, host, names, args.ops)), flush=True)
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+    if differ.item() > 0:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--variant", action="append", required=True, help="NAME or NAME:UCCL_MOE_X=V,...; the first is "
+                   "the one the others are compared with")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--iters", type=int, default=15, help="timed calls per op, variant and round (median)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--default-mode", action="store_true", help="time what a caller sees (host included)")
+    args = p.parse_args(argv)
+    try:
+        args.variants = [parse_variant(s) for s in args.variant]
+    except ValueError as e:
+        p.error(str(e))
+    if len({n for n, _ in args.variants}) != len(args.variants):
+        p.error("variant names must differ")
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in args.ops if o not in OPS]
+    if bad or not args.ops:
+        p.error(f"--ops: {bad or 'none'}; choose from {', '.join(OPS)}")
+    if args.rounds < 1 or args.iters < 1:
+        p.error("--rounds and --iters must be at least 1")
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("env_ab.py needs 2 or more GPUs (run it on a device machine: tools/device)")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
+
+
+if __name__ == "__main__":
+    main()
