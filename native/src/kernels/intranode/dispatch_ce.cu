@@ -1,7 +1,8 @@
 // Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE; launch_dispatch_ce). No SM moves a token across
 // the link: each rank's copy engines move its whole x (every token, in chunks, each chunk followed by a 4-byte flag
-// copy) into every peer's landing area (ce_dispatch_landing), its SMs store its scales there as they start
-// (push_ce_head: a copy of their own would delay the first chunk by an engine start), and num_sms blocks gather
+// copy) into every peer's landing area (ce_dispatch_landing), its SMs store its scales there as they start, or
+// without scales its first rows (push_ce_head, ce_head_rows: a copy of their own would delay the first chunk by an
+// engine start, and the link would idle while the copy stream starts), and num_sms blocks gather
 // the rows it receives into its outputs, its own from x at once and a peer's from the landing area once the chunk
 // that holds it landed. The handle's recv_src_idx says which token each received row is, so nothing else is needed.
 //
@@ -40,7 +41,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
-  push_ce_head<true>(ctx, head, round, &sm);  // our scales into the peers' landing areas (row-major)
+  push_ce_head<true>(ctx, head, round, &sm);  // our scales (row-major) or first rows into the peers' landing areas
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;

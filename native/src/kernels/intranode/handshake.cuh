@@ -2,7 +2,7 @@
 // from the buffer, combine_pull.cu; the ring-free dispatch, dispatch.cu): a launch-wide "last block" count, a release
 // of a round number into a word of every peer's meta, and a bounded wait for every peer's release into ours. The
 // words and the round counter are in nvl_layout.hpp (kOffPull*, kOffDirectEnter, kOffCe*); and the copy-engine ops'
-// small blocks stored by their SMs (push_ce_head) and wait for landed chunks (LandedChunks).
+// heads stored by their SMs (push_ce_head) and wait for landed heads and chunks (LandedChunks).
 #pragma once
 
 #include "intranode_device.cuh"
@@ -240,7 +240,7 @@ struct LandedChunks {
   DiagPhase phase = DiagPhase::kCombineCeChunk;  // reported if a wait expires (channel -1: the head)
   int shrink_pct = kCeCombineShrinkPct;          // the op's chunks (ce_chunk_end)
   int32_t head_rows = 0;  // rows [0, head_rows) of d's block came with its head (ce_head_rows), the chunks the rest
-  CeEnter enter{};     // an early op (enter.early): before the first chunk, wait for d's entry (wait_entered)
+  CeEnter enter{};     // an early op (enter.early): before the first row, wait for d's entry (wait_entered)
   /// Warp-collective: returns false (uniform) if a lane's wait for the chunk that holds its row `q` (-1: none, or
   /// our own copy) expired or the launch was aborted.
   UCCL_DEVICE_INLINE bool wait(const NvlContext& ctx, int chunks, int64_t q, int d) {

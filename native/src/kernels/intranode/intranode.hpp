@@ -280,9 +280,10 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
 /// set and not 0): there a kernel enqueued before its peer's later chunks would wait for chunks that peer enqueues
 /// only after its own kernel ended. (compute-sanitizer's --force-blocking-launches sets no variable: not with it.)
 int ce_chunks_before_kernel(int chunks);
-/// A copy-engine op's small block per peer (the combine's top-k weights, the dispatch's scales): `words[d]` 4-byte
-/// words from `src[d]` to `dst[d]` (in peer d's landing area), stored by the op's own SMs as it starts (push_ce_head,
-/// handshake.cuh) rather than copied by the engine ahead of the rows' first chunk. Computed on the host.
+/// A copy-engine op's head per peer, stored by the op's own SMs as it starts (push_ce_head, handshake.cuh) rather
+/// than copied by the engine ahead of the rows' first chunk: `words[d]` 4-byte words (the combine's top-k weights, the
+/// dispatch's scales) from `src[d]` to `dst[d]` (in peer d's landing area), and the block's first rows (rows_src).
+/// Computed on the host.
 struct CeHead {
   const int32_t* src[kMaxLocalRanks];
   int32_t* dst[kMaxLocalRanks];
@@ -306,8 +307,9 @@ void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
 /// peer d the rows of x that came from d (one block of x) go back into d's landing area (ce_block_at) on d's copy
 /// stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's ce_ready word; meanwhile
-/// `num_sms` blocks store their top-k weights into d's landing area (CeHead) and sum each token's copies (ours from
-/// x = own_x, the peers' from our landing area once their chunk's word and head word say so), in the same rank
+/// `num_sms` blocks store their top-k weights and the block's first rows (ce_head_rows: the chunks carry the rest)
+/// into d's landing area (CeHead) and sum each token's copies (ours from x = own_x, the peers' from our landing area
+/// once their head word and, past the head rows, their chunk's word say so), in the same rank
 /// order, so the same bits, as every other combine.
 /// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
 /// done hand-shake (a later op's ring slots overlap the landing areas).
@@ -323,11 +325,12 @@ struct CeDispatchPlan {
   int32_t chunks;                          ///< copies per source (UCCL_MOE_DISPATCH_CE_CHUNKS)
 };
 /// Cached dispatch through the copy engines (UCCL_MOE_DISPATCH_CE, dispatch_ce.cu): the enter hand-shake, then per
-/// peer d on its copy stream all of x's rows in `chunks` chunks (ce_chunk_end over our tokens, shrinking by
+/// peer d on its copy stream x's rows past the head rows in `chunks` chunks (ce_chunk_end over those, shrinking by
 /// ce_dispatch_shrink_pct) into d's landing area (ce_dispatch_landing), each chunk followed by a 4-byte copy of the
-/// round into d's ce_ready word; meanwhile `num_sms` blocks store our scales (one block in the caller's storage
-/// order, CeHead) there and gather every row we receive into recv_x / recv_scales along a.recv_src_idx (the
-/// handle's, read): ours from x, a peer's from our landing area once its chunk landed; then the pull's done
+/// round into d's ce_ready word; meanwhile `num_sms` blocks store our head there (CeHead: the scales, or without
+/// scales x's first rows, ce_head_rows) and gather every row we receive into recv_x / recv_scales along
+/// a.recv_src_idx (the handle's, read): ours from x, a peer's from our landing area once its head or its chunk
+/// landed; then the pull's done
 /// hand-shake. The caller's stream waits for the copy streams. `rank_tokens`: every rank's token count (notify's);
 /// ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,

@@ -75,8 +75,9 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //                                     us landed (written by src's copy engine, after the chunk on the same stream)
 //   ce_round         1                the round of this rank's copy-engine combine: the word its copy engine copies
 //                                     into the peers' ce_ready (local)
-//   ce_head[src]     kMaxLocalRanks   round number src released once its SMs stored its small block (the combine's
-//                                     top-k weights, the dispatch's scales) into our landing area (written by src)
+//   ce_head[src]     kMaxLocalRanks   round number src released once its SMs stored its head (the combine's top-k
+//                                     weights, the dispatch's scales, the block's first rows: ce_head_rows) into our
+//                                     landing area (written by src)
 // A copy-engine dispatch (dispatch_ce.cu) uses the same words. Notify also writes:
 //   rank_tokens[src] kMaxLocalRanks   tokens of rank src (written by src; published to the host, for the copy engines)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
