@@ -74,11 +74,11 @@ def summarize(times: Mapping[tuple[str, str], Sequence[float]], host: Mapping[tu
     return lines
 
 
-def _output(op: str, out: Any) -> Any:
-    """The tensor an op returns (dispatch: recv_x, FP8: its data)."""
+def _outputs(op: str, out: Any) -> list[Any]:
+    """The tensors an op returns (dispatch: recv_x, FP8 its data and scales; combine: the combined rows)."""
     if op == "combine":
-        return out.combined_x
-    return out.recv_x[0] if isinstance(out.recv_x, tuple) else out.recv_x
+        return [out.combined_x]
+    return list(out.recv_x) if isinstance(out.recv_x, tuple) else [out.recv_x]
 
 
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
@@ -101,11 +101,11 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     for (name, env) in args.variants:
         apply_variant(os.environ, base, envs, env)
         for op in args.ops:
-            out = _output(op, ops[op]()).clone()
+            out = [t.clone() for t in _outputs(op, ops[op]())]
             torch.cuda.synchronize()
             if op not in reference:
                 reference[op] = out
-            elif not torch.equal(reference[op].view(torch.uint8), out.view(torch.uint8)):
+            elif not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(reference[op], out)):
                 print(f"rank {rank}: variant {name} {op}: outputs differ from {names[0]}'s", flush=True)
                 differ += 1
     times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in args.ops}
