@@ -7,9 +7,9 @@ order, with the bench's loop (bench._timing.time_op: ranks aligned, L2 flushed; 
 Per op and variant: the slowest rank's median us over rounds, its range, the median of the per-round differences to
 the first variant (the host's drift is paired out), and the host us per call.
 
-Why: device_ab.sh swaps builds and spawns a bench per run (about 30 s each); here a round of every variant takes a
-few seconds, so 8 paired rounds of 5 variants fit in a minute of device time. Figures are per machine and call
-(docs/benchmarks.md).
+Why: device_ab.sh swaps builds and spawns a bench per run; here every variant shares one process, Buffer and build,
+so many paired rounds cost little device time, and what a knob does is told apart from the host's drift. Figures
+are per machine and call (docs/benchmarks.md).
 
     python tools/device/env_ab.py --variant base --variant c3:UCCL_MOE_COMBINE_CE_CHUNKS=3 [--ops fp8,bf16,combine]
         [--rounds 8] [--iters 15] [--tokens 4096] [--hidden 7168] [--default-mode]

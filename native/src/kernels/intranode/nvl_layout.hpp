@@ -199,9 +199,9 @@ UCCL_HOST_DEVICE_FN int ce_chunk_from(int64_t q, int64_t rows, int chunks, int s
 /// The first rows of a copy-engine op's block that the op's kernel stores into the peer with its SMs as it starts
 /// (push_ce_head), ahead of the engines, which start a few microseconds after the kernel (the copy stream waits for
 /// the caller's): so the link carries rows from the op's start. The engines' chunks (ce_chunk_end) split the rest of
-/// the block. kCeSmHeadBytes of whole rows, at most the block (4 MB: the BF16 dispatch's fastest of 0.5-8 MB, the
-/// combine flat over 1-4 MB); none for a dispatch of rows with scales, whose head already stores the scales and whose
-/// gather, near the op's critical path, slowed with more stores ahead of it.
+/// the block. kCeSmHeadBytes of whole rows, at most the block (the size measured fastest: docs/intranode.md, "Session
+/// 33"); none for a dispatch of rows with scales, whose head already stores the scales and whose gather, near the
+/// op's critical path, slowed with more stores ahead of it.
 constexpr int64_t kCeSmHeadBytes = int64_t{4} << 20;
 UCCL_HOST_DEVICE_FN int64_t ce_head_rows(int64_t rows, int64_t row_bytes, bool scaled) {
   if (scaled || row_bytes <= 0) return 0;
