@@ -43,6 +43,8 @@ CASES = [("bf16-random", 512, 2048, 16, 8, False, "none", "random"),
          ("bf16-empty-last", 256, 2048, 16, 4, False, "none", "empty_last"),
          ("bf16-odd-hidden", 333, 2056, 4, 3, False, "none", "random"),
          ("bf16-1-token", 1, 2048, 4, 4, False, "none", "random"),
+         ("bf16-past-head", 600, 7168, 16, 8, False, "none", "random"),  # head rows, then chunks (ce_head_rows)
+         ("bf16-head-plus-1", 293, 7168, 16, 8, False, "none", "skew"),  # EP2: one row past the head
          ("fp8-row", 600, 4096, 16, 8, True, "row", "random"),
          ("fp8-col", 600, 7168, 16, 8, True, "col", "neg"),
          ("fp8-int", 400, 2048, 16, 8, True, "int", "empty_last")]

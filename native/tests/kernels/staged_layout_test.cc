@@ -189,18 +189,21 @@ TEST(CeChunks, ChunksCoverTheBlockInOrderAndShrinkTowardTheEnd) {
 }
 
 TEST(CeChunks, TheKernelStoresTheFirstRowsOfABlockWithoutScales) {
-  // kCeSmHeadBytes of whole rows, never more than the block, none where the head holds scales
-  EXPECT_EQ(ce_head_rows(4096, 14336, false), (int64_t{4} << 20) / 14336);
-  EXPECT_EQ(ce_head_rows(4096, 14336, true), 0);
-  EXPECT_EQ(ce_head_rows(100, 14336, false), 100);
-  EXPECT_EQ(ce_head_rows(0, 14336, false), 0);
-  EXPECT_EQ(ce_head_rows(4096, 7168, false), 585);
-  EXPECT_EQ(ce_head_rows(4096, int64_t{8} << 20, false), 0);  // a row longer than the head: the engines copy it
-  for (int64_t rows : {0, 1, 7, 292, 293, 4096}) {
-    const int64_t head = ce_head_rows(rows, 14336, false);
-    ASSERT_LE(head * 14336, kCeSmHeadBytes);
-    ASSERT_LE(head, rows);
-  }
+  // kCeSmHeadBytes of whole rows over the peers' blocks, never more than a block, none where the head holds scales
+  EXPECT_EQ(ce_head_rows(4096, 14336, false, 1), (int64_t{4} << 20) / 14336);
+  EXPECT_EQ(ce_head_rows(4096, 14336, false, 3), (int64_t{4} << 20) / 3 / 14336);
+  EXPECT_EQ(ce_head_rows(4096, 14336, false, 0), 0);  // EP1: no peer
+  EXPECT_EQ(ce_head_rows(4096, 14336, true, 1), 0);
+  EXPECT_EQ(ce_head_rows(100, 14336, false, 1), 100);
+  EXPECT_EQ(ce_head_rows(0, 14336, false, 1), 0);
+  EXPECT_EQ(ce_head_rows(4096, 7168, false, 1), 585);
+  EXPECT_EQ(ce_head_rows(4096, int64_t{8} << 20, false, 1), 0);  // a row longer than the head: the engines copy it
+  for (int peers = 1; peers <= 7; ++peers)
+    for (int64_t rows : {0, 1, 7, 292, 293, 4096}) {
+      const int64_t head = ce_head_rows(rows, 14336, false, peers);
+      ASSERT_LE(head * 14336 * peers, kCeSmHeadBytes);
+      ASSERT_LE(head, rows);
+    }
 }
 
 TEST(CeDispatchLanding, EverySourcesTokensAndScalesGetTheirOwnLines) {

@@ -76,7 +76,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
     landed.head = false;  // waited for below, once
-    landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false));
+    landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false, N - 1));
   }
   if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
     // theirs is read (their weights, then their rows)
@@ -320,6 +320,8 @@ int ce_chunks_before_kernel(int chunks) {
 void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* dst, const char* src, int64_t rows,
                       int64_t row_bytes, int chunks, int shrink_pct, int k_begin, int k_end, int64_t head_rows) {
   if (k_begin >= k_end) return;
+  UCCL_ASSERT(head_rows >= 0 && head_rows <= rows, "a copy-engine block of %lld rows with %lld head rows",
+              static_cast<long long>(rows), static_cast<long long>(head_rows));
   dst += head_rows * row_bytes;  // the op's kernel stores the first rows (push_ce_head)
   src += head_rows * row_bytes;
   rows -= head_rows;
@@ -372,7 +374,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   CeHead head{};  // each block's first rows and their top-k weights, stored by the sum kernel's SMs
   char* dst[kMaxLocalRanks];
   const char* src[kMaxLocalRanks];
-  int64_t block_rows[kMaxLocalRanks];
+  int64_t block_rows[kMaxLocalRanks], head_rows[kMaxLocalRanks];
   for (int i = 1; i < N; ++i) {  // peer d gets back the copies of its tokens we hold: a block of x
     const int d = (me + i) % N;
     const int64_t first = d > 0 ? rp[(d - 1) * N + me] : 0;  // our rows from d: a block of x
@@ -384,7 +386,8 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     block_rows[d] = rows;
     head.rows_src[d] = src[d];
     head.rows_dst[d] = dst[d];
-    head.rows_16[d] = ce_head_rows(rows, row_bytes, false) * row_bytes / 16;
+    head_rows[d] = ce_head_rows(rows, row_bytes, false, N - 1);
+    head.rows_16[d] = head_rows[d] * row_bytes / 16;
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);
       head.dst[d] = reinterpret_cast<int32_t*>(peer + combine_input_weights_offset(ce_landing_rows(rp, N, d),
@@ -396,7 +399,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
       ctx, ce, a.ce_chunks,
       [&](int d, int k_begin, int k_end) {
         enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
-                         k_begin, k_end, ce_head_rows(block_rows[d], row_bytes, false));
+                         k_begin, k_end, head_rows[d]);
       },
       [&] {
         with_num_ranks(N, "combine", [&](auto n) {

@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
     if (lane < N && lane != me) {
       landed.rows = p.tokens[lane];
       landed.round = round;
-      landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, a.row_bytes, S > 0));  // S: alike everywhere
+      landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, a.row_bytes, S > 0, N - 1));  // S: alike
       landed.enter = enter;
     }
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
@@ -154,6 +154,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, or without scales our first rows (ce_head_rows), stored by the gather kernel's SMs
   const int shrink = ce_dispatch_shrink_pct(S);  // S: checked at enter
+  const int64_t head_rows = ce_head_rows(T, a.row_bytes, S > 0, N - 1);
   for (int i = 1; i < N; ++i) {  // the head into d's area, by the gather kernel's SMs, at its entries for us
     const int d = (me + i) % N;
     if (a.x_scales != nullptr && T * S > 0) {
@@ -165,14 +166,14 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     }
     head.rows_src[d] = a.x;
     head.rows_dst[d] = static_cast<char*>(ctx.buffers[d]) + rows_at[d][me];
-    head.rows_16[d] = ce_head_rows(T, a.row_bytes, S > 0) * a.row_bytes / 16;
+    head.rows_16[d] = head_rows * a.row_bytes / 16;
   }
   launch_around_ce_copies(
       ctx, ce, chunks,
       [&](int d, int k_begin, int k_end) {  // all of x into d's area, chunked as the peer's gather splits them
         enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
                          static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end,
-                         ce_head_rows(T, a.row_bytes, S > 0));
+                         head_rows);
       },
       [&] {
         with_num_ranks(N, "dispatch", [&](auto n) {

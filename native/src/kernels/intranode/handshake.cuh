@@ -180,7 +180,9 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
     }
   }
   if (stored) gpu::fence_sys();
-  if (last_block(meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive), sm) && !aborted)
+  // Released only if no block skipped its stores: a block that read the abort flag raised did so before it counted
+  // itself, so the last block, counting after it, reads it raised too (it is never lowered during an op).
+  if (last_block(meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive), sm) && gpu::load_volatile(ctx.abort_flag) == 0)
     release_to_peers(ctx, kOffCeHead, round);
 }
 

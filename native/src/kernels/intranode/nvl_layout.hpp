@@ -199,13 +199,14 @@ UCCL_HOST_DEVICE_FN int ce_chunk_from(int64_t q, int64_t rows, int chunks, int s
 /// The first rows of a copy-engine op's block that the op's kernel stores into the peer with its SMs as it starts
 /// (push_ce_head), ahead of the engines, which start a few microseconds after the kernel (the copy stream waits for
 /// the caller's): so the link carries rows from the op's start. The engines' chunks (ce_chunk_end) split the rest of
-/// the block. kCeSmHeadBytes of whole rows, at most the block (the size measured fastest: docs/intranode.md, "Session
-/// 33"); none for a dispatch of rows with scales, whose head already stores the scales and whose gather, near the
-/// op's critical path, slowed with more stores ahead of it.
+/// the block. kCeSmHeadBytes of whole rows over all `peers` blocks, at most each block (the size measured fastest:
+/// docs/intranode.md, "Session 33"; split over the peers, so that the SMs' stores before their own work stay the same
+/// at any EP); none for a dispatch of rows with scales, whose head already stores the scales and whose gather, near
+/// the op's critical path, slowed with more stores ahead of it. Every rank computes the same from the block's size.
 constexpr int64_t kCeSmHeadBytes = int64_t{4} << 20;
-UCCL_HOST_DEVICE_FN int64_t ce_head_rows(int64_t rows, int64_t row_bytes, bool scaled) {
-  if (scaled || row_bytes <= 0) return 0;
-  const int64_t fit = kCeSmHeadBytes / row_bytes;
+UCCL_HOST_DEVICE_FN int64_t ce_head_rows(int64_t rows, int64_t row_bytes, bool scaled, int peers) {
+  if (scaled || row_bytes <= 0 || peers <= 0) return 0;
+  const int64_t fit = kCeSmHeadBytes / peers / row_bytes;
   return rows < fit ? rows : fit;
 }
 /// The copy-engine dispatch's shrink for rows with `num_scales` scales each.
