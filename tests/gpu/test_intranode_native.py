@@ -835,7 +835,8 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     view.copy_(res.recv_x)
     if mode.endswith("_early"):
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
-    elif mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks"):  # refused on every rank: other weights, layout
+    elif mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks", "ce_hidden", "staged_hidden"):
+        # refused on every rank: other weights, layout, chunks or hidden size
         weights = mode == "weights"
         x = view if weights or rank != odd else res.recv_x.clone()
         w = res.recv_topk_weights if weights and rank != odd else None
@@ -849,6 +850,11 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
             os.environ["UCCL_MOE_COMBINE_CE"] = "1"
             os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
             needles = ("UCCL_MOE_COMBINE_CE_CHUNKS", "chunks")
+        if mode.endswith("_hidden"):  # tensors of their own on one path, one rank's rows narrower
+            x = res.recv_x.clone() if rank != odd else res.recv_x[:, :1024].contiguous()
+            os.environ["UCCL_MOE_COMBINE_CE"] = "1" if mode == "ce_hidden" else "0"
+            seen, mine = (2048, 1024) if rank == odd else (1024, 2048)
+            needles = (f"passes rows of hidden {seen}, this rank of hidden {mine}", "same hidden size")
         try:
             nat.combine(x, res.handle, topk_weights=w, config=cfg)
             torch.cuda.synchronize()
@@ -921,10 +927,12 @@ def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
-@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early"])
+@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_hidden",
+                                  "staged_hidden"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the
-    copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs): refused on every rank."""
+    copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs); or both on one path (copy engines,
+    staged), one rank's rows of another hidden size: refused on every rank."""
     run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

@@ -223,6 +223,16 @@ def test_diag_message_names_rank_peer_channel_phase():
     chunks = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | (3 << 20) | 8,
                             seen=ce | (1 << 20) | 8, command=0, waited_s=0.0)["message"]
     assert "peer 0 copies in 2 chunks, this rank expects 4" in chunks and "UCCL_MOE_COMBINE_CE_CHUNKS" in chunks
+    hidden = lambda h: ((h // 8) & 1023) << 6 | ((h // 8) >> 10) << 24  # noqa: E731 - pull_args_hidden
+    wide = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | hidden(7168) | 8,
+                          seen=ce | hidden(7168 + 8192) | 8, command=0, waited_s=0.0)["message"]
+    assert "peer 0 passes rows of hidden 15360, this rank of hidden 7168" in wide and "same hidden size" in wide, wide
+    narrow = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=staged | hidden(4096) | 8,
+                            seen=staged | hidden(2048), command=0, waited_s=0.0)["message"]
+    assert "peer 1 passes rows of hidden 2048, this rank of hidden 4096" in narrow, narrow
+    same = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=ce | hidden(7168) | 8,
+                          seen=ce | hidden(7168), command=0, waited_s=0.0)["message"]
+    assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in same, same
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct

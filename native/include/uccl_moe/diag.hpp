@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "uccl_moe/compiler.hpp"
 #include "uccl_moe/error.hpp"
 
 namespace uccl_moe {
@@ -33,7 +34,7 @@ enum class DiagPhase : int32_t {
   kCombinePullStart = 16,   ///< combine from the buffer: waiting for a peer's inputs (its start release)
   kCombinePullDone = 17,    ///< combine from the buffer: waiting for a peer to stop reading our buffer
   kCombinePullArgs = 18,    ///< not a wait: a peer's pull combine staged another number of top-k weights or read
-                            ///< another kind of x (expected/seen: kPullArgsStaged | top-k weights per row)
+                            ///< another kind or hidden size of x (expected/seen: the kPullArgs* fields below)
   kDispatchDirectEnter = 19,   ///< ring-free dispatch: waiting for a peer to begin it (before writing its buffer)
   kDispatchDirectLanded = 20,  ///< ring-free dispatch: waiting for a peer's rows to land in our buffer
   kDispatchDirectDone = 21,    ///< ring-free dispatch: waiting for a peer to stop reading its buffer
@@ -49,8 +50,25 @@ constexpr int32_t kPullArgsStaged = 1 << 16;
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own through the copy engines
 /// (UCCL_MOE_COMBINE_CE); the low bits are the top-k weights per row it sends.
 constexpr int32_t kPullArgsCe = 1 << 17;
-/// The top-k part of a kCombinePullArgs value.
-constexpr int32_t kPullArgsTopkMask = kPullArgsStaged - 1;
+/// The top-k part of a kCombinePullArgs value (num_topk <= kMaxTopk = 32).
+constexpr int32_t kPullArgsTopkMask = (1 << 6) - 1;
+/// The rows' hidden size in a kCombinePullArgs value, as hidden / 8 (16-byte BF16 groups; every rank must lay its rows
+/// out alike: a peer reading rows of another size sums the wrong values): its low 10 bits in bits [6, 16), the next
+/// 6 in bits [24, 30) (bit 30 marks a dispatch's value), so hidden sizes below 2^19 compare exactly.
+constexpr int kPullArgsHiddenShift = 6;
+constexpr int kPullArgsHiddenHighShift = 24;
+constexpr int32_t kPullArgsHiddenMask = (((1 << 10) - 1) << kPullArgsHiddenShift) |
+                                        (((1 << 6) - 1) << kPullArgsHiddenHighShift);
+/// The hidden bits of a kCombinePullArgs value for rows of `hidden` BF16 values.
+UCCL_HOST_DEVICE_FN constexpr int32_t pull_args_hidden(int64_t hidden) {
+  const int64_t code = hidden / 8;
+  return static_cast<int32_t>((((code & 1023) << kPullArgsHiddenShift) |
+                               (((code >> 10) & 63) << kPullArgsHiddenHighShift)));
+}
+/// The hidden size (modulo 2^19) a kCombinePullArgs value carries.
+constexpr int64_t pull_args_hidden_of(int64_t value) {
+  return (((value >> kPullArgsHiddenShift) & 1023) | (((value >> kPullArgsHiddenHighShift) & 63) << 10)) * 8;
+}
 /// Bits [20, 23) of a copy-engine combine's kCombinePullArgs value: its chunks per peer block, less one (every rank
 /// must split alike: a reader maps rows to chunks by its own count).
 constexpr int kPullArgsChunksShift = 20;

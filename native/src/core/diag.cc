@@ -75,6 +75,13 @@ std::string format_diag(const DiagRecord& r) {
           "rank %d: copy-engine combine: peer %d copies in %lld chunks, this rank expects %lld; every rank must set "
           "the same UCCL_MOE_COMBINE_CE_CHUNKS",
           r.rank, r.peer, static_cast<long long>(chunks_seen), static_cast<long long>(chunks_expected));
+    if ((r.seen & path_bits) == (r.expected & path_bits) &&
+        (r.seen & kPullArgsHiddenMask) != (r.expected & kPullArgsHiddenMask))
+      return detail::format(
+          "rank %d: combine: peer %d passes rows of hidden %lld, this rank of hidden %lld; every rank must pass x "
+          "of the same hidden size to the same combine",
+          r.rank, r.peer, static_cast<long long>(pull_args_hidden_of(r.seen)),
+          static_cast<long long>(pull_args_hidden_of(r.expected)));
     if ((r.seen & path_bits) != (r.expected & path_bits))
       return detail::format(
           "rank %d: combine: peer %d passed %s as x, this rank %s; every rank must pass the same kind of x to the "

@@ -160,8 +160,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   // Every rank stages (and reads) as many weights per row as its topk_weights has (num_topk, 0 without): all or none
   // must pass them (not out_topk_weights != nullptr: a rank with no tokens of its own gets an empty one, address 0).
   // And every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer
-  // reading the other layout would sum the wrong rows. Both go into the value every rank checks (InvalidUsage).
-  const int32_t topk = a.num_topk | (a.staged != 0 ? kPullArgsStaged : 0);
+  // reading the other layout would sum the wrong rows; and of the same hidden size. All go into the value every rank
+  // checks (InvalidUsage).
+  const int32_t topk = a.num_topk | pull_args_hidden(a.hidden) | (a.staged != 0 ? kPullArgsStaged : 0);
   UCCL_MOE_TRACE(trace::add(trace::kKept, t_stage); const long long t_start = trace::now());
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
   const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk);
@@ -368,8 +369,9 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  const CeEnter enter = launch_ce_enter(ctx, K | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift),
-                                        DiagPhase::kCombinePullArgs, ce, stream);
+  const CeEnter enter = launch_ce_enter(
+      ctx, K | pull_args_hidden(a.hidden) | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift),
+      DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // each block's first rows and their top-k weights, stored by the sum kernel's SMs
   char* dst[kMaxLocalRanks];
