@@ -89,7 +89,9 @@ for stage in ${STAGES:-quick bench}; do
       "$C::test_ce_combine_with_the_enter_kernel_always" "$N::test_native_combine_from_buffer_timeout[ce_skip_early]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[mixed_ce]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks]" \
-      "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks_early]" > "$OUT/cetest_combine.log" 2>&1
+      "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks_early]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[ce_hidden]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[staged_hidden]" > "$OUT/cetest_combine.log" 2>&1
     echo "cetest (combine) rc=$?"; sum "$OUT/cetest_combine.log" 12 ;;
   itest)
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
