@@ -1,0 +1,48 @@
+"""tools/device/flush_ab.py: the flush sizes it takes, the modes of a round, the report's lines, and what it refuses
+(bad sizes, fewer than 2 GPUs) before it spawns anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools/device"))
+spec = importlib.util.spec_from_file_location("flush_ab", ROOT / "tools/device/flush_ab.py")
+assert spec is not None and spec.loader is not None
+fa = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fa)
+
+
+def test_flush_sizes_are_positive_megabytes() -> None:
+    assert fa.parse_sizes("256,768") == [256, 768]
+    assert fa.parse_sizes(" 512 ") == [512]
+    for bad in ("", "0", "256,-1", "a", "256,x"):
+        with pytest.raises(ValueError, match="--flush-mb"):
+            fa.parse_sizes(bad)
+
+
+def test_a_round_times_each_flush_then_held() -> None:
+    assert fa.modes([256, 768]) == ["256MB", "768MB", "held"]
+
+
+def test_the_report_lists_every_round_of_each_op_and_mode() -> None:
+    res = {("fp8", "256MB"): [(115.84, 76.1), (160.2, 123.6)], ("fp8", "held"): [(111.7, 135.5), (112.0, 132.4)]}
+    lines = fa.report(res)
+    assert len(lines) == 2
+    assert lines[0].split() == ["fp8", "256MB", "us", "115.8", "160.2", "host", "76.1", "123.6"]
+    assert lines[1].split()[:5] == ["fp8", "held", "us", "111.7", "112.0"]
+
+
+def test_bad_sizes_and_a_machine_without_two_gpus_stop_before_any_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        fa.main(["--flush-mb", "0"])
+    assert "--flush-mb" in capsys.readouterr().err
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has 2 GPUs: main() would spawn the ranks")
+    assert fa.main([]) == 2
+    assert "needs 2 GPUs" in capsys.readouterr().err

@@ -1,0 +1,115 @@
+"""How much of the bench's default-mode time is host time: the API-default cached dispatch (FP8 with column-major
+scales, BF16), combine and NCCL's all-to-all of the same rows at the bench's headline setting, each timed by the
+bench's loop (``bench._timing.time_op``: ranks aligned, L2 flushed, CUDA events around the Python call) with L2
+flushes of several sizes and held (device time: the GPU sleeps while the host enqueues), alternating in one process
+per rank, --rounds rounds. A flush's GPU time is the host time per call that the loop hides; where an op's figure
+falls as the flush grows, toward its held figure, the GPU waited for the host at the smaller flush.
+
+Prints per op and mode the slowest rank's us of every round and its host us per call. Figures are per machine and
+call (docs/benchmarks.md).
+
+    python tools/device/flush_ab.py [--flush-mb 256,768] [--rounds 3] [--iters 20] [--tokens 4096] [--hidden 7168]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+
+OPS = ("fp8", "bf16", "combine", "nccl")
+HELD = "held"
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """``--flush-mb``: comma-separated positive MB, at least one; ValueError otherwise."""
+    try:
+        sizes = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"--flush-mb {spec!r}: give positive sizes in MB, comma-separated (e.g. 256,768)")
+    return sizes
+
+
+def modes(sizes: Sequence[int]) -> list[str]:
+    """The timed modes of one op in a round: each flush size, then held (behind the smallest flush, as the bench's
+    --device-time)."""
+    return [f"{s}MB" for s in sizes] + [HELD]
+
+
+def report(res: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> list[str]:
+    """One line per (op, mode) in insertion order: every round's us, then every round's host us per call."""
+    lines = []
+    for (op, mode), runs in res.items():
+        us = " ".join(f"{t:6.1f}" for t, _ in runs)
+        host = " ".join(f"{h:5.1f}" for _, h in runs)
+        lines.append(f"{op:8s} {mode:7s} us {us}   host {host}")
+    return lines
+
+
+def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from ce_timeline import headline  # this folder's tools (the script's folder leads sys.path)
+
+    from uccl_moe.bench._timing import time_op
+
+    buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
+    one = torch.ones(1, device="cuda")
+
+    def align() -> None:
+        dist.all_reduce(one)
+
+    flushes = {s: torch.empty(s << 20, dtype=torch.uint8, device="cuda") for s in args.sizes}
+    send = xb.view(torch.uint8).flatten()
+    recv = torch.empty_like(send)
+    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
+           "combine": lambda: buf.combine(y, h), "nccl": lambda: dist.all_to_all_single(recv, send)}
+    res: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for _ in range(args.rounds):
+        for name in OPS:
+            for mode in modes(args.sizes):
+                flush = flushes[min(args.sizes) if mode == HELD else int(mode[:-2])]
+                t, host = time_op(ops[name], flush, args.iters, 3, align, mode == HELD)
+                both = torch.tensor([t, host], device="cuda")
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
+                res.setdefault((name, mode), []).append((float(both[0]), float(both[1])))
+    if rank == 0:
+        print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds; flushes "
+              f"{', '.join(f'{s} MB' for s in args.sizes)}; held = device time")
+        print("\n".join(report(res)), flush=True)
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flush-mb", default="256,768", help="L2 flush sizes in MB, comma-separated (the bench's: 256)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=20, help="timed calls per op, mode and round (median)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    args = p.parse_args(argv)
+    try:
+        args.sizes = parse_sizes(args.flush_mb)
+    except ValueError as e:
+        p.error(str(e))
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        print("flush_ab.py needs 2 GPUs (run it through tools/device)", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
