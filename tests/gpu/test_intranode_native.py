@@ -812,7 +812,8 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     layouts differ), before anyone sums rows of the other layout.
     `weights`: one rank passes no topk_weights while its peers do: every rank raises InvalidUsageError naming the
     mismatch (combine/pull-args), before anyone reads weights that were not staged. `sizes`: ranks that create their
-    Buffers with different num_nvl_bytes are all refused."""
+    Buffers with different num_nvl_bytes are all refused. `ce_hidden` / `staged_hidden` (2 ranks): both on one path,
+    one rank's rows narrower: every rank raises InvalidUsageError naming both hidden sizes."""
     from uccl_moe import Buffer, CommTimeoutError, Config, InvalidUsageError
 
     cfg = Config(24, 8, 256, 6, 128)

@@ -233,6 +233,12 @@ def test_diag_message_names_rank_peer_channel_phase():
     same = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=ce | hidden(7168) | 8,
                           seen=ce | hidden(7168), command=0, waited_s=0.0)["message"]
     assert "peer 1 staged 0 top-k weights per row, this rank expected 8" in same, same
+    both = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=staged | hidden(4096),
+                          seen=ce | hidden(2048), command=0, waited_s=0.0)["message"]
+    assert "same kind of x" in both and "hidden" not in both, both  # the path names the mismatch first
+    cross = _C.format_diag(rank=1, peer=0, channel=-1, phase=18, role=2, expected=ce | hidden(7168),
+                           seen=(1 << 30) | (58 << 16) | 464, command=0, waited_s=0.0)["message"]
+    assert "peer 0 runs a copy-engine dispatch where this rank runs a combine" in cross, cross
     direct = _C.format_diag(rank=2, peer=0, channel=-1, phase=22, role=2, expected=96, seen=64, command=0,
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct

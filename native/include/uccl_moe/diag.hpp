@@ -72,6 +72,14 @@ constexpr int64_t pull_args_hidden_of(int64_t value) {
 /// Bits [20, 23) of a copy-engine combine's kCombinePullArgs value: its chunks per peer block, less one (every rank
 /// must split alike: a reader maps rows to chunks by its own count).
 constexpr int kPullArgsChunksShift = 20;
+/// Bit 30 of a copy-engine dispatch's checked value (dispatch_ce.cu): no combine value sets it, so a rank whose peer
+/// runs the other op of the two sees it differ.
+constexpr int32_t kCeDispatchArgsMark = 1 << 30;
+static_assert((kPullArgsTopkMask & kPullArgsHiddenMask) == 0 && (kPullArgsHiddenMask & kPullArgsStaged) == 0 &&
+                  (kPullArgsHiddenMask & kPullArgsCe) == 0 && (kPullArgsHiddenMask & (7 << kPullArgsChunksShift)) == 0 &&
+                  ((kPullArgsTopkMask | kPullArgsHiddenMask | kPullArgsStaged | kPullArgsCe |
+                    (7 << kPullArgsChunksShift)) & (kCeDispatchArgsMark | static_cast<int32_t>(1u << 31))) == 0,
+              "the fields of a kCombinePullArgs value overlap, or reach the dispatch's mark or the sign bit");
 
 const char* diag_phase_name(DiagPhase phase);
 

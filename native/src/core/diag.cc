@@ -60,6 +60,12 @@ std::string format_diag(const DiagRecord& r) {
         "rank %d: an internode area needs %lld rows but the RDMA buffer holds %lld per area (num_rdma_bytes too small "
         "for this call); create the Buffer with a larger num_rdma_bytes (Config.get_rdma_buffer_size_hint)",
         r.rank, static_cast<long long>(r.expected), static_cast<long long>(r.seen));
+  // A combine's value never has the copy-engine dispatch's mark: a peer whose value has it runs that dispatch.
+  if (r.phase == DiagPhase::kCombinePullArgs && (r.seen & kCeDispatchArgsMark) != 0)
+    return detail::format(
+        "rank %d: peer %d runs a copy-engine dispatch where this rank runs a combine; every rank must make the same "
+        "dispatch and combine calls on a Buffer, in the same order",
+        r.rank, r.peer);
   if (r.phase == DiagPhase::kCombinePullArgs) {
     const int32_t path_bits = kPullArgsStaged | kPullArgsCe;
     const auto kind = [](int64_t v) {

@@ -162,10 +162,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   // And every rank lays its rows out alike (a view's full layout, or a staged tensor's compacted one): a peer
   // reading the other layout would sum the wrong rows; and of the same hidden size. All go into the value every rank
   // checks (InvalidUsage).
-  const int32_t topk = a.num_topk | pull_args_hidden(a.hidden) | (a.staged != 0 ? kPullArgsStaged : 0);
+  const int32_t checked = a.num_topk | pull_args_hidden(a.hidden) | (a.staged != 0 ? kPullArgsStaged : 0);
   UCCL_MOE_TRACE(trace::add(trace::kKept, t_stage); const long long t_start = trace::now());
-  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, topk);
-  const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, topk);
+  if (last_block(meta_ptr(local, kOffPullArrive), &sm)) release_to_peers(ctx, kOffPullStart, round, checked);
+  const bool started = wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked);
   UCCL_MOE_TRACE(trace::add(trace::kWait, t_start));
   if (started) pull_sum<kNumRanks, kColUnroll>(ctx, a);
   UCCL_MOE_TRACE(const long long t_end = trace::now());

@@ -36,7 +36,7 @@ UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
 
 /// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
 /// `arg` >= 0 it first stores it into d's pull_topk[me] (the release covers it): a value every rank must agree on
-/// (the pull's top-k weights per row, the direct dispatch's landing size).
+/// (a pull's top-k weights per row, hidden size and path, diag.hpp kPullArgs*; a dispatch's landing layout).
 UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int32_t round, int32_t arg = -1) {
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {

@@ -64,7 +64,8 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   pull_round       1                rounds this rank completed (local)
 //   pull_arrive      1                blocks of this launch that staged their share (local; reset by the last)
 //   pull_leave       1                blocks of this launch that finished reading (local; reset by the last)
-//   pull_topk[src]   kMaxLocalRanks   top-k weights per row src staged for the round (written by src before start)
+//   pull_topk[src]   kMaxLocalRanks   the value src checks with its peers for the round (a pull: top-k weights per
+//                                     row, hidden size, path; diag.hpp kPullArgs*; written by src before start)
 //   direct_enter[src] kMaxLocalRanks  round number src released when a ring-free dispatch began there (its earlier ops
 //                                     are done with its buffer, so peers may write into it; written by src)
 // A ring-free dispatch (dispatch.cu) shares the round counter and the other words: pull_start says "my rows are in
