@@ -133,6 +133,27 @@ def headline(rank: int, R: int, init: str, tokens: int, hidden: int, scales: str
     return buf, r.handle, r.recv_x.clone(), xb, x8
 
 
+def add_headline_args(p: argparse.ArgumentParser) -> None:
+    """--ranks, --tokens and --hidden of the bench's headline setting (the device tools that call headline())."""
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+
+
+def spawn_headline(worker: Any, args: argparse.Namespace, min_gpus: int, refusal: str) -> int:
+    """Runs worker(rank, args.ranks, init file, args) in args.ranks processes and returns 0; or, where this machine
+    has fewer than `min_gpus` GPUs, prints `refusal` to stderr and returns 2 before any process starts."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < min_gpus:
+        print(refusal, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
+    return 0
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -168,9 +189,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
+    add_headline_args(p)
     p.add_argument("--iters", type=int, default=14)
     p.add_argument("--listing", action="store_true", help="also print rank 0's last iteration, event by event")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
@@ -183,15 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         args.ops = select_ops(args.ops)
     except ValueError as e:
         p.error(str(e))
-    import torch
-    import torch.multiprocessing as mp
-
-    if torch.cuda.device_count() < 1:
-        print("ce_timeline needs GPUs (the copy-engine ops run between GPUs)", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
-    return 0
+    return spawn_headline(_worker, args, 1, "ce_timeline needs GPUs (the copy-engine ops run between GPUs)")
 
 
 if __name__ == "__main__":

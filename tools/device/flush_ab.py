@@ -14,10 +14,10 @@ call (docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
+
+from ce_timeline import add_headline_args, spawn_headline  # this folder's tools (its folder leads sys.path)
 
 OPS = ("fp8", "bf16", "combine", "nccl")
 HELD = "held"
@@ -53,7 +53,7 @@ def report(res: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> list
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from ce_timeline import headline  # this folder's tools (the script's folder leads sys.path)
+    from ce_timeline import headline
 
     from uccl_moe.bench._timing import time_op
 
@@ -91,24 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flush-mb", default="256,768", help="L2 flush sizes in MB, comma-separated (the bench's: 256)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="timed calls per op, mode and round (median)")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
+    add_headline_args(p)
     args = p.parse_args(argv)
     try:
         args.sizes = parse_sizes(args.flush_mb)
     except ValueError as e:
         p.error(str(e))
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        print("flush_ab.py needs 2 GPUs (run it through tools/device)", file=sys.stderr)
-        return 2
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(args.ranks, os.path.join(tmp, "init"), args), nprocs=args.ranks)
-    return 0
+    return spawn_headline(_worker, args, 2, "flush_ab.py needs 2 GPUs (run it through tools/device)")
 
 
 if __name__ == "__main__":
