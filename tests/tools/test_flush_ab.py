@@ -20,7 +20,7 @@ spec.loader.exec_module(fa)
 def test_flush_sizes_are_positive_megabytes() -> None:
     assert fa.parse_sizes("256,768") == [256, 768]
     assert fa.parse_sizes(" 512 ") == [512]
-    for bad in ("", "0", "256,-1", "a", "256,x"):
+    for bad in ("", "0", "256,-1", "a", "256,x", "256,256"):
         with pytest.raises(ValueError, match="--flush-mb"):
             fa.parse_sizes(bad)
 

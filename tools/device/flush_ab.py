@@ -1,5 +1,6 @@
 """How much of the bench's default-mode time is host time: the API-default cached dispatch (FP8 with column-major
-scales, BF16), combine and NCCL's all-to-all of the same rows at the bench's headline setting, each timed by the
+scales, BF16), combine and NCCL's all-to-all of the same rows (as the bench packs them: FP8 rows with their scales,
+BF16 rows, the combine's rows back) at the bench's headline setting, each timed by the
 bench's loop (``bench._timing.time_op``: ranks aligned, L2 flushed, CUDA events around the Python call) with L2
 flushes of several sizes and held (device time: the GPU sleeps while the host enqueues), alternating in one process
 per rank, --rounds rounds. A flush's GPU time is the host time per call that the loop hides; where an op's figure
@@ -16,10 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ce_timeline import add_headline_args, spawn_headline  # this folder's tools (its folder leads sys.path)
 
-OPS = ("fp8", "bf16", "combine", "nccl")
+OPS = ("fp8", "bf16", "combine", "nccl_fp8", "nccl_bf16", "nccl_combine")
 HELD = "held"
 
 
@@ -29,8 +31,8 @@ def parse_sizes(spec: str) -> list[int]:
         sizes = [int(s) for s in spec.split(",") if s.strip()]
     except ValueError:
         sizes = []
-    if not sizes or any(s <= 0 for s in sizes):
-        raise ValueError(f"--flush-mb {spec!r}: give positive sizes in MB, comma-separated (e.g. 256,768)")
+    if not sizes or any(s <= 0 for s in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--flush-mb {spec!r}: give distinct positive sizes in MB, comma-separated (e.g. 256,768)")
     return sizes
 
 
@@ -46,7 +48,7 @@ def report(res: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> list
     for (op, mode), runs in res.items():
         us = " ".join(f"{t:6.1f}" for t, _ in runs)
         host = " ".join(f"{h:5.1f}" for _, h in runs)
-        lines.append(f"{op:8s} {mode:7s} us {us}   host {host}")
+        lines.append(f"{op:12s} {mode:7s} us {us}   host {host}")
     return lines
 
 
@@ -64,10 +66,21 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         dist.all_reduce(one)
 
     flushes = {s: torch.empty(s << 20, dtype=torch.uint8, device="cuda") for s in args.sizes}
-    send = xb.view(torch.uint8).flatten()
-    recv = torch.empty_like(send)
+    col = h.rank_prefix_matrix[:, rank].cpu()
+    recv_from = torch.diff(col, prepend=col.new_zeros(1)).tolist()  # rows from each source (the bench's packing)
+    send_to = h.is_token_in_rank.sum(0).cpu().tolist()  # rows to each rank
+
+    def nccl(row_bytes: int, back: bool) -> Any:
+        rows_out, rows_in = (sum(recv_from), sum(send_to)) if back else (sum(send_to), sum(recv_from))
+        send = torch.randint(0, 255, (rows_out, row_bytes), dtype=torch.uint8, device="cuda")
+        recv = torch.empty((rows_in, row_bytes), dtype=torch.uint8, device="cuda")
+        splits_out, splits_in = (recv_from, send_to) if back else (send_to, recv_from)
+        return lambda: dist.all_to_all_single(recv, send, splits_in, splits_out)
+
+    H = args.hidden
     ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
-           "combine": lambda: buf.combine(y, h), "nccl": lambda: dist.all_to_all_single(recv, send)}
+           "combine": lambda: buf.combine(y, h), "nccl_fp8": nccl(H + 4 * (H // 128), False),
+           "nccl_bf16": nccl(2 * H, False), "nccl_combine": nccl(2 * H, True)}
     res: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for name in OPS:
@@ -87,7 +100,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flush-mb", default="256,768", help="L2 flush sizes in MB, comma-separated (the bench's: 256)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=20, help="timed calls per op, mode and round (median)")
@@ -97,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.sizes = parse_sizes(args.flush_mb)
     except ValueError as e:
         p.error(str(e))
-    return spawn_headline(_worker, args, 2, "flush_ab.py needs 2 GPUs (run it through tools/device)")
+    return spawn_headline(_worker, args, 2, "flush_ab.py needs 2 GPUs: run it on a 2-GPU machine (docs/benchmarks.md, "
+                                            "Regenerate)")
 
 
 if __name__ == "__main__":

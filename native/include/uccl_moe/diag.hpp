@@ -76,7 +76,8 @@ constexpr int kPullArgsChunksShift = 20;
 /// runs the other op of the two sees it differ.
 constexpr int32_t kCeDispatchArgsMark = 1 << 30;
 static_assert((kPullArgsTopkMask & kPullArgsHiddenMask) == 0 && (kPullArgsHiddenMask & kPullArgsStaged) == 0 &&
-                  (kPullArgsHiddenMask & kPullArgsCe) == 0 && (kPullArgsHiddenMask & (7 << kPullArgsChunksShift)) == 0 &&
+                  (kPullArgsHiddenMask & kPullArgsCe) == 0 &&
+                  (kPullArgsHiddenMask & (7 << kPullArgsChunksShift)) == 0 &&
                   ((kPullArgsTopkMask | kPullArgsHiddenMask | kPullArgsStaged | kPullArgsCe |
                     (7 << kPullArgsChunksShift)) & (kCeDispatchArgsMark | static_cast<int32_t>(1u << 31))) == 0,
               "the fields of a kCombinePullArgs value overlap, or reach the dispatch's mark or the sign bit");

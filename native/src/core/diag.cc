@@ -106,7 +106,8 @@ std::string format_diag(const DiagRecord& r) {
         "(codes of size, top-k and scales and their layout, copy-engine chunks; from a sender: the area's rows and "
         "the row it needed); every rank must pass the same hidden size, dtype, top-k, scales (row- or column-major "
         "alike) and num_worst_tokens to the same dispatch, with the same UCCL_MOE_DISPATCH_DIRECT, "
-        "UCCL_MOE_DISPATCH_CE and UCCL_MOE_DISPATCH_CE_CHUNKS",
+        "UCCL_MOE_DISPATCH_CE and UCCL_MOE_DISPATCH_CE_CHUNKS (or the peer runs a combine where this rank dispatches: "
+        "every rank must make the same calls in the same order)",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

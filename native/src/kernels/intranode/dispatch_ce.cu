@@ -149,7 +149,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   std::copy(scales_at[me], scales_at[me] + N, p.scales_at);
   // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer (the
   // scales' order may differ per rank: every landing area holds them row-major).
-  const int32_t checked = kCeDispatchArgsMark | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+  const int32_t checked =
+      kCeDispatchArgsMark | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
   const CeEnter enter = launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, or without scales our first rows (ce_head_rows), stored by the gather kernel's SMs
