@@ -130,7 +130,9 @@ def headline(rank: int, R: int, init: str, tokens: int, hidden: int, scales: str
     lay = buf.get_dispatch_layout(idx, E)
     r = buf.dispatch(xb, topk_idx=idx, topk_weights=w, num_tokens_per_rank=lay.num_tokens_per_rank,
                      is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert)
-    return buf, r.handle, r.recv_x.clone(), xb, x8
+    recv_x = r.recv_x
+    assert isinstance(recv_x, torch.Tensor)  # BF16 rows: one tensor (FP8 would be a pair)
+    return buf, r.handle, recv_x.clone(), xb, x8
 
 
 def add_headline_args(p: argparse.ArgumentParser) -> None:
