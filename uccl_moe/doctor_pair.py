@@ -171,8 +171,9 @@ def _pair_env() -> tuple[int, int, int, int]:
 def pair_main(args: argparse.Namespace) -> int:
     rank, world, local_rank, local_world = _pair_env()
     if world < 2:
-        print("uccl-moe doctor --pair: needs 2+ ranks: run it under torchrun (--nproc-per-node 2) or srun "
-              "(RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS, and MASTER_ADDR/MASTER_PORT)", file=sys.stderr)
+        print("uccl-moe doctor --pair: needs 2+ ranks: run it as `torchrun --nproc-per-node 2 -m uccl_moe.cli doctor "
+              "--pair` (one host), or under srun with RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS and "
+              "MASTER_ADDR/MASTER_PORT set", file=sys.stderr)
         return 2
     import torch.distributed as dist
 

@@ -267,6 +267,7 @@ def test_pair_cli_under_torchrun() -> None:
     single = subprocess.run([sys.executable, "-m", "uccl_moe.cli", "doctor", "--pair"], env=env, capture_output=True,
                             text=True, timeout=120, cwd=ROOT)
     assert single.returncode == 2 and "needs 2+ ranks" in single.stderr
+    assert "torchrun --nproc-per-node 2 -m uccl_moe.cli doctor --pair" in single.stderr
 
 
 def test_gid_choice_is_the_transports_rule() -> None:

@@ -66,6 +66,12 @@ def check_devices(cfg: Any) -> None:
         raise InvalidUsageError("platform needs GPUs but torch is not installed; pip install torch") from None
     have = torch.cuda.device_count()
     want = cfg.platform.gpus_per_node
+    if have == 0 < want:  # gpus_per_node=0 is no platform: say what runs on a CPU-only host instead
+        raise InvalidUsageError(
+            f"platform {cfg.platform.name} runs {want} ranks per node on GPUs but this host has none; on a CPU-only "
+            f"host train a CPU recipe (uccl-moe train recipe=tiny_cpu_moe), or run this one where {want} GPUs are "
+            f"visible"
+        )
     if have < want:
         raise InvalidUsageError(
             f"platform {cfg.platform.name} runs {want} ranks per node but this host has {have} GPU(s); set "

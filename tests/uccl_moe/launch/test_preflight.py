@@ -94,3 +94,17 @@ def test_the_supported_range_matches_the_compat_layer():
 
 def test_an_empty_knob_is_unset_as_the_ranks_read_it():
     check_env_knobs({"UCCL_MOE_TRANSPORT": "", "UCCL_MOE_TIMEOUT_S": ""})
+
+
+@pytest.mark.parametrize("gpus,needle", [(0, "recipe=tiny_cpu_moe"), (2, "set platform.gpus_per_node=2")])
+def test_too_few_gpus_for_the_platform_says_what_runs_here(monkeypatch, gpus, needle):
+    """A GPU recipe on a host with fewer GPUs: the advice must be one that works (gpus_per_node=0 is refused)."""
+    torch = pytest.importorskip("torch")
+    from uccl_moe.errors import InvalidUsageError
+    from uccl_moe.launch.local import check_devices
+
+    cfg = compose(["recipe=dsv3_proxy_local"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(InvalidUsageError, match="per node") as e:
+        check_devices(cfg)
+    assert needle in str(e.value) and "gpus_per_node=0" not in str(e.value), str(e.value)
