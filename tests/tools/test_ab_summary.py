@@ -3,15 +3,12 @@ writes them (``ops`` entries with ``op``, ``ours_us``, ``nccl_us``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "device" / "ab_summary.py"
-_spec = importlib.util.spec_from_file_location("ab_summary", _PATH)
-assert _spec is not None and _spec.loader is not None
-ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ab)
+from helpers.tools import device_tool
+
+ab = device_tool("ab_summary")
 
 
 def _write(folder: Path, i: int, variant: str, ours: dict[str, float], nccl: dict[str, float],

@@ -3,19 +3,13 @@ launch back), then times the host primitives in the same loop; the tool refuses 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools/device"))  # the tool imports its folder's helpers
-spec = importlib.util.spec_from_file_location("ce_host", ROOT / "tools/device/ce_host.py")
-assert spec is not None and spec.loader is not None
-ch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ch)
+from helpers.tools import device_tool
+
+ch = device_tool("ce_host")
 
 
 def test_profile_reports_each_ops_python_path_with_the_launch_off_and_puts_it_back() -> None:

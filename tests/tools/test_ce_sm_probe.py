@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from helpers.tools import device_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("ce_sm_probe", ROOT / "tools/device/ce_sm_probe.py")
-assert spec is not None and spec.loader is not None
-probe = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(probe)
+probe = device_tool("ce_sm_probe")
 
 
 @pytest.mark.parametrize("shares", ["1.5", "-0.1", ","])

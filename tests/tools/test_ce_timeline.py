@@ -4,18 +4,13 @@ without GPUs."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.tools import device_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("ce_timeline", ROOT / "tools/device/ce_timeline.py")
-assert spec is not None and spec.loader is not None
-ct = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ct)
+ct = device_tool("ce_timeline")
 
 
 def _k(name: str, ts: float, dur: float) -> dict[str, Any]:

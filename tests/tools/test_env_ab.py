@@ -3,18 +3,10 @@ paired differences, and what it refuses (bad specs, bad ops, no 2 GPUs) before i
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.tools import device_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools/device"))
-spec = importlib.util.spec_from_file_location("env_ab", ROOT / "tools/device/env_ab.py")
-assert spec is not None and spec.loader is not None
-ea = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ea)
+ea = device_tool("env_ab")
 
 
 def test_a_variant_is_a_name_and_its_knobs() -> None:

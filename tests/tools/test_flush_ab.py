@@ -3,18 +3,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from helpers.tools import device_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools/device"))
-spec = importlib.util.spec_from_file_location("flush_ab", ROOT / "tools/device/flush_ab.py")
-assert spec is not None and spec.loader is not None
-fa = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fa)
+fa = device_tool("flush_ab")
 
 
 def test_flush_sizes_are_positive_megabytes() -> None:

@@ -3,16 +3,13 @@ the warm-up launches and derives `other`; refuses a line whose fields drifted fr
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers.tools import device_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("trace_summary", ROOT / "tools/device/trace_summary.py")
-assert spec is not None and spec.loader is not None
-ts = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ts)
+ts = device_tool("trace_summary")
 
 
 def _line(rank: int, role: str, span: float, copy: float, rb: int = 7392, op: str = "dispatch") -> str:
