@@ -135,6 +135,28 @@ def headline(rank: int, R: int, init: str, tokens: int, hidden: int, scales: str
     return buf, r.handle, recv_x.clone(), xb, x8
 
 
+def headline_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
+    """The API-default calls of headline()'s Buffer and inputs, by the A/B tools' op names: the cached FP8 and BF16
+    dispatch and the combine of a tensor of the caller's."""
+    return {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
+            "combine": lambda: buf.combine(y, h)}
+
+
+def slowest_time(fn: Any, flush: Any, iters: int, hold: bool) -> tuple[float, float]:
+    """The bench's (us, host us per call) of fn() (bench._timing.time_op: 3 warm-up calls, the ranks aligned by a
+    one-float all-reduce, L2 flushed by `flush`, held where `hold`), each the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    from uccl_moe.bench._timing import time_op
+
+    one = torch.ones(1, device="cuda")
+    us, host = time_op(fn, flush, iters, 3, lambda: dist.all_reduce(one), hold)
+    both = torch.tensor([us, host], device="cuda")
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return float(both[0]), float(both[1])
+
+
 def add_headline_args(p: argparse.ArgumentParser) -> None:
     """--ranks, --tokens and --hidden of the bench's headline setting (the device tools that call headline())."""
     p.add_argument("--ranks", type=int, default=2)

@@ -25,6 +25,8 @@ import tempfile
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
+from ce_timeline import add_headline_args  # this folder's tools (the script's folder leads sys.path)
+
 OPS = ("fp8", "bf16", "combine")
 
 
@@ -84,15 +86,13 @@ def _outputs(op: str, out: Any) -> list[Any]:
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from ce_timeline import headline  # this folder's tools (the script's folder leads sys.path)
+    from ce_timeline import headline, headline_calls, slowest_time  # this folder's (it leads sys.path)
 
-    from uccl_moe.bench._timing import FLUSH_BYTES, time_op
+    from uccl_moe.bench._timing import FLUSH_BYTES
 
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
-    one = torch.ones(1, device="cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
-           "combine": lambda: buf.combine(y, h)}
+    ops = headline_calls(buf, h, y, xb, x8)
     names = [n for n, _ in args.variants]
     envs = [e for _, e in args.variants]
     base = dict(os.environ)
@@ -114,12 +114,9 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         for n in round_order(names, r):
             apply_variant(os.environ, base, envs, envs[names.index(n)])
             for op in args.ops:
-                us, host_us = time_op(ops[op], flush, args.iters, 3, lambda: dist.all_reduce(one),
-                                      not args.default_mode)
-                slowest = torch.tensor([us, host_us], device="cuda")
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                times[(n, op)].append(slowest[0].item())
-                host[(n, op)].append(slowest[1].item())
+                us, host_us = slowest_time(ops[op], flush, args.iters, not args.default_mode)
+                times[(n, op)].append(us)
+                host[(n, op)].append(host_us)
     apply_variant(os.environ, base, envs, {})
     dist.all_reduce(differ)
     if rank == 0:
@@ -140,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--iters", type=int, default=15, help="timed calls per op, variant and round (median)")
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
+    add_headline_args(p)
     p.add_argument("--default-mode", action="store_true", help="time what a caller sees (host included)")
     args = p.parse_args(argv)
     try:

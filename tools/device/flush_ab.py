@@ -55,16 +55,9 @@ def report(res: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> list
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from ce_timeline import headline
-
-    from uccl_moe.bench._timing import time_op
+    from ce_timeline import headline, headline_calls, slowest_time
 
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
-    one = torch.ones(1, device="cuda")
-
-    def align() -> None:
-        dist.all_reduce(one)
-
     flushes = {s: torch.empty(s << 20, dtype=torch.uint8, device="cuda") for s in args.sizes}
     col = h.rank_prefix_matrix[:, rank].cpu()
     recv_from = torch.diff(col, prepend=col.new_zeros(1)).tolist()  # rows from each source (the bench's packing)
@@ -78,18 +71,14 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         return lambda: dist.all_to_all_single(recv, send, splits_in, splits_out)
 
     H = args.hidden
-    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h),
-           "combine": lambda: buf.combine(y, h), "nccl_fp8": nccl(H + 4 * (H // 128), False),
+    ops = {**headline_calls(buf, h, y, xb, x8), "nccl_fp8": nccl(H + 4 * (H // 128), False),
            "nccl_bf16": nccl(2 * H, False), "nccl_combine": nccl(2 * H, True)}
     res: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
         for name in OPS:
             for mode in modes(args.sizes):
                 flush = flushes[min(args.sizes) if mode == HELD else int(mode[:-2])]
-                t, host = time_op(ops[name], flush, args.iters, 3, align, mode == HELD)
-                both = torch.tensor([t, host], device="cuda")
-                dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's
-                res.setdefault((name, mode), []).append((float(both[0]), float(both[1])))
+                res.setdefault((name, mode), []).append(slowest_time(ops[name], flush, args.iters, mode == HELD))
     if rank == 0:
         print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds; flushes "
               f"{', '.join(f'{s} MB' for s in args.sizes)}; held = device time")
