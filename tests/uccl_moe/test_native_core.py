@@ -258,7 +258,27 @@ def test_device_timeout_writes_diagnostic_record():
     rec = _C.selftest_device_timeout(0.2, rank=5)
     assert rec["valid"] == 1 and rec["rank"] == 5 and rec["phase"] == "barrier"
     assert rec["expected"] == 1 and rec["seen"] == 0 and 0.2 <= rec["waited_s"] < 5
-    assert "rank 5 timed out" in rec["message"]
+    assert "rank 5 timed out" in rec["message"] and not rec["drained"]
+
+
+@pytest.mark.gpu
+def test_a_wait_drained_by_a_peers_abort_still_writes_the_record():
+    """A peer that gave up raises this rank's abort flag; this rank's waits then give up at once. The record must
+    still be written (the host reads the record, not the flag): otherwise the op returns as if it had run."""
+    rec = _C.selftest_device_timeout(30.0, rank=2, peer_aborted=True)
+    assert rec["valid"] == 1 and rec["rank"] == 2 and rec["phase"] == "barrier" and rec["drained"]
+    assert rec["waited_s"] < 5 and "rank 2 gave up" in rec["message"] and "aborted first" in rec["message"]
+
+
+def test_a_drained_record_says_the_launch_was_aborted_first():
+    own = _C.format_diag(rank=0, peer=2, channel=-1, phase=16, role=2, expected=2, seen=1, command=0, waited_s=3.0)
+    assert "rank 0 timed out after 3.0 s" in own["message"] and not own["drained"]
+    drained = _C.format_diag(rank=0, peer=2, channel=-1, phase=16, role=2, expected=2, seen=1, command=0,
+                             waited_s=0.4, drained=True)
+    msg = drained["message"]
+    assert drained["drained"] and drained["error"] == "Timeout"
+    assert "rank 0 gave up after 0.4 s in combine/pull-start" in msg and "waiting for peer 2" in msg, msg
+    assert "aborted first" in msg and "timed out after" not in msg, msg
 
 
 def test_package_import_does_not_need_torch():

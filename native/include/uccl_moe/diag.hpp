@@ -96,10 +96,13 @@ enum class DiagRole : int32_t {
 
 const char* diag_role_name(DiagRole role);
 
-/// 64 bytes, host-mapped; written by one thread of the first waiter that expires. Fill it by field name
+/// DiagRecord::valid while a GPU thread fills the record (report_timeout claims it 0 -> this, then releases 1).
+constexpr int32_t kDiagRecordWriting = 2;
+
+/// 64 bytes, host-mapped; written by one thread of the first waiter that gives up. Fill it by field name
 /// (DiagRecord{.valid = 1, .rank = r, ...}); unnamed fields stay zero.
 struct DiagRecord {
-  int32_t valid = 0;                  ///< 0 = empty; 1 = filled (written last)
+  int32_t valid = 0;                  ///< 0 = empty; 1 = filled (written last); kDiagRecordWriting = being filled
   int32_t rank = 0;                   ///< rank that gave up waiting
   int32_t peer = 0;                   ///< rank (or node) it waited for; -1 = all
   int32_t channel = 0;                ///< channel / FIFO index; -1 = n/a
@@ -109,7 +112,9 @@ struct DiagRecord {
   int64_t seen = 0;                   ///< last value it saw
   uint64_t command = 0;               ///< op-specific: FIFO slot index, encoded TransferCmd, call sequence number
   double waited_s = 0;                ///< how long it waited
-  int64_t reserved = 0;
+  int32_t drained = 0;                ///< 1: it gave up because the launch was already aborted (a peer, or another
+                                      ///< waiter of this rank, raised the abort flag first), not on its own clock
+  int32_t reserved = 0;
 };
 static_assert(sizeof(DiagRecord) == 64, "DiagRecord is a fixed 64-byte wire format");
 static_assert(std::is_trivially_copyable_v<DiagRecord>, "DiagRecord is copied out of host-mapped memory");

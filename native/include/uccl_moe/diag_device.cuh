@@ -22,11 +22,18 @@ struct DiagDeviceHandle {
 
 #if defined(UCCL_GPU_COMPILER)
 
-/// Writes the record unless another waiter already did; pairs with the acquire of `valid` on the host.
+/// Raises the abort flag (the launch drains) and writes the record unless another waiter already did; pairs with the
+/// acquire of `valid` on the host. The record is claimed on its own word, not by being first to raise the flag: a peer
+/// that gave up raises our flag too (an enter kernel or an early copy-engine op, handshake.cuh), and our waiters
+/// then give up at once; were the record claimed with the flag, none of them would write it, the host (which reads
+/// the record, not the flag in GPU memory) would see no failure, and the op would return rows it never summed. The
+/// first waiter to expire on its own clock raises the flag and claims the record at once, so it normally names the
+/// cause; a waiter that found the flag up says so (`drained`).
 UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
                                        int64_t expected, int64_t seen, uint64_t command, double waited_s) {
-  if (gpu::atomic_add_sys(h.abort_flag, 1) == 0) {
-    DiagRecord* r = h.record;
+  const bool drained = gpu::atomic_add_sys(h.abort_flag, 1) != 0;
+  DiagRecord* r = h.record;
+  if (gpu::load_volatile(&r->valid) == 0 && gpu::atomic_cas_sys(&r->valid, 0, kDiagRecordWriting) == 0) {
     r->rank = h.rank;
     r->peer = peer;
     r->channel = channel;
@@ -36,6 +43,7 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
     r->seen = seen;
     r->command = command;
     r->waited_s = waited_s;
+    r->drained = drained ? 1 : 0;
     gpu::store_release_sys(&r->valid, 1);
   }
 }

@@ -17,7 +17,7 @@ using namespace nb::literals;
 
 namespace uccl_moe {
 #if defined(UCCL_MOE_WITH_CUDA) || defined(UCCL_MOE_WITH_HIP)
-DiagRecord selftest_device_timeout(double timeout_s, int rank);  // device_wait.cu
+DiagRecord selftest_device_timeout(double timeout_s, int rank, bool peer_aborted);  // device_wait.cu
 #endif
 }  // namespace uccl_moe
 
@@ -35,6 +35,7 @@ nb::dict diag_to_dict(const DiagRecord& r) {
   d["seen"] = r.seen;
   d["command"] = r.command;
   d["waited_s"] = r.waited_s;
+  d["drained"] = r.drained != 0;
   d["message"] = format_diag(r);
   d["error"] = std::string(error_code_name(diag_error_code(r)));  // "InvalidUsage" or "Timeout"
   return d;
@@ -112,22 +113,25 @@ void register_core(nb::module_& m) {
 
   // ---- diagnostics ----
   m.def("format_diag", [](int rank, int peer, int channel, int phase, int role, int64_t expected, int64_t seen,
-                          uint64_t command, double waited_s) {
+                          uint64_t command, double waited_s, bool drained) {
     const DiagRecord r{.valid = 1, .rank = rank, .peer = peer, .channel = channel, .phase = DiagPhase(phase),
                        .role = DiagRole(role), .expected = expected, .seen = seen, .command = command,
-                       .waited_s = waited_s};
+                       .waited_s = waited_s, .drained = drained ? 1 : 0};
     return diag_to_dict(r);
-  }, "rank"_a, "peer"_a, "channel"_a, "phase"_a, "role"_a, "expected"_a, "seen"_a, "command"_a, "waited_s"_a);
+  }, "rank"_a, "peer"_a, "channel"_a, "phase"_a, "role"_a, "expected"_a, "seen"_a, "command"_a, "waited_s"_a,
+  "drained"_a = false);
 #if defined(UCCL_MOE_WITH_CUDA) || defined(UCCL_MOE_WITH_HIP)
-  m.def("selftest_device_timeout", [](double timeout_s, int rank) {
+  m.def("selftest_device_timeout", [](double timeout_s, int rank, bool peer_aborted) {
     DiagRecord r;
     {
       nb::gil_scoped_release release;
-      r = selftest_device_timeout(timeout_s, rank);
+      r = selftest_device_timeout(timeout_s, rank, peer_aborted);
     }
     return diag_to_dict(r);
-  }, "timeout_s"_a, "rank"_a = 0,
-        "Launch a kernel that waits on a flag nobody sets; returns the DiagRecord it wrote on timeout");
+  }, "timeout_s"_a, "rank"_a = 0, "peer_aborted"_a = false,
+        "Launch a kernel that waits on a flag nobody sets; returns the DiagRecord it wrote on timeout (peer_aborted: "
+        "the abort flag is up before it starts, as a peer that gave up leaves it: the wait gives up at once and still "
+        "writes the record)");
 #endif
 }
 

@@ -19,10 +19,11 @@ void check(gpu::Error e, const char* what) {
 }
 }  // namespace
 
-DiagRecord selftest_device_timeout(double timeout_s, int rank) {
+DiagRecord selftest_device_timeout(double timeout_s, int rank, bool peer_aborted) {
   void* host = nullptr;
   check(gpu::host_alloc_mapped(&host, 4096), "host_alloc_mapped");
   std::memset(host, 0, 4096);
+  if (peer_aborted) *reinterpret_cast<int32_t*>(static_cast<char*>(host) + 256) = 1;  // as a peer's store leaves it
   auto* record = static_cast<DiagRecord*>(host);
   auto* abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(host) + 256);
   auto* flag = reinterpret_cast<int32_t*>(static_cast<char*>(host) + 512);

@@ -111,6 +111,14 @@ std::string format_diag(const DiagRecord& r) {
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
+  if (r.drained != 0)
+    return detail::format(
+        "rank %d gave up after %.1f s in %s (%s) waiting for %s%s: expected %lld, saw %lld (command 0x%llx). The "
+        "launch was aborted first, by a peer that gave up (its own error names what it waited for) or by another of "
+        "this rank's waits; the first rank to time out names the cause.",
+        r.rank, r.waited_s, diag_phase_name(r.phase), diag_role_name(r.role), peer.c_str(), chan.c_str(),
+        static_cast<long long>(r.expected), static_cast<long long>(r.seen),
+        static_cast<unsigned long long>(r.command));
   return detail::format(
       "rank %d timed out after %.1f s in %s (%s) waiting for %s%s: expected %lld, saw %lld (command 0x%llx). "
       "The peer is probably stuck, dead or skipped this call; raise UCCL_MOE_TIMEOUT_S only if the job is merely slow.",

@@ -181,7 +181,15 @@ bool NvlRuntime::aborted() const {
 
 DiagRecord NvlRuntime::diag() const {
   DiagRecord r{};
-  if (host_ != nullptr) std::memcpy(&r, host_ + kHostOffDiag, sizeof(r));
+  if (host_ == nullptr) return r;
+  // A GPU thread that claimed the record (kDiagRecordWriting) fills it in microseconds; read it once it released it
+  // (a bounded wait: a context that died mid-write leaves what it wrote).
+  const auto* valid = reinterpret_cast<const volatile int32_t*>(host_ + kHostOffDiag);
+  const auto start = std::chrono::steady_clock::now();
+  while (*valid == kDiagRecordWriting && std::chrono::steady_clock::now() - start < std::chrono::milliseconds(200))
+    std::this_thread::yield();
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(&r, host_ + kHostOffDiag, sizeof(r));
   return r;
 }
 
