@@ -14,6 +14,7 @@ and 7168-hidden cases, default 1).
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -897,8 +898,10 @@ def early_wanted() -> bool:
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
     """A fault in a copy-engine combine that starts its copies at once (UCCL_MOE_CE_EARLY: it follows one every rank
     ran through the copy engines, so no enter kernel runs): rank `odd` skips it (`ce_skip_early`: the others are named
-    in a bounded combine/pull-start wait) or splits its copies otherwise (`ce_chunks_early`: every rank raises
-    InvalidUsageError naming the chunks, checked by the sum kernel before it reads a peer's rows)."""
+    in a bounded combine/pull-start wait; `ce_skip_early_late`: rank 0 starts a second later, so rank 1 gives up first
+    and raises rank 0's abort flag: rank 0's drained waits still write the record) or splits its copies otherwise
+    (`ce_chunks_early`: every rank raises InvalidUsageError naming the chunks, checked by the sum kernel before it
+    reads a peer's rows)."""
     from uccl_moe import CommTimeoutError, InvalidUsageError
 
     os.environ["UCCL_MOE_COMBINE_CE"] = "1"
@@ -909,6 +912,8 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
         os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
     elif rank == odd:
         return  # skips it
+    if mode == "ce_skip_early_late" and rank == 0:
+        time.sleep(1.0)  # rank 1 gives up first and raises our abort flag: our waits drain, and must still record
     try:
         nat.combine(res.recv_x.clone(), res.handle, config=cfg)
         assert early_ops(nat) == early0 + 1, "the combine did not start its copies at once"
@@ -918,12 +923,16 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
         assert mode == "ce_chunks_early" and "UCCL_MOE_COMBINE_CE_CHUNKS" in str(e), str(e)
     except CommTimeoutError as e:
         rec = e.record or {}
-        assert mode == "ce_skip_early" and rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
+        assert mode.startswith("ce_skip_early"), rec
+        assert rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
+        if mode == "ce_skip_early_late":  # rank 0 learnt of it from rank 1's abort, rank 1 on its own clock
+            assert rec.get("drained") == (rank == 0), rec
+            assert ("aborted first" in str(e)) == (rank == 0), str(e)
     else:
         raise AssertionError(f"an early copy-engine combine returned through a fault ({mode})")
 
 
-@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early"])
+@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_early_late"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
