@@ -898,8 +898,10 @@ def early_wanted() -> bool:
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
     """A fault in a copy-engine combine that starts its copies at once (UCCL_MOE_CE_EARLY: it follows one every rank
     ran through the copy engines, so no enter kernel runs): rank `odd` skips it (`ce_skip_early`: the others are named
-    in a bounded combine/pull-start wait; `ce_skip_early_late`: rank 0 starts a second later, so rank 1 gives up first
-    and raises rank 0's abort flag: rank 0's drained waits still write the record) or splits its copies otherwise
+    in a bounded combine/pull-start wait; `ce_skip_late_early`: rank 0 starts a second later, so rank 1 gives up first
+    and raises rank 0's abort flag: rank 0's drained waits still write the record; `ce_late_early`, 2 ranks: none skips,
+    rank 0 starts after rank 1's whole timeout, finds its flag up and every wait passed, and still raises) or splits
+    its copies otherwise
     (`ce_chunks_early`: every rank raises InvalidUsageError naming the chunks, checked by the sum kernel before it
     reads a peer's rows)."""
     from uccl_moe import CommTimeoutError, InvalidUsageError
@@ -910,10 +912,12 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     early0 = early_ops(nat)
     if mode == "ce_chunks_early":
         os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
-    elif rank == odd:
+    elif rank == odd and mode != "ce_late_early":
         return  # skips it
-    if mode == "ce_skip_early_late" and rank == 0:
+    if mode == "ce_skip_late_early" and rank == 0:
         time.sleep(1.0)  # rank 1 gives up first and raises our abort flag: our waits drain, and must still record
+    if mode == "ce_late_early" and rank == 0:
+        time.sleep(4.5)  # past the peer's whole timeout: it gave up, released its done word and raised our flag
     try:
         nat.combine(res.recv_x.clone(), res.handle, config=cfg)
         assert early_ops(nat) == early0 + 1, "the combine did not start its copies at once"
@@ -923,22 +927,26 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
         assert mode == "ce_chunks_early" and "UCCL_MOE_COMBINE_CE_CHUNKS" in str(e), str(e)
     except CommTimeoutError as e:
         rec = e.record or {}
-        assert mode.startswith("ce_skip_early"), rec
+        if mode == "ce_late_early":  # rank 1 timed out on rank 0's entry; rank 0 found the op aborted, no wait failed
+            assert rec.get("drained") == (rank == 0), rec
+            assert rank == 0 or (rec.get("phase") == "combine/pull-start" and rec.get("peer") == 0), rec
+            return
+        assert mode in ("ce_skip_early", "ce_skip_late_early"), rec
         assert rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
-        if mode == "ce_skip_early_late":  # rank 0 learnt of it from rank 1's abort, rank 1 on its own clock
+        if mode == "ce_skip_late_early":  # rank 0 learnt of it from rank 1's abort, rank 1 on its own clock
             assert rec.get("drained") == (rank == 0), rec
             assert ("aborted first" in str(e)) == (rank == 0), str(e)
     else:
         raise AssertionError(f"an early copy-engine combine returned through a fault ({mode})")
 
 
-@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_early_late"])
+@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_late_early"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
 @pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_hidden",
-                                  "staged_hidden"])
+                                  "staged_hidden", "ce_late_early"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the

@@ -169,7 +169,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
   UCCL_MOE_TRACE(trace::add(trace::kWait, t_start));
   if (started) pull_sum<kNumRanks, kColUnroll>(ctx, a);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) pull_done(ctx, round, &sm);
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    pull_done(ctx, round, &sm);
+    record_if_aborted(ctx, DiagPhase::kCombinePullDone);
+  }
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, a.staged != 0 ? "pull_staged" : "pull_view", me,
                                a.hidden * 2));

@@ -536,6 +536,7 @@ __global__ void __launch_bounds__(kUnpackThreads) dispatch_unpack_kernel(NvlCont
     release_to_peers(ctx, kOffPullDone, round);
     wait_peers(ctx, kOffPullDone, round, DiagPhase::kDispatchDirectDone, &sm);
     if (threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
+    record_if_aborted(ctx, DiagPhase::kDispatchDirectDone);
   }
 }
 

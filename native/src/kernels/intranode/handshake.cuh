@@ -46,6 +46,15 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
   }
 }
 
+/// The end of a launch (one block, every thread): where the abort flag is up but no wait of this launch wrote the
+/// record, writes one (`drained`, naming `phase`). The flag skips work (a sum, an unpack) without any wait, and where
+/// the waits that remain then pass (the peer that gave up still released them) the launch would end as if it had run;
+/// the host learns of a failure only from the record.
+UCCL_DEVICE_INLINE void record_if_aborted(const NvlContext& ctx, DiagPhase phase) {
+  if (threadIdx.x == 0 && gpu::load_volatile(ctx.abort_flag) != 0)
+    report_timeout(diag_of(ctx), phase, DiagRole::kReceiver, -1, -1, 0, 0, 0, 0.0);
+}
+
 /// One thread's part of wait_peers (below), for peer d: waits until word [d] at `off` of our meta reached `round`
 /// (released by rank d: release_to_peers), then with `arg` >= 0 checks that d's value (our pull_topk[d]) is `arg`
 /// (else an `args_phase` InvalidUsage record). Returns false on an expiry, an abort or a mismatch.
@@ -227,6 +236,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   const bool done = pull_done(ctx, round, sm);
   if (e.early != 0 && !done && d < ctx.num_ranks && d != ctx.rank)
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
+  record_if_aborted(ctx, phase);
 }
 
 /// A copy-engine op's wait for chunks of peer d's rows (lane d of a warp tracks d): the highest chunk known
