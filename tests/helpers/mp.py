@@ -110,8 +110,11 @@ def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, mode: str = "glo
             if err is not None:
                 errors.append((r, err))
     if errors:
-        rank, tb = errors[0]
-        raise AssertionError(f"rank {rank} of {world} failed:\n{tb}")
+        # Every failing rank's traceback: the first rank's error is often only the echo of a peer's (a collective
+        # whose peer exited), and the cause is in the peer's.
+        failed = ", ".join(str(r) for r, _ in errors)
+        tbs = "\n".join(f"--- rank {r} of {world}:\n{tb}" for r, tb in errors)
+        raise AssertionError(f"rank {errors[0][0]} of {world} failed (failing ranks: {failed}):\n{tbs}")
     if hung:
         raise AssertionError(f"ranks {hung} of {world} did not finish within {timeout_s} s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]

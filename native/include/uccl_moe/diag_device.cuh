@@ -22,16 +22,19 @@ struct DiagDeviceHandle {
 
 #if defined(UCCL_GPU_COMPILER)
 
-/// Raises the abort flag (the launch drains) and writes the record unless another waiter already did; pairs with the
-/// acquire of `valid` on the host. The record is claimed on its own word, not by being first to raise the flag: a peer
-/// that gave up raises our flag too (an enter kernel or an early copy-engine op, handshake.cuh), and our waiters
+/// Writes the record unless another waiter already did, then raises the abort flag (the launch drains); pairs with
+/// the acquire of `valid` on the host. The record is claimed on its own word, not by being first to raise the flag: a
+/// peer that gave up raises our flag too (an enter kernel or an early copy-engine op, handshake.cuh), and our waiters
 /// then give up at once; were the record claimed with the flag, none of them would write it, the host (which reads
-/// the record, not the flag in GPU memory) would see no failure, and the op would return rows it never summed. The
-/// first waiter to expire on its own clock raises the flag and claims the record at once, so it normally names the
-/// cause; a waiter that found the flag up says so (`drained`).
+/// the record, not the flag in GPU memory) would see no failure, and the op would return rows it never summed.
+/// `drained` says the flag was up before this waiter reported, i.e. it stopped for another's abort. The claim comes
+/// before the flag, so that a waiter of this launch that stops for our flag finds the record taken: it cannot name
+/// itself drained in place of the waiter that expired on its own clock (two waiters that expire together both read
+/// the flag down, and either names the cause).
 UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
                                        int64_t expected, int64_t seen, uint64_t command, double waited_s) {
-  const bool drained = gpu::atomic_add_sys(h.abort_flag, 1) != 0;
+  const bool drained = gpu::load_volatile(h.abort_flag) != 0;
+  gpu::fence_sys();  // a flag seen up is ordered before our claim (the claimer's fence below pairs with it)
   DiagRecord* r = h.record;
   if (gpu::load_volatile(&r->valid) == 0 && gpu::atomic_cas_sys(&r->valid, 0, kDiagRecordWriting) == 0) {
     r->rank = h.rank;
@@ -46,6 +49,8 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
     r->drained = drained ? 1 : 0;
     gpu::store_release_sys(&r->valid, 1);
   }
+  gpu::fence_sys();  // the claim is visible before the flag it raises
+  gpu::atomic_add_sys(h.abort_flag, 1);
 }
 
 /// Records (token, k, value) in `fault` unless a fault is recorded there already (first writer wins); null = off.
