@@ -3,7 +3,8 @@
 // per call. A warm C++ loop: inside Python's per-op path the same calls cost more (docs/intranode.md, "Session 34").
 //
 //   nvcc -O3 -arch=sm_90 -o /tmp/call_cost_probe native/bench/probes/call_cost_probe.cu
-//   /tmp/call_cost_probe            (2 GPUs with peer access: the copies go from GPU 0 into GPU 1's memory)
+//   /tmp/call_cost_probe            (2 GPUs with peer access: the copies go from GPU 0 into GPU 1's memory; each
+//                                    line takes about 5 s, as every round waits out a ~1 s spin: about 45 s in all)
 //
 //   peer copy      cudaMemcpyAsync of 4 B and of 8 MB into the peer (a chunk's flag, a chunk)
 //   local copy     cudaMemcpyAsync of 8 MB within GPU 0
@@ -81,6 +82,7 @@ int main() {
     }
     std::sort(rounds.begin(), rounds.end());
     std::printf("%-40s %6.2f us per call (min %.2f)\n", name, rounds[2], rounds[0]);
+    std::fflush(stdout);  // line by line through a pipe, so a run cut short still shows what it measured
   };
   time("peer copy 4 B", [&] { cudaMemcpyAsync(remote + 64, word, 4, cudaMemcpyDefault, s); });
   time("peer copy 8 MB", [&] { cudaMemcpyAsync(remote, local, 8 << 20, cudaMemcpyDefault, s); });
