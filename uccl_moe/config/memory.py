@@ -191,6 +191,8 @@ class MemoryEstimate:
     gpu_memory_gb: float
     pp_rank: int
     ranks: list[RankParams] = field(default_factory=list)
+    #: "GPU", or "CPU rank" on a CPU platform, where platform.gpu_memory_gb is a host memory budget per process
+    per: str = "GPU"
 
     @property
     def total_gb(self) -> float:
@@ -200,12 +202,18 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.total_gb <= self.gpu_memory_gb
 
+    @property
+    def capacity(self) -> str:
+        """platform.gpu_memory_gb as what it is on this platform: a GPU's memory, or a CPU rank's host budget."""
+        gb = f"{self.gpu_memory_gb:g} GB"
+        return gb if self.per == "GPU" else f"the {gb} host memory budget (platform.gpu_memory_gb)"
+
     def summary(self) -> str:
         return (
-            f"model {fmt_params(self.total_params)} params; per GPU (pipeline rank {self.pp_rank}, the heaviest): "
-            f"{fmt_params(self.params_per_gpu)} params -> weights {self.weights_gb:.1f} GB + grads "
+            f"model {fmt_params(self.total_params)} params; per {self.per} (pipeline rank {self.pp_rank}, the "
+            f"heaviest): {fmt_params(self.params_per_gpu)} params -> weights {self.weights_gb:.1f} GB + grads "
             f"{self.grads_gb:.1f} GB + optimizer {self.optimizer_gb:.1f} GB = {self.total_gb:.1f} GB of "
-            f"{self.gpu_memory_gb:g} GB (activations not included)"
+            f"{self.capacity} (activations not included)"
         )
 
 
@@ -258,4 +266,5 @@ def estimate_memory(cfg: Any, assignment: list[list[int]], world_size: int) -> M
         gpu_memory_gb=float(cfg.platform.gpu_memory_gb),
         pp_rank=heaviest.pp_rank,
         ranks=ranks,
+        per="CPU rank" if str(getattr(cfg.platform.accelerator, "value", cfg.platform.accelerator)) == "cpu" else "GPU",
     )

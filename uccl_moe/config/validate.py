@@ -115,8 +115,8 @@ def validate(cfg: Any, *, warn: bool = True) -> ValidationReport:
         memory=memory,
     )
     if not memory.fits:
-        msg = (f"memory: recipe '{cfg.meta.recipe}' needs ~{memory.total_gb:.1f} GB per GPU for weights, grads and "
-               f"optimizer state alone, more than platform {cfg.platform.name}'s {memory.gpu_memory_gb:g} GB; use "
+        msg = (f"memory: recipe '{cfg.meta.recipe}' needs ~{memory.total_gb:.1f} GB per {memory.per} for weights, "
+               f"grads and optimizer state alone, more than platform {cfg.platform.name}'s {memory.capacity}; use "
                f"more nodes / a larger EP or PP, parallel.use_distributed_optimizer=true, or a smaller model")
         report.warnings.append(msg)
         if warn:
