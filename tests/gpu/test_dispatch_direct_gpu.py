@@ -47,7 +47,8 @@ CASES = [("bf16-random", 512, 2048, 16, 8, False, "none", "random"),
          ("bf16-head-plus-1", 293, 7168, 16, 8, False, "none", "skew"),  # EP2: one row past the head
          ("fp8-row", 600, 4096, 16, 8, True, "row", "random"),
          ("fp8-col", 600, 7168, 16, 8, True, "col", "neg"),
-         ("fp8-int", 400, 2048, 16, 8, True, "int", "empty_last")]
+         ("fp8-int", 400, 2048, 16, 8, True, "int", "empty_last"),
+         ("bf16-head-plus-1-ep3", 147, 7168, 16, 8, False, "none", "skew")]  # EP3: 146 head rows per peer, then 1
 
 
 def _with_knob(var: str, on: bool, fn, *args, **kw):
