@@ -178,6 +178,34 @@ def spawn_headline(worker: Any, args: argparse.Namespace, min_gpus: int, refusal
     return 0
 
 
+def close_headline(rank: int, buf: Any, header: str, lines: list[str]) -> None:
+    """The end of an A/B tool's rank: rank 0 prints `header` and `lines`, then every rank meets the others, destroys
+    its Buffer and leaves the process group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        print(header)
+        print("\n".join(lines), flush=True)
+    dist.barrier()
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def headline_ab_main(p: argparse.ArgumentParser, argv: Any, worker: Any, tool: str, parse: Any) -> int:
+    """The main() of an A/B tool over the bench's timing loop (flush_ab.py, spin_ab.py): adds --iters and the headline
+    arguments to `p`, parses `argv`, runs `parse(args)` (its ValueError is the parser's error, before anything starts)
+    and then `worker` on every rank (spawn_headline: 2 GPUs at least, else 2)."""
+    p.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median)")
+    add_headline_args(p)
+    args = p.parse_args(argv)
+    try:
+        parse(args)
+    except ValueError as e:
+        p.error(str(e))
+    return spawn_headline(worker, args, 2, f"{tool} needs 2 GPUs: run it on a 2-GPU machine (docs/benchmarks.md, "
+                                           f"Regenerate)")
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist

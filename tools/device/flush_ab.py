@@ -19,7 +19,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ce_timeline import add_headline_args, spawn_headline  # this folder's tools (its folder leads sys.path)
+from ce_timeline import headline_ab_main  # this folder's tools (its folder leads sys.path)
 
 OPS = ("fp8", "bf16", "combine", "nccl_fp8", "nccl_bf16", "nccl_combine")
 HELD = "held"
@@ -55,7 +55,7 @@ def report(res: Mapping[tuple[str, str], Sequence[tuple[float, float]]]) -> list
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from ce_timeline import headline, headline_calls, slowest_time
+    from ce_timeline import close_headline, headline, headline_calls, slowest_time
 
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
     flushes = {s: torch.empty(s << 20, dtype=torch.uint8, device="cuda") for s in args.sizes}
@@ -79,28 +79,16 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
             for mode in modes(args.sizes):
                 flush = flushes[min(args.sizes) if mode == HELD else int(mode[:-2])]
                 res.setdefault((name, mode), []).append(slowest_time(ops[name], flush, args.iters, mode == HELD))
-    if rank == 0:
-        print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds; flushes "
-              f"{', '.join(f'{s} MB' for s in args.sizes)}; held = device time")
-        print("\n".join(report(res)), flush=True)
-    dist.barrier()
-    buf.destroy()
-    dist.destroy_process_group()
+    sizes = ", ".join(f"{s} MB" for s in args.sizes)
+    close_headline(rank, buf, f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds; flushes "
+                   f"{sizes}; held = device time", report(res))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flush-mb", default="256,768", help="L2 flush sizes in MB, comma-separated (the bench's: 256)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--iters", type=int, default=20, help="timed calls per op, mode and round (median)")
-    add_headline_args(p)
-    args = p.parse_args(argv)
-    try:
-        args.sizes = parse_sizes(args.flush_mb)
-    except ValueError as e:
-        p.error(str(e))
-    return spawn_headline(_worker, args, 2, "flush_ab.py needs 2 GPUs: run it on a 2-GPU machine (docs/benchmarks.md, "
-                                            "Regenerate)")
+    return headline_ab_main(p, argv, _worker, "flush_ab.py", lambda a: setattr(a, "sizes", parse_sizes(a.flush_mb)))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ce_timeline import add_headline_args, spawn_headline  # this folder's tools (its folder leads sys.path)
+from ce_timeline import headline_ab_main  # this folder's tools (its folder leads sys.path)
 from flush_ab import report
 
 LAUNCHES = ("dispatch_ce_intranode", "combine_ce_intranode")  # the native launches of the copy-engine ops
@@ -62,8 +62,7 @@ def spinning(real: Any, state: dict[str, Any]) -> Any:
 
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
-    from ce_timeline import headline, headline_calls, slowest_time
+    from ce_timeline import close_headline, headline, headline_calls, slowest_time
 
     from uccl_moe import _C
 
@@ -80,13 +79,8 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
                 res.setdefault((op, name), []).append(slowest_time(fn, flush, args.iters, False))
             state["where"] = None
             res.setdefault((op, HELD), []).append(slowest_time(fn, flush, args.iters, True))
-    if rank == 0:
-        print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds, 256 MB flush; spins "
-              f"before (pre) or after (post) the native launch; held = device time")
-        print("\n".join(report(res)), flush=True)
-    dist.barrier()
-    buf.destroy()
-    dist.destroy_process_group()
+    close_headline(rank, buf, f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds, 256 MB "
+                   f"flush; spins before (pre) or after (post) the native launch; held = device time", report(res))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,15 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--spin", default="pre:30,pre:60,post:80", help="variants beside base: pre:US / post:US, "
                    "comma-separated")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--iters", type=int, default=20, help="timed calls per op, variant and round (median)")
-    add_headline_args(p)
-    args = p.parse_args(argv)
-    try:
-        args.variants = parse_spins(args.spin)
-    except ValueError as e:
-        p.error(str(e))
-    return spawn_headline(_worker, args, 2, "spin_ab.py needs 2 GPUs: run it on a 2-GPU machine (docs/benchmarks.md, "
-                                            "Regenerate)")
+    return headline_ab_main(p, argv, _worker, "spin_ab.py", lambda a: setattr(a, "variants", parse_spins(a.spin)))
 
 
 if __name__ == "__main__":
