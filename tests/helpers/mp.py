@@ -1,4 +1,4 @@
-"""Run a function on N spawned ranks and bring back their results, or the first failing rank's traceback.
+"""Run a function on N spawned ranks and bring back their results, or every failing rank's traceback.
 
 One launcher for every multi-process test:
 
@@ -114,7 +114,7 @@ def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, mode: str = "glo
         # whose peer exited), and the cause is in the peer's.
         failed = ", ".join(str(r) for r, _ in errors)
         tbs = "\n".join(f"--- rank {r} of {world}:\n{tb}" for r, tb in errors)
-        raise AssertionError(f"rank {errors[0][0]} of {world} failed (failing ranks: {failed}):\n{tbs}")
+        raise AssertionError(f"ranks {failed} of {world} failed (the lowest's error may only echo another's):\n{tbs}")
     if hung:
         raise AssertionError(f"ranks {hung} of {world} did not finish within {timeout_s} s")
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]

@@ -279,6 +279,11 @@ def test_a_drained_record_says_the_launch_was_aborted_first():
     assert drained["drained"] and drained["error"] == "Timeout"
     assert "rank 0 gave up after 0.4 s in combine/pull-start" in msg and "waiting for peer 2" in msg, msg
     assert "aborted first" in msg and "timed out after" not in msg, msg
+    # written at a launch's end (record_if_aborted: no wait of its own failed, the abort skipped its work)
+    ended = _C.format_diag(rank=1, peer=-1, channel=-1, phase=16, role=2, expected=0, seen=0, command=0,
+                           waited_s=0.0, drained=True)["message"]
+    assert "rank 1 found its launch in combine/pull-start aborted by a peer" in ended, ended
+    assert "no wait of this rank failed" in ended and "gave up after" not in ended, ended
 
 
 def test_package_import_does_not_need_torch():

@@ -1,5 +1,5 @@
 """tests/helpers/mp.py, the helper every multi-rank test runs through: where ranks fail, its error holds every failing
-rank's traceback, so a cause on one rank is not hidden behind the echo it leaves on another (a collective whose peer
+rank's traceback, so a cause on one rank is not hidden behind the error it leaves on another (a collective whose peer
 exited)."""
 
 from __future__ import annotations
@@ -8,18 +8,19 @@ import pytest
 from helpers.mp import run_ranks
 
 
-def _rank1_fails(rank: int, world: int) -> None:
-    import torch.distributed as dist
+def _both_fail(rank: int, world: int) -> None:
+    import time
 
     if rank == 1:
         raise ValueError("the cause, on rank 1")
-    dist.barrier()  # rank 0 waits here for a peer that already left: its error is only the echo
+    time.sleep(0.3)  # rank 0 fails after it, well within the 2 s the helper waits for the others to report
+    raise RuntimeError("an echo, on rank 0")
 
 
 def test_every_failing_ranks_traceback_is_reported() -> None:
     with pytest.raises(AssertionError) as info:
-        run_ranks(_rank1_fails, 2, timeout_s=120)
+        run_ranks(_both_fail, 2, timeout_s=120)
     msg = str(info.value)
-    assert "ValueError: the cause, on rank 1" in msg
-    assert "--- rank 1 of 2:" in msg
-    assert "failing ranks: 0, 1" in msg or "failing ranks: 1" in msg
+    assert "ranks 0, 1 of 2 failed" in msg, msg
+    assert "--- rank 0 of 2:" in msg and "RuntimeError: an echo, on rank 0" in msg, msg
+    assert "--- rank 1 of 2:" in msg and "ValueError: the cause, on rank 1" in msg, msg

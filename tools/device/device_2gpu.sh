@@ -87,12 +87,16 @@ for stage in ${STAGES:-quick bench}; do
       "$C::test_staged_and_ce_combine_match_the_ring[ce-3]" "$C::test_staged_and_ce_combine_match_the_ring[ce-4]" \
       "$C::test_staged_and_ce_combine_more_ranks[ce-6]" "$C::test_staged_and_ce_combine_more_ranks[ce-8]" \
       "$C::test_ce_combine_with_the_enter_kernel_always" "$N::test_native_combine_from_buffer_timeout[ce_skip_early]" \
+      "$N::test_native_combine_from_buffer_timeout[ce_skip_late_early]" \
+      "$N::test_native_combine_view_and_staged_tensor_refused[ce_late_early]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[mixed_ce]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[ce_chunks_early]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[ce_hidden]" \
       "$N::test_native_combine_view_and_staged_tensor_refused[staged_hidden]" > "$OUT/cetest_combine.log" 2>&1
-    echo "cetest (combine) rc=$?"; sum "$OUT/cetest_combine.log" 12 ;;
+    echo "cetest (combine) rc=$?"; sum "$OUT/cetest_combine.log" 12
+    timeout 60 "${P[@]}" --timeout 50 tests/uccl_moe/test_native_core.py -m gpu > "$OUT/cetest_core.log" 2>&1
+    echo "cetest (device records) rc=$?"; sum "$OUT/cetest_core.log" 6 ;;
   itest)
     UMOE_TEST_ITERS=${UMOE_TEST_ITERS:-5} timeout "${ITEST_T:-330}" "${P[@]}" --timeout 320 tests/gpu/test_intranode_native.py \
       -k "${ITEST_K:-}" > "$OUT/itest.log" 2>&1

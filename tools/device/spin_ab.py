@@ -49,8 +49,10 @@ def spin(us: int) -> None:
 
 
 def spinning(real: Any, state: dict[str, Any]) -> Any:
-    """`real` with state["us"] of spin before or after it (state["where"]: "pre", "post" or None)."""
+    """`real` with state["us"] of spin before or after it (state["where"]: "pre", "post" or None); counts its calls in
+    state["calls"]."""
     def call(*args: Any, **kw: Any) -> Any:
+        state["calls"] = state.get("calls", 0) + 1
         if state["where"] == "pre":
             spin(state["us"])
         out = real(*args, **kw)
@@ -71,9 +73,17 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         setattr(_C, name, spinning(getattr(_C, name), state))
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ops = headline_calls(buf, h, y, xb, x8)
+    for op, fn in ops.items():  # a spin that never runs would time every variant alike: each op must take the path
+        before = state.get("calls", 0)
+        fn()
+        if state.get("calls", 0) == before:
+            raise RuntimeError(f"{op} did not take the copy-engine path (not EP2, or a knob turned it off): "
+                               f"no spin would run")
+    torch.cuda.synchronize()
     res: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):
-        for op, fn in headline_calls(buf, h, y, xb, x8).items():
+        for op, fn in ops.items():
             for name, where, us in args.variants:
                 state["where"], state["us"] = where, us
                 res.setdefault((op, name), []).append(slowest_time(fn, flush, args.iters, False))

@@ -206,14 +206,14 @@ class MemoryEstimate:
     def capacity(self) -> str:
         """platform.gpu_memory_gb as what it is on this platform: a GPU's memory, or a CPU rank's host budget."""
         gb = f"{self.gpu_memory_gb:g} GB"
-        return gb if self.per == "GPU" else f"the {gb} host memory budget (platform.gpu_memory_gb)"
+        return gb if self.per == "GPU" else f"{gb} host memory budget per rank (platform.gpu_memory_gb)"
 
     def summary(self) -> str:
         return (
             f"model {fmt_params(self.total_params)} params; per {self.per} (pipeline rank {self.pp_rank}, the "
             f"heaviest): {fmt_params(self.params_per_gpu)} params -> weights {self.weights_gb:.1f} GB + grads "
             f"{self.grads_gb:.1f} GB + optimizer {self.optimizer_gb:.1f} GB = {self.total_gb:.1f} GB of "
-            f"{self.capacity} (activations not included)"
+            f"{'' if self.per == 'GPU' else 'the '}{self.capacity} (activations not included)"
         )
 
 

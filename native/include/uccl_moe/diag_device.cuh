@@ -15,7 +15,8 @@ namespace uccl_moe {
 /// Trivially copyable; kernels take it by value.
 struct DiagDeviceHandle {
   DiagRecord* record;   ///< host-mapped
-  int32_t* abort_flag;  ///< host-mapped; nonzero once any waiter gave up
+  int32_t* abort_flag;  ///< nonzero once any waiter gave up; in the rank's own NVL buffer (GPU memory, where peers
+                        ///< raise it too: the internode kernels share the NVL runtime's)
   uint64_t timeout_ns;  ///< from UCCL_MOE_TIMEOUT_S
   int32_t rank;
 };

@@ -224,7 +224,12 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
       double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (waited > host_limit_s) {
         auto* rec = reinterpret_cast<volatile DiagRecord*>(host_ + kHostOffDiag);
-        if (rec->valid == 0) {
+        // claimed as the GPU's waiters claim it (report_timeout: valid 0 -> writing -> 1), so that a GPU waiter
+        // giving up at the same moment cannot mix its fields with ours
+        int32_t free_word = 0;
+        auto* valid = reinterpret_cast<int32_t*>(host_ + kHostOffDiag);
+        if (__atomic_compare_exchange_n(valid, &free_word, kDiagRecordWriting, false, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED)) {
           rec->rank = rank_;
           rec->peer = -1;
           rec->channel = -1;
@@ -234,7 +239,8 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
           rec->seen = *counter;
           rec->command = 0;
           rec->waited_s = waited;
-          rec->valid = 1;
+          rec->drained = 0;
+          __atomic_store_n(valid, 1, __ATOMIC_RELEASE);
         }
         *reinterpret_cast<volatile int32_t*>(host_ + kHostOffAbort) = 1;
         return false;

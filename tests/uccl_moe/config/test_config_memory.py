@@ -86,10 +86,18 @@ def test_per_gpu_bytes_follow_the_optimizer_sharding():
 def test_fp32_cpu_bytes():
     m = validate(compose(["recipe=tiny_cpu_moe"]), warn=False).memory
     # on CPU, platform.gpu_memory_gb is a host budget per process, not a GPU's memory
-    assert m.per == "CPU rank" and "per CPU rank" in m.summary() and "4 GB host memory budget" in m.summary()
-    assert "per GPU" not in m.summary()
+    assert m.per == "CPU rank" and "per CPU rank" in m.summary()
+    assert "GB of the 4 GB host memory budget per rank" in m.summary() and "per GPU" not in m.summary()
     gpu = validate(compose(["recipe=dsv3_mi300x_broadcom_16n"]), warn=False).memory
     assert gpu.per == "GPU" and "GB of 192 GB (activations" in gpu.summary()
     heavy = m.ranks[m.pp_rank]
     assert m.weights_gb == pytest.approx(heavy.total * 4 / 1e9)
     assert m.optimizer_gb == pytest.approx(heavy.total * 8 / 1e9)
+
+
+def test_a_cpu_platform_warns_of_its_host_budget_not_a_gpu():
+    r = validate(compose(["recipe=tiny_cpu_moe", "platform.gpu_memory_gb=0.0001"]), warn=False)
+    assert not r.memory.fits and len(r.warnings) == 1
+    msg = r.warnings[0]
+    assert "GB per CPU rank for weights" in msg and "platform cpu's 0.0001 GB host memory budget per rank" in msg, msg
+    assert "per GPU" not in msg, msg

@@ -236,6 +236,16 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   const bool done = pull_done(ctx, round, sm);
   if (e.early != 0 && !done && d < ctx.num_ranks && d != ctx.rank)
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
+  // An early op checks a peer's arguments in a wait for it; where a peer that failed that check raised our flag
+  // before any of ours ran, compare what the peers released for this round now (no wait), so that this rank names
+  // the mismatch (InvalidUsage) as they do, not only a drained launch.
+  if (e.early != 0 && d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) != 0 &&
+      gpu::load_acquire_sys(meta_ptr<const int32_t>(local, kOffPullStart) + d) == round) {
+    const int32_t theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
+    if (theirs != e.checked)
+      report_timeout(diag_of(ctx), e.args_phase, DiagRole::kReceiver, d, -1, e.checked, theirs, 0, 0.0);
+  }
+  __syncthreads();
   record_if_aborted(ctx, phase);
 }
 

@@ -282,7 +282,9 @@ struct TailPublisher {
       }
       if (gpu::shfl(wait.expired() ? 1 : 0, 0)) {
         const int who = gpu::lowest_bit(gpu::ballot(!sender_done));
-        if (gpu::lane_id() == 0 && !wait.aborted_by_other())
+        // also where another waiter aborted first: a peer may have raised our flag, and then only a drained record
+        // tells our host (report_timeout: the first claim wins)
+        if (gpu::lane_id() == 0)
           report_timeout(diag, DiagPhase::kDispatchPublish, DiagRole::kSender, who, lane_idx, 1, 0, 0, wait.waited_s());
         return;
       }
