@@ -23,7 +23,8 @@ rank (``--no-align`` turns it off; then a rank's time also counts how late its p
 ``logical_GBps`` = all rows a rank receives (own rows included) x row bytes / time; ``nvlink_GBps`` = rows received from
 other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose
 host time per call outgrew the flush's GPU time (``flush_us``): the GPU may then have waited for the host inside the
-timed window (a loaded host).
+timed window (a loaded host); of that host time only the part before the op's launch counts, the rest runs while the
+GPU works (docs/benchmarks.md, "Sessions 34-35").
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
@@ -211,8 +212,8 @@ def host_bound_notes(rows: list[dict[str, Any]], device_time: bool) -> list[str]
         if over:
             notes.append(f"NOTE: EP{r['ranks']} T={r['tokens']} H={r['hidden']} {r['dtype']}: host us per call above "
                          f"the L2 flush's {flush:.0f} us of GPU time ({', '.join(over)}): the GPU may have waited for "
-                         f"the host, so those figures may include host time (a loaded host? rerun, or compare "
-                         f"--device-time)")
+                         f"the host, so those figures may include host time (only the host time before an op's "
+                         f"launch counts, tools/device/spin_ab.py; a loaded host? rerun, or compare --device-time)")
     return notes
 
 

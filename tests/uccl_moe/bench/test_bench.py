@@ -113,6 +113,7 @@ def test_host_bound_notes_name_the_ops_whose_host_time_outgrew_the_flush() -> No
     (note,) = host_bound_notes([row], device_time=False)
     assert "EP2 T=4096 H=7168 fp8" in note and "86 us" in note
     assert "dispatch 95" in note and "nccl_dispatch 91" in note and "combine" not in note.replace("--", "")
+    assert "only the host time before an op's launch counts" in note
     assert host_bound_notes([row], device_time=True) == []
     calm = {**row, "dispatch_host_us": 50.0, "nccl_dispatch_host_us": 30.0}
     assert host_bound_notes([calm], device_time=False) == []
