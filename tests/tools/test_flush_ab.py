@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers.tools import device_tool
+from helpers.tools import device_tool, refuses_before_any_rank
 
 fa = device_tool("flush_ab")
 
@@ -30,11 +30,4 @@ def test_the_report_lists_every_round_of_each_op_and_mode() -> None:
 
 
 def test_bad_sizes_and_a_machine_without_two_gpus_stop_before_any_rank(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        fa.main(["--flush-mb", "0"])
-    assert "--flush-mb" in capsys.readouterr().err
-    torch = pytest.importorskip("torch")
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has 2 GPUs: main() would spawn the ranks")
-    assert fa.main([]) == 2
-    assert "needs 2 GPUs" in capsys.readouterr().err
+    refuses_before_any_rank(fa.main, ["--flush-mb", "0"], "--flush-mb", capsys)

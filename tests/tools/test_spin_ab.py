@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers.tools import device_tool
+from helpers.tools import device_tool, refuses_before_any_rank
 
 sa = device_tool("spin_ab")
 
@@ -46,11 +46,4 @@ def test_the_spin_comes_before_or_after_the_launch_as_set() -> None:
 
 def test_bad_variants_and_a_machine_without_two_gpus_stop_before_any_rank(
         capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        sa.main(["--spin", "pre:0"])
-    assert "--spin" in capsys.readouterr().err
-    torch = pytest.importorskip("torch")
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has 2 GPUs: main() would spawn the ranks")
-    assert sa.main([]) == 2
-    assert "needs 2 GPUs" in capsys.readouterr().err
+    refuses_before_any_rank(sa.main, ["--spin", "pre:0"], "--spin", capsys)

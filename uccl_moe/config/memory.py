@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidUsageError
+from . import schema
 
 GB = 1e9
 
@@ -266,5 +267,5 @@ def estimate_memory(cfg: Any, assignment: list[list[int]], world_size: int) -> M
         gpu_memory_gb=float(cfg.platform.gpu_memory_gb),
         pp_rank=heaviest.pp_rank,
         ranks=ranks,
-        per="CPU rank" if str(getattr(cfg.platform.accelerator, "value", cfg.platform.accelerator)) == "cpu" else "GPU",
+        per="CPU rank" if cfg.platform.accelerator == schema.Accelerator.cpu else "GPU",
     )

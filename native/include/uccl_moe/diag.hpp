@@ -92,6 +92,7 @@ enum class DiagRole : int32_t {
   kForwarder = 3,    ///< the internode forwarder
   kCoordinator = 4,  ///< a barrier or notify coordinator
   kProxy = 5,        ///< a CPU proxy thread
+  kLaunchEnd = 6,    ///< not a wait: a launch that ended with the abort flag up and no record (record_if_aborted)
 };
 
 const char* diag_role_name(DiagRole role);

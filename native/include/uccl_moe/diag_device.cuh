@@ -82,7 +82,6 @@ struct BoundedWait {
     return gpu::global_timer_ns() - start_ns > timeout_ns;
   }
   UCCL_DEVICE_INLINE double waited_s() const { return (gpu::global_timer_ns() - start_ns) * 1e-9; }
-  UCCL_DEVICE_INLINE bool aborted_by_other() const { return gpu::load_volatile(abort_flag) != 0; }
 };
 
 /// One thread's bounded wait until `*word` (polled with acquire) reached `target`. The compare wraps, so counters

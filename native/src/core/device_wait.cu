@@ -23,10 +23,10 @@ DiagRecord selftest_device_timeout(double timeout_s, int rank, bool peer_aborted
   void* host = nullptr;
   check(gpu::host_alloc_mapped(&host, 4096), "host_alloc_mapped");
   std::memset(host, 0, 4096);
-  if (peer_aborted) *reinterpret_cast<int32_t*>(static_cast<char*>(host) + 256) = 1;  // as a peer's store leaves it
   auto* record = static_cast<DiagRecord*>(host);
   auto* abort_flag = reinterpret_cast<int32_t*>(static_cast<char*>(host) + 256);
   auto* flag = reinterpret_cast<int32_t*>(static_cast<char*>(host) + 512);
+  if (peer_aborted) *abort_flag = 1;  // as a peer that gave up leaves it
   DiagDeviceHandle h{record, abort_flag, static_cast<uint64_t>(timeout_s * 1e9), rank};
   void *d_record, *d_abort, *d_flag;
   check(gpu::host_device_pointer(&d_record, record), "host_device_pointer");

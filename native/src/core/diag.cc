@@ -43,6 +43,7 @@ const char* diag_role_name(DiagRole role) {
     case DiagRole::kForwarder: return "forwarder";
     case DiagRole::kCoordinator: return "coordinator";
     case DiagRole::kProxy: return "proxy";
+    case DiagRole::kLaunchEnd: return "launch end";
   }
   return "unknown";
 }
@@ -111,7 +112,7 @@ std::string format_diag(const DiagRecord& r) {
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
-  if (r.drained != 0 && r.peer < 0 && r.expected == 0 && r.seen == 0 && r.waited_s == 0.0)  // record_if_aborted
+  if (r.role == DiagRole::kLaunchEnd)
     return detail::format(
         "rank %d found its launch in %s aborted by a peer that gave up (its own error names what it waited for): no "
         "wait of this rank failed, but the abort skipped its work, so this op's results are not valid",

@@ -52,7 +52,16 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
 /// the host learns of a failure only from the record.
 UCCL_DEVICE_INLINE void record_if_aborted(const NvlContext& ctx, DiagPhase phase) {
   if (threadIdx.x == 0 && gpu::load_volatile(ctx.abort_flag) != 0)
-    report_timeout(diag_of(ctx), phase, DiagRole::kReceiver, -1, -1, 0, 0, 0, 0.0);
+    report_timeout(diag_of(ctx), phase, DiagRole::kLaunchEnd, -1, -1, 0, 0, 0, 0.0);
+}
+
+/// Whether peer d released `arg` for this round (our pull_topk[d], stored before its release: read after it was
+/// acquired); else an `args_phase` InvalidUsage record naming both values.
+UCCL_DEVICE_INLINE bool peer_arg_matches(const NvlContext& ctx, int d, int32_t arg, DiagPhase args_phase) {
+  const int32_t theirs = gpu::load_volatile(meta_ptr(ctx.buffers[ctx.rank], kOffPullTopk) + d);
+  if (theirs == arg) return true;
+  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
+  return false;
 }
 
 /// One thread's part of wait_peers (below), for peer d: waits until word [d] at `off` of our meta reached `round`
@@ -63,11 +72,7 @@ UCCL_DEVICE_INLINE bool wait_peer(const NvlContext& ctx, int d, size_t off, int3
   void* local = ctx.buffers[ctx.rank];
   if (!wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, off) + d, round, phase, DiagRole::kReceiver, d, -1))
     return false;
-  if (arg < 0) return true;
-  const int32_t theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
-  if (theirs == arg) return true;
-  report_timeout(diag_of(ctx), args_phase, DiagRole::kReceiver, d, -1, arg, theirs, 0, 0.0);
-  return false;
+  return arg < 0 || peer_arg_matches(ctx, d, arg, args_phase);
 }
 
 /// Called by every thread of a block: thread d (d < N, d != me) waits until word [d] at `off` of our meta reached
@@ -240,11 +245,8 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   // before any of ours ran, compare what the peers released for this round now (no wait), so that this rank names
   // the mismatch (InvalidUsage) as they do, not only a drained launch.
   if (e.early != 0 && d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) != 0 &&
-      gpu::load_acquire_sys(meta_ptr<const int32_t>(local, kOffPullStart) + d) == round) {
-    const int32_t theirs = gpu::load_volatile(meta_ptr(local, kOffPullTopk) + d);
-    if (theirs != e.checked)
-      report_timeout(diag_of(ctx), e.args_phase, DiagRole::kReceiver, d, -1, e.checked, theirs, 0, 0.0);
-  }
+      gpu::load_acquire_sys(meta_ptr<const int32_t>(local, kOffPullStart) + d) == round)
+    peer_arg_matches(ctx, d, e.checked, e.args_phase);
   __syncthreads();
   record_if_aborted(ctx, phase);
 }
