@@ -298,3 +298,70 @@ def test_ce_dispatch_with_the_enter_kernel_always() -> None:
     """UCCL_MOE_CE_EARLY=0: every copy-engine dispatch waits for the enter hand-shake kernel before its copies: the
     same outputs as the rings, at EP2 (the default's early copies run in the tests above)."""
     run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)
+
+
+def _late_outputs_worker(rank: int, world: int, gloo) -> None:
+    """The copy-engine ops allocate their outputs once their first copies are enqueued (intranode.hpp LateOutputs).
+    Where that allocation raises on one rank (an out-of-memory, injected), that rank raises it, its op still runs to
+    the end without outputs, so every other rank's outputs are the rings' bit for bit, and the next op is right on
+    every rank: the cached dispatch (FP8, column-major scales) and the combine of a caller's tensor with top-k weights
+    (two late outputs each)."""
+    from uccl_moe.backends import _buffer_paths
+
+    R, odd = world, world - 1
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+
+    def oom(*args, **kw):
+        raise torch.cuda.OutOfMemoryError("injected: the outputs' allocation failed")
+
+    def once_failing(name: str, call, want) -> None:
+        """call() with the outputs' allocation failing on rank `odd`, then once more with nothing failing."""
+        try:
+            got = call()
+        except torch.cuda.OutOfMemoryError as e:
+            check(f"{name}: only the failing rank raises ({e})", rank == odd and "injected" in str(e))
+        else:
+            check(f"{name}: the other ranks' outputs are the rings'", rank != odd and all(
+                _eq(p, q) for p, q in zip(got, want)))
+        finally:
+            nat._live().__dict__.pop("_alloc_recv", None)
+            _buffer_paths.combine_outputs = real_outputs
+        torch.cuda.synchronize()
+        check(f"{name}: the next one on every rank", all(_eq(p, q) for p, q in zip(call(), want)))
+
+    real_outputs = _buffer_paths.combine_outputs
+    case = _Case(rank, R, 600, 7168, 16 * R, 8, True, "col", "random", 960)
+    _, ring = _ce(False, _dispatch, nat, case, "cuda", config=cfg)
+    x = case.xin("cuda")
+    want = _ce(False, nat.dispatch, x, handle=ring.handle, config=cfg).recv_x
+
+    fail = {"dispatch": rank == odd, "combine": rank == odd}  # the first call of each on rank `odd`
+
+    def dispatch():
+        if fail.pop("dispatch", False):
+            nat._live()._alloc_recv = oom
+        return _ce(True, nat.dispatch, x, handle=ring.handle, config=cfg).recv_x
+
+    once_failing("dispatch", dispatch, want)
+    bf = _Case(rank, R, 600, 4096, 16 * R, 8, False, "none", "random", 961)
+    _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
+    y = (_split(bb.recv_x)[0].float() * 0.5).bfloat16()
+    w = bb.recv_topk_weights
+    ring_out = _combine(nat, "ring", y, bb.handle, topk_weights=w, config=cfg)
+    want_c = (ring_out.combined_x, ring_out.combined_topk_weights)
+
+    def combine():
+        if fail.pop("combine", False):
+            _buffer_paths.combine_outputs = oom
+        out = _combine(nat, "ce", y, bb.handle, topk_weights=w, config=cfg)
+        return out.combined_x, out.combined_topk_weights
+
+    once_failing("combine", combine, want_c)
+    check("the combine ran through the copy engines", nat._live().combine_ce_fits(bb.handle, 4096, 8))
+    torch.cuda.synchronize()
+    check.finish(gloo, nat, ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ce_ops_whose_outputs_fail_on_one_rank(world: int) -> None:
+    run_shared_gpu_ranks(_late_outputs_worker, world, timeout_s=600)

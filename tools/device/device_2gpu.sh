@@ -10,7 +10,8 @@
 #   itest    the intranode GPU suite (UMOE_TEST_ITERS back-to-back calls; default 5)
 #   cetest   the copy-engine ops' GPU tests: the dispatch against the rings (EP1-4, 6 and 8 sharing the GPUs, chunk
 #            counts 1 and 8, the enter kernel always, launches that block), the combine's (EP1-4, 6 and 8, the enter
-#            kernel always) and their fault tests (early copies, a rank that skips, other chunks); two runs of
+#            kernel always) and their fault tests (early copies, a rank that skips, other chunks, outputs whose
+#            allocation fails on one rank); two runs of
 #            about 2.5 minutes each (2 x H100)
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
 #   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each

@@ -16,7 +16,7 @@ from .. import _C, env, tuning
 from ..errors import InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import tensor_at
-from ._operands import combine_operands, scale_layout
+from ._operands import combine_inputs, combine_outputs, scale_layout
 
 #: Attribute on a handle's rank_prefix tensor: the most rows any rank of the node received (notify's count).
 _MOST_ROWS_ATTR = "_uccl_moe_most_recv_rows"
@@ -111,15 +111,20 @@ class BufferPaths:
             x_scales = x_scales.contiguous()  # the SMs store the scales into the peers as one dense block
             _, s_tok, s_hid = scale_layout(x_scales)
         rows = int(handle.recv_src_idx.shape[0])
-        recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
         args = _C.DispatchArgs(
             x=_ptr(x), x_scales=_ptr(x_scales), rank_prefix=_ptr(handle.rank_prefix_matrix), num_tokens=x.shape[0],
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
-            num_recv_rows=rows, recv_x=_ptr(recv_x), recv_scales=_ptr(recv_scales),
-            recv_src_idx=_ptr(handle.recv_src_idx))
+            num_recv_rows=rows, recv_src_idx=_ptr(handle.recv_src_idx))
+        outs: list[tuple[Any, ...]] = []
+
+        def outputs() -> tuple[int, int]:  # once the first copies are enqueued (LateOutputs)
+            recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
+            outs.append((recv_x, recv_scales))
+            return _ptr(recv_x), _ptr(recv_scales)
+
         _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, int(env.get("DISPATCH_CE_CHUNKS")),
-                                 bool(env.get("CE_EARLY")), self._stream())
-        return recv_x, recv_scales
+                                 bool(env.get("CE_EARLY")), self._stream(), outputs)
+        return outs[0][0], outs[0][1]
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
         """Whether a cached dispatch along `handle` of rows of `row_bytes` (`num_scales` 4-byte scales each) could go
@@ -277,16 +282,25 @@ class BufferPaths:
         K = int(topk_weights.shape[1]) if topk_weights is not None else 0
         T = int(handle.is_token_in_rank.shape[0])
         lanes = handle.channel_prefix_matrix
-        tw, b0, b1, out, out_w = combine_operands(x, T, topk_weights, bias)
+        tw, b0, b1 = combine_inputs(topk_weights, bias)
         args = _C.CombinePullArgs(
             topk_weights=_ptr(tw), bias0=_ptr(b0), bias1=_ptr(b1), rank_prefix=_ptr(handle.rank_prefix_matrix),
             lane_prefix=_ptr(lanes), send_head=_ptr(handle.send_head), num_tokens=T, hidden=H, num_topk=K,
-            num_lanes=int(lanes.shape[1]), out=_ptr(out), out_topk_weights=_ptr(out_w),
-            staged=int(own), own_x=_ptr(x) if own else 0, ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
+            num_lanes=int(lanes.shape[1]), staged=int(own), own_x=_ptr(x) if own else 0,
+            ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
         if ce_rank_prefix is not None:
+            outs: list[tuple[Any, ...]] = []
+
+            def outputs() -> tuple[int, int]:  # once the first copies are enqueued (LateOutputs)
+                out, out_w = combine_outputs(x, T, tw)
+                outs.append((out, out_w))
+                return _ptr(out), _ptr(out_w)
+
             _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, bool(env.get("CE_EARLY")),
-                                    self._stream())
-        else:
-            _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
+                                    self._stream(), outputs)
+            return outs[0][0], outs[0][1]
+        out, out_w = combine_outputs(x, T, tw)
+        args.out, args.out_topk_weights = _ptr(out), _ptr(out_w)
+        _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())
         return out, out_w
 

@@ -1,6 +1,8 @@
 // Bindings of the NVL runtime and the intranode kernels. Tensors cross as raw device pointers (Python ints,
 // 0 = absent) plus a stream handle (int); uccl_moe/backends/native.py owns the tensors and validates shapes.
 #include <algorithm>
+#include <exception>
+#include <tuple>
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -25,6 +27,27 @@ namespace uccl_moe::bindings {
 namespace {
 
 using intranode::Geometry;
+
+#if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
+/// intranode::LateOutputs from `fn`, a Python callable that allocates a copy-engine op's outputs and returns their
+/// device addresses (out0, out1), 0 for none; None: the args hold them. The first error `fn` raises (or a result of
+/// another shape) goes into `failed`, which the binding raises once the launch is complete: the op then ran to its
+/// end without outputs, as the peers need.
+intranode::LateOutputs late_outputs(const nb::object& fn, std::exception_ptr& failed) {
+  if (fn.is_none()) return {};
+  return [&fn, &failed](void*& out0, void*& out1) {
+    try {
+      const auto [a, b] = nb::cast<std::tuple<uintptr_t, uintptr_t>>(fn());
+      out0 = reinterpret_cast<void*>(a);
+      out1 = reinterpret_cast<void*>(b);
+      return true;
+    } catch (...) {
+      failed = std::current_exception();
+      return false;
+    }
+  };
+}
+#endif
 
 /// The intranode geometry, the launchers' argument structs (built in Python by field name: args_class.hpp) and the
 /// combine-input layout Buffer's size hint reads. Plain data: registered in every build.
@@ -342,34 +365,43 @@ void register_runtime(nb::module_& m) {
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
 
   m.def("combine_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::CombinePullArgs& a,
-                                   const std::vector<int32_t>& rank_prefix, bool early, uintptr_t stream) {
+                                   const std::vector<int32_t>& rank_prefix, bool early, uintptr_t stream,
+                                   const nb::object& outputs) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
                 rank_prefix.size(), N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
-    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream));
+    std::exception_ptr failed;
+    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream), late_outputs(outputs, failed));
     rt.note_op(stream_of(stream), true);
-  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a,
+    if (failed) std::rethrow_exception(failed);
+  }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a, "outputs"_a = nb::none(),
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
   "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major; early: "
-  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake)");
+  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake); outputs: None "
+  "(args.out holds them) or a callable returning (out, out_topk_weights) addresses, called once the first copies "
+  "are enqueued (intranode.hpp LateOutputs; what it raises is raised after the launch)");
 
   m.def("dispatch_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::DispatchArgs& a,
                                     const std::vector<int32_t>& rank_prefix, const std::vector<int32_t>& rank_tokens,
-                                    int chunks, bool early, uintptr_t stream) {
+                                    int chunks, bool early, uintptr_t stream, const nb::object& outputs) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N && static_cast<int>(rank_tokens.size()) == N,
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
-    intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream));
+    std::exception_ptr failed;
+    intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
+                                  late_outputs(outputs, failed));
     rt.note_op(stream_of(stream), true);
+    if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,
+  "outputs"_a = nb::none(),
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
-  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early as for "
-  "combine_ce_intranode");
+  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early and outputs (here "
+  "(recv_x, recv_scales)) as for combine_ce_intranode");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

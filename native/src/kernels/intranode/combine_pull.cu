@@ -356,7 +356,7 @@ void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream) {
 }
 
 void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce,
-                       void* stream) {
+                       void* stream, const LateOutputs& outputs) {
   const int N = ctx.num_ranks, me = ctx.rank, K = a.num_topk;
   UCCL_ASSERT(a.hidden > 0 && (a.hidden * 2) % 16 == 0, "combine hidden=%d: hidden * 2 bytes must be a multiple of 16",
               a.hidden);
@@ -407,9 +407,20 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
                          k_begin, k_end, head_rows[d]);
       },
       [&] {
+        CombinePullArgs args = a;
+        void *out = nullptr, *out_w = nullptr;
+        if (outputs && outputs(out, out_w)) {
+          args.out = out;
+          args.out_topk_weights = static_cast<float*>(out_w);
+        } else if (outputs) {  // no outputs: sum no token, still store the head and hand-shake
+          args.num_tokens = 0;
+          args.out = nullptr;
+          args.out_topk_weights = nullptr;
+        }
         with_num_ranks(N, "combine", [&](auto n) {
           combine_ce_sum_kernel<decltype(n)::value>
-              <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, head, enter);
+              <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, args, head,
+                                                                                                enter);
         });
       },
       stream);

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
 }  // namespace
 
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
-                        int chunks, const CeCopies& ce, void* stream) {
+                        int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs) {
   const int N = ctx.num_ranks, me = ctx.rank;
   const int32_t* rp = ce.rank_prefix_host;
   UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16",
@@ -177,9 +177,15 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
                          head_rows);
       },
       [&] {
+        DispatchArgs args = a;
+        if (outputs && !outputs(args.recv_x, args.recv_scales)) {  // no outputs: gather no row, still hand-shake
+          args.recv_x = args.recv_scales = nullptr;
+          std::fill(p.recv_start, p.recv_start + N + 1, 0);
+        }
         with_num_ranks(N, "dispatch", [&](auto n) {
           dispatch_ce_gather_kernel<decltype(n)::value>
-              <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, a, p, head, enter);
+              <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, args, p, head,
+                                                                                              enter);
         });
       },
       stream);

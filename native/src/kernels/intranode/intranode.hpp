@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -302,6 +303,14 @@ struct CeHead {
 /// The transposed store's tile (store_ce_head_transposed): tokens by scale indices, in shared memory.
 constexpr int kCeHeadTileRows = 32;
 constexpr int kCeHeadTileCols = 128;
+/// The outputs of a copy-engine op, allocated once its first copies are enqueued: the caller's allocations then run
+/// while the copies do instead of delaying them (in the bench's default mode every microsecond of host time before
+/// the copies is a microsecond of the op's time once the host outruns the L2 flush; time after them is hidden).
+/// Sets (out0, out1) to the dispatch's (recv_x, recv_scales) or the combine's (out, out_topk_weights) and returns
+/// true; false where it could not (the caller's allocation raised): the op then runs to its end writing no output, so
+/// the peers' results stay right and the Buffer usable, and the caller raises its error. Empty: the args hold the
+/// outputs.
+using LateOutputs = std::function<bool(void*& out0, void*& out1)>;
 /// The caller's `stream` waits for every peer's copy stream (ce.copied): the copies read the caller's tensors.
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// Combine of a caller's tensor through the copy engines (UCCL_MOE_COMBINE_CE): an enter hand-shake kernel, then per
@@ -313,7 +322,9 @@ void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// order, so the same bits, as every other combine.
 /// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
 /// done hand-shake (a later op's ring slots overlap the landing areas).
-void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce, void* stream);
+/// `outputs`: see LateOutputs (a rank without outputs sums no token).
+void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs& a, const CeCopies& ce, void* stream,
+                       const LateOutputs& outputs = {});
 
 /// A copy-engine dispatch's plan for the gather kernel (computed on the host from the handle's counts as notify
 /// published them; the same on every rank).
@@ -333,8 +344,9 @@ struct CeDispatchPlan {
 /// landed; then the pull's done
 /// hand-shake. The caller's stream waits for the copy streams. `rank_tokens`: every rank's token count (notify's);
 /// ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
+/// `outputs`: see LateOutputs (a rank without outputs gathers no row).
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
-                        int chunks, const CeCopies& ce, void* stream);
+                        int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs = {});
 
 /// One-way copy-engine copy of `bytes` from this rank's buffer to `peer`'s (the benchmark's ceiling).
 void launch_peer_copy(const NvlContext& ctx, int peer, int64_t bytes, void* stream);
