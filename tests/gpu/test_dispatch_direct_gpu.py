@@ -306,10 +306,15 @@ def _late_outputs_worker(rank: int, world: int, gloo) -> None:
     the end without outputs, so every other rank's outputs are the rings' bit for bit, and the next op is right on
     every rank: the cached dispatch (FP8, column-major scales) and the combine of a caller's tensor with top-k weights
     (two late outputs each)."""
+    from uccl_moe import _C
     from uccl_moe.backends import _buffer_paths
 
     R, odd = world, world - 1
     cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    launches: list[str] = []  # the copy-engine launches the ops below reach (a spy around the real ones)
+    real = {name: getattr(_C, name) for name in ("dispatch_ce_intranode", "combine_ce_intranode")}
+    for name, fn in real.items():
+        setattr(_C, name, lambda *a, fn=fn, name=name: (launches.append(name), fn(*a))[1])
 
     def oom(*args, **kw):
         raise torch.cuda.OutOfMemoryError("injected: the outputs' allocation failed")
@@ -357,7 +362,10 @@ def _late_outputs_worker(rank: int, world: int, gloo) -> None:
         return out.combined_x, out.combined_topk_weights
 
     once_failing("combine", combine, want_c)
-    check("the combine ran through the copy engines", nat._live().combine_ce_fits(bb.handle, 4096, 8))
+    for name, fn in real.items():
+        setattr(_C, name, fn)
+    check(f"both ops ran through the copy engines, twice each ({launches})",
+          launches == ["dispatch_ce_intranode"] * 2 + ["combine_ce_intranode"] * 2)
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 

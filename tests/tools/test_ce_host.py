@@ -20,9 +20,15 @@ def test_profile_reports_each_ops_python_path_with_the_launch_off_and_puts_it_ba
 
     C = SimpleNamespace(dispatch_ce_intranode=launch)
 
+    allocated: list[int] = []
+
+    def outputs() -> tuple[int, int]:  # the op's outputs callback (LateOutputs): the no-op launch still calls it
+        allocated.append(1)
+        return 0x1000, 0
+
     def python_path_of_the_op() -> None:
         time.sleep(1e-4)
-        C.dispatch_ce_intranode(1, 2)
+        C.dispatch_ce_intranode(1, 2, outputs)
 
     loops: list[int] = []
 
@@ -35,9 +41,28 @@ def test_profile_reports_each_ops_python_path_with_the_launch_off_and_puts_it_ba
     report = ch._profile({"dispatch fp8": (python_path_of_the_op, "dispatch_ce_intranode")}, C, timed,
                          {"a primitive": lambda: None})
     assert launched == []  # the launch was a no-op throughout
+    assert len(allocated) == 3  # that asked for the outputs, as the real launch does
     assert C.dispatch_ce_intranode is launch  # and is back
     assert "==== dispatch fp8: Python path" in report and "python_path_of_the_op" in report
     assert "host us per call  a primitive" in report and "12.50" in report and len(loops) == 2
+
+
+def test_a_recorded_launch_replays_with_its_outputs_made_once() -> None:
+    """The native launch alone is timed by replaying a recorded call: its outputs are allocated once, before, into
+    the argument struct, and the replay passes no callback (so it allocates nothing per call)."""
+    made: list[int] = []
+
+    def outputs() -> tuple[int, int]:
+        made.append(1)
+        return 0x2000, 0x3000
+
+    args = SimpleNamespace(recv_x=0, recv_scales=0)
+    replay = ch._replayable(("rt", 24, args, [1], [2], 3, True, 0, outputs), "dispatch_ce_intranode")
+    assert replay == ("rt", 24, args, [1], [2], 3, True, 0, None) and made == [1]
+    assert (args.recv_x, args.recv_scales) == (0x2000, 0x3000)
+    comb = SimpleNamespace(out=0, out_topk_weights=0)
+    ch._replayable(("rt", 24, comb, [1], True, 0, lambda: (0x4000, 0)), "combine_ce_intranode")
+    assert (comb.out, comb.out_topk_weights) == (0x4000, 0)
 
 
 def test_without_two_gpus_it_refuses(capsys: Any) -> None:

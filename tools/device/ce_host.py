@@ -58,8 +58,9 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         if not seen:
             raise RuntimeError(f"{name} did not take the copy-engine path (not EP2, or a knob turned it off)")
         res[f"{name}: Buffer call"] = timed(fn)
-        res[f"{name}: native launch"] = timed(lambda real=real, a=seen[-1]: real(*a))
-        setattr(C, launch, lambda *a: None)
+        replay = _replayable(seen[-1], launch)
+        res[f"{name}: native launch"] = timed(lambda real=real, a=replay: real(*a))
+        setattr(C, launch, _no_launch)
         try:
             res[f"{name}: Python path"] = timed(fn)
         finally:
@@ -84,6 +85,29 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+# The output fields of each copy-engine launch's argument struct, which its outputs callback fills (LateOutputs).
+_OUTPUT_FIELDS = {"dispatch_ce_intranode": ("recv_x", "recv_scales"),
+                  "combine_ce_intranode": ("out", "out_topk_weights")}
+
+
+def _no_launch(*args: Any) -> None:
+    """A copy-engine launch that launches nothing: it only asks for the op's outputs, as the real one does before its
+    kernel (its last argument, the outputs callback), so the Python path allocates them as it does for real."""
+    if args and callable(args[-1]):
+        args[-1]()
+
+
+def _replayable(args: tuple[Any, ...], launch: str) -> tuple[Any, ...]:
+    """A recorded launch's arguments made to replay: its outputs allocated once, now (their addresses into the
+    argument struct, args[2]), and no callback, so each replay times the native launch alone and allocates nothing."""
+    outputs = args[-1]
+    if not callable(outputs):
+        return args
+    for field, address in zip(_OUTPUT_FIELDS[launch], outputs()):  # the callback keeps the tensors it made alive
+        setattr(args[2], field, address)
+    return (*args[:-1], None)
+
+
 def _profile(ops: dict[str, Any], C: Any, timed: Any, prims: dict[str, Any]) -> str:
     """cProfile's top entries over the calls `timed` makes of each op's Python path (its native launch, an attribute
     of `C`, a no-op meanwhile on every rank), then the host us of each of `prims`, in the same loop."""
@@ -94,7 +118,7 @@ def _profile(ops: dict[str, Any], C: Any, timed: Any, prims: dict[str, Any]) -> 
     out = []
     for name, (fn, launch) in ops.items():
         real = getattr(C, launch)
-        setattr(C, launch, lambda *a: None)
+        setattr(C, launch, _no_launch)
         prof = cProfile.Profile()
 
         def profiled(fn: Any = fn, prof: Any = prof) -> None:

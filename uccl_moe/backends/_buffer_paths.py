@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 import torch
 
 from .. import _C, env, tuning
-from ..errors import InvalidTypeError, InvalidUsageError
+from ..errors import InternalError, InvalidTypeError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
 from ..utils import tensor_at
 from ._operands import combine_inputs, combine_outputs, scale_layout
@@ -41,6 +41,15 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 _T = TypeVar("_T")
+
+
+def _late(outs: list[tuple[Any, ...]], what: str) -> tuple[Any, ...]:
+    """The outputs a copy-engine launch allocated through its callback (LateOutputs): it calls it exactly once, before
+    its kernel."""
+    if len(outs) != 1:
+        raise InternalError(f"{what}: the native launch asked for its outputs {len(outs)} times, not once; this is a "
+                            f"bug in uccl-moe, please report it")
+    return outs[0]
 
 
 def _answered_once(owner: Any, attr: str, key: tuple[int, ...], answer: Callable[[], _T]) -> _T:
@@ -124,7 +133,8 @@ class BufferPaths:
 
         _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, int(env.get("DISPATCH_CE_CHUNKS")),
                                  bool(env.get("CE_EARLY")), self._stream(), outputs)
-        return outs[0][0], outs[0][1]
+        recv_x, recv_scales = _late(outs, "copy-engine dispatch")
+        return recv_x, recv_scales
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
         """Whether a cached dispatch along `handle` of rows of `row_bytes` (`num_scales` 4-byte scales each) could go
@@ -298,7 +308,8 @@ class BufferPaths:
 
             _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, bool(env.get("CE_EARLY")),
                                     self._stream(), outputs)
-            return outs[0][0], outs[0][1]
+            out, out_w = _late(outs, "copy-engine combine")
+            return out, out_w
         out, out_w = combine_outputs(x, T, tw)
         args.out, args.out_topk_weights = _ptr(out), _ptr(out_w)
         _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())

@@ -30,14 +30,19 @@ using intranode::Geometry;
 
 #if defined(UCCL_MOE_WITH_INTRANODE_KERNELS)
 /// intranode::LateOutputs from `fn`, a Python callable that allocates a copy-engine op's outputs and returns their
-/// device addresses (out0, out1), 0 for none; None: the args hold them. The first error `fn` raises (or a result of
-/// another shape) goes into `failed`, which the binding raises once the launch is complete: the op then ran to its
-/// end without outputs, as the peers need.
-intranode::LateOutputs late_outputs(const nb::object& fn, std::exception_ptr& failed) {
+/// device addresses (out0, out1), 0 for none; None: the args hold them. `need0` / `need1`: whether the kernel writes
+/// through out0 / out1 (rows land there), so that 0 is an error. The first error (what `fn` raises, a result of another
+/// shape, a missing address) goes into `failed`, which the binding raises once the launch is complete and noted: the
+/// op then ran to its end without outputs, as the peers need.
+intranode::LateOutputs late_outputs(const nb::object& fn, std::exception_ptr& failed, bool need0, bool need1,
+                                    const char* what) {
   if (fn.is_none()) return {};
-  return [&fn, &failed](void*& out0, void*& out1) {
+  return [&fn, &failed, need0, need1, what](void*& out0, void*& out1) {
     try {
       const auto [a, b] = nb::cast<std::tuple<uintptr_t, uintptr_t>>(fn());
+      UCCL_CHECK_INTERNAL((a != 0 || !need0) && (b != 0 || !need1), "%s: its outputs came back without an address "
+                          "(%#llx, %#llx) where rows land", what, static_cast<unsigned long long>(a),
+                          static_cast<unsigned long long>(b));
       out0 = reinterpret_cast<void*>(a);
       out1 = reinterpret_cast<void*>(b);
       return true;
@@ -373,7 +378,8 @@ void register_runtime(nb::module_& m) {
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     std::exception_ptr failed;
-    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream), late_outputs(outputs, failed));
+    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream),
+                                 late_outputs(outputs, failed, a.num_tokens > 0, false, "copy-engine combine"));
     rt.note_op(stream_of(stream), true);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a, "outputs"_a = nb::none(),
@@ -393,8 +399,10 @@ void register_runtime(nb::module_& m) {
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     std::exception_ptr failed;
+    const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
-                                  late_outputs(outputs, failed));
+                                  late_outputs(outputs, failed, rows, rows && a.num_scales > 0,
+                                               "copy-engine dispatch"));
     rt.note_op(stream_of(stream), true);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,

@@ -394,9 +394,9 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     monkeypatch.setattr(native._C, "combine_pull_intranode",
                         lambda rt, num_sms, num_rows, args, stream: calls.append(("pull", args)))
     monkeypatch.setattr(native._C, "stage_combine_rows_intranode", lambda *a: calls.append(("stage", a)))
-    monkeypatch.setattr(native._C, "combine_ce_intranode",
-                        lambda rt, num_sms, args, rank_prefix, early, stream: calls.append(
-                            ("ce", (num_sms, args, rank_prefix, early))))
+    monkeypatch.setattr(native._C, "combine_ce_intranode",  # outputs: allocated late (LateOutputs), at the kernel
+                        lambda rt, num_sms, args, rank_prefix, early, stream, outputs: calls.append(
+                            ("ce", (num_sms, args, rank_prefix, early, outputs()))))
     R, T, H, K, rows = 2, 5, 64, 2, 7
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
@@ -416,10 +416,11 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     assert _C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K) == _C.intranode_combine_input_layout(4, H, K)[1]
     calls.clear()
     out, out_w = backend.combine(y, h, w, (None, None), cfg)
-    [(op, (num_sms, ce, rank_prefix, early))] = calls
+    [(op, (num_sms, ce, rank_prefix, early, late))] = calls
     assert (op, num_sms, rank_prefix, early) == ("ce", 24, [3, 4, 5, 7], True)  # UCCL_MOE_CE_EARLY's default
     assert (ce.staged, ce.own_x, ce.ce_chunks, ce.topk_weights, ce.out, ce.out_topk_weights) == (
-        1, _ptr(y), 4, _ptr(w), _ptr(out), _ptr(out_w))
+        1, _ptr(y), 4, _ptr(w), 0, 0)  # the outputs come from the callback, once the first copies are enqueued
+    assert late == (_ptr(out), _ptr(out_w)) and out.shape == (T, H) and out_w.shape == (T, K)
     assert (ce.num_tokens, ce.hidden, ce.num_topk, ce.num_lanes) == (T, H, K, L)
     assert (ce.rank_prefix, ce.lane_prefix, ce.send_head) == (
         _ptr(h.rank_prefix_matrix), _ptr(h.channel_prefix_matrix), _ptr(h.send_head))
@@ -471,7 +472,8 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     calls: list[tuple[str, Any]] = []
     monkeypatch.setattr(native._C, "dispatch_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
     monkeypatch.setattr(native._C, "dispatch_ce_intranode", lambda rt, num_sms, args, rank_prefix, tokens, chunks,
-                        early, stream: calls.append(("ce", (num_sms, args, rank_prefix, tokens, chunks, early))))
+                        early, stream, outputs: calls.append(
+                            ("ce", (num_sms, args, rank_prefix, tokens, chunks, early, outputs()))))
     R, T, H, rows = 2, 5, 128, 7
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
@@ -489,12 +491,12 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     calls.clear()
     scales = torch.rand((2, T)).T  # [T, 2] column-major
     recv_x, recv_s = backend.cached_dispatch(x, scales, h, cfg)
-    [(op, (num_sms, a, rank_prefix, tokens, chunks, early))] = calls
+    [(op, (num_sms, a, rank_prefix, tokens, chunks, early, late))] = calls
     assert (op, num_sms, rank_prefix, tokens, chunks, early) == ("ce", 24, [3, 4, 5, 7], [T, 6], 3, True)
     assert (a.x, a.x_scales, a.num_tokens, a.row_bytes, a.num_scales) == (_ptr(x), _ptr(scales), T, H, 2)
     assert (a.scale_token_stride, a.scale_hidden_stride) == (1, T)
-    assert (a.recv_src_idx, a.recv_x, a.recv_scales, a.num_recv_rows) == (
-        _ptr(h.recv_src_idx), _ptr(recv_x), _ptr(recv_s), rows)
+    assert (a.recv_src_idx, a.recv_x, a.recv_scales, a.num_recv_rows) == (_ptr(h.recv_src_idx), 0, 0, rows)
+    assert late == (_ptr(recv_x), _ptr(recv_s))  # allocated by the callback (LateOutputs)
     assert recv_x.shape == (rows, H) and recv_x.dtype == x.dtype and recv_s.shape == (rows, 2)
     calls.clear()
     odd = torch.rand((T, 4))[:, ::2]  # strides (4, 2): neither layout
@@ -644,3 +646,16 @@ def test_the_ce_combine_fit_is_answered_once_per_handle_and_setting(monkeypatch:
     assert backend.combine_ce_fits(h, 64, 0) and asked == [(64, 2), (64, 0)]
     backend.ctx = SimpleNamespace(num_nvl_bytes=int(real([3, 4, 5, 7], 64, 0)) - 1)  # another Buffer size
     assert not backend.combine_ce_fits(h, 64, 0) and len(asked) == 3
+
+
+def test_a_copy_engine_launch_must_ask_for_its_outputs_once() -> None:
+    """The copy-engine ops' outputs come from a callback the launch calls once, before its kernel (LateOutputs): a
+    launch that returned without calling it (or called it twice) is our bug, named as such, not an IndexError."""
+    from uccl_moe.backends import _buffer_paths
+    from uccl_moe.errors import InternalError
+
+    assert _buffer_paths._late([("x", "s")], "copy-engine dispatch") == ("x", "s")
+    for outs in ([], [("x", "s"), ("y", "t")]):
+        with pytest.raises(InternalError, match=f"copy-engine combine: the native launch asked for its outputs "
+                                                f"{len(outs)} times"):
+            _buffer_paths._late(outs, "copy-engine combine")
