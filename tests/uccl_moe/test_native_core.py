@@ -194,12 +194,12 @@ def test_diag_message_names_rank_peer_channel_phase():
     assert d["phase"] == "dispatch/recv-tokens"
     # every phase a kernel reports has a name (the copy-engine ops' chunk waits are the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(25)]
-    assert "unknown" not in names and len(set(names)) == 25
+                            waited_s=1.0)["phase"] for p in range(26)]
+    assert "unknown" not in names and len(set(names)) == 26
     assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args",
                           "dispatch/direct-enter", "dispatch/direct-landed", "dispatch/direct-done",
-                          "dispatch/direct-args", "combine/ce-chunk", "dispatch/ce-chunk"]
-    assert _C.format_diag(rank=0, peer=0, channel=0, phase=25, role=1, expected=1, seen=0, command=0,
+                          "dispatch/direct-args", "combine/ce-chunk", "dispatch/ce-chunk", "dispatch/args"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=26, role=1, expected=1, seen=0, command=0,
                           waited_s=1.0)["phase"] == "unknown"
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]
@@ -325,12 +325,27 @@ def test_prepare_cuda_module_loading_leaves_a_started_cuda_alone(monkeypatch):
 
 
 def test_diag_error_code_separates_usage_from_timeouts():
-    """The two phases that are a wrong argument seen on the device carry the InvalidUsage code (the Buffer raises
+    """The phases that are a wrong argument seen on the device carry the InvalidUsage code (the Buffer raises
     InvalidUsageError from it); every wait carries Timeout."""
     codes = {p: _C.format_diag(rank=0, peer=1, channel=0, phase=p, role=1, expected=2, seen=1, command=0,
-                               waited_s=1.0)["error"] for p in range(19)}
-    assert {p for p, c in codes.items() if c == "InvalidUsage"} == {14, 18}  # rdma/capacity, combine/pull-args
-    assert all(c == "Timeout" for p, c in codes.items() if p not in (14, 18))
+                               waited_s=1.0)["error"] for p in range(26)}
+    usage = {14, 18, 22, 25}  # rdma/capacity, combine/pull-args, dispatch/direct-args, dispatch/args
+    assert {p for p, c in codes.items() if c == "InvalidUsage"} == usage
+    assert all(c == "Timeout" for p, c in codes.items() if p not in usage)
+
+
+def test_dispatch_args_record_names_both_layouts():
+    """notify's record of a peer whose dispatch rows differ (dispatch/args) names both layouts, from the code the
+    native module computes for the rows (dispatch_rows_code)."""
+    mine, theirs = _C.dispatch_rows_code(7168, 8, 56), _C.dispatch_rows_code(14336, 4, 0)
+    assert mine != theirs and 0 not in (mine, theirs)
+    msg = _C.format_diag(rank=1, peer=0, channel=-1, phase=25, role=4, expected=mine, seen=theirs, command=0,
+                         waited_s=0.0)
+    assert msg["error"] == "InvalidUsage" and msg["phase"] == "dispatch/args"
+    for part in ("rank 1: dispatch: peer 0 passes rows of 14336 bytes with 4 top-k entries and 0 scales",
+                 "this rank rows of 7168 bytes with 8 top-k entries and 56 scales", "same hidden size and dtype",
+                 "no row moved"):
+        assert part in msg["message"], (part, msg["message"])
 
 
 def test_diag_role_names():

@@ -294,6 +294,7 @@ class NativeBackend(BufferPaths, Backend):
         geo = self.geometry(int(req.config.num_sms), req.config)
         topk_idx = req.topk_idx.contiguous() if req.topk_idx is not None else None
         topk_weights = req.topk_weights.contiguous() if req.topk_weights is not None else None
+        K = topk_idx.shape[1] if topk_idx is not None else 0
         in_rank = req.is_token_in_rank.contiguous()
         lane_prefix = torch.empty((R, geo.num_lanes), dtype=torch.int32, device=dev)
         rank_prefix = torch.empty((R, R), dtype=torch.int32, device=dev)
@@ -305,7 +306,8 @@ class NativeBackend(BufferPaths, Backend):
             is_token_in_rank=_ptr(in_rank), num_tokens_per_rank=_ptr(req.num_tokens_per_rank.contiguous()),
             num_tokens_per_expert=_ptr(req.num_tokens_per_expert.contiguous()), num_tokens=T, num_experts=E,
             expert_alignment=req.expert_alignment, write_host_counters=not worst, lane_prefix=_ptr(lane_prefix),
-            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start))
+            rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start),
+            rows_code=_C.dispatch_rows_code(x.shape[1] * x.element_size(), K, scale_layout(req.x_scales)[0]))
         _C.notify_dispatch(self._rt, geo, notify, self._stream())
         if worst:
             rows, counts = req.num_worst_tokens, []

@@ -42,6 +42,8 @@ enum class DiagPhase : int32_t {
                                ///< fell outside ours)
   kCombineCeChunk = 23,        ///< copy-engine combine: waiting for a chunk of a peer's rows to land in our buffer
   kDispatchCeChunk = 24,       ///< copy-engine dispatch: waiting for a chunk of a peer's tokens to land in our buffer
+  kDispatchArgs = 25,          ///< not a wait: notify found a peer's dispatch rows laid out otherwise
+                               ///< (expected/seen: dispatch_rows_code values, below)
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its
@@ -81,6 +83,17 @@ static_assert((kPullArgsTopkMask & kPullArgsHiddenMask) == 0 && (kPullArgsHidden
                   ((kPullArgsTopkMask | kPullArgsHiddenMask | kPullArgsStaged | kPullArgsCe |
                     (7 << kPullArgsChunksShift)) & (kCeDispatchArgsMark | static_cast<int32_t>(1u << 31))) == 0,
               "the fields of a kCombinePullArgs value overlap, or reach the dispatch's mark or the sign bit");
+
+/// A dispatch's rows as notify compares them between the ranks before any row moves (a kDispatchArgs value): the
+/// row's bytes, top-k entries and scales per row. Ranks that disagree would read each other's rows at the wrong
+/// offsets. Never 0 (0 = not compared).
+UCCL_HOST_DEVICE_FN constexpr int64_t dispatch_rows_code(int64_t row_bytes, int num_topk, int num_scales) {
+  return (int64_t{1} << 62) | (static_cast<int64_t>(num_scales & 0xFFFFF) << 38) |
+         (static_cast<int64_t>(num_topk & 63) << 32) | (row_bytes & 0xFFFFFFFF);
+}
+constexpr int64_t dispatch_rows_bytes(int64_t code) { return code & 0xFFFFFFFF; }
+constexpr int64_t dispatch_rows_topk(int64_t code) { return (code >> 32) & 63; }
+constexpr int64_t dispatch_rows_scales(int64_t code) { return (code >> 38) & 0xFFFFF; }
 
 const char* diag_phase_name(DiagPhase phase);
 

@@ -23,19 +23,9 @@ struct DiagDeviceHandle {
 
 #if defined(UCCL_GPU_COMPILER)
 
-/// Writes the record unless another waiter already did, then raises the abort flag (the launch drains); pairs with
-/// the acquire of `valid` on the host. The record is claimed on its own word, not by being first to raise the flag: a
-/// peer that gave up raises our flag too (an enter kernel or an early copy-engine op, handshake.cuh), and our waiters
-/// then give up at once; were the record claimed with the flag, none of them would write it, the host (which reads
-/// the record, not the flag in GPU memory) would see no failure, and the op would return rows it never summed.
-/// `drained` says the flag was up before this waiter reported, i.e. it stopped for another's abort. The claim comes
-/// before the flag, so that a waiter of this launch that stops for our flag finds the record taken: it cannot name
-/// itself drained in place of the waiter that expired on its own clock (two waiters that expire together both read
-/// the flag down, and either names the cause).
-UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
-                                       int64_t expected, int64_t seen, uint64_t command, double waited_s) {
-  const bool drained = gpu::load_volatile(h.abort_flag) != 0;
-  gpu::fence_sys();  // a flag seen up is ordered before our claim (the claimer's fence below pairs with it)
+/// Claims the record (valid 0 -> kDiagRecordWriting) and fills it, unless another report claimed it first.
+UCCL_DEVICE_INLINE void write_record(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
+                                     int64_t expected, int64_t seen, uint64_t command, double waited_s, bool drained) {
   DiagRecord* r = h.record;
   if (gpu::load_volatile(&r->valid) == 0 && gpu::atomic_cas_sys(&r->valid, 0, kDiagRecordWriting) == 0) {
     r->rank = h.rank;
@@ -50,8 +40,32 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
     r->drained = drained ? 1 : 0;
     gpu::store_release_sys(&r->valid, 1);
   }
+}
+
+/// Writes the record unless another waiter already did, then raises the abort flag (the launch drains); pairs with
+/// the acquire of `valid` on the host. The record is claimed on its own word, not by being first to raise the flag: a
+/// peer that gave up raises our flag too (an enter kernel or an early copy-engine op, handshake.cuh), and our waiters
+/// then give up at once; were the record claimed with the flag, none of them would write it, the host (which reads
+/// the record, not the flag in GPU memory) would see no failure, and the op would return rows it never summed.
+/// `drained` says the flag was up before this waiter reported, i.e. it stopped for another's abort. The claim comes
+/// before the flag, so that a waiter of this launch that stops for our flag finds the record taken: it cannot name
+/// itself drained in place of the waiter that expired on its own clock (two waiters that expire together both read
+/// the flag down, and either names the cause).
+UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer, int channel,
+                                       int64_t expected, int64_t seen, uint64_t command, double waited_s) {
+  const bool drained = gpu::load_volatile(h.abort_flag) != 0;
+  gpu::fence_sys();  // a flag seen up is ordered before our claim (the claimer's fence below pairs with it)
+  write_record(h, phase, role, peer, channel, expected, seen, command, waited_s, drained);
   gpu::fence_sys();  // the claim is visible before the flag it raises
   gpu::atomic_add_sys(h.abort_flag, 1);
+}
+
+/// An argument a peer disagrees on, found where the launch can still run to its end (notify: the counts it exchanges
+/// stay sound, and the host raises the record before the dispatch moves a row): writes the record (an InvalidUsage
+/// phase) without raising the abort flag, so that no wait of this rank or of its peers gives up.
+UCCL_DEVICE_INLINE void report_invalid(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer,
+                                       int channel, int64_t expected, int64_t seen) {
+  write_record(h, phase, role, peer, channel, expected, seen, 0, 0.0, false);
 }
 
 /// Records (token, k, value) in `fault` unless a fault is recorded there already (first writer wins); null = off.

@@ -92,7 +92,8 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(NotifyArgs, lane_prefix),
             UCCL_MOE_ARG(NotifyArgs, rank_prefix),
             UCCL_MOE_ARG(NotifyArgs, recv_lane_start),
-            UCCL_MOE_ARG(NotifyArgs, num_tokens_ptr));
+            UCCL_MOE_ARG(NotifyArgs, num_tokens_ptr),
+            UCCL_MOE_ARG(NotifyArgs, rows_code));
   bind_args(m, "DispatchArgs", "dispatch_intranode's arguments (intranode.hpp DispatchArgs)",
             UCCL_MOE_ARG(DispatchArgs, x),
             UCCL_MOE_ARG(DispatchArgs, x_scales),
@@ -151,6 +152,12 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, staged),
             UCCL_MOE_ARG(CombinePullArgs, own_x),
             UCCL_MOE_ARG(CombinePullArgs, ce_chunks));
+
+  m.def("dispatch_rows_code", [](int64_t row_bytes, int num_topk, int num_scales) {
+    return dispatch_rows_code(row_bytes, num_topk, num_scales);
+  }, "row_bytes"_a, "num_topk"_a, "num_scales"_a,
+  "What notify compares between the ranks of a dispatch (NotifyArgs.rows_code): its rows' bytes, top-k entries and "
+  "scales per row");
 
   m.def("intranode_ce_dispatch_landing_bytes", [](const std::vector<int32_t>& rank_tokens, int row_bytes,
                                                   int num_scales) {

@@ -31,6 +31,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kDispatchDirectArgs: return "dispatch/direct-args";
     case DiagPhase::kCombineCeChunk: return "combine/ce-chunk";
     case DiagPhase::kDispatchCeChunk: return "dispatch/ce-chunk";
+    case DiagPhase::kDispatchArgs: return "dispatch/args";
   }
   return "unknown";
 }
@@ -50,7 +51,7 @@ const char* diag_role_name(DiagRole role) {
 
 ErrorCode diag_error_code(const DiagRecord& r) {
   return r.phase == DiagPhase::kRdmaCapacity || r.phase == DiagPhase::kCombinePullArgs ||
-                 r.phase == DiagPhase::kDispatchDirectArgs
+                 r.phase == DiagPhase::kDispatchDirectArgs || r.phase == DiagPhase::kDispatchArgs
              ? ErrorCode::kInvalidUsage
              : ErrorCode::kTimeout;
 }
@@ -110,6 +111,17 @@ std::string format_diag(const DiagRecord& r) {
         "UCCL_MOE_DISPATCH_CE and UCCL_MOE_DISPATCH_CE_CHUNKS (or the peer runs a combine where this rank dispatches: "
         "every rank must make the same calls in the same order)",
         r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected));
+  if (r.phase == DiagPhase::kDispatchArgs) {
+    const auto rows = [](int64_t v) {
+      return detail::format("rows of %lld bytes with %lld top-k entries and %lld scales",
+                            static_cast<long long>(dispatch_rows_bytes(v)), static_cast<long long>(dispatch_rows_topk(v)),
+                            static_cast<long long>(dispatch_rows_scales(v)));
+    };
+    return detail::format(
+        "rank %d: dispatch: peer %d passes %s, this rank %s; every rank must pass x of the same hidden size and "
+        "dtype, and the same top-k and scales (or none), to the same dispatch (notify compared them: no row moved)",
+        r.rank, r.peer, rows(r.seen).c_str(), rows(r.expected).c_str());
+  }
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);
   if (r.role == DiagRole::kLaunchEnd)

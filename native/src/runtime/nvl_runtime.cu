@@ -249,6 +249,8 @@ bool NvlRuntime::wait_recv_counts(int num_local_experts, int* num_recv, int* mos
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);  // pairs with the GPU's release of the counter
+  // notify records a peer whose rows differ (dispatch/args) before it releases the counts: raised before any row moves
+  if (aborted()) return false;
   *num_recv = *counter;
   *most_recv = counter[1];
   *most_remote = counter[2];

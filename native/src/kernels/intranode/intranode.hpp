@@ -139,6 +139,8 @@ struct NotifyArgs {
   int32_t* rank_prefix;                   ///< [R, R] out
   int32_t* recv_lane_start;               ///< [R, L] out
   const int32_t* num_tokens_ptr;          ///< device token count overriding num_tokens (internode forwarders), or null
+  int64_t rows_code;                      ///< the dispatch's rows (diag.hpp dispatch_rows_code), compared with every
+                                          ///< peer's; 0 = not compared
 };
 /// Barrier, count exchange, barrier; fills the three matrices and (optionally) the host-mapped counters.
 void launch_notify_dispatch(const NvlContext& ctx, const Geometry& g, const NotifyArgs& a, void* stream);

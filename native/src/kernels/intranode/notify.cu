@@ -66,6 +66,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     for (int l = threadIdx.x; l < L; l += blockDim.x)
       meta_ptr(peer, kOffLanePrefix)[me * kMaxLanes + l] = a.lane_prefix[dst * L + l];
     if (threadIdx.x == 0) meta_ptr(peer, kOffRankTokens)[me] = tokens_of(a);
+    if (threadIdx.x == 0) meta_ptr<int64_t>(peer, kOffNotifyRows)[me] = a.rows_code;
   }
   reset_ring_counters(ctx, L);
   if (!barrier_block(ctx, &s_failed)) return;  // its fence publishes step 3 before peers read it
@@ -79,6 +80,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       running += gpu::load_volatile(counts + i * kMaxLocalRanks + j);
       a.rank_prefix[i * N + j] = running;
     }
+  }
+  // Every rank compares every peer's rows with its own, so all of them raise (the host, before the dispatch moves a
+  // row); notify itself runs to its end, its counts are sound.
+  if (const int src = static_cast<int>(threadIdx.x); src < N && src != me && a.rows_code != 0) {
+    const int64_t theirs = *reinterpret_cast<const volatile int64_t*>(meta_ptr<int64_t>(local, kOffNotifyRows) + src);
+    if (theirs != 0 && theirs != a.rows_code)
+      report_invalid(diag_of(ctx), DiagPhase::kDispatchArgs, DiagRole::kCoordinator, src, -1, a.rows_code, theirs);
   }
   for (int i = threadIdx.x; i < N * L; i += blockDim.x) {
     const int src = i / L, l = i % L;
