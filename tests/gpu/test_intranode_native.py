@@ -884,42 +884,54 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
 
 
 def _rows_mismatch_worker(rank: int, world: int, gloo, mode: str) -> None:
-    """A dispatch whose rows differ between the ranks (`hidden`: the last rank's x is narrower; `topk`: the last rank
-    routes to fewer experts per token): notify compares every rank's rows with every peer's, so every rank raises
-    InvalidUsageError from the dispatch call itself, naming both layouts, before any row moved; nobody waits out a
-    timeout."""
+    """A dispatch whose rows differ between the ranks, on the last rank: `hidden` (x narrower), `topk` (fewer experts
+    per token), `scales` (FP8 everywhere, packed int32 scales there against float ones); notify compares every rank's
+    rows with every peer's, so every rank raises InvalidUsageError from the dispatch call itself, naming both layouts,
+    before any row moved, and nobody waits out a timeout. `worst` (x narrower, num_worst_tokens: nothing waits for
+    notify's counts): the dispatch runs on, and the Buffer's next call raises, saying so."""
     from uccl_moe import Buffer, Config, InvalidUsageError
 
     cfg = Config(24, 8, 256, 6, 128)
     nat = Buffer(dist.group.WORLD, cfg.get_nvl_buffer_size_hint(2048 * 2, world), backend="native",
                  explicitly_destroy=True)
-    case = _Case(rank, world, 64, 2048, 4 * world, 4, False, "none", "random", 5)
     odd = world - 1
-    idx, w, x = case.idx.cuda(), case.w.cuda(), case.x.cuda()
+    fp8 = mode == "scales"
+    case = _Case(rank, world, 64, 2048, 4 * world, 4, fp8, ("int" if rank == odd else "row") if fp8 else "none",
+                 "random", 5)
+
+    def rows(p: int) -> tuple[int, int, int]:  # (row bytes, top-k, scales) of rank p
+        narrow = p == odd and mode in ("hidden", "worst")
+        return (2048 if fp8 or narrow else 4096, 2 if p == odd and mode == "topk" else 4,
+                (4 if p == odd else 16) if fp8 else 0)
+
+    idx, w, x = case.idx.cuda(), case.w.cuda(), case.xin("cuda")
     if rank == odd and mode == "topk":
         idx, w = idx[:, :2].contiguous(), w[:, :2].contiguous()
-    if rank == odd and mode == "hidden":
+    if rank == odd and mode in ("hidden", "worst"):
         x = x[:, :1024].contiguous()
     lay = nat.get_dispatch_layout(idx, case.E)
-    mine = (2048 if rank == odd and mode == "hidden" else 4096, 2 if rank == odd and mode == "topk" else 4)
-    peers = [(2048 if p == odd and mode == "hidden" else 4096, 2 if p == odd and mode == "topk" else 4)
-             for p in range(world) if p != rank]
+    mine = rows(rank)
+    theirs = next(rows(p) for p in range(world) if p != rank and rows(p) != mine)
     try:
         nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
-                     num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg)
+                     num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg,
+                     num_worst_tokens=64 * world if mode == "worst" else 0)
+        assert mode == "worst", "the dispatch returned"
+        torch.cuda.synchronize()
+        nat.get_dispatch_layout(case.idx.cuda(), case.E)  # the next call raises
     except InvalidUsageError as e:
         msg = str(e)
-        theirs = next(p for p in peers if p != mine)
-        assert (f"passes rows of {theirs[0]} bytes with {theirs[1]} top-k entries" in msg
-                and f"this rank rows of {mine[0]} bytes with {mine[1]} top-k entries" in msg
-                and "same hidden size" in msg and "no row moved" in msg), msg
+        said = ("with num_worst_tokens nothing waits", "not valid") if mode == "worst" else ("no row moved",)
+        assert (f"passes rows of {theirs[0]} bytes with {theirs[1]} top-k entries and {theirs[2]} scales" in msg
+                and f"this rank rows of {mine[0]} bytes with {mine[1]} top-k entries and {mine[2]} scales" in msg
+                and "same hidden size" in msg and all(n in msg for n in said)), msg
     else:
         raise AssertionError(f"a dispatch accepted rows of another layout from a peer ({mode})")
     dist.barrier(group=gloo)
     nat.destroy()
 
 
-@pytest.mark.parametrize("mode", ["hidden", "topk"])
+@pytest.mark.parametrize("mode", ["hidden", "topk", "scales", "worst"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_native_dispatch_refuses_rows_that_differ_between_ranks(world: int, mode: str) -> None:
     run_shared_gpu_ranks(_rows_mismatch_worker, world, mode, env={"UCCL_MOE_TIMEOUT_S": "20"}, timeout_s=300)

@@ -343,9 +343,18 @@ def test_dispatch_args_record_names_both_layouts():
                          waited_s=0.0)
     assert msg["error"] == "InvalidUsage" and msg["phase"] == "dispatch/args"
     for part in ("rank 1: dispatch: peer 0 passes rows of 14336 bytes with 4 top-k entries and 0 scales",
-                 "this rank rows of 7168 bytes with 8 top-k entries and 56 scales", "same hidden size and dtype",
+                 "this rank rows of 7168 bytes with 8 top-k entries and 56 scales", "same hidden size and element size",
                  "no row moved"):
         assert part in msg["message"], (part, msg["message"])
+    worst = _C.format_diag(rank=1, peer=0, channel=-1, phase=25, role=4, expected=mine, seen=theirs, command=1,
+                           waited_s=0.0)["message"]
+    assert "with num_worst_tokens nothing waits" in worst and "no row moved" not in worst, worst
+    # each field at its limit decodes alone
+    limits = _C.format_diag(rank=0, peer=1, channel=-1, phase=25, role=4,
+                            expected=_C.dispatch_rows_code(2**32 - 1, 32, 2**20 - 1),
+                            seen=_C.dispatch_rows_code(16, 0, 0), command=0, waited_s=0.0)["message"]
+    assert ("this rank rows of 4294967295 bytes with 32 top-k entries and 1048575 scales" in limits
+            and "peer 1 passes rows of 16 bytes with 0 top-k entries and 0 scales" in limits), limits
 
 
 def test_diag_role_names():

@@ -285,6 +285,7 @@ class InternodePath:
         fwd_prefix = torch.empty((G, G), dtype=torch.int32, device=dev)
         recv_lane_start = torch.empty((G, geo.num_lanes), dtype=torch.int32, device=dev)
         no_experts = torch.zeros(E_fwd, dtype=torch.int32, device=dev)
+        # rows_code stays 0 (not compared): nothing waits for these counts, and the rows are the forwarders', not x
         notify = _C.NotifyArgs(
             is_token_in_rank=_ptr(plan.mask), num_tokens_per_rank=_ptr(plan.fwd_counts),
             num_tokens_per_expert=_ptr(no_experts), num_tokens=plan.xp_rows, num_experts=E_fwd, expert_alignment=1,

@@ -43,7 +43,8 @@ enum class DiagPhase : int32_t {
   kCombineCeChunk = 23,        ///< copy-engine combine: waiting for a chunk of a peer's rows to land in our buffer
   kDispatchCeChunk = 24,       ///< copy-engine dispatch: waiting for a chunk of a peer's tokens to land in our buffer
   kDispatchArgs = 25,          ///< not a wait: notify found a peer's dispatch rows laid out otherwise
-                               ///< (expected/seen: dispatch_rows_code values, below)
+                               ///< (expected/seen: dispatch_rows_code values, below; command 1: num_worst_tokens,
+                               ///< no host wait, so the dispatch ran on)
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its
@@ -91,6 +92,11 @@ UCCL_HOST_DEVICE_FN constexpr int64_t dispatch_rows_code(int64_t row_bytes, int 
   return (int64_t{1} << 62) | (static_cast<int64_t>(num_scales & 0xFFFFF) << 38) |
          (static_cast<int64_t>(num_topk & 63) << 32) | (row_bytes & 0xFFFFFFFF);
 }
+static_assert(dispatch_rows_code(0xFFFFFFFF, 0, 0) == ((int64_t{1} << 62) | 0xFFFFFFFF) &&
+                  dispatch_rows_code(0, 63, 0) == ((int64_t{1} << 62) | (int64_t{63} << 32)) &&
+                  dispatch_rows_code(0, 0, 0xFFFFF) == ((int64_t{1} << 62) | (int64_t{0xFFFFF} << 38)) &&
+                  (int64_t{0xFFFFF} << 38) < (int64_t{1} << 62),
+              "the fields of a dispatch rows code overlap, or reach its marker bit");
 constexpr int64_t dispatch_rows_bytes(int64_t code) { return code & 0xFFFFFFFF; }
 constexpr int64_t dispatch_rows_topk(int64_t code) { return (code >> 32) & 63; }
 constexpr int64_t dispatch_rows_scales(int64_t code) { return (code >> 38) & 0xFFFFF; }

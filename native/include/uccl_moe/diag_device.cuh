@@ -61,11 +61,12 @@ UCCL_DEVICE_INLINE void report_timeout(const DiagDeviceHandle& h, DiagPhase phas
 }
 
 /// An argument a peer disagrees on, found where the launch can still run to its end (notify: the counts it exchanges
-/// stay sound, and the host raises the record before the dispatch moves a row): writes the record (an InvalidUsage
-/// phase) without raising the abort flag, so that no wait of this rank or of its peers gives up.
+/// stay sound, and where the host waits for them it raises the record before the dispatch moves a row): writes the
+/// record (an InvalidUsage phase; `command` as the phase defines it) without raising the abort flag, so that no wait
+/// of this rank or of its peers gives up.
 UCCL_DEVICE_INLINE void report_invalid(const DiagDeviceHandle& h, DiagPhase phase, DiagRole role, int peer,
-                                       int channel, int64_t expected, int64_t seen) {
-  write_record(h, phase, role, peer, channel, expected, seen, 0, 0.0, false);
+                                       int channel, int64_t expected, int64_t seen, uint64_t command = 0) {
+  write_record(h, phase, role, peer, channel, expected, seen, command, 0.0, false);
 }
 
 /// Records (token, k, value) in `fault` unless a fault is recorded there already (first writer wins); null = off.

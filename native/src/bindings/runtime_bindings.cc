@@ -386,7 +386,8 @@ void register_runtime(nb::module_& m) {
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     std::exception_ptr failed;
     intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream),
-                                 late_outputs(outputs, failed, a.num_tokens > 0, false, "copy-engine combine"));
+                                 late_outputs(outputs, failed, a.num_tokens > 0, a.num_tokens > 0 && a.num_topk > 0,
+                                              "copy-engine combine"));
     rt.note_op(stream_of(stream), true);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a, "outputs"_a = nb::none(),

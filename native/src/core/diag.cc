@@ -119,8 +119,11 @@ std::string format_diag(const DiagRecord& r) {
     };
     return detail::format(
         "rank %d: dispatch: peer %d passes %s, this rank %s; every rank must pass x of the same hidden size and "
-        "dtype, and the same top-k and scales (or none), to the same dispatch (notify compared them: no row moved)",
-        r.rank, r.peer, rows(r.seen).c_str(), rows(r.expected).c_str());
+        "element size (dtype), and the same top-k and scales (or none), to the same dispatch (%s)",
+        r.rank, r.peer, rows(r.seen).c_str(), rows(r.expected).c_str(),
+        r.command == 1 ? "notify compared them, but with num_worst_tokens nothing waits for its counts: that "
+                         "dispatch ran on, and its results, expert ids included, are not valid"
+                       : "notify compared them: no row moved");
   }
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

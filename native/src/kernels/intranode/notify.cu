@@ -81,12 +81,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       a.rank_prefix[i * N + j] = running;
     }
   }
-  // Every rank compares every peer's rows with its own, so all of them raise (the host, before the dispatch moves a
-  // row); notify itself runs to its end, its counts are sound.
+  // Every rank compares every peer's rows with its own, so all of them raise (a mismatch between two ranks makes
+  // every rank differ from one of them); notify itself runs to its end, its counts are sound. Where the host waits
+  // for the counts (write_host_counters) it raises before the dispatch moves a row; with num_worst_tokens nothing
+  // waits, the dispatch runs on and the Buffer's next call raises (the record says so: command 1).
   if (const int src = static_cast<int>(threadIdx.x); src < N && src != me && a.rows_code != 0) {
     const int64_t theirs = *reinterpret_cast<const volatile int64_t*>(meta_ptr<int64_t>(local, kOffNotifyRows) + src);
     if (theirs != 0 && theirs != a.rows_code)
-      report_invalid(diag_of(ctx), DiagPhase::kDispatchArgs, DiagRole::kCoordinator, src, -1, a.rows_code, theirs);
+      report_invalid(diag_of(ctx), DiagPhase::kDispatchArgs, DiagRole::kCoordinator, src, -1, a.rows_code, theirs,
+                     a.write_host_counters ? 0 : 1);
   }
   for (int i = threadIdx.x; i < N * L; i += blockDim.x) {
     const int src = i / L, l = i % L;

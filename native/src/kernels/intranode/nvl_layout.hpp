@@ -17,7 +17,7 @@
 // sender's first write of a round waits until the receiver drained the ring (head == send_base), because a
 // round may lay out its slots differently (FP8 vs BF16 rows). A lane's ring sits at a fixed byte offset for
 // a given channel count (lane_region_bytes, from num_nvl_bytes), whatever the slot size of the round.
-// Meta region (first kNvlMetaBytes of the buffer), all int32:
+// Meta region (first kNvlMetaBytes of the buffer), int32 unless noted:
 //   barrier_signal[kMaxLocalRanks]                 +1 by rank p for each barrier it enters (written by p)
 //   barrier_epoch                                  barriers this rank entered (local only)
 //   abort_flag                                     nonzero once a wait of this rank expired (local only)
