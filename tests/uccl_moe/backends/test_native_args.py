@@ -214,6 +214,8 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
     assert (disp.recv_x, disp.recv_topk_idx, disp.recv_topk_weights) == (_ptr(recv_x), _ptr(recv_idx), _ptr(recv_w))
     assert (disp.num_recv_rows, disp.num_tokens, disp.row_bytes, disp.num_topk) == (rows, T, H * 2, K)
     assert h.recv_src_idx.shape == (rows,) and h.send_head.shape == (T, R)
+    # notify compares (between the ranks) the very rows the dispatch then moves
+    assert notify.rows_code == _C.dispatch_rows_code(disp.row_bytes, disp.num_topk, disp.num_scales) != 0
 
     calls.clear()
     backend.cached_dispatch(x, None, h, Config(20, 4, 128, 6, 128))  # runs on the handle's lanes (24 SMs)
