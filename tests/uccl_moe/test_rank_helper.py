@@ -11,6 +11,9 @@ from helpers.mp import run_ranks
 def _both_fail(rank: int, world: int) -> None:
     import time
 
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks finished joining the group: rank 0 cannot fail there on rank 1's exit instead
     if rank == 1:
         raise ValueError("the cause, on rank 1")
     time.sleep(0.3)  # rank 0 fails after it, well within the 2 s the helper waits for the others to report
