@@ -181,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
     resolve_mode(args)
     import torch
 
-    if not torch.cuda.is_available():
-        print("uccl-moe bench needs CUDA GPUs", file=sys.stderr)
+    from ._run import gpus_or_explain
+
+    if not gpus_or_explain("uccl-moe bench"):
         return 2
     R = args.ranks or torch.cuda.device_count()
     if R > torch.cuda.device_count():

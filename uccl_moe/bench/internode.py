@@ -114,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from ._run import spawn
+    from ._run import gpus_or_explain, spawn
 
+    if not gpus_or_explain("python -m uccl_moe.bench.internode (GPU kernels over an emulated-node loopback)"):
+        return 2
     R = args.ranks or torch.cuda.device_count()
     res = spawn(_worker, R, args)
     if res is None:

@@ -1,5 +1,7 @@
 """`uccl-moe bench` is registered and takes the bench flags."""
 
+import pytest
+import torch
 from helpers.requires import require
 
 require("omegaconf")
@@ -27,3 +29,15 @@ def test_bench_writes_into_an_ignored_folder_by_default():
                              capture_output=True, text=True)
     assert ignored.returncode == 0, f"{json_path} is not git-ignored: the bench would write into the checkout"
     assert output_paths(build_parser().parse_args(["--json", "", "--png", "x.png"])) == ("", "x.png")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a host without GPUs")
+@pytest.mark.parametrize("module", ["uccl_moe.bench.__main__", "uccl_moe.bench.internode"])
+def test_the_gpu_benches_say_what_runs_on_a_cpu_instead(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a host without GPUs the GPU benchmarks exit with 2 and say why and what to run there (the internode bench
+    raised a ZeroDivisionError in each of its processes)."""
+    import importlib
+
+    assert importlib.import_module(module).main(["--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "needs CUDA or ROCm GPUs" in err and "buffer_cpu_gloo.py" in err and "tiny_cpu_moe" in err, err
