@@ -230,6 +230,8 @@ def render_recipes(args: argparse.Namespace) -> int:
         diffs = check(args.out)
         for d in diffs:
             print(d, file=sys.stderr)
+        if not diffs:
+            print(f"{args.out or 'recipes/'} is in step with the configs")
         return 1 if diffs else 0
     for path in render_all(args.out):
         print(f"wrote {path}")

@@ -41,3 +41,10 @@ def test_check_reports_drift_missing_and_stale(tmp_path: Path):
     problems = "\n".join(check(tmp_path))
     assert "drift" in problems and "--num-layers 31" in problems
     assert "missing" in problems and "stale" in problems
+
+
+def test_the_check_says_so_when_recipes_are_in_step(capsys):
+    from uccl_moe.cli import main
+
+    assert main(["render-recipes", "--check"]) == 0
+    assert "recipes/ is in step with the configs" in capsys.readouterr().out
