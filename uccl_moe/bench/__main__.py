@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     resolve_mode(args)
     import torch
 
-    from ._run import gpus_or_explain
+    from ._gpus import gpus_or_explain
 
     if not gpus_or_explain("uccl-moe bench"):
         return 2

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from ._run import gpus_or_explain, spawn
+    from ._gpus import gpus_or_explain
+    from ._run import spawn
 
     if not gpus_or_explain("python -m uccl_moe.bench.internode (GPU kernels over an emulated-node loopback)"):
         return 2
