@@ -52,12 +52,15 @@ from .compare_report import Run, analyze, loss_delta, render_table, summarize_ru
 from .log_parse import Step, merge_loss_log, parse_log
 
 DEFAULT_ENTRY = ["-m", "uccl_moe.train.train_gpt"]
+#: What `uccl-moe compare recipe=...` compares without dispatchers=: ours against Megatron's default dispatcher.
+DEFAULT_DISPATCHERS = ("uccl", "alltoall")
 STATS_FLAGS = ["--log-throughput", "--log-memory", "--log-cpu"]
 MOE_TIMING_FLAG = "--log-moe-timing"
 
 
 def parse_dispatchers(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """Split ``dispatchers=[a,b]`` (or ``dispatchers=a,b``) off `overrides`: (dispatcher names, other overrides)."""
+    """Split ``dispatchers=[a,b]`` (or ``dispatchers=a,b``) off `overrides`: (dispatcher names, other overrides);
+    without it, DEFAULT_DISPATCHERS."""
     names: list[str] | None = None
     rest = []
     for o in overrides:
@@ -72,8 +75,11 @@ def parse_dispatchers(overrides: list[str]) -> tuple[list[str], list[str]]:
             raise InvalidUsageError(f"{o!r}: compare sets dispatcher= itself; list them as dispatchers=[uccl,alltoall]")
         else:
             rest.append(o)
+    if names is None:
+        names = list(DEFAULT_DISPATCHERS)
     if not names:
-        raise InvalidUsageError("give the dispatchers to compare, e.g. dispatchers=[uccl,alltoall,allgather]")
+        raise InvalidUsageError("dispatchers= lists none; give the dispatchers to compare, e.g. "
+                                "dispatchers=[uccl,alltoall,allgather] (or leave it out: uccl and alltoall)")
     if len(set(names)) != len(names):
         raise InvalidUsageError(f"dispatchers={names} lists a dispatcher twice; use --repeat-baseline to repeat one")
     return names, rest
@@ -127,7 +133,8 @@ def _run_subdir(run: Run) -> str:
 
 def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*",
-                   help="dispatchers=[uccl,alltoall,allgather] and Hydra overrides, e.g. recipe=dsv3_proxy_local")
+                   help="dispatchers=[uccl,alltoall,allgather] (default: uccl and alltoall) and Hydra overrides, e.g. "
+                        "recipe=dsv3_proxy_local")
     p.add_argument("--config-dir", type=Path, default=None, help="config tree (default: the checkout's configs/)")
     p.add_argument("--run-dir", type=Path, default=None, help="where to write (default: runs/<recipe>/<time>-compare)")
     p.add_argument("--baseline", default=None, help="dispatcher the others are compared with (default: the first)")

@@ -169,8 +169,9 @@ def test_parse_dispatchers():
     assert cmp.parse_dispatchers(["recipe=r", "dispatchers=[uccl, alltoall]", "x=1"]) == (["uccl", "alltoall"],
                                                                                          ["recipe=r", "x=1"])
     assert cmp.parse_dispatchers(["dispatchers=uccl,allgather"])[0] == ["uccl", "allgather"]
-    with pytest.raises(InvalidUsageError, match="give the dispatchers"):
-        cmp.parse_dispatchers(["recipe=r"])
+    assert cmp.parse_dispatchers(["recipe=r"]) == (["uccl", "alltoall"], ["recipe=r"])  # ours against the default
+    with pytest.raises(InvalidUsageError, match="lists none"):
+        cmp.parse_dispatchers(["recipe=r", "dispatchers=[]"])
     with pytest.raises(InvalidUsageError, match="sets dispatcher= itself"):
         cmp.parse_dispatchers(["dispatchers=[uccl]", "dispatcher=alltoall"])
     with pytest.raises(InvalidUsageError, match="twice"):
@@ -193,8 +194,14 @@ def test_dry_run_prints_one_command_per_run(capsys, tmp_path: Path):
     assert not any(tmp_path.iterdir())  # dry run writes nothing
 
 
+def test_compare_without_dispatchers_runs_uccl_against_alltoall(capsys, tmp_path: Path):
+    assert cli.main(["compare", "recipe=tiny_cpu_moe", "--dry-run", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "# uccl" in out and "# alltoall" in out and "# allgather" not in out, out
+
+
 def test_usage_errors_exit_2(capsys):
-    assert cli.main(["compare", "recipe=tiny_cpu_moe", "--dry-run"]) == 2
+    assert cli.main(["compare", "recipe=tiny_cpu_moe", "dispatchers=[]", "--dry-run"]) == 2
     assert "dispatchers=[uccl,alltoall,allgather]" in capsys.readouterr().err
     assert cli.main(["compare", "recipe=tiny_cpu_moe", "dispatchers=[uccl]", "--baseline", "allgather"]) == 2
     assert cli.main(["compare", "recipe=tiny_cpu_moe", "dispatchers=[uccl,nccl2]", "--dry-run"]) == 2
