@@ -43,9 +43,20 @@ def _ptr(t: torch.Tensor | None) -> int:
 _T = TypeVar("_T")
 
 
-def _late(outs: list[tuple[Any, ...]], what: str) -> tuple[Any, ...]:
-    """The outputs a copy-engine launch allocated through its callback (LateOutputs): it calls it exactly once, before
-    its kernel."""
+def _late_outputs(launch: Callable[[Callable[[], tuple[int, int]]], None],
+                  alloc: Callable[[], tuple[torch.Tensor, torch.Tensor | None]],
+                  what: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Runs `launch(outputs)`, a copy-engine launch that calls `outputs` once its first copies are enqueued
+    (LateOutputs): `outputs` allocates the op's two outputs with `alloc` and hands their addresses over. Returns them;
+    the launch must have asked exactly once, before its kernel."""
+    outs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def outputs() -> tuple[int, int]:
+        out0, out1 = alloc()
+        outs.append((out0, out1))
+        return _ptr(out0), _ptr(out1)
+
+    launch(outputs)
     if len(outs) != 1:
         raise InternalError(f"{what}: the native launch asked for its outputs {len(outs)} times, not once; this is a "
                             f"bug in uccl-moe, please report it")
@@ -124,17 +135,11 @@ class BufferPaths:
             x=_ptr(x), x_scales=_ptr(x_scales), rank_prefix=_ptr(handle.rank_prefix_matrix), num_tokens=x.shape[0],
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
             num_recv_rows=rows, recv_src_idx=_ptr(handle.recv_src_idx))
-        outs: list[tuple[Any, ...]] = []
-
-        def outputs() -> tuple[int, int]:  # once the first copies are enqueued (LateOutputs)
-            recv_x, recv_scales, _, _ = self._alloc_recv(rows, x, x_scales, 0, False)
-            outs.append((recv_x, recv_scales))
-            return _ptr(recv_x), _ptr(recv_scales)
-
-        _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, int(env.get("DISPATCH_CE_CHUNKS")),
-                                 bool(env.get("CE_EARLY")), self._stream(), outputs)
-        recv_x, recv_scales = _late(outs, "copy-engine dispatch")
-        return recv_x, recv_scales
+        chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), self._stream()
+        return _late_outputs(
+            lambda outputs: _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, chunks, early,
+                                                     stream, outputs),
+            lambda: self._alloc_recv(rows, x, x_scales, 0, False)[:2], "copy-engine dispatch")
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
         """Whether a cached dispatch along `handle` of rows of `row_bytes` (`num_scales` 4-byte scales each) could go
@@ -299,17 +304,11 @@ class BufferPaths:
             num_lanes=int(lanes.shape[1]), staged=int(own), own_x=_ptr(x) if own else 0,
             ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
         if ce_rank_prefix is not None:
-            outs: list[tuple[Any, ...]] = []
-
-            def outputs() -> tuple[int, int]:  # once the first copies are enqueued (LateOutputs)
-                out, out_w = combine_outputs(x, T, tw)
-                outs.append((out, out_w))
-                return _ptr(out), _ptr(out_w)
-
-            _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, bool(env.get("CE_EARLY")),
-                                    self._stream(), outputs)
-            out, out_w = _late(outs, "copy-engine combine")
-            return out, out_w
+            early, stream = bool(env.get("CE_EARLY")), self._stream()
+            return _late_outputs(
+                lambda outputs: _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, early,
+                                                        stream, outputs),
+                lambda: combine_outputs(x, T, tw), "copy-engine combine")
         out, out_w = combine_outputs(x, T, tw)
         args.out, args.out_topk_weights = _ptr(out), _ptr(out_w)
         _C.combine_pull_intranode(self._rt, int(config.num_sms), rows, args, self._stream())

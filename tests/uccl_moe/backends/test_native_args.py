@@ -656,8 +656,13 @@ def test_a_copy_engine_launch_must_ask_for_its_outputs_once() -> None:
     from uccl_moe.backends import _buffer_paths
     from uccl_moe.errors import InternalError
 
-    assert _buffer_paths._late([("x", "s")], "copy-engine dispatch") == ("x", "s")
-    for outs in ([], [("x", "s"), ("y", "t")]):
+    out = torch.empty(3)
+
+    def launch(times: int):
+        return lambda outputs: [outputs() for _ in range(times)]
+
+    assert _buffer_paths._late_outputs(launch(1), lambda: (out, None), "copy-engine dispatch") == (out, None)
+    for times in (0, 2):
         with pytest.raises(InternalError, match=f"copy-engine combine: the native launch asked for its outputs "
-                                                f"{len(outs)} times"):
-            _buffer_paths._late(outs, "copy-engine combine")
+                                                f"{times} times"):
+            _buffer_paths._late_outputs(launch(times), lambda: (out, None), "copy-engine combine")
