@@ -888,7 +888,8 @@ def _rows_mismatch_worker(rank: int, world: int, gloo, mode: str) -> None:
     per token), `scales` (FP8 everywhere, packed int32 scales there against float ones); notify compares every rank's
     rows with every peer's, so every rank raises InvalidUsageError from the dispatch call itself, naming both layouts,
     before any row moved, and nobody waits out a timeout. `worst` (x narrower, num_worst_tokens: nothing waits for
-    notify's counts): the dispatch runs on, and the Buffer's next call raises, saying so."""
+    notify's counts): the dispatch runs on, and the Buffer's next call raises, saying so. `experts`: the last rank
+    passes twice the experts (its top-k ids stay in range): every rank raises naming both counts."""
     from uccl_moe import Buffer, Config, InvalidUsageError
 
     cfg = Config(24, 8, 256, 6, 128)
@@ -909,9 +910,10 @@ def _rows_mismatch_worker(rank: int, world: int, gloo, mode: str) -> None:
         idx, w = idx[:, :2].contiguous(), w[:, :2].contiguous()
     if rank == odd and mode in ("hidden", "worst"):
         x = x[:, :1024].contiguous()
-    lay = nat.get_dispatch_layout(idx, case.E)
+    E = 2 * case.E if rank == odd and mode == "experts" else case.E
+    lay = nat.get_dispatch_layout(idx, E)
     mine = rows(rank)
-    theirs = next(rows(p) for p in range(world) if p != rank and rows(p) != mine)
+    theirs = next((rows(p) for p in range(world) if p != rank and rows(p) != mine), mine)
     try:
         nat.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
                      num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=w, config=cfg,
@@ -921,6 +923,12 @@ def _rows_mismatch_worker(rank: int, world: int, gloo, mode: str) -> None:
         nat.get_dispatch_layout(case.idx.cuda(), case.E)  # the next call raises
     except InvalidUsageError as e:
         msg = str(e)
+        if mode == "experts":
+            other = case.E if rank == odd else 2 * case.E
+            assert f"passes num_experts={other}, this rank num_experts={E}" in msg and "no row moved" in msg, msg
+            dist.barrier(group=gloo)
+            nat.destroy()
+            return
         said = ("with num_worst_tokens nothing waits", "not valid") if mode == "worst" else ("no row moved",)
         assert (f"passes rows of {theirs[0]} bytes with {theirs[1]} top-k entries and {theirs[2]} scales" in msg
                 and f"this rank rows of {mine[0]} bytes with {mine[1]} top-k entries and {mine[2]} scales" in msg
@@ -931,7 +939,7 @@ def _rows_mismatch_worker(rank: int, world: int, gloo, mode: str) -> None:
     nat.destroy()
 
 
-@pytest.mark.parametrize("mode", ["hidden", "topk", "scales", "worst"])
+@pytest.mark.parametrize("mode", ["hidden", "topk", "scales", "worst", "experts"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_native_dispatch_refuses_rows_that_differ_between_ranks(world: int, mode: str) -> None:
     run_shared_gpu_ranks(_rows_mismatch_worker, world, mode, env={"UCCL_MOE_TIMEOUT_S": "20"}, timeout_s=300)

@@ -349,6 +349,13 @@ def test_dispatch_args_record_names_both_layouts():
     worst = _C.format_diag(rank=1, peer=0, channel=-1, phase=25, role=4, expected=mine, seen=theirs, command=1,
                            waited_s=0.0)["message"]
     assert "with num_worst_tokens nothing waits" in worst and "no row moved" not in worst, worst
+    experts = _C.format_diag(rank=2, peer=0, channel=-1, phase=25, role=4, expected=64, seen=128, command=2,
+                             waited_s=0.0)["message"]
+    assert ("peer 0 passes num_experts=128, this rank num_experts=64" in experts and "no row moved" in experts
+            and "bytes" not in experts), experts
+    experts_worst = _C.format_diag(rank=2, peer=0, channel=-1, phase=25, role=4, expected=64, seen=128, command=3,
+                                   waited_s=0.0)["message"]
+    assert "num_experts=128" in experts_worst and "with num_worst_tokens nothing waits" in experts_worst
     # each field at its limit decodes alone
     limits = _C.format_diag(rank=0, peer=1, channel=-1, phase=25, role=4,
                             expected=_C.dispatch_rows_code(2**32 - 1, 32, 2**20 - 1),

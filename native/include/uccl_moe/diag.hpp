@@ -42,9 +42,8 @@ enum class DiagPhase : int32_t {
                                ///< fell outside ours)
   kCombineCeChunk = 23,        ///< copy-engine combine: waiting for a chunk of a peer's rows to land in our buffer
   kDispatchCeChunk = 24,       ///< copy-engine dispatch: waiting for a chunk of a peer's tokens to land in our buffer
-  kDispatchArgs = 25,          ///< not a wait: notify found a peer's dispatch rows laid out otherwise
-                               ///< (expected/seen: dispatch_rows_code values, below; command 1: num_worst_tokens,
-                               ///< no host wait, so the dispatch ran on)
+  kDispatchArgs = 25,          ///< not a wait: notify found a peer's dispatch rows laid out otherwise (expected/seen:
+                               ///< dispatch_rows_code values, below) or its num_experts other (kDispatchArgsExperts)
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its
@@ -98,6 +97,10 @@ static_assert(dispatch_rows_code(0xFFFFFFFF, 0, 0) == ((int64_t{1} << 62) | 0xFF
                   (int64_t{0xFFFFF} << 38) < (int64_t{1} << 62),
               "the fields of a dispatch rows code overlap, or reach its marker bit");
 constexpr int64_t dispatch_rows_bytes(int64_t code) { return code & 0xFFFFFFFF; }
+/// Bits of a kDispatchArgs record's `command`: num_worst_tokens (nothing waited for notify's counts, so the dispatch
+/// ran on), and expected/seen are num_experts rather than rows codes.
+constexpr uint64_t kDispatchArgsRanOn = 1;
+constexpr uint64_t kDispatchArgsExperts = 2;
 constexpr int64_t dispatch_rows_topk(int64_t code) { return (code >> 32) & 63; }
 constexpr int64_t dispatch_rows_scales(int64_t code) { return (code >> 38) & 0xFFFFF; }
 

@@ -117,13 +117,19 @@ std::string format_diag(const DiagRecord& r) {
                             static_cast<long long>(dispatch_rows_bytes(v)), static_cast<long long>(dispatch_rows_topk(v)),
                             static_cast<long long>(dispatch_rows_scales(v)));
     };
+    const char* outcome = (r.command & kDispatchArgsRanOn) != 0
+                              ? "notify compared them, but with num_worst_tokens nothing waits for its counts: that "
+                                "dispatch ran on, and its results, expert ids included, are not valid"
+                              : "notify compared them: no row moved";
+    if ((r.command & kDispatchArgsExperts) != 0)
+      return detail::format(
+          "rank %d: dispatch: peer %d passes num_experts=%lld, this rank num_experts=%lld; every rank must pass the "
+          "same num_experts to get_dispatch_layout and dispatch (%s)",
+          r.rank, r.peer, static_cast<long long>(r.seen), static_cast<long long>(r.expected), outcome);
     return detail::format(
         "rank %d: dispatch: peer %d passes %s, this rank %s; every rank must pass x of the same hidden size and "
         "element size (dtype), and the same top-k and scales (or none), to the same dispatch (%s)",
-        r.rank, r.peer, rows(r.seen).c_str(), rows(r.expected).c_str(),
-        r.command == 1 ? "notify compared them, but with num_worst_tokens nothing waits for its counts: that "
-                         "dispatch ran on, and its results, expert ids included, are not valid"
-                       : "notify compared them: no row moved");
+        r.rank, r.peer, rows(r.seen).c_str(), rows(r.expected).c_str(), outcome);
   }
   std::string peer = r.peer < 0 ? std::string("all peers") : "peer " + std::to_string(r.peer);
   std::string chan = r.channel < 0 ? std::string("") : " on channel " + std::to_string(r.channel);

@@ -66,7 +66,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
     for (int l = threadIdx.x; l < L; l += blockDim.x)
       meta_ptr(peer, kOffLanePrefix)[me * kMaxLanes + l] = a.lane_prefix[dst * L + l];
     if (threadIdx.x == 0) meta_ptr(peer, kOffRankTokens)[me] = tokens_of(a);
-    if (threadIdx.x == 0) meta_ptr<int64_t>(peer, kOffNotifyRows)[me] = a.rows_code;
+    if (threadIdx.x == 0) {
+      meta_ptr<int64_t>(peer, kOffNotifyRows)[me] = a.rows_code;
+      meta_ptr(peer, kOffNotifyExperts)[me] = a.num_experts;
+    }
   }
   reset_ring_counters(ctx, L);
   if (!barrier_block(ctx, &s_failed)) return;  // its fence publishes step 3 before peers read it
@@ -86,10 +89,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
   // for the counts (write_host_counters) it raises before the dispatch moves a row; with num_worst_tokens nothing
   // waits, the dispatch runs on and the Buffer's next call raises (the record says so: command 1).
   if (const int src = static_cast<int>(threadIdx.x); src < N && src != me && a.rows_code != 0) {
+    const uint64_t ran_on = a.write_host_counters ? 0 : kDispatchArgsRanOn;
     const int64_t theirs = *reinterpret_cast<const volatile int64_t*>(meta_ptr<int64_t>(local, kOffNotifyRows) + src);
-    if (theirs != 0 && theirs != a.rows_code)
+    const int32_t their_experts = gpu::load_volatile(meta_ptr(local, kOffNotifyExperts) + src);
+    if (their_experts != a.num_experts)  // first: the counts exchanged above are then not sound either
+      report_invalid(diag_of(ctx), DiagPhase::kDispatchArgs, DiagRole::kCoordinator, src, -1, a.num_experts,
+                     their_experts, ran_on | kDispatchArgsExperts);
+    else if (theirs != 0 && theirs != a.rows_code)
       report_invalid(diag_of(ctx), DiagPhase::kDispatchArgs, DiagRole::kCoordinator, src, -1, a.rows_code, theirs,
-                     a.write_host_counters ? 0 : 1);
+                     ran_on);
   }
   for (int i = threadIdx.x; i < N * L; i += blockDim.x) {
     const int src = i / L, l = i % L;

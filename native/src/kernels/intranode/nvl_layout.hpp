@@ -83,6 +83,7 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   rank_tokens[src] kMaxLocalRanks   tokens of rank src (written by src; published to the host, for the copy engines)
 //   notify_rows[src] kMaxLocalRanks, int64: how src's dispatch lays out its rows (diag.hpp dispatch_rows_code; written
 //                                     by src, compared by every rank after notify's second barrier)
+//   notify_experts[src] kMaxLocalRanks  num_experts of src's dispatch (written and compared alike)
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
@@ -96,7 +97,8 @@ constexpr size_t kOffCeRound = kOffCeReady + sizeof(int32_t) * kMaxLocalRanks * 
 constexpr size_t kOffCeHead = kOffCeRound + sizeof(int32_t);
 constexpr size_t kOffRankTokens = align_up(kOffCeHead + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kOffNotifyRows = align_up(kOffRankTokens + sizeof(int32_t) * kMaxLocalRanks, 128);
-constexpr size_t kPullMetaEnd = kOffNotifyRows + sizeof(int64_t) * kMaxLocalRanks;
+constexpr size_t kOffNotifyExperts = kOffNotifyRows + sizeof(int64_t) * kMaxLocalRanks;
+constexpr size_t kPullMetaEnd = kOffNotifyExperts + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
