@@ -3,8 +3,9 @@ uccl dispatcher and with flex + our ``deep_ep`` shim, on 2 GPUs (issue 29):
 
 - loss parity: a tiny GPT-MoE (EP 2, BF16) trains with each under the overlap flags, step by step within BF16 noise of
   Megatron's alltoall dispatcher under the same flags;
-- the overlap is real: in a torch.profiler trace (``train_gpt --profile``), the share of uccl's kernel time that runs
-  under compute on another stream (``uccl_moe.train.timeline``) is larger with the flag than without it. That trace is
+- the overlap is real: in a torch.profiler trace (``train_gpt --profile``), the share of uccl's comm time (its kernels
+  and its copy engines' peer copies: the EP2 combine moves its rows that way) that runs under compute on another
+  stream (``uccl_moe.train.timeline``) is larger with the flag than without it. That trace is
   of a model whose nodes keep the GPU busier than the CPU that launches them (PROFILE_ARGS): on the tiny model of the
   parity tests every kernel is over before the CPU launches the next one, so no two kernels run at once whatever the
   schedule (the CPU's per-node host syncs: tests/uccl_moe/megatron/test_overlap_host_syncs.py).
@@ -115,6 +116,6 @@ def test_ep_overlap_hides_uccl_comm_under_the_other_micro_batch(tmp_path):
     _need_two_gpus()
     without = _hidden_fraction(tmp_path, "plain", [])
     with_overlap = _hidden_fraction(tmp_path, "overlap", OVERLAP)
-    print(f"uccl kernel time under compute on another stream: {without:.1%} without, {with_overlap:.1%} with "
+    print(f"uccl comm time under compute on another stream: {without:.1%} without, {with_overlap:.1%} with "
           f"--overlap-moe-expert-parallel-comm")
     assert with_overlap > max(0.2, without + 0.1), (without, with_overlap)

@@ -4,11 +4,15 @@
 
 Reads the kernel events of a chrome trace (``train_gpt --profile`` writes one per profiled rank; any
 ``torch.profiler`` ``export_chrome_trace`` file works, also gzipped): complete events (``ph`` ``X``) with ``cat`` ==
-``kernel``. A kernel's stream is ``args["stream"]``, else its ``tid``; its device is ``args["device"]``, else its
-``pid``. Memcpy/memset events are not kernels and are left out. Each kernel is one of three classes, by name
+``kernel``, and the peer-to-peer copies (``cat`` == ``gpu_memcpy``, a name with ``PtoP``, as CUPTI names a copy
+between two GPUs). A kernel's stream is ``args["stream"]``, else its ``tid``; its device is ``args["device"]``, else
+its ``pid``. Other memcpy and memset events are left out. Each kernel is one of three classes, by name
 (case-insensitive):
 
-* ``uccl``: uccl-moe's kernels (:data:`UCCL_KERNEL_PATTERNS`: dispatch/combine/notify/layout kernels and ``rdma_``);
+* ``uccl``: uccl-moe's kernels (:data:`UCCL_KERNEL_PATTERNS`: dispatch/combine/notify/layout kernels and ``rdma_``)
+  and the peer-to-peer copies: inside a node the copy-engine dispatch and combine (the EP2 defaults) move their rows
+  with the GPUs' copy engines, so their kernels alone would leave most of their traffic out (a user's own copies
+  between GPUs count too: nothing in Megatron's training makes them);
 * ``nccl``: any name containing ``nccl`` (NCCL's AllToAll/SendRecv/AllReduce/... kernels, e.g. of the alltoall
   dispatcher or the gradient all-reduce);
 * ``compute``: everything else.
@@ -61,6 +65,9 @@ UCCL_KERNEL_PATTERNS = (
     "rail_barrier_kernel",  # internode: the barrier between the ranks of one rail
 )
 NCCL_KERNEL_PATTERN = "nccl"
+# CUPTI's memcpy kind for a copy between two GPUs (kineto names the event "Memcpy PtoP (Device -> Device)"), matched
+# lower-case: the copy-engine ops' rows and chunk flags.
+PEER_COPY_PATTERN = "ptop"
 CLASSES = ("uccl", "nccl", "compute")
 COMM_CLASSES = ("uccl", "nccl")
 
@@ -118,7 +125,7 @@ def total(intervals: Iterable[Interval]) -> float:
 
 @dataclass(frozen=True)
 class Kernel:
-    """One GPU kernel of the trace."""
+    """One GPU kernel (or peer-to-peer copy) of the trace."""
 
     name: str
     device: StreamId
@@ -141,14 +148,21 @@ def _ident(value: Any) -> StreamId:
     return int(m.group(1)) if m else text
 
 
+def _counted(ev: dict[str, Any]) -> bool:
+    """Whether a trace event is a kernel or a peer-to-peer copy (the events this module analyses)."""
+    cat = str(ev.get("cat", "")).lower()
+    return cat == "kernel" or (cat == "gpu_memcpy" and PEER_COPY_PATTERN in str(ev.get("name", "")).lower())
+
+
 def kernels_of(trace: Any) -> list[Kernel]:
-    """The kernel events of a chrome trace (``{"traceEvents": [...]}`` or a bare event list)."""
+    """The kernel events and peer-to-peer copies of a chrome trace (``{"traceEvents": [...]}`` or a bare event
+    list); a peer copy is of class ``uccl``."""
     events = trace.get("traceEvents") if isinstance(trace, dict) else trace
     if not isinstance(events, list):
         raise InvalidUsageError("not a chrome trace: expected {'traceEvents': [...]} or a list of events")
     out: list[Kernel] = []
     for ev in events:
-        if not isinstance(ev, dict) or str(ev.get("cat", "")).lower() != "kernel" or ev.get("ph", "X") != "X":
+        if not isinstance(ev, dict) or not _counted(ev) or ev.get("ph", "X") != "X":
             continue
         try:
             start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
@@ -161,7 +175,8 @@ def kernels_of(trace: Any) -> list[Kernel]:
         if stream is None:
             continue
         name = str(ev.get("name", ""))
-        out.append(Kernel(name, _ident(device), _ident(stream), start, start + dur, classify(name)))
+        cls = "uccl" if str(ev.get("cat", "")).lower() == "gpu_memcpy" else classify(name)
+        out.append(Kernel(name, _ident(device), _ident(stream), start, start + dur, cls))
     return out
 
 

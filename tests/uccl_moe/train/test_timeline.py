@@ -50,7 +50,7 @@ TRACE = {"traceEvents": [
     _k("shared_fc1_" + GEMM, 1500, 1000, stream=30),
     _k("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 7000, 1500, stream=40),
     _k("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 8000, 1000, stream=40),
-    # not kernels: ignored
+    # not kernels nor peer copies: ignored
     {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "pid": 0, "tid": 20, "ts": 4000, "dur": 1000,
      "args": {"stream": 20}},
     {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 123, "tid": 123, "ts": 0, "dur": 9000},
@@ -137,6 +137,26 @@ def test_no_overlap_and_devices_apart():
                                    "overlap_side_compute_ms": 0.0}
     assert res["comm"]["nccl"]["overlap_compute_ms"] == 0.5 and res["comm"]["nccl"]["hidden_fraction"] == 1.0
     assert [(s["device"], s["stream"]) for s in res["streams"]] == [(0, 7), (0, 20), (1, 7), (1, 9)]
+
+
+def test_peer_copies_count_as_uccl_comm():
+    """The copy-engine ops move their rows in peer-to-peer copies (CUPTI's PtoP): they count as uccl comm on their
+    own streams, under compute of another; a local copy (DtoD) is left out."""
+    trace = {"traceEvents": [
+        _k(GEMM, 0, 4000, stream=7),
+        _k("void uccl_moe::intranode::combine_ce_sum_kernel<8>(CeSumArgs)", 3000, 2000, stream=20),
+        _k("Memcpy PtoP (Device -> Device)", 1000, 2500, stream=50, cat="gpu_memcpy"),  # a chunk of rows
+        _k("Memcpy PtoP (Device -> Device)", 3500, 250, stream=50, cat="gpu_memcpy"),  # its flag
+        _k("Memcpy DtoD (Device -> Device)", 0, 4000, stream=60, cat="gpu_memcpy"),  # local: not counted
+    ]}
+    res = tl.analyze(tl.kernels_of(trace))
+    assert [(s["stream"], s["kernels"], s["dominant"]) for s in res["streams"]] == [
+        (7, 1, "compute"), (20, 1, "uccl"), (50, 2, "uccl")]
+    # uccl busy: [1000,3750) on stream 50 and [3000,5000) on 20, union [1000,5000); under the gemm [0,4000):
+    # [1000,4000)
+    assert res["comm"]["uccl"] == {"busy_ms": 4.0, "overlap_compute_ms": 3.0, "hidden_fraction": 0.75,
+                                   "overlap_side_compute_ms": 0.0}
+    assert res["totals"]["kernels"] == 4 and res["totals"]["compute_busy_ms"] == 4.0
 
 
 def test_empty_trace():
