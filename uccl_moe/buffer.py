@@ -41,6 +41,7 @@ except ImportError as _e:  # pragma: no cover - a broken install
 from . import _checks, streams, tuning  # noqa: E402 - after the native module's own error
 from ._checks import FP8_SCALE_BLOCK, HANDLE_KEY_ATTR, MAX_EXPERTS_PER_RANK, MAX_TOPK, err, int_arg, topk_idx_t  # noqa: E402
 from ._low_latency import LowLatencyNotImplemented  # noqa: E402
+from ._size_hints import SizeHints  # noqa: E402
 from .backends.base import Backend, BufferContext, DispatchRequest, backend_factory, create_backend  # noqa: E402
 from .errors import InvalidTypeError  # noqa: E402
 from .results import (  # noqa: E402
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 
-class Buffer(LowLatencyNotImplemented):
+class Buffer(LowLatencyNotImplemented, SizeHints):
     """Communication buffers for HT expert-parallel dispatch and combine; a drop-in for ``deep_ep.Buffer``.
 
     Args:
@@ -193,30 +194,6 @@ class Buffer(LowLatencyNotImplemented):
         if n is None or n < 1:
             raise err(f"num_ranks must be a positive int, got {num_ranks!r}")
         return tuning.preset_for(n)
-
-    @staticmethod
-    def get_combine_buffer_size_hint(num_rows: int, hidden: int, num_topk: int = 0) -> int:
-        """``num_nvl_bytes`` that :meth:`get_combine_buffer` needs for `num_rows` rows of `hidden` BF16 values (plus
-        `num_topk` staged weights per row when combine gets ``topk_weights``): 1 MiB of meta, then the rows, then the
-        weights; a multiple of 4096. Take the largest of it and the dispatch/combine configs' size hints."""
-        num_rows, hidden, num_topk = int_arg("num_rows", num_rows), int_arg("hidden", hidden), \
-            int_arg("num_topk", num_topk)
-        if num_rows < 0 or hidden <= 0 or num_topk < 0:
-            raise err(f"get_combine_buffer_size_hint({num_rows}, {hidden}, {num_topk}): need rows >= 0, hidden > 0, "
-                       f"num_topk >= 0")
-        end = int(_C.intranode_combine_input_layout(num_rows, hidden, num_topk)[1])  # the kernels' own layout
-        return -(-end // 4096) * 4096
-
-    @staticmethod
-    def get_internode_rdma_size_hint(max_tokens: int, hidden: int, num_topk: int, num_nodes: int,
-                                     num_scales: int = 0) -> int:
-        """``num_rdma_bytes`` with room for any routing of up to `max_tokens` tokens per rank across `num_nodes` nodes
-        on the native internode path: BF16 rows of `hidden` values (or FP8 rows with `num_scales` scales per token),
-        `num_topk` experts per token. A multiple of 4096 (uccl-moe extension; take the larger of it and the configs'
-        ``get_rdma_buffer_size_hint``)."""
-        from .backends.internode import rdma_bytes_for  # (the internode path loads the proxy: only when asked)
-
-        return int(rdma_bytes_for(*_checks.check_staging_args(max_tokens, hidden, num_topk, num_nodes, num_scales)))
 
     @staticmethod
     def get_supported_dtypes(backend: str = "native") -> SupportedDtypes:
