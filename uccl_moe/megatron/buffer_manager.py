@@ -82,11 +82,14 @@ def backend_for(knob: str, dtype: torch.dtype) -> str:
 
 
 def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_tokens: int = 0, num_topk: int = 0,
-               backend: Optional[str] = None, combine_tokens: int = 0) -> Any:
+               backend: Optional[str] = None, combine_tokens: int = 0, ce_tokens: int = 0) -> Any:
     """The process-wide :class:`uccl_moe.Buffer` for (`group`, `hidden_bytes`, `backend`), created on first use;
     `max_tokens` (tokens per rank, with headroom) and `num_topk` size the internode staging when the group spans
     nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive and `num_topk`
-    weights per row, for combine from the buffer (unless the nvl_bytes knob is set). `backend` defaults to the knob
+    weights per row, for combine from the buffer, and `ce_tokens` (tokens per rank) so that the copy-engine dispatch
+    and combine of that many tokens fit where the group size takes them (EP2 by default:
+    ``Buffer.get_copy_engine_buffer_size_hint``); neither where the nvl_bytes knob is set. Both sizes come from the
+    largest count of the group (every rank's NVL buffer must have the same size). `backend` defaults to the knob
     (see :func:`backend_for`)."""
     backend = knobs.backend if backend is None else backend
     with _BUFFERS_LOCK:
@@ -98,13 +101,18 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
         topology = Buffer.get_topology(group)
         nvl, rdma = buffer_sizes(size, hidden_bytes, knobs.nvl_bytes, knobs.rdma_bytes, topology.ranks_per_node,
                                  max_tokens, num_topk)
-        if knobs.nvl_bytes is None and combine_tokens > 0 and topology.num_nodes == 1:
+        if backend == "reference":
+            ce_tokens = 0  # (no copy engines there)
+        if knobs.nvl_bytes is None and max(combine_tokens, ce_tokens) > 0 and topology.num_nodes == 1:
             # Every rank's NVL buffer must have the same size (ring offsets in a peer's buffer are computed from
             # one's own), so the size comes from the largest token count of the group, not this rank's.
             counts: list[Any] = [None] * size
-            dist.all_gather_object(counts, int(combine_tokens), group=group)
-            # (with room for the top-k weights the dispatch's backward combine stages)
-            nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * max(counts), hidden_bytes // 2, num_topk))
+            dist.all_gather_object(counts, (int(combine_tokens), int(ce_tokens)), group=group)
+            most_combine, most_ce = (max(c[i] for c in counts) for i in range(2))
+            if most_combine > 0:  # (with room for the top-k weights the dispatch's backward combine stages)
+                nvl = max(nvl, Buffer.get_combine_buffer_size_hint(size * most_combine, hidden_bytes // 2, num_topk))
+            if most_ce > 0:
+                nvl = max(nvl, Buffer.get_copy_engine_buffer_size_hint(most_ce, hidden_bytes // 2, size, num_topk))
         log.info(
             "creating uccl Buffer: group size %d (%d per node), hidden_bytes %d, nvl %d B, rdma %d B, backend %s",
             size, topology.ranks_per_node, hidden_bytes, nvl, rdma, backend,

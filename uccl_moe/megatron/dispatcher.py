@@ -165,7 +165,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             # the comm group's top-k: TP x the router's (routing_to_topk)
             self._buffer = get_buffer(self.comm_group, hb, self.knobs, 2 * tokens, self.tp_size * self.router_topk,
                                       backend=backend_for(self.knobs.backend, x.dtype),
-                                      combine_tokens=tokens if self._combine_from_buffer() else 0)
+                                      combine_tokens=tokens if self._combine_from_buffer() else 0, ce_tokens=tokens)
             self._buffer_key = (hb, x.dtype)
         return self._buffer
 

@@ -109,6 +109,35 @@ def test_dropless_roundtrip_emulated_two_nodes():
         assert res["backward"] <= 1e-6, res
 
 
+def _nvl_bytes_of_buffer(rank: int, world: int, ce_tokens: list[int], combine_tokens: list[int], backend: str) -> int:
+    import torch.distributed as dist
+
+    from uccl_moe.megatron import buffer_manager as bm
+    from uccl_moe.megatron.knobs import UCCLKnobs
+
+    bm.clear_buffers()
+    knobs = UCCLKnobs(num_sms=None, nvl_bytes=None, rdma_bytes=None, backend=backend)
+    buf = bm.get_buffer(dist.group.WORLD, 2 * 2048, knobs, 0, 2, backend=backend,
+                        combine_tokens=combine_tokens[rank], ce_tokens=ce_tokens[rank])
+    return int(buf.num_nvl_bytes)
+
+
+def test_buffer_holds_the_copy_engine_ops_of_the_groups_largest_batch():
+    """Without combine from the buffer (1F1B EP overlap, fused permute) the dispatcher's Buffer still fits the
+    copy-engine dispatch and combine of the group's largest batch at EP2 (the configs' ring hints alone would leave
+    them on the rings past a few thousand tokens); alike on every rank; not for the reference backend."""
+    from uccl_moe import Buffer
+
+    ring = max(c.get_nvl_buffer_size_hint(2 * 2048, 2) for c in (Buffer.get_dispatch_config(2),
+                                                                  Buffer.get_combine_config(2)))
+    ce = Buffer.get_copy_engine_buffer_size_hint(16384, 2048, 2, 2)
+    assert ce > ring
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "auto") == [ce, ce]
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "reference") == [ring, ring]
+    view = Buffer.get_combine_buffer_size_hint(2 * 16384, 2048, 2)  # combine from the buffer: every row, larger
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 16384], [100, 16384], "auto") == [view, view]
+
+
 def test_backend_for_model_dtype(caplog):
     from uccl_moe import InvalidTypeError
     from uccl_moe.megatron import buffer_manager as d
