@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from uccl_moe import Buffer, InvalidTypeError, InvalidUsageError, _C
+from uccl_moe import _C, Buffer, InvalidTypeError, InvalidUsageError
 
 
 def _random_prefix(rng: random.Random, ranks: int, tokens: int) -> list[int]:

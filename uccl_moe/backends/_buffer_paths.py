@@ -7,6 +7,7 @@ on counts notify published alike to every rank.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
@@ -27,6 +28,8 @@ _RANK_PREFIX_HOST_ATTR = "_uccl_moe_rank_prefix_host"
 _RANK_TOKENS_HOST_ATTR = "_uccl_moe_rank_tokens_host"  # every rank's token count, as notify published it
 _CE_FIT_ATTR = "_uccl_moe_ce_fit"  # the last copy-engine combine fit answered for the handle: (key, rank prefix)
 _CE_DISPATCH_FIT_ATTR = "_uccl_moe_ce_dispatch_fit"  # and dispatch's: (key, (rank prefix, tokens, least share))
+
+log = logging.getLogger("uccl_moe.buffer")
 
 
 def _alike_rows(handle: Any, count_attr: str) -> int:
@@ -82,6 +85,7 @@ class BufferPaths:
     ctx: Any
     R: int
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]]
+    _ce_unfit_said = False  # _say_ce_unfit spoke for this Buffer
 
     if TYPE_CHECKING:  # NativeBackend's
         def _check_alive(self) -> None: ...
@@ -161,13 +165,31 @@ class BufferPaths:
             return None
 
         def answer() -> tuple[list[int], list[int], float] | None:
-            if int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales)) > self.ctx.num_nvl_bytes:
-                return None
             prefix, counts = list(rank_prefix), list(tokens)
-            return prefix, counts, tuning.least_sent_share(prefix, counts)
+            least = tuning.least_sent_share(prefix, counts)
+            need = int(_C.intranode_ce_dispatch_landing_bytes(tokens, row_bytes, num_scales))
+            if need <= self.ctx.num_nvl_bytes:
+                return prefix, counts, least
+            if tuning.dispatch_ce(self.R, env.get("DISPATCH_CE"), least):
+                # (the hint counts BF16 rows: FP8 rows with their scales take less)
+                self._say_ce_unfit("cached dispatch", need, row_bytes if num_scales else row_bytes // 2, 0)
+            return None
 
         return _answered_once(owner, _CE_DISPATCH_FIT_ATTR, (row_bytes, num_scales, self.ctx.num_nvl_bytes),
                               answer)
+
+    def _say_ce_unfit(self, op: str, need: int, hidden: int, num_topk: int) -> None:
+        """Once per Buffer: a copy-engine op the knobs and the EP size take did not fit the NVL buffer, so it runs
+        on the rings (alike on every rank: the fit rests on notify's counts), and how to size the Buffer instead."""
+        if self._ce_unfit_said:
+            return
+        self._ce_unfit_said = True
+        log.warning(
+            "uccl-moe: the copy-engine %s (the EP%d default, faster than the rings) needs %.1f MiB of NVL buffer for "
+            "this batch and the Buffer has %.1f MiB, so it runs on the rings. Size the Buffer with the largest of "
+            "the configs' hints and Buffer.get_copy_engine_buffer_size_hint(tokens_per_rank, %d, %d, %d) for your "
+            "largest batch (said once per Buffer)", op, self.R, need / 2**20, self.ctx.num_nvl_bytes / 2**20, hidden,
+            self.R, num_topk)
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify
@@ -185,8 +207,12 @@ class BufferPaths:
             return None
 
         def answer() -> list[int] | None:
-            fits = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk)) <= self.ctx.num_nvl_bytes
-            return list(rank_prefix) if fits else None
+            need = int(_C.intranode_ce_landing_bytes(rank_prefix, hidden, num_topk))
+            if need <= self.ctx.num_nvl_bytes:
+                return list(rank_prefix)
+            if tuning.combine_ce(self.R, env.get("COMBINE_CE")):
+                self._say_ce_unfit("combine", need, hidden, num_topk)
+            return None
 
         return _answered_once(owner, _CE_FIT_ATTR, (hidden, num_topk, self.ctx.num_nvl_bytes),
                               answer)

@@ -666,3 +666,49 @@ def test_a_copy_engine_launch_must_ask_for_its_outputs_once() -> None:
         with pytest.raises(InternalError, match=f"copy-engine combine: the native launch asked for its outputs "
                                                 f"{times} times"):
             _buffer_paths._late_outputs(launch(times), lambda: (out, None), "copy-engine combine")
+
+
+def test_a_copy_engine_op_that_does_not_fit_says_how_to_size_the_buffer_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where the knobs and the EP size take a copy-engine op but the landing area does not fit the NVL buffer, the op
+    takes the rings and the Buffer says so once, naming Buffer.get_copy_engine_buffer_size_hint; nothing where the
+    knob keeps the op off anyway."""
+    from uccl_moe.backends import native
+
+    H, K = 64, 2
+    need = int(_C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K))
+    backend = _fake_backend(2, 7)
+    backend.ctx = SimpleNamespace(num_nvl_bytes=need - 1)
+    lanes = _C.intranode_placed_geometry(24, 2, 8, 256, 1 << 30).num_lanes
+
+    def handle() -> DispatchHandle:
+        h = _two_rank_handle(5, 7, lanes)
+        setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 4, 5, 7])
+        setattr(h.rank_prefix_matrix, native._RANK_TOKENS_HOST_ATTR, [5, 5])
+        return h
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "get_copy_engine_buffer_size_hint" in r.getMessage()]
+
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "0")
+    with caplog.at_level("WARNING", logger="uccl_moe.buffer"):
+        assert not backend.combine_ce_fits(handle(), H, K)
+    assert said() == []
+    monkeypatch.setenv("UCCL_MOE_COMBINE_CE", "1")
+    with caplog.at_level("WARNING", logger="uccl_moe.buffer"):
+        assert not backend.combine_ce_fits(handle(), H, K)
+        assert not backend.combine_ce_fits(handle(), H, K)  # a new handle: answered again, said once
+    [msg] = said()
+    assert "copy-engine combine (the EP2 default" in msg and "runs on the rings" in msg
+    assert f"get_copy_engine_buffer_size_hint(tokens_per_rank, {H}, 2, {K})" in msg
+    assert f"{need / 2**20:.1f} MiB" in msg
+    # a dispatch of another Buffer (the flag is per Buffer): FP8 rows name the hidden size, not half the row bytes
+    other = _fake_backend(2, 7)
+    other.ctx = SimpleNamespace(num_nvl_bytes=1)
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", "1")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="uccl_moe.buffer"):
+        assert not other.dispatch_ce_fits(handle(), 128, 1)
+    [msg] = said()
+    assert "copy-engine cached dispatch" in msg and "get_copy_engine_buffer_size_hint(tokens_per_rank, 128, 2, 0)" \
+        in msg
