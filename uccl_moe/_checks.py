@@ -109,6 +109,17 @@ def check_buffer_args(comm: Any, group: Any, num_nvl_bytes: Any, num_rdma_bytes:
         )
 
 
+def nvl_bytes_with_floor(num_nvl_bytes: int) -> int:
+    """`num_nvl_bytes` raised to ``UCCL_MOE_NVL_BYTES_MIN`` where the Buffer has an NVL buffer at all (> 0): for
+    Buffers that a framework sizes by the configs' hints alone."""
+    floor = int(env.get("NVL_BYTES_MIN"))
+    if num_nvl_bytes == 0 or floor <= num_nvl_bytes:
+        return num_nvl_bytes
+    if floor % 128 != 0:
+        raise err(f"UCCL_MOE_NVL_BYTES_MIN={floor} must be a multiple of 128 (the size hints are)")
+    return floor
+
+
 def choose_backend(backend: str | None, group: Any) -> tuple[str, torch.device]:
     """(backend name, device) for a Buffer over `group`: `backend`, else ``UCCL_MOE_BACKEND``; ``auto`` takes the
     native kernels on CUDA groups and the reference backend otherwise."""

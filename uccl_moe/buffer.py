@@ -109,6 +109,7 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
     ) -> None:
         self._backend: Backend | None = None
         _checks.check_buffer_args(comm, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+        num_nvl_bytes = _checks.nvl_bytes_with_floor(num_nvl_bytes)  # UCCL_MOE_NVL_BYTES_MIN
         self.group = group
         self.rank = dist.get_rank(group)
         self.group_size = dist.get_world_size(group)

@@ -4,6 +4,7 @@ routing of up to T tokens per rank, where the group size takes them (CPU: the ke
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,28 @@ def test_bad_arguments_say_what(args, what):
     assert what in str(e.value)
     with pytest.raises(InvalidTypeError, match="num_tokens must be an int"):
         Buffer.get_copy_engine_buffer_size_hint("many", 7168, 2)
+
+
+def _nvl_bytes_of(rank: int, world: int, asked: list[int]) -> list[Any]:
+    import torch.distributed as dist
+
+    out: list[Any] = []
+    for n in asked:
+        try:
+            out.append(Buffer(dist.group.WORLD, n, backend="reference").num_nvl_bytes)
+        except InvalidUsageError as e:
+            out.append(str(e))
+    return out
+
+
+def test_nvl_bytes_min_raises_every_buffer_that_has_one():
+    """UCCL_MOE_NVL_BYTES_MIN: for Buffers a framework sizes by the config hints alone (Megatron's flex dispatcher);
+    a Buffer without an NVL buffer (0) or a larger one keeps its size; a floor off the 128-byte grid is refused."""
+    from helpers.mp import run_ranks
+
+    floor = 64 << 20
+    got = run_ranks(_nvl_bytes_of, 2, [1 << 20, 0, 128 << 20], env={"UCCL_MOE_NVL_BYTES_MIN": str(floor)})
+    assert got == [[floor, 0, 128 << 20]] * 2
+    assert run_ranks(_nvl_bytes_of, 1, [1 << 20])[0] == [1 << 20]  # unset: the size asked for
+    [[msg]] = run_ranks(_nvl_bytes_of, 1, [1 << 20], env={"UCCL_MOE_NVL_BYTES_MIN": str(floor + 1)})
+    assert "UCCL_MOE_NVL_BYTES_MIN=67108865 must be a multiple of 128" in msg

@@ -188,8 +188,9 @@ class BufferPaths:
             "uccl-moe: the copy-engine %s (the EP%d default, faster than the rings) needs %.1f MiB of NVL buffer for "
             "this batch and the Buffer has %.1f MiB, so it runs on the rings. Size the Buffer with the largest of "
             "the configs' hints and Buffer.get_copy_engine_buffer_size_hint(tokens_per_rank, %d, %d, %d) for your "
-            "largest batch (said once per Buffer)", op, self.R, need / 2**20, self.ctx.num_nvl_bytes / 2**20, hidden,
-            self.R, num_topk)
+            "largest batch, or where a framework creates the Buffer (Megatron's flex dispatcher) set "
+            "UCCL_MOE_NVL_BYTES_MIN=%d (this batch's need) or more on every rank (said once per Buffer)", op, self.R,
+            need / 2**20, self.ctx.num_nvl_bytes / 2**20, hidden, self.R, num_topk, -(-need // (1 << 20)) << 20)
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify
