@@ -113,11 +113,9 @@ def nvl_bytes_with_floor(num_nvl_bytes: int) -> int:
     """`num_nvl_bytes` raised to ``UCCL_MOE_NVL_BYTES_MIN`` where the Buffer has an NVL buffer at all (> 0): for
     Buffers that a framework sizes by the configs' hints alone."""
     floor = int(env.get("NVL_BYTES_MIN"))
-    if num_nvl_bytes == 0 or floor <= num_nvl_bytes:
-        return num_nvl_bytes
     if floor % 128 != 0:
         raise err(f"UCCL_MOE_NVL_BYTES_MIN={floor} must be a multiple of 128 (the size hints are)")
-    return floor
+    return num_nvl_bytes if num_nvl_bytes == 0 else max(num_nvl_bytes, floor)
 
 
 def choose_backend(backend: str | None, group: Any) -> tuple[str, torch.device]:

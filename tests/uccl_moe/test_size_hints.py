@@ -90,3 +90,5 @@ def test_nvl_bytes_min_raises_every_buffer_that_has_one():
     assert run_ranks(_nvl_bytes_of, 1, [1 << 20])[0] == [1 << 20]  # unset: the size asked for
     [[msg]] = run_ranks(_nvl_bytes_of, 1, [1 << 20], env={"UCCL_MOE_NVL_BYTES_MIN": str(floor + 1)})
     assert "UCCL_MOE_NVL_BYTES_MIN=67108865 must be a multiple of 128" in msg
+    [[msg]] = run_ranks(_nvl_bytes_of, 1, [128 << 20], env={"UCCL_MOE_NVL_BYTES_MIN": "129"})  # checked, if unused
+    assert "UCCL_MOE_NVL_BYTES_MIN=129 must be a multiple of 128" in msg

@@ -85,7 +85,7 @@ class BufferPaths:
     ctx: Any
     R: int
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]]
-    _ce_unfit_said = False  # _say_ce_unfit spoke for this Buffer
+    _ce_unfit_said: frozenset[str] = frozenset()  # the ops _say_ce_unfit spoke of for this Buffer
 
     if TYPE_CHECKING:  # NativeBackend's
         def _check_alive(self) -> None: ...
@@ -171,26 +171,27 @@ class BufferPaths:
             if need <= self.ctx.num_nvl_bytes:
                 return prefix, counts, least
             if tuning.dispatch_ce(self.R, env.get("DISPATCH_CE"), least):
-                # (the hint counts BF16 rows: FP8 rows with their scales take less)
-                self._say_ce_unfit("cached dispatch", need, row_bytes if num_scales else row_bytes // 2, 0)
+                hidden = row_bytes if num_scales else row_bytes // 2  # (FP8 rows and scales take less than BF16's)
+                self._say_ce_unfit("cached dispatch", "DISPATCH_CE", need, hidden, 0)
             return None
 
         return _answered_once(owner, _CE_DISPATCH_FIT_ATTR, (row_bytes, num_scales, self.ctx.num_nvl_bytes),
                               answer)
 
-    def _say_ce_unfit(self, op: str, need: int, hidden: int, num_topk: int) -> None:
-        """Once per Buffer: a copy-engine op the knobs and the EP size take did not fit the NVL buffer, so it runs
-        on the rings (alike on every rank: the fit rests on notify's counts), and how to size the Buffer instead."""
-        if self._ce_unfit_said:
+    def _say_ce_unfit(self, op: str, knob: str, need: int, hidden: int, num_topk: int) -> None:
+        """Once per Buffer and op: a copy-engine op the knobs and the EP size take did not fit the NVL buffer, so it
+        runs on the rings (alike on every rank: the fit rests on notify's counts), and how to size the Buffer."""
+        if op in self._ce_unfit_said:
             return
-        self._ce_unfit_said = True
+        self._ce_unfit_said = self._ce_unfit_said | {op}
         log.warning(
-            "uccl-moe: the copy-engine %s (the EP%d default, faster than the rings) needs %.1f MiB of NVL buffer for "
-            "this batch and the Buffer has %.1f MiB, so it runs on the rings. Size the Buffer with the largest of "
-            "the configs' hints and Buffer.get_copy_engine_buffer_size_hint(tokens_per_rank, %d, %d, %d) for your "
-            "largest batch, or where a framework creates the Buffer (Megatron's flex dispatcher) set "
-            "UCCL_MOE_NVL_BYTES_MIN=%d (this batch's need) or more on every rank (said once per Buffer)", op, self.R,
-            need / 2**20, self.ctx.num_nvl_bytes / 2**20, hidden, self.R, num_topk, -(-need // (1 << 20)) << 20)
+            "uccl-moe: the copy-engine %s (on at EP%d with UCCL_MOE_%s=%s: faster than the rings there) needs %.1f "
+            "MiB of NVL buffer for this batch and the Buffer has %.1f MiB, so it runs on the rings. Size the Buffer "
+            "with the largest of the configs' hints and Buffer.get_copy_engine_buffer_size_hint(tokens_per_rank, %d, "
+            "%d, %d) for your largest batch, or where a framework creates the Buffer (Megatron's flex dispatcher) set "
+            "UCCL_MOE_NVL_BYTES_MIN=%d (this batch's need) or more on every rank (said once per Buffer and op)", op,
+            self.R, knob, env.get(knob), need / 2**20, self.ctx.num_nvl_bytes / 2**20, hidden, self.R, num_topk,
+            -(-need // (1 << 20)) << 20)
 
     def combine_ce_fits(self, handle: Any, hidden: int, num_topk: int) -> bool:
         """Whether a combine of a caller's tensor of `handle`'s rows could go through the copy engines: notify
@@ -212,7 +213,7 @@ class BufferPaths:
             if need <= self.ctx.num_nvl_bytes:
                 return list(rank_prefix)
             if tuning.combine_ce(self.R, env.get("COMBINE_CE")):
-                self._say_ce_unfit("combine", need, hidden, num_topk)
+                self._say_ce_unfit("combine", "COMBINE_CE", need, hidden, num_topk)
             return None
 
         return _answered_once(owner, _CE_FIT_ATTR, (hidden, num_topk, self.ctx.num_nvl_bytes),

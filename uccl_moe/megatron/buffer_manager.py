@@ -88,9 +88,9 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
     nodes; `combine_tokens` (tokens per rank) sizes the NVL buffer to hold every row a rank may receive and `num_topk`
     weights per row, for combine from the buffer, and `ce_tokens` (tokens per rank) so that the copy-engine dispatch
     and combine of that many tokens fit where the group size takes them (EP2 by default:
-    ``Buffer.get_copy_engine_buffer_size_hint``); neither where the nvl_bytes knob is set. Both sizes come from the
-    largest count of the group (every rank's NVL buffer must have the same size). `backend` defaults to the knob
-    (see :func:`backend_for`)."""
+    ``Buffer.get_copy_engine_buffer_size_hint``; not where `backend` is ``reference``); neither where the nvl_bytes
+    knob is set. Both sizes come from the largest count of the group (every rank's NVL buffer must have the same
+    size), gathered on every rank of a one-node group. `backend` defaults to the knob (see :func:`backend_for`)."""
     backend = knobs.backend if backend is None else backend
     with _BUFFERS_LOCK:
         for g, hb, b, buf in _BUFFERS:
@@ -103,9 +103,10 @@ def get_buffer(group: Any, hidden_bytes: int, knobs: _knobs.UCCLKnobs, max_token
                                  max_tokens, num_topk)
         if backend == "reference":
             ce_tokens = 0  # (no copy engines there)
-        if knobs.nvl_bytes is None and max(combine_tokens, ce_tokens) > 0 and topology.num_nodes == 1:
+        if knobs.nvl_bytes is None and topology.num_nodes == 1:
             # Every rank's NVL buffer must have the same size (ring offsets in a peer's buffer are computed from
-            # one's own), so the size comes from the largest token count of the group, not this rank's.
+            # one's own), so the size comes from the largest token count of the group, not this rank's; every rank
+            # takes part in the gather, whatever its own counts (a rank with no tokens too).
             counts: list[Any] = [None] * size
             dist.all_gather_object(counts, (int(combine_tokens), int(ce_tokens)), group=group)
             most_combine, most_ce = (max(c[i] for c in counts) for i in range(2))

@@ -671,8 +671,9 @@ def test_a_copy_engine_launch_must_ask_for_its_outputs_once() -> None:
 def test_a_copy_engine_op_that_does_not_fit_says_how_to_size_the_buffer_once(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Where the knobs and the EP size take a copy-engine op but the landing area does not fit the NVL buffer, the op
-    takes the rings and the Buffer says so once, naming Buffer.get_copy_engine_buffer_size_hint; nothing where the
-    knob keeps the op off anyway."""
+    takes the rings and the Buffer says so once per op, naming Buffer.get_copy_engine_buffer_size_hint and the knob
+    that turned the op on; nothing where the knob keeps the op off anyway (for the dispatch's auto: where a rank sends
+    less than tuning.CE_DISPATCH_MIN_SENT of its tokens to another)."""
     from uccl_moe.backends import native
 
     H, K = 64, 2
@@ -681,10 +682,10 @@ def test_a_copy_engine_op_that_does_not_fit_says_how_to_size_the_buffer_once(
     backend.ctx = SimpleNamespace(num_nvl_bytes=need - 1)
     lanes = _C.intranode_placed_geometry(24, 2, 8, 256, 1 << 30).num_lanes
 
-    def handle() -> DispatchHandle:
+    def handle(tokens: tuple[int, int] = (5, 5)) -> DispatchHandle:
         h = _two_rank_handle(5, 7, lanes)
         setattr(h.rank_prefix_matrix, native._RANK_PREFIX_HOST_ATTR, [3, 4, 5, 7])
-        setattr(h.rank_prefix_matrix, native._RANK_TOKENS_HOST_ATTR, [5, 5])
+        setattr(h.rank_prefix_matrix, native._RANK_TOKENS_HOST_ATTR, list(tokens))
         return h
 
     def said() -> list[str]:
@@ -699,17 +700,20 @@ def test_a_copy_engine_op_that_does_not_fit_says_how_to_size_the_buffer_once(
         assert not backend.combine_ce_fits(handle(), H, K)
         assert not backend.combine_ce_fits(handle(), H, K)  # a new handle: answered again, said once
     [msg] = said()
-    assert "copy-engine combine (the EP2 default" in msg and "runs on the rings" in msg
+    assert "copy-engine combine (on at EP2 with UCCL_MOE_COMBINE_CE=1" in msg and "runs on the rings" in msg
     assert f"get_copy_engine_buffer_size_hint(tokens_per_rank, {H}, 2, {K})" in msg
     assert f"{need / 2**20:.1f} MiB" in msg
     assert f"UCCL_MOE_NVL_BYTES_MIN={-(-need >> 20) << 20} (this batch's need)" in msg  # a whole MiB, rounded up
-    # a dispatch of another Buffer (the flag is per Buffer): FP8 rows name the hidden size, not half the row bytes
-    other = _fake_backend(2, 7)
-    other.ctx = SimpleNamespace(num_nvl_bytes=1)
-    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", "1")
+    # the dispatch of the same Buffer speaks for itself; FP8 rows name the hidden size, not half the row bytes. auto
+    # at EP2 takes it only where every rank sends at least 0.9 of its tokens to the other: rank 1 sends 2 of 5 here
+    backend.ctx = SimpleNamespace(num_nvl_bytes=1)
+    monkeypatch.delenv("UCCL_MOE_DISPATCH_CE", raising=False)
     caplog.clear()
     with caplog.at_level("WARNING", logger="uccl_moe.buffer"):
-        assert not other.dispatch_ce_fits(handle(), 128, 1)
+        assert not backend.dispatch_ce_fits(handle(), 128, 1)
+        assert said() == []
+        monkeypatch.setenv("UCCL_MOE_DISPATCH_CE", "1")
+        assert not backend.dispatch_ce_fits(handle((5, 6)), 128, 1)  # other counts: answered again
     [msg] = said()
-    assert "copy-engine cached dispatch" in msg and "get_copy_engine_buffer_size_hint(tokens_per_rank, 128, 2, 0)" \
-        in msg
+    assert "copy-engine cached dispatch (on at EP2 with UCCL_MOE_DISPATCH_CE=1" in msg
+    assert "get_copy_engine_buffer_size_hint(tokens_per_rank, 128, 2, 0)" in msg

@@ -133,9 +133,33 @@ def test_buffer_holds_the_copy_engine_ops_of_the_groups_largest_batch():
     ce = Buffer.get_copy_engine_buffer_size_hint(16384, 2048, 2, 2)
     assert ce > ring
     assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "auto") == [ce, ce]
+    # a rank whose first batch has no tokens still takes part in the size exchange (else its peer would wait in it)
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [0, 16384], [0, 0], "auto", timeout_s=120) == [ce, ce]
     assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "reference") == [ring, ring]
     view = Buffer.get_combine_buffer_size_hint(2 * 16384, 2048, 2)  # combine from the buffer: every row, larger
     assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 16384], [100, 16384], "auto") == [view, view]
+
+
+@pytest.mark.parametrize("overlap, fused", [(False, False), (True, False), (False, True)])
+def test_dispatcher_sizes_its_buffer_for_its_batch(monkeypatch, overlap, fused):
+    """The dispatcher asks the manager for a Buffer sized for the copy-engine ops of its batch (ce_tokens), and for
+    the combine from the buffer only where that path is on (not under the 1F1B EP overlap or a fused permute)."""
+    from types import SimpleNamespace
+
+    from uccl_moe.megatron import dispatcher as dmod
+    from uccl_moe.megatron.knobs import UCCLKnobs
+
+    asked = []
+    monkeypatch.setattr(dmod, "get_buffer", lambda *a, **kw: asked.append((a, kw)) or "buffer")
+    disp = object.__new__(dmod.UCCLTokenDispatcher)
+    disp._buffer_key, disp._buffer, disp.comm_group, disp.tp_size, disp.router_topk = None, None, "group", 1, 8
+    disp.knobs = UCCLKnobs(num_sms=None, nvl_bytes=None, rdma_bytes=None, backend="auto")
+    disp.config = SimpleNamespace(moe_permute_fusion=fused, overlap_moe_expert_parallel_comm=overlap)
+    x = torch.zeros((2, 300, 64), dtype=torch.bfloat16)
+    assert disp._get_buffer(x) == "buffer" and disp._get_buffer(x) == "buffer"  # the second call: the same Buffer
+    [(args, kw)] = asked
+    assert args == ("group", 128, disp.knobs, 1200, 8) and kw["ce_tokens"] == 600
+    assert kw["combine_tokens"] == (0 if overlap or fused else 600)
 
 
 def test_backend_for_model_dtype(caplog):
