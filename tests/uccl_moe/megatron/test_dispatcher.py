@@ -109,9 +109,12 @@ def test_dropless_roundtrip_emulated_two_nodes():
         assert res["backward"] <= 1e-6, res
 
 
-def _nvl_bytes_of_buffer(rank: int, world: int, ce_tokens: list[int], combine_tokens: list[int], backend: str) -> int:
+def _nvl_bytes_of_buffer(rank: int, world: int, ce_tokens: list[int], combine_tokens: list[int],
+                         backend: str) -> tuple[int, int]:
+    """(the Buffer's NVL bytes, the configs' ring hint) in this process (the hint follows Buffer.num_sms)."""
     import torch.distributed as dist
 
+    from uccl_moe import Buffer
     from uccl_moe.megatron import buffer_manager as bm
     from uccl_moe.megatron.knobs import UCCLKnobs
 
@@ -119,7 +122,9 @@ def _nvl_bytes_of_buffer(rank: int, world: int, ce_tokens: list[int], combine_to
     knobs = UCCLKnobs(num_sms=None, nvl_bytes=None, rdma_bytes=None, backend=backend)
     buf = bm.get_buffer(dist.group.WORLD, 2 * 2048, knobs, 0, 2, backend=backend,
                         combine_tokens=combine_tokens[rank], ce_tokens=ce_tokens[rank])
-    return int(buf.num_nvl_bytes)
+    ring = max(c.get_nvl_buffer_size_hint(2 * 2048, 2) for c in (Buffer.get_dispatch_config(2),
+                                                                  Buffer.get_combine_config(2)))
+    return int(buf.num_nvl_bytes), int(ring)
 
 
 def test_buffer_holds_the_copy_engine_ops_of_the_groups_largest_batch():
@@ -128,16 +133,15 @@ def test_buffer_holds_the_copy_engine_ops_of_the_groups_largest_batch():
     them on the rings past a few thousand tokens); alike on every rank; not for the reference backend."""
     from uccl_moe import Buffer
 
-    ring = max(c.get_nvl_buffer_size_hint(2 * 2048, 2) for c in (Buffer.get_dispatch_config(2),
-                                                                  Buffer.get_combine_config(2)))
     ce = Buffer.get_copy_engine_buffer_size_hint(16384, 2048, 2, 2)
-    assert ce > ring
-    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "auto") == [ce, ce]
-    # a rank whose first batch has no tokens still takes part in the size exchange (else its peer would wait in it)
-    assert run_ranks(_nvl_bytes_of_buffer, 2, [0, 16384], [0, 0], "auto", timeout_s=120) == [ce, ce]
-    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "reference") == [ring, ring]
+    got = run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "auto")
+    ring = got[0][1]
+    assert ce > ring and got == [(ce, ring)] * 2
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 100], [0, 0], "reference") == [(ring, ring)] * 2
     view = Buffer.get_combine_buffer_size_hint(2 * 16384, 2048, 2)  # combine from the buffer: every row, larger
-    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 16384], [100, 16384], "auto") == [view, view]
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [16384, 16384], [100, 16384], "auto") == [(view, ring)] * 2
+    # a rank whose first batch has no tokens still takes part in the size exchange (else its peer would wait in it)
+    assert run_ranks(_nvl_bytes_of_buffer, 2, [0, 16384], [0, 0], "auto", timeout_s=120) == [(ce, ring)] * 2
 
 
 @pytest.mark.parametrize("overlap, fused", [(False, False), (True, False), (False, True)])
