@@ -20,8 +20,8 @@ its ``pid``. Other memcpy and memset events are left out. Each kernel is one of 
 All times are interval arithmetic over [ts, ts + dur) (sorted union and two-pointer intersection; no sampling), per
 device, then summed over devices:
 
-* per stream: kernel count, busy ms (union of its kernels), busy ms per class, and the dominant class (the one with
-  the most busy time there);
+* per stream: kernel and peer-copy counts, busy ms (union of its kernels and copies), busy ms per class, and the
+  dominant class (the one with the most busy time there);
 * per class: busy ms over all streams;
 * for each comm class (uccl, nccl): ``overlap_compute_ms``, the time during which a kernel of that class runs while a
   compute kernel runs on a *different* stream, and ``hidden_fraction`` = that / the class's busy ms ("comm hidden
@@ -133,6 +133,7 @@ class Kernel:
     start_us: float
     end_us: float
     cls: str  # one of CLASSES
+    copy: bool = False  # a peer-to-peer copy, not a kernel
 
 
 def _ident(value: Any) -> StreamId:
@@ -175,8 +176,9 @@ def kernels_of(trace: Any) -> list[Kernel]:
         if stream is None:
             continue
         name = str(ev.get("name", ""))
-        cls = "uccl" if str(ev.get("cat", "")).lower() == "gpu_memcpy" else classify(name)
-        out.append(Kernel(name, _ident(device), _ident(stream), start, start + dur, cls))
+        copy = str(ev.get("cat", "")).lower() == "gpu_memcpy"
+        out.append(Kernel(name, _ident(device), _ident(stream), start, start + dur, "uccl" if copy else classify(name),
+                          copy))
     return out
 
 
@@ -241,10 +243,11 @@ def analyze(kernels: Sequence[Kernel], main_stream: Optional[StreamId] = None) -
             per_cls = {c: total(by_cls[c].get(s, [])) for c in CLASSES}
             dominant = max(CLASSES, key=lambda c: per_cls[c]) if any(per_cls.values()) else None
             streams_out.append({
-                "device": device, "stream": s, "main": s == main, "kernels": len(on_s),
+                "device": device, "stream": s, "main": s == main, "kernels": sum(not k.copy for k in on_s),
+                "peer_copies": sum(k.copy for k in on_s),
                 "busy_ms": _ms(total(union((k.start_us, k.end_us) for k in on_s))),
                 **{f"{c}_ms": _ms(per_cls[c]) for c in CLASSES},
-                "kernels_by_class": {c: sum(k.cls == c for k in on_s) for c in CLASSES},
+                "kernels_by_class": {c: sum(k.cls == c and not k.copy for k in on_s) for c in CLASSES},
                 "dominant": dominant,
             })
         compute = by_cls["compute"]
@@ -256,7 +259,8 @@ def analyze(kernels: Sequence[Kernel], main_stream: Optional[StreamId] = None) -
             side = union(iv for s, ivs in side_compute.items() for iv in intersect(ivs, _others(by_cls[c], s)))
             comm[c]["overlap_side_compute_us"] += total(side)
     totals: dict[str, Any] = {
-        "kernels": len(kernels), "devices": len(devices), "streams": len(streams_out), "window_ms": _ms(window_us),
+        "kernels": sum(not k.copy for k in kernels), "peer_copies": sum(k.copy for k in kernels),
+        "devices": len(devices), "streams": len(streams_out), "window_ms": _ms(window_us),
         **{f"{c}_busy_ms": _ms(busy_us[c]) for c in CLASSES},
     }
     comm_out = {}
@@ -274,12 +278,15 @@ def analyze(kernels: Sequence[Kernel], main_stream: Optional[StreamId] = None) -
 def render(result: dict[str, Any]) -> str:
     """The compact human table of :func:`analyze`'s result."""
     t = result["totals"]
-    lines = [f"{t['kernels']} kernels on {t['streams']} streams of {t['devices']} device(s), "
+    copies = f" and {t['peer_copies']} peer copies" if t["peer_copies"] else ""
+    lines = [f"{t['kernels']} kernels{copies} on {t['streams']} streams of {t['devices']} device(s), "
              f"{t['window_ms']:.3f} ms from the first kernel to the last"]
-    head = ["device", "stream", "kernels", "busy ms", "uccl ms", "nccl ms", "compute ms", "dominant"]
-    rows = [[str(s["device"]), str(s["stream"]) + (" (main)" if s["main"] else ""), str(s["kernels"]),
-             f"{s['busy_ms']:.3f}", f"{s['uccl_ms']:.3f}", f"{s['nccl_ms']:.3f}", f"{s['compute_ms']:.3f}",
-             s["dominant"] or "-"] for s in result["streams"]]
+    head = ["device", "stream", "kernels"] + (["copies"] if copies else []) + [
+        "busy ms", "uccl ms", "nccl ms", "compute ms", "dominant"]
+    rows = [[str(s["device"]), str(s["stream"]) + (" (main)" if s["main"] else ""), str(s["kernels"])]
+            + ([str(s["peer_copies"])] if copies else [])
+            + [f"{s['busy_ms']:.3f}", f"{s['uccl_ms']:.3f}", f"{s['nccl_ms']:.3f}", f"{s['compute_ms']:.3f}",
+               s["dominant"] or "-"] for s in result["streams"]]
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     lines.append("  ".join(h.rjust(w) for h, w in zip(head, widths)))
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

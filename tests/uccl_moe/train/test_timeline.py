@@ -79,11 +79,12 @@ def test_union_and_intersect():
 
 def test_overlaps_on_the_reference_trace():
     res = tl.analyze(tl.kernels_of(TRACE))
-    assert res["totals"] == {"kernels": 10, "devices": 1, "streams": 4, "window_ms": 9.0, "uccl_busy_ms": 5.0,
-                             "nccl_busy_ms": 2.0, "compute_busy_ms": 6.0}
+    assert res["totals"] == {"kernels": 10, "peer_copies": 0, "devices": 1, "streams": 4, "window_ms": 9.0,
+                             "uccl_busy_ms": 5.0, "nccl_busy_ms": 2.0, "compute_busy_ms": 6.0}
     by = {s["stream"]: s for s in res["streams"]}
     assert [s["stream"] for s in res["streams"]] == [7, 20, 30, 40]
-    assert by[7] == {"device": 0, "stream": 7, "main": True, "kernels": 4, "busy_ms": 6.0, "uccl_ms": 0.0,
+    assert by[7] == {"device": 0, "stream": 7, "main": True, "kernels": 4, "peer_copies": 0, "busy_ms": 6.0,
+                     "uccl_ms": 0.0,
                      "nccl_ms": 0.0, "compute_ms": 6.0, "kernels_by_class": {"uccl": 0, "nccl": 0, "compute": 4},
                      "dominant": "compute"}
     assert (by[20]["kernels"], by[20]["busy_ms"], by[20]["uccl_ms"], by[20]["dominant"]) == (3, 5.0, 5.0, "uccl")
@@ -150,13 +151,15 @@ def test_peer_copies_count_as_uccl_comm():
         _k("Memcpy DtoD (Device -> Device)", 0, 4000, stream=60, cat="gpu_memcpy"),  # local: not counted
     ]}
     res = tl.analyze(tl.kernels_of(trace))
-    assert [(s["stream"], s["kernels"], s["dominant"]) for s in res["streams"]] == [
-        (7, 1, "compute"), (20, 1, "uccl"), (50, 2, "uccl")]
+    assert [(s["stream"], s["kernels"], s["peer_copies"], s["dominant"]) for s in res["streams"]] == [
+        (7, 1, 0, "compute"), (20, 1, 0, "uccl"), (50, 0, 2, "uccl")]
     # uccl busy: [1000,3750) on stream 50 and [3000,5000) on 20, union [1000,5000); under the gemm [0,4000):
     # [1000,4000)
     assert res["comm"]["uccl"] == {"busy_ms": 4.0, "overlap_compute_ms": 3.0, "hidden_fraction": 0.75,
                                    "overlap_side_compute_ms": 0.0}
-    assert res["totals"]["kernels"] == 4 and res["totals"]["compute_busy_ms"] == 4.0
+    assert (res["totals"]["kernels"], res["totals"]["peer_copies"], res["totals"]["compute_busy_ms"]) == (2, 2, 4.0)
+    text = tl.render(res)
+    assert text.startswith("2 kernels and 2 peer copies on 3 streams") and " copies " in text.splitlines()[1]
 
 
 def test_empty_trace():
