@@ -24,7 +24,7 @@ rank (``--no-align`` turns it off; then a rank's time also counts how late its p
 other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose
 host time per call outgrew the flush's GPU time (``flush_us``): the GPU may then have waited for the host inside the
 timed window (a loaded host); of that host time only the part before the op's launch counts, the rest runs while the
-GPU works (docs/benchmarks.md, "Sessions 34-36").
+GPU works (docs/benchmarks.md, "The default mode pays the host time").
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG

@@ -149,10 +149,14 @@ def _ident(value: Any) -> StreamId:
     return int(m.group(1)) if m else text
 
 
-def _counted(ev: dict[str, Any]) -> bool:
-    """Whether a trace event is a kernel or a peer-to-peer copy (the events this module analyses)."""
+def _event_kind(ev: Any) -> Optional[str]:
+    """``kernel`` or ``copy`` (a peer-to-peer copy) for the complete events this module analyses; None for the rest."""
+    if not isinstance(ev, dict) or ev.get("ph", "X") != "X":
+        return None
     cat = str(ev.get("cat", "")).lower()
-    return cat == "kernel" or (cat == "gpu_memcpy" and PEER_COPY_PATTERN in str(ev.get("name", "")).lower())
+    if cat == "kernel":
+        return "kernel"
+    return "copy" if cat == "gpu_memcpy" and PEER_COPY_PATTERN in str(ev.get("name", "")).lower() else None
 
 
 def kernels_of(trace: Any) -> list[Kernel]:
@@ -163,7 +167,8 @@ def kernels_of(trace: Any) -> list[Kernel]:
         raise InvalidUsageError("not a chrome trace: expected {'traceEvents': [...]} or a list of events")
     out: list[Kernel] = []
     for ev in events:
-        if not isinstance(ev, dict) or not _counted(ev) or ev.get("ph", "X") != "X":
+        kind = _event_kind(ev)
+        if kind is None:
             continue
         try:
             start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
@@ -176,7 +181,7 @@ def kernels_of(trace: Any) -> list[Kernel]:
         if stream is None:
             continue
         name = str(ev.get("name", ""))
-        copy = str(ev.get("cat", "")).lower() == "gpu_memcpy"
+        copy = kind == "copy"
         out.append(Kernel(name, _ident(device), _ident(stream), start, start + dur, "uccl" if copy else classify(name),
                           copy))
     return out
