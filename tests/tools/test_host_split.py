@@ -57,3 +57,33 @@ def test_a_launch_that_raises_still_marks_its_return_and_a_path_without_callback
 
 def test_a_machine_without_two_gpus_stops_before_any_rank(capsys: pytest.CaptureFixture[str]) -> None:
     refuses_before_any_rank(hs.main, ["--iters", "x"], "--iters", capsys)
+
+
+def _ev(cat: str, name: str, ts: float, dur: float, corr: int, nbytes: int | None = None) -> dict:
+    args: dict = {"correlation": corr}
+    if nbytes is not None:
+        args["bytes"] = nbytes
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_trace_parts_places_host_calls_against_the_gpu_events_after_each_flush() -> None:
+    events = []
+    for i, late in enumerate((30.0, 50.0)):  # two iterations; the host's copy call `late` us after the flush
+        base = 1000.0 * i
+        events += [
+            _ev("kernel", "vectorized_elementwise_kernel fill", base, 100.0, 10 * i + 1),
+            _ev("cuda_runtime", "cudaMemcpyAsync", base + 100 + late, 2.0, 10 * i + 2),
+            _ev("gpu_memcpy", "Memcpy PtoP", base + 100 + late + 5, 60.0, 10 * i + 2, nbytes=1 << 20),
+            _ev("cuda_runtime", "cudaMemcpyAsync", base + 100 + late + 3, 2.0, 10 * i + 3),
+            _ev("gpu_memcpy", "Memcpy PtoP", base + 100 + late + 66, 1.0, 10 * i + 3, nbytes=4),
+            _ev("cuda_runtime", "cudaLaunchKernel", base + 100 + late + 20, 3.0, 10 * i + 4),
+            _ev("kernel", "gather_kernel", base + 100 + late + 25, 90.0, 10 * i + 4),
+        ]
+    med, n = hs.trace_parts({"traceEvents": events})
+    assert n == 2
+    assert med["copy_call"] == pytest.approx(40.0)  # the median of 30 and 50
+    assert med["copy_start"] == pytest.approx(45.0)
+    assert med["kernel_call"] == pytest.approx(60.0) and med["kernel_start"] == pytest.approx(65.0)
+    assert med["end"] == pytest.approx(155.0)
+    _, none = hs.trace_parts({"traceEvents": [e for e in events if e["cat"] != "gpu_memcpy"]})
+    assert none == 0  # no copy: another path ran

@@ -12,10 +12,16 @@ native launch's entry, its outputs callback (called once the first copies are en
 - ``gpu``: the call's event time (the bench's figure).
 
 Medians over --iters calls per rank; one line per rank and op. A ``held`` line per op repeats the loop with the GPU
-asleep before each call (the bench's --device-time), where the host runs unhurried. Figures are per machine and call
-(docs/benchmarks.md).
+asleep before each call (the bench's --device-time), where the host runs unhurried.
 
-    python tools/device/host_split.py [--iters 30] [--tokens 4096] [--hidden 7168]
+``--trace`` instead profiles the loop (torch.profiler, CPU and CUDA: host and GPU on one clock; the profiler slows the
+host) and gives, per rank and op, in us from the L2 flush's end on the GPU (negative: before it): ``copy_call`` the
+host's call that enqueued the op's first data copy, ``copy_start`` that copy's start on the GPU, ``kernel_call`` and
+``kernel_start`` the same for the op's kernel (gather or sum), ``end`` the op's last kernel's end. A ``copy_call``
+past 0 is host time the GPU waits for. ``--profile`` prints rank 0's cProfile of the op calls (functions by own time).
+Figures are per machine and call (docs/benchmarks.md).
+
+    python tools/device/host_split.py [--iters 30] [--tokens 4096] [--hidden 7168] [--trace] [--profile]
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from ce_timeline import close_headline, headline, headline_ab_main, headline_cal
 
 LAUNCHES = ("dispatch_ce_intranode", "combine_ce_intranode")  # the native launches of the copy-engine ops
 SEGMENTS = ("py_pre", "native_pre", "alloc", "native_post", "py_post", "before_copy", "total", "gpu", "flush")
+TRACE_PARTS = ("copy_call", "copy_start", "kernel_call", "kernel_start", "end")
+FLAG_BYTES = 4  # a chunk's flag copy
 
 
 def timed_launch(real: Any, marks: dict[str, int]) -> Any:
@@ -95,6 +103,74 @@ def measure(fn: Any, marks: dict[str, int], flush: Any, align: Any, iters: int, 
     return med
 
 
+def trace_parts(trace: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """Median TRACE_PARTS over a profiled loop's iterations (each L2 flush and the events up to the next), and how
+    many iterations had the op's copies and kernel: GPU events from ce_timeline, their host calls by correlation id."""
+    from ce_timeline import gpu_events, iterations
+
+    calls = {e["args"]["correlation"]: float(e["ts"]) for e in trace.get("traceEvents", [])
+             if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    rows = []
+    for it in iterations(gpu_events(trace)):
+        if not it or "fill" not in it[0]["name"].lower():
+            continue
+        t0 = float(it[0]["ts"]) + float(it[0]["dur"])
+        copies = [e for e in it if e["cat"] == "gpu_memcpy" and int(e.get("args", {}).get("bytes", 0)) != FLAG_BYTES]
+        kernels = [e for e in it[1:] if e["cat"] == "kernel" and "ce_enter" not in e["name"]]
+        if not copies or not kernels:
+            continue
+        c, k = copies[0], kernels[0]
+        cc, kc = calls.get(c["args"].get("correlation")), calls.get(k["args"].get("correlation"))
+        if cc is None or kc is None:
+            continue
+        rows.append({"copy_call": cc - t0, "copy_start": float(c["ts"]) - t0, "kernel_call": kc - t0,
+                     "kernel_start": float(k["ts"]) - t0,
+                     "end": max(float(e["ts"]) + float(e["dur"]) for e in kernels) - t0})
+    if not rows:
+        return {k: float("nan") for k in TRACE_PARTS}, 0
+    return {k: statistics.median(r[k] for r in rows) for k in TRACE_PARTS}, len(rows)
+
+
+def traced(fn: Any, flush: Any, align: Any, iters: int) -> tuple[dict[str, float], int]:
+    """trace_parts of fn() in the bench's default loop under torch.profiler (CPU and CUDA activities)."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from uccl_moe.bench._timing import time_op
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        time_op(fn, flush, iters, 3, align, False)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return trace_parts(json.load(f))
+
+
+def profiled(fn: Any, flush: Any, align: Any, iters: int) -> list[str]:
+    """The cProfile of `iters` calls of fn() in the bench's default loop: the top functions by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        align()
+        flush.zero_()
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    return out.getvalue().splitlines()
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -113,8 +189,21 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
         fn()
         if "cb_in" not in marks:
             raise RuntimeError(f"{op} did not take the copy-engine path (not EP2, or a knob turned it off)")
+        align = lambda: dist.all_reduce(one)  # noqa: E731
+        if args.profile:
+            got_lines = profiled(fn, flush, align, args.iters)
+            if rank == 0:
+                lines += [f"== {op}: cProfile of rank 0's calls"] + got_lines
+            continue
+        if args.trace:
+            parts, n = traced(fn, flush, align, args.iters)
+            got = [None] * R
+            dist.all_gather_object(got, (parts, n))
+            for r, (m, cnt) in enumerate(got):
+                lines.append(f"{op:8s} rank {r} " + " ".join(f"{k} {m[k]:6.1f}" for k in TRACE_PARTS) + f" (n={cnt})")
+            continue
         for held in (False, True):
-            med = measure(fn, marks, flush, lambda: dist.all_reduce(one), args.iters, held)
+            med = measure(fn, marks, flush, align, args.iters, held)
             got: list[Any] = [None] * R
             dist.all_gather_object(got, med)
             for r, m in enumerate(got):
@@ -126,6 +215,8 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", action="store_true", help="host calls against the GPU's events (torch.profiler)")
+    p.add_argument("--profile", action="store_true", help="rank 0's cProfile of the op calls")
     return headline_ab_main(p, argv, _worker, "host_split.py", lambda a: None)
 
 
