@@ -19,6 +19,9 @@ host) and gives, per rank and op, in us from the L2 flush's end on the GPU (nega
 host's call that enqueued the op's first data copy, ``copy_start`` that copy's start on the GPU, ``kernel_call`` and
 ``kernel_start`` the same for the op's kernel (gather or sum), ``end`` the op's last kernel's end. A ``copy_call``
 past 0 is host time the GPU waits for. ``--profile`` prints rank 0's cProfile of the op calls (functions by own time).
+``--floor`` adds each op's floor (``*_floor``): the same native launch with its arguments built once, called straight
+from the loop with the outputs allocated as the API allocates them, so no Python check or decision runs; what the
+API's ops take beyond it is their Python.
 Figures are per machine and call (docs/benchmarks.md).
 
     python tools/device/host_split.py [--iters 30] [--tokens 4096] [--hidden 7168] [--trace] [--profile]
@@ -171,6 +174,42 @@ def profiled(fn: Any, flush: Any, align: Any, iters: int) -> list[str]:
     return out.getvalue().splitlines()
 
 
+def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
+    """The copy-engine ops' native launches with arguments built once (each op's Python floor): the cached FP8 and
+    BF16 dispatch and the combine of y, on the caller's stream, outputs allocated per call as the API does."""
+    from uccl_moe import _C, env
+    from uccl_moe.backends._buffer_paths import _late_outputs, _ptr
+    from uccl_moe.backends._operands import combine_outputs, scale_layout
+
+    be = buf._live()
+    sms, rows, T = be._sms_of(h), int(h.recv_src_idx.shape[0]), int(h.is_token_in_rank.shape[0])
+    chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), be._stream()
+    calls = {}
+    for name, (x, scales) in (("fp8_floor", x8), ("bf16_floor", (xb, None))):
+        S, s_tok, s_hid = scale_layout(scales)
+        row_bytes = int(x.shape[1]) * x.element_size()
+        counts = be._ce_dispatch_counts(h, row_bytes, S)
+        assert counts is not None, "the copy-engine dispatch does not fit this Buffer"
+        args = _C.DispatchArgs(x=_ptr(x), x_scales=_ptr(scales), rank_prefix=_ptr(h.rank_prefix_matrix),
+                               num_tokens=T, row_bytes=row_bytes, num_scales=S, scale_token_stride=s_tok,
+                               scale_hidden_stride=s_hid, num_recv_rows=rows, recv_src_idx=_ptr(h.recv_src_idx))
+        calls[name] = (lambda a=args, c=counts, x=x, sc=scales: _late_outputs(  # type: ignore[misc]
+            lambda outputs: _C.dispatch_ce_intranode(be._rt, sms, a, c[0], c[1], chunks, early, stream, outputs),
+            lambda: be._alloc_recv(rows, x, sc, 0, False)[:2], "floor"))
+    H = int(y.shape[1])
+    prefix = be._ce_rank_prefix(h, H, 0)
+    assert prefix is not None, "the copy-engine combine does not fit this Buffer"
+    cargs = _C.CombinePullArgs(
+        topk_weights=0, bias0=0, bias1=0, rank_prefix=_ptr(h.rank_prefix_matrix), lane_prefix=_ptr(
+            h.channel_prefix_matrix), send_head=_ptr(h.send_head), num_tokens=T, hidden=H, num_topk=0,
+        num_lanes=int(h.channel_prefix_matrix.shape[1]), staged=1, own_x=_ptr(y),
+        ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
+    calls["combine_floor"] = lambda: _late_outputs(
+        lambda outputs: _C.combine_ce_intranode(be._rt, sms, cargs, prefix, early, stream, outputs),
+        lambda: combine_outputs(y, T, None), "floor")
+    return calls
+
+
 def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -184,7 +223,10 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     one = torch.ones(1, device="cuda")
     lines = []
-    for op, fn in headline_calls(buf, h, y, xb, x8).items():
+    ops = headline_calls(buf, h, y, xb, x8)
+    if args.floor:
+        ops.update(floor_calls(buf, h, y, xb, x8))
+    for op, fn in ops.items():
         marks.clear()
         fn()
         if "cb_in" not in marks:
@@ -207,7 +249,7 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
             got: list[Any] = [None] * R
             dist.all_gather_object(got, med)
             for r, m in enumerate(got):
-                lines.append(f"{op:8s} {'held' if held else 'loop':4s} rank {r} "
+                lines.append(f"{op:13s} {'held' if held else 'loop':4s} rank {r} "
                              + " ".join(f"{k} {m[k]:6.1f}" for k in SEGMENTS))
     close_headline(rank, buf, f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}: host us per call by segment "
                    f"(medians of {args.iters}); loop = the bench's default mode, held = --device-time", lines)
@@ -217,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", action="store_true", help="host calls against the GPU's events (torch.profiler)")
     p.add_argument("--profile", action="store_true", help="rank 0's cProfile of the op calls")
+    p.add_argument("--floor", action="store_true", help="also each op's native launch with prebuilt arguments")
     return headline_ab_main(p, argv, _worker, "host_split.py", lambda a: None)
 
 
