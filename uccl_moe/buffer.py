@@ -38,7 +38,7 @@ except ImportError as _e:  # pragma: no cover - a broken install
         f"uccl_moe._C (the native module) is missing: {_e}. Install with `pip install -e .` from the source tree"
     ) from _e
 
-from . import _checks, streams, tuning  # noqa: E402 - after the native module's own error
+from . import _checks, _plain_ops, streams, tuning  # noqa: E402 - after the native module's own error
 from ._checks import FP8_SCALE_BLOCK, HANDLE_KEY_ATTR, MAX_EXPERTS_PER_RANK, MAX_TOPK, err, int_arg, topk_idx_t  # noqa: E402
 from ._low_latency import LowLatencyNotImplemented  # noqa: E402
 from ._size_hints import SizeHints  # noqa: E402
@@ -127,6 +127,8 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         self._comm: CommStream | None = CommStream(device) if device.type == "cuda" else None
         self._check_topk_idx = _checks.TopkIdxCheck()
         self._fits: set[tuple[Any, ...]] = set()  # what passed _checks.check_buffer_size
+        # structures of plain cached dispatches and combines the full path accepted, with their configs (_plain_ops)
+        self._plain_keys: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
         # handles to the new Buffer in backward, as DeepEP allows.
@@ -391,6 +393,12 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
             num_recv_tokens_per_expert_list list[int], handle, event). Cached: (recv_x, None, None, None, None, event).
         Runs on the comm stream; the caller's stream waits unless async_finish=True.
         """
+        plain = config is None and previous_event is None and async_finish is False \
+            and allocate_on_comm_stream is False
+        if plain and handle is not None and topk_idx is None and topk_weights is None:
+            done = _plain_ops.cached_dispatch(self, x, handle, expert_alignment, num_worst_tokens)
+            if done is not None:  # a structure the full path below accepted before
+                return done
         backend = self._live()
         _checks.check_async(async_finish, allocate_on_comm_stream)
         data, scales = _checks.split_x(x, self.device)
@@ -413,6 +421,8 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
                 recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
             out_x: TensorOrFp8 = recv_x if recv_scales is None else (recv_x, recv_scales)
             event = self._finish(async_finish, [data, scales], [recv_x, recv_scales], on_caller, h)
+            if plain:
+                _plain_ops.remember(self, _plain_ops.dispatch_key(x, handle, Buffer.num_sms), config)
             return DispatchResult(out_x, None, None, None, None, event)
 
         per_rank, per_rdma_rank, in_rank, per_expert, num_experts = _checks.check_layout(
@@ -458,6 +468,12 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
             The sum runs in float32 in rank order 0..R-1, so it is deterministic.
         Runs on the comm stream; the caller's stream waits unless async_finish=True.
         """
+        plain = topk_weights is None and bias is None and config is None and previous_event is None \
+            and async_finish is False and allocate_on_comm_stream is False
+        if plain:
+            done = _plain_ops.combine(self, x, handle)
+            if done is not None:  # a structure the full path below accepted before
+                return done
         backend = self._live()
         _checks.check_async(async_finish, allocate_on_comm_stream)
         h = self._check_handle(handle)
@@ -474,4 +490,6 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         with streams.op_context(self._comm, on_caller):
             combined, combined_w = backend.combine(x, h, topk_weights, biases, config)
         event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller, h)
+        if plain and not from_view:
+            _plain_ops.remember(self, _plain_ops.combine_key(x, handle, Buffer.num_sms), config)
         return CombineResult(combined, combined_w, event)

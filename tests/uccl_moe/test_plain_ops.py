@@ -1,0 +1,186 @@
+"""The plain calls' short host path (uccl_moe/_plain_ops.py): a cached dispatch or a combine with every optional
+argument at its default skips the full checks only for an input structure the full path accepted before on this
+Buffer, gives the same results as the full path, and leaves every bad input to the full path's errors."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from uccl_moe import Buffer, InvalidTypeError, InvalidUsageError, _checks, _plain_ops, tuning
+
+T, H, E, K = 6, 256, 4, 2
+
+
+@pytest.fixture()
+def buf(group):
+    b = Buffer(group, 1 << 22, backend="reference")
+    yield b
+    b.destroy()
+
+
+@pytest.fixture()
+def sms():
+    old = Buffer.num_sms
+    yield
+    Buffer.num_sms = old
+
+
+@pytest.fixture()
+def full_path_calls(monkeypatch):
+    """How many times the full path's first check ran, per op (the short path runs neither)."""
+    calls = {"dispatch": 0, "combine": 0}
+    split_x, check_combine_x = _checks.split_x, _checks.check_combine_x
+
+    def counting_split_x(*a, **kw):
+        calls["dispatch"] += 1
+        return split_x(*a, **kw)
+
+    def counting_combine_x(*a, **kw):
+        calls["combine"] += 1
+        return check_combine_x(*a, **kw)
+
+    monkeypatch.setattr(_checks, "split_x", counting_split_x)
+    monkeypatch.setattr(_checks, "check_combine_x", counting_combine_x)
+    return calls
+
+
+def _layout_dispatch(buf, x):
+    idx = torch.randint(0, E, (T, K))
+    lay = buf.get_dispatch_layout(idx, E)
+    return buf.dispatch(x, num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                        num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=torch.rand(T, K))
+
+
+def _fp8(rows=T):
+    return torch.randn(rows, H).to(torch.float8_e4m3fn), torch.rand(rows, H // 128)
+
+
+def test_a_structure_takes_the_short_path_once_the_full_path_accepted_it(buf, full_path_calls, monkeypatch) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x, y = torch.randn(T, H).bfloat16(), torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    first = buf.dispatch(x, handle=r.handle)
+    assert full_path_calls["dispatch"] == 2  # the layout dispatch and the first cached one
+    again = buf.dispatch(x, handle=r.handle)
+    assert full_path_calls["dispatch"] == 2  # short path
+    assert torch.equal(first.recv_x, again.recv_x) and again.handle is None and again.recv_topk_idx is None
+    fresh = torch.randn(T, H).bfloat16()  # other values, same structure: still the short path, its own result
+    short = buf.dispatch(fresh, handle=r.handle).recv_x
+    assert full_path_calls["dispatch"] == 2
+    with monkeypatch.context() as m:
+        m.setenv("UCCL_MOE_PLAIN_CALLS", "0")
+        assert torch.equal(short, buf.dispatch(fresh, handle=r.handle).recv_x)
+    assert full_path_calls["dispatch"] == 3
+    c1 = buf.combine(y, r.handle)
+    c2 = buf.combine(y, r.handle)
+    assert full_path_calls["combine"] == 1
+    assert torch.equal(c1.combined_x, c2.combined_x) and c2.combined_topk_weights is None
+
+
+def test_fp8_pairs_and_the_knob(buf, full_path_calls, monkeypatch) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x8 = _fp8()
+    got = [buf.dispatch(x8, handle=r.handle) for _ in range(3)]
+    assert full_path_calls["dispatch"] == 2
+    for g in got[1:]:
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                   for a, b in zip(g.recv_x, got[0].recv_x))
+    col = (x8[0], torch.rand(H // 128, T).t())  # column-major scales: another structure, the full path first
+    buf.dispatch(col, handle=r.handle)
+    assert full_path_calls["dispatch"] == 3
+    buf.dispatch(col, handle=r.handle)
+    assert full_path_calls["dispatch"] == 3
+    monkeypatch.setenv("UCCL_MOE_PLAIN_CALLS", "0")
+    buf.dispatch(x8, handle=r.handle)
+    y = torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    buf.combine(y, r.handle)
+    buf.combine(y, r.handle)
+    assert full_path_calls == {"dispatch": 4, "combine": 2}
+
+
+def test_bad_inputs_of_a_known_structure_still_get_the_full_paths_errors(buf, group) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x = torch.randn(T, H).bfloat16()
+    y = torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    buf.dispatch(x, handle=r.handle)
+    buf.combine(y, r.handle)  # both structures known now
+    with pytest.raises(InvalidUsageError, match="contiguous"):
+        buf.dispatch(torch.randn(H, T).bfloat16().t(), handle=r.handle)  # same shape, other strides
+    with pytest.raises(InvalidUsageError, match="tokens but the handle"):
+        buf.dispatch(torch.randn(T + 1, H).bfloat16(), handle=r.handle)
+    with pytest.raises(InvalidTypeError, match="dtype"):
+        buf.dispatch(torch.randn(T, H).to(torch.int16), handle=r.handle)
+    with pytest.raises(InvalidUsageError, match="rows but the dispatch"):
+        buf.combine(torch.randn(int(r.recv_x.shape[0]) + 1, H).bfloat16(), r.handle)
+    rebuilt = tuple(t.clone() for t in r.handle)  # loses its tag
+    with pytest.raises(InvalidUsageError, match="not returned by a uccl_moe Buffer"):
+        buf.dispatch(x, handle=rebuilt)
+    with pytest.raises(InvalidUsageError, match="not returned by a uccl_moe Buffer"):
+        buf.combine(y, rebuilt)
+    with pytest.raises(InvalidTypeError, match="handle must be"):
+        buf.combine(y, "not a handle")
+    with pytest.raises((InvalidTypeError, InvalidUsageError)):
+        buf.dispatch((x,), handle=r.handle)
+    with pytest.raises(InvalidUsageError, match="expert_alignment"):
+        buf.dispatch(x, handle=r.handle, expert_alignment=0)
+    buf.destroy()
+    with pytest.raises(InvalidUsageError, match="destroyed"):
+        buf.dispatch(x, handle=r.handle)
+    with pytest.raises(InvalidUsageError, match="destroyed"):
+        buf.combine(y, r.handle)
+
+
+def test_optional_arguments_and_views_take_the_full_path(buf, full_path_calls) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x = torch.randn(T, H).bfloat16()
+    rows = int(r.recv_x.shape[0])
+    y = torch.randn(rows, H).bfloat16()
+    buf.dispatch(x, handle=r.handle)
+    buf.combine(y, r.handle)
+    d0, c0 = full_path_calls["dispatch"], full_path_calls["combine"]
+    buf.dispatch(x, handle=r.handle, config=Buffer.get_dispatch_config(1))
+    buf.dispatch(x, handle=r.handle, async_finish=True)
+    buf.combine(y, r.handle, topk_weights=torch.rand(rows, K))
+    buf.combine(y, r.handle, bias=torch.randn(T, H).bfloat16())
+    buf.combine(y, r.handle, config=Buffer.get_combine_config(1))
+    assert full_path_calls["dispatch"] == d0 + 2 and full_path_calls["combine"] == c0 + 3
+    # The native backend's get_combine_buffer view (the reference backend hands out a plain tensor, so it is recorded
+    # here as the native Buffer records it) keeps its rules: a view another op ran over is refused.
+    buf._combine_view = (int(y.untyped_storage().data_ptr()), buf._op_seq, weakref.ref(r.handle.rank_prefix_matrix))
+    assert torch.equal(buf.combine(y, r.handle).combined_x, buf.combine(torch.clone(y), r.handle).combined_x)
+    buf.dispatch(x, handle=r.handle)  # runs over the view
+    with pytest.raises(InvalidUsageError, match="overwrote it"):
+        buf.combine(y, r.handle)
+
+
+def test_the_sm_count_and_a_replaced_preset_row_resolve_afresh(buf, sms, full_path_calls, monkeypatch) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x = torch.randn(T, H).bfloat16()
+    buf.dispatch(x, handle=r.handle)
+    buf.dispatch(x, handle=r.handle)
+    n = full_path_calls["dispatch"]
+    Buffer.set_num_sms(Buffer.num_sms + 2)  # another default config: the full path once, then short again
+    buf.dispatch(x, handle=r.handle)
+    buf.dispatch(x, handle=r.handle)
+    assert full_path_calls["dispatch"] == n + 1
+    row = tuning.INTRANODE[1]
+    monkeypatch.setitem(tuning.INTRANODE, 1, tuning.Preset(tuning.Chunks(4, 64), row.combine, "test"))
+    buf.dispatch(x, handle=r.handle)
+    assert full_path_calls["dispatch"] == n + 2
+    key = _plain_ops.dispatch_key(x, r.handle, Buffer.num_sms)
+    assert buf._plain_keys[key][0].num_max_nvl_chunked_send_tokens == 4  # resolved from the new row
+
+
+def test_keys_are_bounded_and_garbage_has_none(buf) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    for i in range(_plain_ops.MAX_KEYS + 5):
+        _plain_ops.remember(buf, ("test", i), None)
+    assert len(buf._plain_keys) == _plain_ops.MAX_KEYS
+    assert _plain_ops.dispatch_key([1, 2], r.handle, 24) is None
+    assert _plain_ops.dispatch_key((torch.zeros(1), 3), r.handle, 24) is None
+    assert _plain_ops.dispatch_key(torch.zeros(2, 2), "handle", 24) is None
+    assert _plain_ops.combine_key(torch.zeros(2, 2), (1, 2), 24) is None
+    assert _plain_ops.combine_key("x", r.handle, 24) is None
