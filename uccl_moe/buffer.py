@@ -355,6 +355,7 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         event = self._finish(async_finish, [topk_idx], list(out), on_caller, collective=False)
         return LayoutResult(*out, event)
 
+    # long: DeepEP's signature and docstring; the short path of plain cached calls, then the checks both paths share
     def dispatch(
         self,
         x: TensorOrFp8,

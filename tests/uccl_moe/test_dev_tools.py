@@ -20,3 +20,14 @@ def test_python_path_tool_times_every_op() -> None:
         m = re.search(rf"^{op}: ([0-9.]+) us per call$", out, re.M)
         assert m and float(m.group(1)) > 0, out
     assert "buffer.py" in out  # the profile of Buffer.dispatch follows
+
+
+def test_python_path_tool_times_the_native_backends_python_too() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "tools/device/python_path.py"), "--native", "--calls", "20",
+                          "--profile", "cached_fp8"], capture_output=True, text=True, timeout=120, env=env,
+                         check=True).stdout
+    for op in ("cached_fp8", "cached_bf16", "combine_ce"):
+        m = re.search(rf"^{op}: ([0-9.]+) us per call$", out, re.M)
+        assert m and float(m.group(1)) > 0, out
+    assert "_dispatch_ce" in out  # the copy-engine dispatch's Python ran (its launch a stand-in)
