@@ -397,7 +397,7 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         plain = config is None and previous_event is None and async_finish is False \
             and allocate_on_comm_stream is False
         if plain and handle is not None and topk_idx is None and topk_weights is None:
-            done = _plain_ops.cached_dispatch(self, x, handle, expert_alignment, num_worst_tokens)
+            done = _plain_ops.cached_dispatch(self, x, handle, expert_alignment, num_worst_tokens, Buffer.num_sms)
             if done is not None:  # a structure the full path below accepted before
                 return done
         backend = self._live()
@@ -472,7 +472,7 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         plain = topk_weights is None and bias is None and config is None and previous_event is None \
             and async_finish is False and allocate_on_comm_stream is False
         if plain:
-            done = _plain_ops.combine(self, x, handle)
+            done = _plain_ops.combine(self, x, handle, Buffer.num_sms)
             if done is not None:  # a structure the full path below accepted before
                 return done
         backend = self._live()

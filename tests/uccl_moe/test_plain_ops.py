@@ -54,6 +54,18 @@ def _layout_dispatch(buf, x):
                         num_tokens_per_expert=lay.num_tokens_per_expert, topk_idx=idx, topk_weights=torch.rand(T, K))
 
 
+def _routed_dispatch(buf, received: int):
+    """A dispatch whose handle receives `received` of the T tokens (the others route nowhere: all -1)."""
+    idx = torch.randint(0, E, (T, K))
+    idx[received:] = -1
+    lay = buf.get_dispatch_layout(idx, E)
+    r = buf.dispatch(torch.randn(T, H).bfloat16(), num_tokens_per_rank=lay.num_tokens_per_rank,
+                     is_token_in_rank=lay.is_token_in_rank, num_tokens_per_expert=lay.num_tokens_per_expert,
+                     topk_idx=idx, topk_weights=torch.rand(T, K))
+    assert r.recv_x.shape[0] == received
+    return r
+
+
 def _fp8(rows=T):
     return torch.randn(rows, H).to(torch.float8_e4m3fn), torch.rand(rows, H // 128)
 
@@ -178,9 +190,61 @@ def test_keys_are_bounded_and_garbage_has_none(buf) -> None:
     r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
     for i in range(_plain_ops.MAX_KEYS + 5):
         _plain_ops.remember(buf, ("test", i), None)
-    assert len(buf._plain_keys) == _plain_ops.MAX_KEYS
+    assert len(buf._plain_keys) <= _plain_ops.MAX_KEYS and ("test", _plain_ops.MAX_KEYS + 4) in buf._plain_keys
     assert _plain_ops.dispatch_key([1, 2], r.handle, 24) is None
     assert _plain_ops.dispatch_key((torch.zeros(1), 3), r.handle, 24) is None
     assert _plain_ops.dispatch_key(torch.zeros(2, 2), "handle", 24) is None
     assert _plain_ops.combine_key(torch.zeros(2, 2), (1, 2), 24) is None
     assert _plain_ops.combine_key("x", r.handle, 24) is None
+
+
+def test_handles_of_other_routings_keep_the_short_path_and_rows_are_checked_per_call(buf, full_path_calls) -> None:
+    """Every layer and step routes anew, so a handle's received rows change: the key leaves them out."""
+    x = torch.randn(T, H).bfloat16()
+    first, second = _routed_dispatch(buf, 3), _routed_dispatch(buf, 5)
+    buf.dispatch(x, handle=first.handle)
+    buf.combine(torch.randn(3, H).bfloat16(), first.handle)
+    d0, c0 = full_path_calls["dispatch"], full_path_calls["combine"]
+    buf.dispatch(x, handle=second.handle)
+    out = buf.combine(torch.randn(5, H).bfloat16(), second.handle)
+    assert (full_path_calls["dispatch"], full_path_calls["combine"]) == (d0, c0)  # both short
+    assert out.combined_x.shape == (T, H)
+    with pytest.raises(InvalidUsageError, match="rows but the dispatch"):  # rows of another handle
+        buf.combine(torch.randn(3, H).bfloat16(), second.handle)
+    # One row with any stride is contiguous; the same strides with more rows are not, whatever the key says.
+    one = _routed_dispatch(buf, 1)
+    buf.combine(torch.randn(5 * 1, H).bfloat16()[::5], one.handle)
+    strided = torch.randn(5 * 5, H).bfloat16()[::5]
+    assert strided.stride() == (5 * H, 1) and not strided.is_contiguous()
+    with pytest.raises(InvalidUsageError, match="contiguous"):
+        buf.combine(strided, second.handle)
+
+
+def test_the_short_path_hands_the_backend_what_the_full_path_does(buf, monkeypatch) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x8, y = _fp8(), torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    seen: list[tuple] = []
+    backend = buf._backend
+    real_cached, real_combine = backend.cached_dispatch, backend.combine
+
+    def cached(x, scales, h, config):
+        seen.append(("dispatch", x, scales, type(h), h, config))
+        return real_cached(x, scales, h, config)
+
+    def combine(x, h, w, bias, config):
+        seen.append(("combine", x, w, type(h), h, bias, config))
+        return real_combine(x, h, w, bias, config)
+
+    monkeypatch.setattr(backend, "cached_dispatch", cached)
+    monkeypatch.setattr(backend, "combine", combine)
+    seq = buf._op_seq
+    for plain in ("0", "1", "1"):  # the full path, then the short one (twice: the first full call remembered)
+        monkeypatch.setenv("UCCL_MOE_PLAIN_CALLS", plain)
+        buf.dispatch(x8, handle=r.handle)
+        buf.combine(y, r.handle)
+    assert buf._op_seq == seq + 6  # every op counted, on either path (get_combine_buffer's views rest on it)
+    full, short = seen[0:2], seen[4:6]
+    for f, s in zip(full, short):
+        assert len(f) == len(s) and f[0] == s[0]
+        for a, b in zip(f[1:], s[1:]):
+            assert a is b or a == b, (f[0], a, b)

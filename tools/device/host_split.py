@@ -20,8 +20,8 @@ host's call that enqueued the op's first data copy, ``copy_start`` that copy's s
 ``kernel_start`` the same for the op's kernel (gather or sum), ``end`` the op's last kernel's end. A ``copy_call``
 past 0 is host time the GPU waits for. ``--profile`` prints rank 0's cProfile of the op calls (functions by own time).
 ``--floor`` adds each op's floor (``*_floor``): the same native launch with its arguments built once, called straight
-from the loop with the outputs allocated as the API allocates them, so no Python check or decision runs; what the
-API's ops take beyond it is their Python.
+from the loop with the outputs allocated as the API allocates them, so no Python check or decision runs (nor the
+Buffer's stream joins, a few native calls); what the API's ops take beyond it is mostly their Python.
 Figures are per machine and call (docs/benchmarks.md).
 
     python tools/device/host_split.py [--iters 30] [--tokens 4096] [--hidden 7168] [--trace] [--profile]
@@ -204,8 +204,9 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
             h.channel_prefix_matrix), send_head=_ptr(h.send_head), num_tokens=T, hidden=H, num_topk=0,
         num_lanes=int(h.channel_prefix_matrix.shape[1]), staged=1, own_x=_ptr(y),
         ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
+    combine_sms = int(buf.get_combine_config(buf.group_size).num_sms)  # what the API's combine launches with
     calls["combine_floor"] = lambda: _late_outputs(
-        lambda outputs: _C.combine_ce_intranode(be._rt, sms, cargs, prefix, early, stream, outputs),
+        lambda outputs: _C.combine_ce_intranode(be._rt, combine_sms, cargs, prefix, early, stream, outputs),
         lambda: combine_outputs(y, T, None), "floor")
     return calls
 

@@ -7,7 +7,8 @@ machine's other load shows as slow rounds).
 (the cached FP8 dispatch with column-major scales, the cached BF16 dispatch, the combine of a caller's tensor): a
 NativeBackend whose runtime and copy-engine launches are stand-ins that do nothing but ask for the outputs (the
 copy-engine knobs forced on, since the world has one rank), so what is timed is Buffer's and the backend's Python
-before and after the native launch, and the outputs' allocation (on the CPU).
+before and after the native launch, and the outputs' allocation (on the CPU; a CPU Buffer has no comm stream, so
+the stream joins a GPU Buffer makes are not timed).
 Usage: python tools/device/python_path.py [--calls 3000] [--profile dispatch] [--native [--profile cached_fp8]]
 """
 from __future__ import annotations
@@ -130,6 +131,10 @@ def main() -> None:
     p.add_argument("--profile", choices=("layout", "dispatch", "cached", "combine", "cached_fp8", "cached_bf16",
                                          "combine_ce"), help="cProfile this op after")
     args = p.parse_args()
+    native_ops = ("cached_fp8", "cached_bf16", "combine_ce")
+    if args.profile is not None and (args.profile in native_ops) != args.native:
+        p.error(f"--profile {args.profile} is an op of {'--native' if args.native is False else 'the default mode'}: "
+                f"pick from {', '.join(native_ops) if args.native else 'layout, dispatch, cached, combine'}")
     if args.native:
         from uccl_moe import _C
 
