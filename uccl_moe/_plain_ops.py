@@ -1,18 +1,19 @@
-"""The plain calls on a short host path: a cached dispatch and a combine with every optional argument at its default
-(what the bench's default mode calls, and DeepEP clients' backward passes: a cached dispatch per layer and step).
+"""Plain calls on a short host path: a cached dispatch without config, and a combine without bias or config (what the
+bench's default mode calls each time, and Megatron's dispatcher each layer and step: the forward combine, the backward's
+cached dispatch and combine with top-k weights), with any stream arguments.
 
 Why: where the host enqueues slower than the GPU runs (the bench's default mode, a host-bound step), the GPU waits for
-what the host does before an op's first copy and kernel, and Buffer's checks were most of it (docs/benchmarks.md,
-"The default mode pays the host time"). Every check of such a call is a function of the inputs' structure (type,
-dtype, shape, strides, device), the handle's shapes, ``Buffer.num_sms``, the group's preset row and the Buffer's fixed
-state, never of values; the rows a handle received change with the routing, so the key leaves them out and a
-combine checks its row count (and x's contiguity, which a row count can change) per call. So
-once the full path accepted a structure, :func:`remember` keeps its key with the config it resolved, and a later
-call with the same key skips those checks. What depends on the call itself still runs every time: the Buffer is
-alive, the handle came from a Buffer over this group (its tag), a combine's rows are not the Buffer's own memory (a
-get_combine_buffer view takes the full path), and the backend's own decisions (knobs, fits). A key not yet seen, or
-any argument away from its default, takes the full path, which raises what it raises: the short path never raises
-a check's error itself. ``UCCL_MOE_PLAIN_CALLS=0`` sends every call down the full path.
+what the host does before an op's first copy and kernel, and Buffer's checks were most of it (docs/benchmarks.md, "The
+default mode pays the host time"). Every check of such a call is a function of the inputs' structure (type, dtype,
+shape, strides, device), the handle's shapes, ``Buffer.num_sms``, the group's preset row and the Buffer's fixed state,
+never of values; the rows a handle received change with the routing, so the key leaves them out and a combine checks its
+row counts (and the contiguity, which a row count can change) per call. So once the full path accepted a structure,
+:func:`remember` keeps its key with the config it resolved, and a later call with the same key skips those checks. What
+depends on the call itself still runs every time: the Buffer is alive, the handle came from a Buffer over this group
+(its tag), a get_combine_buffer view is still valid for this handle, the stream arguments' types, the streams' joins and
+events as the full path makes them, and the backend's own decisions (knobs, fits). A key not yet seen, a config, a bias
+or anything the per-call checks refuse takes the full path, which raises what it raises: the short path never raises a
+check's error itself. ``UCCL_MOE_PLAIN_CALLS=0`` sends every call down the full path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from . import env, streams, tuning
 from ._checks import HANDLE_KEY_ATTR
 from .results import CombineResult, DispatchHandle, DispatchResult
+from .utils import EventOverlap
 
 if TYPE_CHECKING:
     from .buffer import Buffer
@@ -53,13 +55,16 @@ def dispatch_key(x: Any, handle: Any, num_sms: int) -> tuple[Any, ...] | None:
         return None
 
 
-def combine_key(x: Any, handle: Any, num_sms: int) -> tuple[Any, ...] | None:
-    """The structure a plain combine's checks depend on, less x's row count (the rows received, which change with the
-    routing: the short path checks them and x's contiguity per call); None where it is not a tensor and handle."""
-    if not isinstance(x, torch.Tensor):
+def combine_key(x: Any, topk_weights: Any, handle: Any, num_sms: int) -> tuple[Any, ...] | None:
+    """The structure a combine's checks depend on, less the row counts of x and the top-k weights (the rows received,
+    which change with the routing: the short path checks them and the tensors' contiguity per call); None where they
+    are not tensors and a handle."""
+    if not isinstance(x, torch.Tensor) or not (topk_weights is None or isinstance(topk_weights, torch.Tensor)):
         return None
     try:
-        return ("combine", num_sms, type(x), x.dtype, x.shape[1:], x.stride(), x.device, handle[1].shape,
+        w = None if topk_weights is None else (type(topk_weights), topk_weights.dtype, topk_weights.shape[1:],
+                                               topk_weights.stride(), topk_weights.device)
+        return ("combine", num_sms, type(x), x.dtype, x.shape[1:], x.stride(), x.device, w, handle[1].shape,
                 handle[4].shape)
     except (AttributeError, TypeError, IndexError, KeyError):
         return None
@@ -94,44 +99,56 @@ def _own_handle(buf: Buffer, handle: Any) -> DispatchHandle | None:
     return h if getattr(h[0], HANDLE_KEY_ATTR, None) == buf._handle_key else None
 
 
-def cached_dispatch(buf: Buffer, x: Any, handle: Any, expert_alignment: Any, num_worst_tokens: Any,
-                    num_sms: int) -> DispatchResult | None:
-    """A cached dispatch with the defaults (config None, no event, synchronous) whose structure the full path
-    accepted before (`num_sms`: ``Buffer.num_sms``, which the full path's default config takes); None: take the full
-    path."""
+def _stream_args(previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> bool:
+    """Whether the stream arguments pass the full path's checks of them (else it raises: take it)."""
+    return type(async_finish) is bool and type(allocate_on_comm_stream) is bool \
+        and (previous_event is None or isinstance(previous_event, EventOverlap))
+
+
+def cached_dispatch(buf: Buffer, x: Any, handle: Any, expert_alignment: Any, num_worst_tokens: Any, num_sms: int,
+                    previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> DispatchResult | None:
+    """A cached dispatch without config whose structure the full path accepted before (`num_sms`: ``Buffer.num_sms``,
+    which the full path's default config takes), on the streams as the full path runs it; None: take the full path."""
     backend = buf._backend
     if backend is None or not (type(expert_alignment) is int and expert_alignment >= 1
                                and type(num_worst_tokens) is int and num_worst_tokens >= 0) \
-            or not env.get("PLAIN_CALLS"):
+            or not _stream_args(previous_event, async_finish, allocate_on_comm_stream) or not env.get("PLAIN_CALLS"):
         return None
     config = _config(buf, dispatch_key(x, handle, num_sms))
     h = _own_handle(buf, handle) if config is not None else None
     if h is None:
         return None
     data, scales = x if type(x) is tuple else (x, None)
-    on_caller = buf._begin(None, False, False)
+    on_caller = buf._begin(previous_event, async_finish, allocate_on_comm_stream)
     with streams.op_context(buf._comm, on_caller):
         recv_x, recv_scales = backend.cached_dispatch(data, scales, h, config)
-    event = buf._finish(False, [data, scales], [recv_x, recv_scales], on_caller, h)
+    event = buf._finish(async_finish, [data, scales], [recv_x, recv_scales], on_caller, h)
     return DispatchResult(recv_x if recv_scales is None else (recv_x, recv_scales), None, None, None, None, event)
 
 
-def combine(buf: Buffer, x: Any, handle: Any, num_sms: int) -> CombineResult | None:
-    """A combine with the defaults (no top-k weights, bias or event, synchronous) of a contiguous tensor with one row
-    per received token that is not the Buffer's view, whose structure the full path accepted before (`num_sms` as
-    for cached_dispatch); None: take the full path."""
+def combine(buf: Buffer, x: Any, handle: Any, topk_weights: Any, num_sms: int, previous_event: Any,
+            async_finish: Any, allocate_on_comm_stream: Any) -> CombineResult | None:
+    """A combine without bias or config whose structure the full path accepted before, of contiguous rows (and top-k
+    weights), one per received token (`num_sms` as for cached_dispatch); from the Buffer's view only while the view's
+    rules hold (else the full path says which failed); None: take the full path."""
     backend = buf._backend
-    if backend is None or not env.get("PLAIN_CALLS"):
+    if backend is None or not _stream_args(previous_event, async_finish, allocate_on_comm_stream) \
+            or not env.get("PLAIN_CALLS"):
         return None
-    config = _config(buf, combine_key(x, handle, num_sms))
+    config = _config(buf, combine_key(x, topk_weights, handle, num_sms))
     h = _own_handle(buf, handle) if config is not None else None
-    if h is None or x.shape[0] != h.recv_src_idx.shape[0] or not x.is_contiguous():
+    if h is None:
+        return None
+    rows = h.recv_src_idx.shape[0]
+    if x.shape[0] != rows or not x.is_contiguous() or topk_weights is not None and (
+            topk_weights.shape[0] != rows or not topk_weights.is_contiguous()):
         return None
     view = buf._combine_view
-    if view is not None and x.untyped_storage().data_ptr() == view[0]:
-        return None  # the view's own rules (overwritten, another handle's) are the full path's
-    on_caller = buf._begin(None, False, False)
+    from_view = view is not None and x.untyped_storage().data_ptr() == view[0]
+    if from_view and (view is None or view[1] != buf._op_seq or view[2]() is not h.rank_prefix_matrix):
+        return None
+    on_caller = buf._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=not from_view)
     with streams.op_context(buf._comm, on_caller):
-        combined, combined_w = backend.combine(x, h, None, (None, None), config)
-    event = buf._finish(False, [x, None, None, None], [combined, combined_w], on_caller, h)
+        combined, combined_w = backend.combine(x, h, topk_weights, (None, None), config)
+    event = buf._finish(async_finish, [x, topk_weights, None, None], [combined, combined_w], on_caller, h)
     return CombineResult(combined, combined_w, event)

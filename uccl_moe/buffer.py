@@ -127,7 +127,7 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         self._comm: CommStream | None = CommStream(device) if device.type == "cuda" else None
         self._check_topk_idx = _checks.TopkIdxCheck()
         self._fits: set[tuple[Any, ...]] = set()  # what passed _checks.check_buffer_size
-        # structures of plain cached dispatches and combines the full path accepted, with their configs (_plain_ops)
+        # structures of cached dispatches and combines without config or bias that the full path accepted (_plain_ops)
         self._plain_keys: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         # What a handle's layout depends on. Any Buffer with the same key runs it (a handle holds only layout
         # tensors): Megatron's fused_a2a replaces its Buffer when it needs a bigger one and passes the forward's
@@ -394,10 +394,10 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
             num_recv_tokens_per_expert_list list[int], handle, event). Cached: (recv_x, None, None, None, None, event).
         Runs on the comm stream; the caller's stream waits unless async_finish=True.
         """
-        plain = config is None and previous_event is None and async_finish is False \
-            and allocate_on_comm_stream is False
-        if plain and handle is not None and topk_idx is None and topk_weights is None:
-            done = _plain_ops.cached_dispatch(self, x, handle, expert_alignment, num_worst_tokens, Buffer.num_sms)
+        plain = config is None and handle is not None and topk_idx is None and topk_weights is None
+        if plain:
+            done = _plain_ops.cached_dispatch(self, x, handle, expert_alignment, num_worst_tokens, Buffer.num_sms,
+                                              previous_event, async_finish, allocate_on_comm_stream)
             if done is not None:  # a structure the full path below accepted before
                 return done
         backend = self._live()
@@ -469,10 +469,10 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
             The sum runs in float32 in rank order 0..R-1, so it is deterministic.
         Runs on the comm stream; the caller's stream waits unless async_finish=True.
         """
-        plain = topk_weights is None and bias is None and config is None and previous_event is None \
-            and async_finish is False and allocate_on_comm_stream is False
+        plain = bias is None and config is None
         if plain:
-            done = _plain_ops.combine(self, x, handle, Buffer.num_sms)
+            done = _plain_ops.combine(self, x, handle, topk_weights, Buffer.num_sms, previous_event, async_finish,
+                                      allocate_on_comm_stream)
             if done is not None:  # a structure the full path below accepted before
                 return done
         backend = self._live()
@@ -491,6 +491,6 @@ class Buffer(LowLatencyNotImplemented, SizeHints):
         with streams.op_context(self._comm, on_caller):
             combined, combined_w = backend.combine(x, h, topk_weights, biases, config)
         event = self._finish(async_finish, [x, topk_weights, *biases], [combined, combined_w], on_caller, h)
-        if plain and not from_view:
-            _plain_ops.remember(self, _plain_ops.combine_key(x, handle, Buffer.num_sms), config)
+        if plain:
+            _plain_ops.remember(self, _plain_ops.combine_key(x, topk_weights, handle, Buffer.num_sms), config)
         return CombineResult(combined, combined_w, event)

@@ -145,27 +145,63 @@ def test_bad_inputs_of_a_known_structure_still_get_the_full_paths_errors(buf, gr
         buf.combine(y, r.handle)
 
 
-def test_optional_arguments_and_views_take_the_full_path(buf, full_path_calls) -> None:
+def test_config_and_bias_take_the_full_path_stream_arguments_and_weights_the_short_one(buf, full_path_calls) -> None:
     r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
     x = torch.randn(T, H).bfloat16()
     rows = int(r.recv_x.shape[0])
-    y = torch.randn(rows, H).bfloat16()
+    y, w = torch.randn(rows, H).bfloat16(), torch.rand(rows, K)
     buf.dispatch(x, handle=r.handle)
     buf.combine(y, r.handle)
     d0, c0 = full_path_calls["dispatch"], full_path_calls["combine"]
     buf.dispatch(x, handle=r.handle, config=Buffer.get_dispatch_config(1))
-    buf.dispatch(x, handle=r.handle, async_finish=True)
-    buf.combine(y, r.handle, topk_weights=torch.rand(rows, K))
     buf.combine(y, r.handle, bias=torch.randn(T, H).bfloat16())
     buf.combine(y, r.handle, config=Buffer.get_combine_config(1))
-    assert full_path_calls["dispatch"] == d0 + 2 and full_path_calls["combine"] == c0 + 3
+    assert (full_path_calls["dispatch"], full_path_calls["combine"]) == (d0 + 1, c0 + 2)
+    # Megatron's calls: every one with previous_event, async_finish and allocate_on_comm_stream (the same structure:
+    # short at once); top-k weights are a structure of their own (the full path once, then short).
+    ev = buf.capture()
+    got = buf.dispatch(x, handle=r.handle, previous_event=ev, async_finish=True, allocate_on_comm_stream=True)
+    assert got.event.event is not None  # an async op's event, as the full path returns it
+    got = buf.combine(y, r.handle, previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=True)
+    assert got.event.event is not None
+    assert buf.combine(y, r.handle).event.event is None  # a synchronous op's: none
+    assert (full_path_calls["dispatch"], full_path_calls["combine"]) == (d0 + 1, c0 + 2)
+    first = buf.combine(y, r.handle, topk_weights=w, async_finish=True)
+    again = buf.combine(y, r.handle, topk_weights=w, async_finish=True)
+    assert full_path_calls["combine"] == c0 + 3
+    assert torch.equal(first.combined_topk_weights, again.combined_topk_weights)
+    # what those calls' own checks refuse still gets the full path's error
+    with pytest.raises(InvalidTypeError, match="async_finish"):
+        buf.dispatch(x, handle=r.handle, async_finish=1)
+    with pytest.raises(InvalidTypeError, match="previous_event"):
+        buf.combine(y, r.handle, previous_event="not an event")
+    with pytest.raises(InvalidUsageError, match="topk_weights has shape"):
+        buf.combine(y, r.handle, topk_weights=torch.rand(rows + 1, K))
+    with pytest.raises(InvalidUsageError, match="contiguous"):
+        buf.combine(y, r.handle, topk_weights=torch.rand(K, rows).t())
+
+
+def test_a_valid_view_takes_the_short_path_and_a_stale_one_the_full_paths_error(buf, full_path_calls) -> None:
+    r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    x = torch.randn(T, H).bfloat16()
+    y = torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    buf.combine(y, r.handle)  # the structure, known
+    c0 = full_path_calls["combine"]
     # The native backend's get_combine_buffer view (the reference backend hands out a plain tensor, so it is recorded
-    # here as the native Buffer records it) keeps its rules: a view another op ran over is refused.
+    # here as the native Buffer records it): valid until another op runs over it, and only for its handle.
     buf._combine_view = (int(y.untyped_storage().data_ptr()), buf._op_seq, weakref.ref(r.handle.rank_prefix_matrix))
-    assert torch.equal(buf.combine(y, r.handle).combined_x, buf.combine(torch.clone(y), r.handle).combined_x)
-    buf.dispatch(x, handle=r.handle)  # runs over the view
+    seq = buf._op_seq
+    from_view = buf.combine(y, r.handle).combined_x
+    assert full_path_calls["combine"] == c0 and buf._op_seq == seq  # short, and a view combine leaves the view intact
+    assert torch.equal(from_view, buf.combine(torch.clone(y), r.handle).combined_x)
+    assert buf._op_seq == seq + 1  # a tensor of the caller's counts (its rows move through the buffer)
     with pytest.raises(InvalidUsageError, match="overwrote it"):
         buf.combine(y, r.handle)
+    other = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
+    buf._combine_view = (int(y.untyped_storage().data_ptr()), buf._op_seq, weakref.ref(other.handle.rank_prefix_matrix))
+    with pytest.raises(InvalidUsageError, match="another handle"):
+        buf.combine(y, r.handle)
+    buf.dispatch(x, handle=r.handle)
 
 
 def test_the_sm_count_and_a_replaced_preset_row_resolve_afresh(buf, sms, full_path_calls, monkeypatch) -> None:
@@ -194,8 +230,9 @@ def test_keys_are_bounded_and_garbage_has_none(buf) -> None:
     assert _plain_ops.dispatch_key([1, 2], r.handle, 24) is None
     assert _plain_ops.dispatch_key((torch.zeros(1), 3), r.handle, 24) is None
     assert _plain_ops.dispatch_key(torch.zeros(2, 2), "handle", 24) is None
-    assert _plain_ops.combine_key(torch.zeros(2, 2), (1, 2), 24) is None
-    assert _plain_ops.combine_key("x", r.handle, 24) is None
+    assert _plain_ops.combine_key(torch.zeros(2, 2), None, (1, 2), 24) is None
+    assert _plain_ops.combine_key("x", None, r.handle, 24) is None
+    assert _plain_ops.combine_key(torch.zeros(2, 2), "w", r.handle, 24) is None
 
 
 def test_handles_of_other_routings_keep_the_short_path_and_rows_are_checked_per_call(buf, full_path_calls) -> None:
