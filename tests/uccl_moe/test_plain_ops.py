@@ -1,10 +1,12 @@
-"""The plain calls' short host path (uccl_moe/_plain_ops.py): a cached dispatch or a combine with every optional
-argument at its default skips the full checks only for an input structure the full path accepted before on this
-Buffer, gives the same results as the full path, and leaves every bad input to the full path's errors."""
+"""The plain calls' short host path (uccl_moe/_plain_ops.py): a cached dispatch without config, or a combine without
+bias or config, with any stream arguments, skips the full checks only for an input structure the full path accepted
+before on this Buffer, makes the same calls (backend, stream joins, events) and gives the same results as the full
+path, and leaves every bad input to the full path's errors."""
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -183,7 +185,6 @@ def test_config_and_bias_take_the_full_path_stream_arguments_and_weights_the_sho
 
 def test_a_valid_view_takes_the_short_path_and_a_stale_one_the_full_paths_error(buf, full_path_calls) -> None:
     r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
-    x = torch.randn(T, H).bfloat16()
     y = torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
     buf.combine(y, r.handle)  # the structure, known
     c0 = full_path_calls["combine"]
@@ -201,7 +202,6 @@ def test_a_valid_view_takes_the_short_path_and_a_stale_one_the_full_paths_error(
     buf._combine_view = (int(y.untyped_storage().data_ptr()), buf._op_seq, weakref.ref(other.handle.rank_prefix_matrix))
     with pytest.raises(InvalidUsageError, match="another handle"):
         buf.combine(y, r.handle)
-    buf.dispatch(x, handle=r.handle)
 
 
 def test_the_sm_count_and_a_replaced_preset_row_resolve_afresh(buf, sms, full_path_calls, monkeypatch) -> None:
@@ -257,31 +257,76 @@ def test_handles_of_other_routings_keep_the_short_path_and_rows_are_checked_per_
         buf.combine(strided, second.handle)
 
 
-def test_the_short_path_hands_the_backend_what_the_full_path_does(buf, monkeypatch) -> None:
+def _same(f: Any, s: Any) -> bool:
+    """Tensors are the very same objects; anything else equal, item by item."""
+    if isinstance(f, torch.Tensor) or isinstance(s, torch.Tensor):
+        return f is s
+    if isinstance(f, (list, tuple)) and isinstance(s, (list, tuple)):
+        return len(f) == len(s) and all(_same(a, b) for a, b in zip(f, s))
+    return bool(f is s or f == s)
+
+
+@pytest.mark.parametrize("stream_args", [{}, {"async_finish": True}, {"async_finish": True, "event": True,
+                                                                        "allocate_on_comm_stream": True}],
+                         ids=["sync", "async", "megatron"])
+@pytest.mark.parametrize("weights", [False, True], ids=["rows", "weights"])
+@pytest.mark.parametrize("view", [False, True], ids=["tensor", "view"])
+def test_the_short_path_makes_the_full_paths_calls(buf, monkeypatch, stream_args, weights, view) -> None:
+    """The backend's arguments, the stream joins (Buffer._begin) and the op's close (Buffer._finish: events,
+    record_stream of inputs, outputs and handle) are the same on either path, for every kind of call Megatron makes."""
     r = _layout_dispatch(buf, torch.randn(T, H).bfloat16())
-    x8, y = _fp8(), torch.randn(int(r.recv_x.shape[0]), H).bfloat16()
+    rows = int(r.recv_x.shape[0])
+    x8, y, w = _fp8(), torch.randn(rows, H).bfloat16(), torch.rand(rows, K) if weights else None
     seen: list[tuple] = []
     backend = buf._backend
-    real_cached, real_combine = backend.cached_dispatch, backend.combine
+    real_cached, real_combine, real_begin, real_finish = backend.cached_dispatch, backend.combine, buf._begin, \
+        buf._finish
 
     def cached(x, scales, h, config):
         seen.append(("dispatch", x, scales, type(h), h, config))
         return real_cached(x, scales, h, config)
 
-    def combine(x, h, w, bias, config):
-        seen.append(("combine", x, w, type(h), h, bias, config))
-        return real_combine(x, h, w, bias, config)
+    def combine(x, h, tw, bias, config):
+        seen.append(("combine", x, tw, type(h), h, bias, config))
+        return real_combine(x, h, tw, bias, config)
+
+    def begin(*a, **kw):
+        seen.append(("begin", *a, tuple(sorted(kw.items()))))
+        return real_begin(*a, **kw)
+
+    def finish(*a, **kw):
+        seen.append(("finish", a[0], a[1], [type(t) for t in a[2]], a[3], a[4] if len(a) > 4 else None,
+                     tuple(sorted(kw.items()))))
+        return real_finish(*a, **kw)
 
     monkeypatch.setattr(backend, "cached_dispatch", cached)
     monkeypatch.setattr(backend, "combine", combine)
+    monkeypatch.setattr(buf, "_begin", begin)
+    monkeypatch.setattr(buf, "_finish", finish)
+    ev = buf.capture() if stream_args.get("event") else None
+    kw = {k: v for k, v in stream_args.items() if k != "event"}
     seq = buf._op_seq
     for plain in ("0", "1", "1"):  # the full path, then the short one (twice: the first full call remembered)
         monkeypatch.setenv("UCCL_MOE_PLAIN_CALLS", plain)
-        buf.dispatch(x8, handle=r.handle)
-        buf.combine(y, r.handle)
-    assert buf._op_seq == seq + 6  # every op counted, on either path (get_combine_buffer's views rest on it)
-    full, short = seen[0:2], seen[4:6]
+        buf.dispatch(x8, handle=r.handle, previous_event=ev, **kw)
+        if view:  # recorded as the native Buffer records a get_combine_buffer view, right before its combine
+            buf._combine_view = (int(y.untyped_storage().data_ptr()), buf._op_seq,
+                                 weakref.ref(r.handle.rank_prefix_matrix))
+        buf.combine(y, r.handle, topk_weights=w, previous_event=ev, **kw)
+    assert buf._op_seq == seq + (3 if view else 6)  # a view's combine leaves the view (and the count) alone
+    per_round = len(seen) // 3
+    full, short = seen[:per_round], seen[2 * per_round:]
+    assert [e[0] for e in full] == ["begin", "dispatch", "finish", "begin", "combine", "finish"]
     for f, s in zip(full, short):
-        assert len(f) == len(s) and f[0] == s[0]
-        for a, b in zip(f[1:], s[1:]):
-            assert a is b or a == b, (f[0], a, b)
+        assert _same(f, s), (f, s)
+
+
+def test_the_weights_rows_and_contiguity_are_checked_per_call(buf) -> None:
+    one, five = _routed_dispatch(buf, 1), _routed_dispatch(buf, 5)
+    w1 = torch.rand(1, 2 * K)[:, :K]  # one row: contiguous whatever its stride
+    assert w1.is_contiguous()
+    buf.combine(torch.randn(1, H).bfloat16(), one.handle, topk_weights=w1)  # its structure, known
+    w5 = torch.rand(5, 2 * K)[:, :K]
+    assert w5.stride() == w1.stride() and not w5.is_contiguous()
+    with pytest.raises(InvalidUsageError, match="contiguous"):
+        buf.combine(torch.randn(5, H).bfloat16(), five.handle, topk_weights=w5)
