@@ -237,24 +237,32 @@ class NativeBackend(BufferPaths, Backend):
         return geo
 
     # ---------------------------------------------------------------- dispatch
-    def _launch_dispatch(self, geo: _C.IntranodeGeometry, x: torch.Tensor, x_scales: torch.Tensor | None,
-                         topk_idx: torch.Tensor | None, topk_weights: torch.Tensor | None, handle: DispatchHandle,
-                         num_experts: int, rows: int, with_meta: bool) -> tuple[Any, ...]:
-        """The intranode dispatch of x along `handle` into `rows` new rows: (recv_x, recv_scales, recv_topk_idx,
-        recv_topk_weights); with metadata (a new handle) it also writes recv_src_idx and send_head (cached: reads)."""
-        K = topk_idx.shape[1] if topk_idx is not None else 0
-        recv_x, recv_scales, recv_idx, recv_w = self._alloc_recv(rows, x, x_scales, K, with_meta)
+    @staticmethod
+    def _dispatch_args(x: torch.Tensor, x_scales: torch.Tensor | None, topk_idx: torch.Tensor | None,
+                       topk_weights: torch.Tensor | None, in_rank: torch.Tensor, rank_prefix: torch.Tensor,
+                       recv_lane_start: torch.Tensor, num_experts: int,
+                       send_head: torch.Tensor | None) -> _C.DispatchArgs:
+        """A dispatch's arguments but for what the received rows decide (_launch_dispatch sets those): a fresh
+        dispatch builds them while notify runs, since after its count wait the GPU waits for the host's launch."""
         num_scales, s_tok, s_hid = scale_layout(x_scales)
-        args = _C.DispatchArgs(
+        return _C.DispatchArgs(
             x=_ptr(x), x_scales=_ptr(x_scales), topk_idx=_ptr(topk_idx), topk_weights=_ptr(topk_weights),
-            is_token_in_rank=_ptr(handle.is_token_in_rank), rank_prefix=_ptr(handle.rank_prefix_matrix),
-            recv_lane_start=_ptr(handle.recv_channel_prefix_matrix), num_tokens=x.shape[0],
-            row_bytes=x.shape[1] * x.element_size(), num_topk=K, num_scales=num_scales, num_experts=num_experts,
-            scale_token_stride=s_tok, scale_hidden_stride=s_hid, num_recv_rows=rows, recv_x=_ptr(recv_x),
-            recv_scales=_ptr(recv_scales), recv_topk_idx=_ptr(recv_idx), recv_topk_weights=_ptr(recv_w),
-            recv_src_idx=_ptr(handle.recv_src_idx if with_meta else None),
-            send_head=_ptr(handle.send_head if with_meta else None))
-        landing = self._direct_rows(handle, int(args.row_bytes), K, num_scales) \
+            is_token_in_rank=_ptr(in_rank), rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start),
+            num_tokens=x.shape[0], row_bytes=x.shape[1] * x.element_size(),
+            num_topk=topk_idx.shape[1] if topk_idx is not None else 0, num_scales=num_scales,
+            num_experts=num_experts, scale_token_stride=s_tok, scale_hidden_stride=s_hid, send_head=_ptr(send_head))
+
+    def _launch_dispatch(self, geo: _C.IntranodeGeometry, args: _C.DispatchArgs, x: torch.Tensor,
+                         x_scales: torch.Tensor | None, handle: DispatchHandle, rows: int,
+                         with_meta: bool) -> tuple[Any, ...]:
+        """The intranode dispatch along `handle` of `args` (_dispatch_args) into `rows` new rows: (recv_x,
+        recv_scales, recv_topk_idx, recv_topk_weights); with metadata (a new handle) it also writes recv_src_idx and
+        send_head (cached: reads)."""
+        recv_x, recv_scales, recv_idx, recv_w = self._alloc_recv(rows, x, x_scales, int(args.num_topk), with_meta)
+        args.num_recv_rows, args.recv_x, args.recv_scales = rows, _ptr(recv_x), _ptr(recv_scales)
+        args.recv_topk_idx, args.recv_topk_weights = _ptr(recv_idx), _ptr(recv_w)
+        args.recv_src_idx = _ptr(handle.recv_src_idx if with_meta else None)
+        landing = self._direct_rows(handle, int(args.row_bytes), int(args.num_topk), int(args.num_scales)) \
             if tuning.dispatch_direct(self.R, env.get("DISPATCH_DIRECT")) else None
         if landing is not None:  # the ring-free path (alike on every rank: the knob, the EP size and the fit)
             args.lane_prefix, args.landing_rows = _ptr(handle.channel_prefix_matrix), landing
@@ -309,6 +317,9 @@ class NativeBackend(BufferPaths, Backend):
             rank_prefix=_ptr(rank_prefix), recv_lane_start=_ptr(recv_lane_start),
             rows_code=_C.dispatch_rows_code(x.shape[1] * x.element_size(), K, scale_layout(req.x_scales)[0]))
         _C.notify_dispatch(self._rt, geo, notify, self._stream())
+        send_head = torch.empty((T, R), dtype=torch.int32, device=dev)
+        args = self._dispatch_args(x, req.x_scales, topk_idx, topk_weights, in_rank, rank_prefix, recv_lane_start, E,
+                                   send_head)
         if worst:
             rows, counts = req.num_worst_tokens, []
         else:
@@ -323,9 +334,9 @@ class NativeBackend(BufferPaths, Backend):
         handle = DispatchHandle(rank_prefix_matrix=rank_prefix, channel_prefix_matrix=lane_prefix,
                                 recv_channel_prefix_matrix=recv_lane_start,
                                 recv_src_idx=torch.empty((rows,), dtype=torch.int32, device=dev),
-                                is_token_in_rank=in_rank, send_head=torch.empty((T, R), dtype=torch.int32, device=dev))
-        recv_x, recv_scales, recv_idx, recv_w = self._launch_dispatch(
-            geo, x, req.x_scales, topk_idx, topk_weights, handle, E, rows, with_meta=True)
+                                is_token_in_rank=in_rank, send_head=send_head)
+        recv_x, recv_scales, recv_idx, recv_w = self._launch_dispatch(geo, args, x, req.x_scales, handle, rows,
+                                                                      with_meta=True)
         return recv_x, recv_scales, recv_idx, recv_w, counts, handle
 
     def cached_dispatch(self, x: torch.Tensor, x_scales: torch.Tensor | None, handle: DispatchHandle, config: Any):  # type: ignore[no-untyped-def]
@@ -338,8 +349,9 @@ class NativeBackend(BufferPaths, Backend):
             return done
         geo = self.geometry(self._sms_of(handle), config)
         rows = int(handle.recv_src_idx.shape[0])
-        recv_x, recv_scales, _, _ = self._launch_dispatch(geo, x, x_scales, None, None, handle, self.R, rows,
-                                                          with_meta=False)
+        args = self._dispatch_args(x, x_scales, None, None, handle.is_token_in_rank, handle.rank_prefix_matrix,
+                                   handle.recv_channel_prefix_matrix, self.R, None)
+        recv_x, recv_scales, _, _ = self._launch_dispatch(geo, args, x, x_scales, handle, rows, with_meta=False)
         return recv_x, recv_scales
 
     # ---------------------------------------------------------------- combine

@@ -235,6 +235,41 @@ def test_native_ops_pass_the_runtimes_geometry_and_the_handles_fields_by_name(
 
 
 @pytestmark_kernels
+def test_a_fresh_dispatch_builds_its_arguments_before_the_count_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After notify's count wait the GPU waits for the host's launch, so a fresh dispatch builds its arguments (and
+    the handle's send_head) while notify runs; only what the received rows decide comes after the wait."""
+    from uccl_moe.backends import native
+
+    order: list[str] = []
+    real_args = native._C.DispatchArgs
+
+    def args(**kw: Any) -> Any:
+        order.append("args")
+        return real_args(**kw)
+
+    monkeypatch.setattr(native._C, "DispatchArgs", args)
+    for op in ("notify_dispatch", "dispatch_intranode"):
+        monkeypatch.setattr(native._C, op, lambda rt, geo, a, stream, op=op: order.append(op))
+    R, T, H, K, E, rows = 2, 5, 64, 2, 4, 7
+    backend = _fake_backend(R, rows)
+    wait = backend._rt.wait_recv_counts
+    monkeypatch.setattr(backend._rt, "wait_recv_counts", lambda n: (order.append("wait"), wait(n))[1])
+    empty = torch.empty
+
+    def logged_empty(*a: Any, **kw: Any) -> torch.Tensor:
+        order.append(f"empty{tuple(a[0])}")
+        return empty(*a, **kw)
+
+    monkeypatch.setattr(native.torch, "empty", logged_empty)
+    x = torch.zeros((T, H), dtype=torch.bfloat16)
+    backend.dispatch(_request(x, R, K, E, Config(24, 8, 256, 6, 128)))
+    after = order[order.index("wait") + 1:]
+    assert order.index("args") < order.index("wait") and f"empty{(T, R)}" in order[:order.index("wait")]
+    assert after == [f"empty{(rows,)}", f"empty{(rows, H)}", f"empty{(rows, K)}", f"empty{(rows, K)}",
+                     "dispatch_intranode"], after
+
+
+@pytestmark_kernels
 def test_a_direct_dispatch_lands_rows_without_rings(monkeypatch: pytest.MonkeyPatch) -> None:
     """UCCL_MOE_DISPATCH_DIRECT=1: dispatch and cached dispatch launch the ring-free kernel with the handle's
     lane_prefix and the landing rows every rank holds (notify's most rows from other ranks, the same on every rank);
