@@ -9,11 +9,11 @@ shape, strides, device), the handle's shapes, ``Buffer.num_sms``, the group's pr
 never of values; the rows a handle received change with the routing, so the key leaves them out and a combine checks its
 row counts (and the contiguity, which a row count can change) per call. So once the full path accepted a structure,
 :func:`remember` keeps its key with the config it resolved, and a later call with the same key skips those checks. What
-depends on the call itself still runs every time: the Buffer is alive, the handle came from a Buffer over this group
-(its tag), a get_combine_buffer view is still valid for this handle, the stream arguments' types, the streams' joins and
-events as the full path makes them, and the backend's own decisions (knobs, fits). A key not yet seen, a config, a bias
-or anything the per-call checks refuse takes the full path, which raises what it raises: the short path never raises a
-check's error itself. ``UCCL_MOE_PLAIN_CALLS=0`` sends every call down the full path.
+depends on the call itself still runs every time, through the full path's own checks (the stream arguments' types,
+the handle's tag, a get_combine_buffer view's validity, each raising what the full path raises where every check before
+it passes), and the Buffer is alive, the row counts, the streams' joins and events as the full path makes them, and the
+backend's own decisions (knobs, fits). A key not yet seen, a config, a bias or rows the key does not cover take the
+full path, which raises what it raises. ``UCCL_MOE_PLAIN_CALLS=0`` sends every call down the full path.
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import env, streams, tuning
-from ._checks import HANDLE_KEY_ATTR
-from .results import CombineResult, DispatchHandle, DispatchResult
-from .utils import EventOverlap
+from . import _checks, env, streams, tuning
+from .results import CombineResult, DispatchResult
 
 if TYPE_CHECKING:
     from .buffer import Buffer
@@ -88,36 +86,20 @@ def _config(buf: Buffer, key: tuple[Any, ...] | None) -> Any:
     return plan[0] if plan is not None and tuning.preset_for(buf.group_size) is plan[1] else None
 
 
-def _own_handle(buf: Buffer, handle: Any) -> DispatchHandle | None:
-    """`handle` as a DispatchHandle where a dispatch of a Buffer over this group made it (its tag), else None."""
-    if type(handle) is DispatchHandle:
-        h = handle
-    elif type(handle) is tuple and len(handle) == 6:
-        h = DispatchHandle(*handle)
-    else:
-        return None
-    return h if getattr(h[0], HANDLE_KEY_ATTR, None) == buf._handle_key else None
-
-
-def _stream_args(previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> bool:
-    """Whether the stream arguments pass the full path's checks of them (else it raises: take it)."""
-    return type(async_finish) is bool and type(allocate_on_comm_stream) is bool \
-        and (previous_event is None or isinstance(previous_event, EventOverlap))
-
-
 def cached_dispatch(buf: Buffer, x: Any, handle: Any, expert_alignment: Any, num_worst_tokens: Any, num_sms: int,
                     previous_event: Any, async_finish: Any, allocate_on_comm_stream: Any) -> DispatchResult | None:
     """A cached dispatch without config whose structure the full path accepted before (`num_sms`: ``Buffer.num_sms``,
     which the full path's default config takes), on the streams as the full path runs it; None: take the full path."""
     backend = buf._backend
-    if backend is None or not (type(expert_alignment) is int and expert_alignment >= 1
-                               and type(num_worst_tokens) is int and num_worst_tokens >= 0) \
-            or not _stream_args(previous_event, async_finish, allocate_on_comm_stream) or not env.get("PLAIN_CALLS"):
+    if backend is None or not env.get("PLAIN_CALLS") or not (
+            type(expert_alignment) is int and expert_alignment >= 1 and type(num_worst_tokens) is int
+            and num_worst_tokens >= 0):
         return None
+    _checks.check_async(async_finish, allocate_on_comm_stream)  # (the full path's first check, the same error)
     config = _config(buf, dispatch_key(x, handle, num_sms))
-    h = _own_handle(buf, handle) if config is not None else None
-    if h is None:
+    if config is None:
         return None
+    h = buf._check_handle(handle)  # every earlier check of the full path passed for this structure
     data, scales = x if type(x) is tuple else (x, None)
     on_caller = buf._begin(previous_event, async_finish, allocate_on_comm_stream)
     with streams.op_context(buf._comm, on_caller):
@@ -129,24 +111,20 @@ def cached_dispatch(buf: Buffer, x: Any, handle: Any, expert_alignment: Any, num
 def combine(buf: Buffer, x: Any, handle: Any, topk_weights: Any, num_sms: int, previous_event: Any,
             async_finish: Any, allocate_on_comm_stream: Any) -> CombineResult | None:
     """A combine without bias or config whose structure the full path accepted before, of contiguous rows (and top-k
-    weights), one per received token (`num_sms` as for cached_dispatch); from the Buffer's view only while the view's
-    rules hold (else the full path says which failed); None: take the full path."""
+    weights), one per received token (`num_sms` as for cached_dispatch); None: take the full path."""
     backend = buf._backend
-    if backend is None or not _stream_args(previous_event, async_finish, allocate_on_comm_stream) \
-            or not env.get("PLAIN_CALLS"):
+    if backend is None or not env.get("PLAIN_CALLS"):
         return None
+    _checks.check_async(async_finish, allocate_on_comm_stream)
     config = _config(buf, combine_key(x, topk_weights, handle, num_sms))
-    h = _own_handle(buf, handle) if config is not None else None
-    if h is None:
+    if config is None:
         return None
+    h = buf._check_handle(handle)
     rows = h.recv_src_idx.shape[0]
     if x.shape[0] != rows or not x.is_contiguous() or topk_weights is not None and (
             topk_weights.shape[0] != rows or not topk_weights.is_contiguous()):
         return None
-    view = buf._combine_view
-    from_view = view is not None and x.untyped_storage().data_ptr() == view[0]
-    if from_view and (view is None or view[1] != buf._op_seq or view[2]() is not h.rank_prefix_matrix):
-        return None
+    from_view = _checks.check_combine_view(buf._combine_view, buf._op_seq, x, h)  # the full path's last check
     on_caller = buf._begin(previous_event, async_finish, allocate_on_comm_stream, uses_nvl_buffer=not from_view)
     with streams.op_context(buf._comm, on_caller):
         combined, combined_w = backend.combine(x, h, topk_weights, (None, None), config)

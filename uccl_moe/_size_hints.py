@@ -8,13 +8,10 @@ from __future__ import annotations
 
 from . import _C, _checks, env, tuning
 from ._checks import err, int_arg
+from .utils import page_bytes
 
 #: The largest group the copy-engine ops serve: one node's NVLink domain (the intranode kernels' rank limit).
 _MAX_CE_RANKS = 8
-
-
-def _page(n: int) -> int:
-    return -(-int(n) // 4096) * 4096
 
 
 class SizeHints:
@@ -30,7 +27,7 @@ class SizeHints:
         if num_rows < 0 or hidden <= 0 or num_topk < 0:
             raise err(f"get_combine_buffer_size_hint({num_rows}, {hidden}, {num_topk}): need rows >= 0, hidden > 0, "
                       f"num_topk >= 0")
-        return _page(_C.intranode_combine_input_layout(num_rows, hidden, num_topk)[1])  # the kernels' own layout
+        return page_bytes(_C.intranode_combine_input_layout(num_rows, hidden, num_topk)[1])  # the kernels' own layout
 
     @staticmethod
     def get_copy_engine_buffer_size_hint(num_tokens: int, hidden: int, num_ranks: int, num_topk: int = 0) -> int:
@@ -53,7 +50,7 @@ class SizeHints:
             need = max(need, int(_C.intranode_ce_landing_bytes(prefix, hidden, num_topk)))
         if tuning.dispatch_ce(num_ranks, env.get("DISPATCH_CE")):
             need = max(need, int(_C.intranode_ce_dispatch_landing_bytes([num_tokens] * num_ranks, hidden * 2, 0)))
-        return _page(need)
+        return page_bytes(need)
 
     @staticmethod
     def get_internode_rdma_size_hint(max_tokens: int, hidden: int, num_topk: int, num_nodes: int,

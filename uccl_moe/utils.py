@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 
+def page_bytes(n: int) -> int:
+    """`n` bytes rounded up to a multiple of 4096: what the size hints and the default buffer sizes hand out."""
+    return -(-int(n) // 4096) * 4096
+
+
 def current_stream() -> Any:
     """``torch.cuda.current_stream()`` of the current device. Naming the device index skips torch's device lookup
     (availability and environment checks on every call), a measurable share of a small dispatch's host time."""

@@ -75,34 +75,23 @@ def split(start: int, end: int, m: dict[str, int]) -> dict[str, float]:
 
 
 def measure(fn: Any, marks: dict[str, int], flush: Any, align: Any, iters: int, hold: bool) -> dict[str, float]:
-    """Median SEGMENTS of fn() over `iters` calls of the bench's timing loop (time_op's steps, with clock marks)."""
-    import torch
-
-    from uccl_moe.bench._timing import HOLD_CYCLES, flush_us
+    """Median SEGMENTS of fn() over `iters` calls of the bench's timing loop (bench._timing.time_op), each call split
+    by its clock marks."""
+    from uccl_moe.bench._timing import flush_us, time_op
 
     for _ in range(3):
         fn()
-    rows = []
-    for _ in range(iters):
-        if hold:
-            flush.zero_()
-            torch.cuda._sleep(HOLD_CYCLES)
-        align()
-        if not hold:
-            flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+    rows: list[dict[str, float]] = []
+
+    def marked() -> None:
         marks.clear()
         t0 = time.perf_counter_ns()
         fn()
-        t1 = time.perf_counter_ns()
-        b.record()
-        b.synchronize()
-        row = split(t0, t1, marks)
-        row["gpu"] = a.elapsed_time(b) * 1e3
-        rows.append(row)
+        rows.append(split(t0, time.perf_counter_ns(), marks))
+
+    gpu, _ = time_op(marked, flush, iters, 0, align, hold)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    med["flush"] = flush_us(flush)
+    med["gpu"], med["flush"] = gpu, flush_us(flush)
     return med
 
 
@@ -159,16 +148,16 @@ def profiled(fn: Any, flush: Any, align: Any, iters: int) -> list[str]:
     import io
     import pstats
 
-    import torch
+    from uccl_moe.bench._timing import time_op
 
     prof = cProfile.Profile()
-    for _ in range(iters):
-        align()
-        flush.zero_()
+
+    def profiled_call() -> None:
         prof.enable()
         fn()
         prof.disable()
-        torch.cuda.synchronize()
+
+    time_op(profiled_call, flush, iters, 0, align, False)
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
     return out.getvalue().splitlines()

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import InvalidUsageError
 from ..results import handle_field
+from ..utils import page_bytes
 
 _PLAN_ATTR = "_uccl_internode"
 
@@ -45,7 +46,7 @@ def rdma_bytes_for(max_tokens: int, hidden: int, num_topk: int, num_nodes: int, 
     combine_row = 2 * hidden + 4 * max(num_topk, 1)
     half = rows * max(dispatch_row, combine_row) + _AREA_SLACK
     total = max(2 * half + _NOTIFY_RESERVE, MIN_RDMA_BYTES)
-    return -(-total // 4096) * 4096
+    return page_bytes(total)
 
 
 def plan_offsets(matrix: torch.Tensor, ncnt: torch.Tensor, in_node: torch.Tensor, N: int, G: int,

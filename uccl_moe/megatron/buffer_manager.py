@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_moe import Buffer, InvalidTypeError
+from uccl_moe.utils import page_bytes
 
 from . import knobs as _knobs
 
@@ -51,7 +52,7 @@ def buffer_sizes(
         if rdma_bytes > 0 and group_size > per_node and max_tokens > 0:
             num_nodes = group_size // per_node
             staged = Buffer.get_internode_rdma_size_hint(max_tokens, hidden_bytes // 2, num_topk, num_nodes)
-            rdma_bytes = max(-(-rdma_bytes // 4096) * 4096, staged)
+            rdma_bytes = max(page_bytes(rdma_bytes), staged)
     return nvl_bytes, rdma_bytes
 
 
