@@ -31,3 +31,12 @@ def test_python_path_tool_times_the_native_backends_python_too() -> None:
         m = re.search(rf"^{op}: ([0-9.]+) us per call$", out, re.M)
         assert m and float(m.group(1)) > 0, out
     assert "_dispatch_ce" in out  # the copy-engine dispatch's Python ran (its launch a stand-in)
+
+
+def test_python_path_tool_refuses_a_profile_of_the_other_mode() -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for argv, want in ((["--profile", "cached_fp8"], "is an op of --native"),
+                       (["--native", "--profile", "cached"], "is an op of the default mode")):
+        out = subprocess.run([sys.executable, str(ROOT / "tools/device/python_path.py"), *argv], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert out.returncode == 2 and want in out.stderr, out.stderr
