@@ -24,7 +24,10 @@ rank (``--no-align`` turns it off; then a rank's time also counts how late its p
 other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine counts BF16. A ``NOTE`` names each op whose
 host time per call outgrew the flush's GPU time (``flush_us``): the GPU may then have waited for the host inside the
 timed window (a loaded host); of that host time only the part before the op's launch counts, the rest runs while the
-GPU works (docs/benchmarks.md, "The default mode pays the host time").
+GPU works (docs/benchmarks.md, "The default mode pays the host time"). A ``host`` line gives each rank's CPU and how
+fast its core ran a fixed Python loop at the start and end of the run, with a ``NOTE`` where the ranks' cores differed by
+1.5x or more: the default mode's figures then depend on where the ranks ran (``--bind-cores`` binds them, as a
+training launcher does).
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG
@@ -42,6 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ._host import host_lines, parse_bind_cores
 from ._plot import plot
 from ._run import _kernel_lines, _table, _worker, op_summary, op_table, spawn
 
@@ -100,6 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "comparing kernels on a noisy host; not what a caller sees, and the output says so")
     p.add_argument("--kernel-times", action="store_true",
                    help="also profile --iters more calls of each op and print GPU time per kernel (torch.profiler)")
+    p.add_argument("--bind-cores", default=None, metavar="GROUPS",
+                   help="bind each rank's process to its own cores, as a launcher binds training ranks (torchrun "
+                        "--numa-binding, srun --cpu-bind): one group per rank, '/'-separated, each a comma list of "
+                        "cores and ranges, e.g. 0-7/8-15 (default: unbound; the report's host line says how fast "
+                        "each rank's core ran Python)")
     p.add_argument("--json", default=None, help="JSON output path ('' = none; default runs/bench/<time>/bench.json)")
     p.add_argument("--png", default=None, help="PNG plot path ('' = none; default runs/bench/<time>/bench.png)")
 
@@ -189,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     if R > torch.cuda.device_count():
         print(f"note: {R} ranks share {torch.cuda.device_count()} GPU(s); timings are not meaningful",
               file=sys.stderr)
+    if args.bind_cores:
+        try:
+            args.bind = parse_bind_cores(args.bind_cores, R, set(os.sched_getaffinity(0)))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     args.json, args.png = output_paths(args)
     for path in (args.json, args.png):
@@ -248,6 +263,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], R: int, dev: str, s
             if r.get(f"combine_{path}_fits") is False:
                 print(f"WARNING: EP{r['ranks']} T={r['tokens']} H={r['hidden']}: the rows do not fit the Buffer (or "
                       f"the handle has no host counts), so '{what}' timed the ring combine", file=sys.stderr)
+    for line in host_lines(result.get("host") or {}, args.device_time):
+        print(line, file=sys.stderr if line.startswith("NOTE") else sys.stdout)
     for note in host_bound_notes(rows, args.device_time):
         print(note, file=sys.stderr)
     if args.kernel_times:

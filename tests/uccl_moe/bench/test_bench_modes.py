@@ -145,3 +145,15 @@ def test_report_prints_the_tables_and_writes_the_json(tmp_path, capsys) -> None:
     assert data["sm_push_GBps"] == 300.0 and data["peer_copy_GBps"] == 150.0 and len(data["rows"]) == 2
     assert [e["op"] for e in data["ops"]] == ["dispatch fp8", "dispatch bf16", "combine"]
     assert data["args"]["scales"] == "col" and data["args"]["tokens"] == [4096]
+
+
+def test_report_prints_each_ranks_host_speed_and_keeps_it_in_the_json(tmp_path, capsys) -> None:
+    args = _args("--json", str(tmp_path / "b.json"), "--png", "")
+    host = {"start": [{"loop_us": 60.0, "cpu": 3}, {"loop_us": 130.0, "cpu": 0}],
+            "end": [{"loop_us": 62.0, "cpu": 3}, {"loop_us": 125.0, "cpu": 8}]}
+    rows = [_row("fp8", 300.0, 200.0), _row("bf16", 400.0, 400.0)]
+    out = report(args, {"rows": rows, "peer_copy_GBps": 150.0, "sm_push_GBps": 300.0, "host": host}, 2, "fake", 1.0)
+    captured = capsys.readouterr()
+    assert "host: a 2000-step Python loop" in captured.out and "rank 1 cpu 0 130/125 us" in captured.out
+    assert "NOTE: a rank's core ran the same Python 2.2x slower" in captured.err
+    assert json.loads((tmp_path / "b.json").read_text())["host"] == host == out["host"]
