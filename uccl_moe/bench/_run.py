@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _host
+from ._ceilings import peer_copy_ceiling, sm_push_ceiling
 from ._timing import FLUSH_BYTES, flush_us, kernel_us, time_op
 
 
@@ -270,77 +271,6 @@ def _summarise(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args: argparse.Namespace) -> float:
-    """One-way copy-engine GB/s from rank 0 into rank 1's NVL buffer (others idle)."""
-    import torch
-    import torch.distributed as dist
-
-    backend = buf._backend  # the benchmark reaches the native backend on purpose
-    gbps = 0.0
-    if R > 1 and hasattr(backend, "peer_copy"):
-        dev = torch.device("cuda", torch.cuda.current_device())
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-        if rank == 0:
-            us = time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)[0]
-            gbps = nbytes / (us * 1e3)
-    vals: list[Any] = [None] * R
-    dist.all_gather_object(vals, gbps, group=gloo)
-    return float(vals[0])
-
-
-PUSH_ROUNDS = 3  # medians timed for the SM-push ceiling; the best is kept
-
-
-def _sm_push_ceiling(rank: int, R: int, gloo: Any, nbytes: int, args: argparse.Namespace) -> float:
-    """GB/s one GPU stores into its peers' memory with SM stores, every GPU at once (the bare-push ceiling; the
-    slowest rank's time). The store is torch's copy kernel on the sender's SMs (all of them: torch sizes the grid)
-    writing into a tensor on the peer GPU over P2P: a BF16 -> float32 cast, so that torch cannot hand it to the copy
-    engine (PyTorch aten/src/ATen/native/cuda/Copy.cu: only a same-dtype contiguous pair becomes a cudaMemcpyAsync;
-    otherwise with peer access the kernel runs on the source device). `nbytes` float32 bytes are stored per GPU, split
-    over the peers. The best of PUSH_ROUNDS medians: a ceiling is what the link reached, and a single median
-    sometimes reads far below it (docs/benchmarks.md). 0.0 where not measurable (one rank,
-    ranks sharing a GPU, or no peer access)."""
-    import torch
-    import torch.distributed as dist
-
-    n_gpus = torch.cuda.device_count()
-    me = torch.cuda.current_device()
-    peers = [p % n_gpus for p in range(R) if p != rank]
-    ok = 1 < R <= n_gpus and all(torch.cuda.can_device_access_peer(me, p) for p in peers)
-    elems = max(nbytes // 4 // max(len(peers), 1), 1)
-    dsts: list[Any] = []
-    src = torch.randn(elems, device=me).bfloat16()
-
-    def push() -> None:
-        for d in dsts:
-            d.copy_(src)
-
-    if ok:
-        try:  # a trial push, so a rank that cannot push says so before any rank waits in the timed collectives
-            dsts.extend(torch.empty(elems, dtype=torch.float32, device=torch.device("cuda", p)) for p in peers)
-            push()
-            torch.cuda.synchronize()
-        except RuntimeError as e:
-            print(f"rank {rank}: SM push ceiling not measured: {e}", file=sys.stderr)
-            ok = False
-    oks: list[Any] = [None] * R
-    dist.all_gather_object(oks, ok, group=gloo)
-    if not all(oks):
-        return 0.0
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=me)
-    token = torch.zeros(1, dtype=torch.float32, device=me)
-
-    best = 0.0
-    for _ in range(PUSH_ROUNDS):
-        us = time_op(push, flush, args.iters, args.warmup, lambda: dist.all_reduce(token))[0]
-        times: list[Any] = [None] * R
-        dist.all_gather_object(times, us, group=gloo)
-        best = max(best, elems * 4 * len(peers) / (max(times) * 1e3))
-    dsts.clear()
-    torch.cuda.empty_cache()
-    return float(best)
-
-
 def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_file: str) -> None:
     import torch
     import torch.distributed as dist
@@ -366,8 +296,8 @@ def _worker(rank: int, R: int, init_file: str, args: argparse.Namespace, result_
     ceiling_bytes = min(1 << 30, nvl - (2 << 20)) // 2
     host: dict[str, list[Any]] = {"start": [None] * R, "end": [None] * R}
     dist.all_gather_object(host["start"], _host.sample(), group=gloo)
-    ceiling = _peer_copy_ceiling(buf, rank, R, gloo, ceiling_bytes, args)
-    push = _sm_push_ceiling(rank, R, gloo, ceiling_bytes, args)
+    ceiling = peer_copy_ceiling(buf, rank, R, gloo, ceiling_bytes, args)
+    push = sm_push_ceiling(rank, R, gloo, ceiling_bytes, args)
     bar: Any = None
     if rank == 0:
         try:
