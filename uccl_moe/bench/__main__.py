@@ -25,9 +25,9 @@ other ranks only. FP8 rows count hidden bytes + 4 bytes per scale; combine count
 host time per call outgrew the flush's GPU time (``flush_us``): the GPU may then have waited for the host inside the
 timed window (a loaded host); of that host time only the part before the op's launch counts, the rest runs while the
 GPU works (docs/benchmarks.md, "The default mode pays the host time"). A ``host`` line gives each rank's CPU and how
-fast its core ran a fixed Python loop at the start and end of the run, with a ``NOTE`` where the ranks' cores
-differed by 1.5x or more: the default mode's figures then depend on where the ranks ran (``--bind-cores`` binds them,
-as a training launcher does).
+fast its core ran a fixed Python loop at the start and end of the run, with a ``NOTE`` where its samples (ranks,
+start or end) differed by 1.5x or more: the default mode's figures may then depend on where the ranks ran
+(``--bind-cores`` binds them, as a training launcher does).
 
 The command spawns one process per GPU itself (``--ranks``, default all GPUs). Prints a table per op (ours, NCCL,
 ours/NCCL speed ratio, host time per call, ceilings) and one with every column, writes JSON (``--json``) and a PNG

@@ -100,8 +100,8 @@ def host_lines(host: dict[str, list[dict[str, Any]]], device_time: bool) -> list
              + ", ".join(per_rank)]
     loops = [s["loop_us"] for s in (*start, *end) if s.get("loop_us")]
     if not device_time and loops and max(loops) >= UNEVEN_HOSTS * min(loops):
-        lines.append(f"NOTE: a rank's core ran the same Python {max(loops) / min(loops):.1f}x slower than another's "
-                     f"(a shared, throttled or stolen-from core): in the default mode the GPU waits for the host "
-                     f"time a call takes beyond the L2 flush, so these figures depend on the cores the ranks ran on; "
-                     f"rerun, bind the ranks to idle cores (--bind-cores), or compare --device-time")
+        lines.append(f"NOTE: the host loop ran up to {max(loops) / min(loops):.1f}x slower on one rank or at one "
+                     f"time than another (a shared, throttled or stolen-from core): in the default mode the GPU waits "
+                     f"for the host time a call takes beyond the L2 flush, so these figures may depend on the cores "
+                     f"the ranks ran on; rerun, bind the ranks to idle cores (--bind-cores), or compare --device-time")
     return lines

@@ -77,7 +77,7 @@ def test_host_line_lists_every_rank_and_notes_uneven_cores_in_the_default_mode_o
     assert even == ["host: a 2000-step Python loop (median us, start/end of the run; lower is faster): "
                     "rank 0 cpu 0 60/61 us, rank 1 cpu 1 64/70 us"]
     uneven = _host.host_lines(_host_result([60.0, 64.0], [61.0, 95.0]), device_time=False)
-    assert len(uneven) == 2 and uneven[1].startswith("NOTE: a rank's core ran the same Python 1.6x slower")
+    assert len(uneven) == 2 and uneven[1].startswith("NOTE: the host loop ran up to 1.6x slower")
     assert "--bind-cores" in uneven[1] and "--device-time" in uneven[1]
     assert len(_host.host_lines(_host_result([60.0, 64.0], [61.0, 95.0]), device_time=True)) == 1
     assert _host.host_lines({}, device_time=False) == []
