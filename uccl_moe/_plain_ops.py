@@ -31,8 +31,9 @@ if TYPE_CHECKING:
 MAX_KEYS = 64  # structures remembered per Buffer (a model has a few per layer shape)
 
 
-def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return type(t), t.dtype, t.shape, t.stride(), t.device
+def _tensor_key(t: torch.Tensor, first_dim: int = 0) -> tuple[Any, ...]:
+    """What the checks read of `t`: type, dtype, shape (from `first_dim`: 1 drops the row count), strides, device."""
+    return type(t), t.dtype, t.shape[first_dim:], t.stride(), t.device
 
 
 def dispatch_key(x: Any, handle: Any, num_sms: int) -> tuple[Any, ...] | None:
@@ -60,10 +61,8 @@ def combine_key(x: Any, topk_weights: Any, handle: Any, num_sms: int) -> tuple[A
     if not isinstance(x, torch.Tensor) or not (topk_weights is None or isinstance(topk_weights, torch.Tensor)):
         return None
     try:
-        w = None if topk_weights is None else (type(topk_weights), topk_weights.dtype, topk_weights.shape[1:],
-                                               topk_weights.stride(), topk_weights.device)
-        return ("combine", num_sms, type(x), x.dtype, x.shape[1:], x.stride(), x.device, w, handle[1].shape,
-                handle[4].shape)
+        w = None if topk_weights is None else _tensor_key(topk_weights, 1)
+        return ("combine", num_sms, _tensor_key(x, 1), w, handle[1].shape, handle[4].shape)
     except (AttributeError, TypeError, IndexError, KeyError):
         return None
 

@@ -205,12 +205,13 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from uccl_moe import _C
+    from uccl_moe.bench._timing import FLUSH_BYTES
 
     marks: dict[str, int] = {}
     for name in LAUNCHES:
         setattr(_C, name, timed_launch(getattr(_C, name), marks))
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     one = torch.ones(1, device="cuda")
     lines = []
     ops = headline_calls(buf, h, y, xb, x8)

@@ -16,7 +16,7 @@ from typing import Any
 
 CALIBRATION_STEPS = 2000  # additions per timed loop: tens of microseconds on a server core
 CALIBRATION_RUNS = 31  # loops timed; the median is kept
-UNEVEN_HOSTS = 1.5  # slowest / fastest rank's loop at or above this: the report says so
+UNEVEN_HOSTS = 1.5  # slowest / fastest sample (any rank, start or end) at or above this: the report says so
 
 
 def calibrate() -> float:
