@@ -1,6 +1,7 @@
 """The standalone probes run on the device machines compile: native/bench/probes/nvlink_probe.cu (the NVLink
-push/pull/copy-engine ceilings), combine_pull_probe.cu (combine designs: SM pull, SM push, copy engines) and
-call_cost_probe.cu (the host cost of the CUDA calls a copy-engine op makes)."""
+push/pull/copy-engine ceilings), combine_pull_probe.cu (combine designs: SM pull, SM push, copy engines),
+call_cost_probe.cu (the host cost of the CUDA calls a copy-engine op makes) and landing_poll_probe.cu (a landing
+area polled for a sentinel against chunk flags)."""
 from __future__ import annotations
 
 import shutil
@@ -13,7 +14,8 @@ PROBES = Path(__file__).resolve().parents[2] / "native" / "bench" / "probes"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("probe", ["nvlink_probe", "combine_pull_probe", "call_cost_probe"])
+@pytest.mark.parametrize("probe", ["nvlink_probe", "combine_pull_probe", "call_cost_probe",
+                                   "landing_poll_probe"])
 def test_probe_compiles(tmp_path: Path, probe: str) -> None:
     out = tmp_path / probe
     include = PROBES.parents[1] / "include"

@@ -13,6 +13,8 @@
 #            kernel always) and their fault tests (early copies, a rank that skips, other chunks, outputs whose
 #            allocation fails on one rank); two runs of
 #            about 2.5 minutes each (2 x H100)
+#   lprobe   native/bench/probes/landing_poll_probe.cu: copy-engine landing with chunk flags against one copy whose
+#            readers poll the landing area for a sentinel (combine- and dispatch-shaped), at 4096 and 2048 rows, checked
 #   mtest    Megatron dispatcher GPU tests, the profiling test and the 1F1B EP overlap tests
 #   staged   the staged combine (UCCL_MOE_COMBINE_STAGED): its GPU test (bits against the ring), then the bench at each
 #            EP size of BENCH_RANKS with --combine-staged --device-time (the ring and the staged combine side by side)
@@ -137,6 +139,11 @@ for stage in ${STAGES:-quick bench}; do
     nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/combine_probe native/bench/probes/combine_pull_probe.cu \
       > "$OUT/cprobe.log" 2>&1 && timeout "${CPROBE_T:-150}" /tmp/combine_probe 4096 9 ${CPROBE_MODE:-} >> "$OUT/cprobe.log" 2>&1
     echo "cprobe rc=$?"; tail -60 "$OUT/cprobe.log" ;;
+  lprobe)
+    nvcc -O3 -arch=sm_90 -std=c++17 -Inative/include -o /tmp/landing_probe native/bench/probes/landing_poll_probe.cu \
+      > "$OUT/lprobe.log" 2>&1 && for t in 4096 2048; do timeout 60 /tmp/landing_probe $t 25 >> "$OUT/lprobe.log" 2>&1
+    done
+    echo "lprobe rc=$?"; tail -20 "$OUT/lprobe.log" ;;
   mtest)
     UCCL_MOE_TEST_MEGATRON_BACKEND=native timeout "${MTEST_T:-400}" "${P[@]}" --timeout 390 \
       tests/uccl_moe/megatron/test_dispatcher_gpu.py tests/gpu/test_profiling_gpu.py \
