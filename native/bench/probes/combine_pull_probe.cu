@@ -35,7 +35,8 @@
 //              more with both kinds of writer than with the engines alone? (chunk = tokens: the engines alone, one
 //              copy, as ce_wait; chunk 0: the SMs alone)
 // Blocks walk chunks of `chunk` tokens round robin; copy_pull / push_sum move chunk c + blocks before summing c.
-// The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (ce_gate).
+// The ce_ modes time from a start gate every GPU passes once the host has enqueued every copy (start_gate,
+// probe_common.cuh).
 //   /tmp/cpp [tokens] [reps] [mode]   (mode: run only that one)
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -238,20 +239,6 @@ __global__ void __launch_bounds__(kThreads, 1) ce_push_probe(Args a) {
   }
 }
 
-/// The ce_ modes' start gate: stores this run's epoch into the word the copy engines copy as flags, then waits until
-/// the host, done enqueueing every GPU's copies, sets its mapped flag to the epoch (so the time starts together on
-/// every GPU and never includes the host's enqueueing).
-__global__ void ce_gate(const volatile int32_t* host_flag, int32_t epoch, int32_t* epoch_word) {
-  *epoch_word = epoch;
-  long long spins = 0;
-  while (*host_flag != epoch)
-    if (++spins > (1ll << 30)) {
-      printf("probe: start gate timed out\n");
-      __trap();
-    }
-  __threadfence_system();
-}
-
 // value of column `col` of token t in block `blk` of GPU g's input: exact in BF16, sums of 8 stay exact
 __host__ __device__ inline float input_value(int g, int blk, long long t, int col) {
   return static_cast<float>((g * 7 + blk * 3 + t * 5 + col) % 17) * 0.125f;
@@ -356,7 +343,7 @@ int main(int argc, char** argv) {
         CK(cudaSetDevice(g));
         int32_t* flag_dev = nullptr;
         CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), host_flag, 0));
-        ce_gate<<<1, 1, 0, st[g]>>>(flag_dev, epoch, epoch_word[g]);
+        start_gate<<<1, 1, 0, st[g]>>>(flag_dev, epoch, epoch_word[g]);
         CK(cudaGetLastError());
       }
     for (int g = 0; g < n; ++g) {

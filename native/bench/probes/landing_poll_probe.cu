@@ -143,17 +143,6 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
   }
 }
 
-__global__ void gate(const volatile int32_t* host_flag, int32_t epoch, int32_t* epoch_word) {
-  *epoch_word = epoch;
-  long long spins = 0;
-  while (*host_flag != epoch)
-    if (++spins > (1ll << 31)) {
-      printf("probe: start gate timed out\n");
-      __trap();
-    }
-  __threadfence_system();
-}
-
 __host__ __device__ inline float input_value(int g, bool own, long long t, long long col) {
   return static_cast<float>((g * 7 + (own ? 3 : 0) + t * 5 + col) % 17) * 0.125f;
 }
@@ -225,7 +214,7 @@ int main(int argc, char** argv) {
       CK(cudaSetDevice(g));
       int32_t* flag_dev = nullptr;
       CK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), host_flag, 0));
-      gate<<<1, 1, 0, st[g]>>>(flag_dev, epoch, epoch_word[g]);
+      start_gate<<<1, 1, 0, st[g]>>>(flag_dev, epoch, epoch_word[g]);
       CK(cudaGetLastError());
       CK(cudaEventRecord(e0[g], st[g]));
       CK(cudaStreamWaitEvent(ce[g], e0[g], 0));

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -48,4 +49,18 @@ inline float slowest_ms(int n, const std::vector<cudaEvent_t>& e0, const std::ve
     worst = ms > worst ? ms : worst;
   }
   return worst;
+}
+
+/// A timed run's start gate (one thread): stores the run's epoch into `epoch_word` (what the copy engines copy as
+/// flags), then waits until the host, done enqueueing every GPU's work, sets its mapped flag to the epoch, so the time
+/// starts together on every GPU and never includes the host's enqueueing.
+__global__ void start_gate(const volatile int32_t* host_flag, int32_t epoch, int32_t* epoch_word) {
+  *epoch_word = epoch;
+  long long spins = 0;
+  while (*host_flag != epoch)
+    if (++spins > (1ll << 31)) {
+      printf("probe: start gate timed out\n");
+      __trap();
+    }
+  __threadfence_system();
 }
