@@ -14,6 +14,8 @@ import statistics
 import time
 from typing import Any
 
+from ..doctor_host import _compact  # cores as ranges: 0-2,5
+
 CALIBRATION_STEPS = 2000  # additions per timed loop: tens of microseconds on a server core
 CALIBRATION_RUNS = 31  # loops timed; the median is kept
 UNEVEN_HOSTS = 1.5  # slowest / fastest sample (any rank, start or end) at or above this: the report says so
@@ -65,20 +67,9 @@ def parse_bind_cores(text: str, ranks: int, allowed: set[int]) -> list[list[int]
         missing = sorted(cores - allowed)
         if missing:
             raise ValueError(f"--bind-cores: rank {rank}'s cores {missing} are not ones this process may run on "
-                             f"(allowed: {_ranges(sorted(allowed))}); pick cores from that set")
+                             f"(allowed: {_compact(sorted(allowed))}); pick cores from that set")
         out.append(sorted(cores))
     return out
-
-
-def _ranges(cores: list[int]) -> str:
-    """Sorted cores as ranges: [0, 1, 2, 5] -> '0-2,5'."""
-    runs: list[list[int]] = []
-    for c in cores:
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def bind(cores: list[int]) -> None:

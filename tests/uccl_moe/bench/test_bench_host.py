@@ -45,8 +45,8 @@ def test_bind_cores_refuses_what_it_cannot_bind_saying_why(text, ranks, said) ->
 
 
 def test_ranges_of_cores() -> None:
-    assert _host._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert _host._ranges([4]) == "4"
+    assert _host._compact([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert _host._compact([4]) == "4"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
