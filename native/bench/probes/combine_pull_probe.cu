@@ -85,14 +85,6 @@ struct Args {
   int32_t epoch;
 };
 
-__device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, const char* what) {
-  long long spins = 0;
-  while (static_cast<int32_t>(static_cast<uint32_t>(gpu::load_acquire_sys(p)) - static_cast<uint32_t>(target)) < 0)
-    if (++spins > (1ll << 30)) {
-      printf("probe: %s wait timed out (seen %d, want %d)\n", what, gpu::load_acquire_sys(p), target);
-      __trap();
-    }
-}
 /// Words [0, words) of s into d (peer memory: stores that bypass L1), this thread's share: first, first + step, ...,
 /// kU words in flight.
 __device__ __forceinline__ void copy_words(int4* d, const int4* s, long long words, long long first, long long step) {

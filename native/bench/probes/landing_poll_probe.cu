@@ -66,21 +66,12 @@ __device__ __forceinline__ int4 load_volatile_128(const int4* p) {
 __device__ __forceinline__ bool has_sentinel(const int4& v) {
   return v.x == -1 || v.y == -1 || v.z == -1 || v.w == -1;
 }
-__device__ __forceinline__ void spin_flag(const int32_t* p, int32_t target) {
-  long long spins = 0;
-  while (gpu::load_acquire_sys(p) != target)
-    if (++spins > (1ll << 31)) {
-      printf("probe: flag wait timed out\n");
-      __trap();
-    }
-}
-
 template <int kMode>
 __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
   const int lane = threadIdx.x % 32;
   const long long gw = static_cast<long long>(blockIdx.x) * kWarps + threadIdx.x / 32, step = 1ll * gridDim.x * kWarps;
   if (kMode == kWait1) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) spin_flag(a.ready, a.epoch);
+    if (blockIdx.x == 0 && threadIdx.x == 0) spin_until(a.ready, a.epoch, "copy");
   } else {
     int landed = 0;  // chunks this warp saw flagged
     for (long long t = gw; t < a.tokens; t += step) {
@@ -88,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
         int c = 0;
         while (t >= a.chunk_end[c]) ++c;
         if (c >= landed) {
-          if (lane == 0) spin_flag(a.ready + c, a.epoch);
+          if (lane == 0) spin_until(a.ready + c, a.epoch, "chunk");
           __syncwarp();
           landed = c + 1;
         }
@@ -139,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
   if (threadIdx.x == 0) {
     __threadfence_system();
     atomicAdd_system(a.peer_done, 1);
-    spin_flag(a.done, a.epoch * static_cast<int32_t>(gridDim.x));
+    spin_until(a.done, a.epoch * static_cast<int32_t>(gridDim.x), "done");
   }
 }
 
@@ -168,8 +159,7 @@ int main(int argc, char** argv) {
   void* flush[2];
   const size_t flush_bytes = 256 << 20;
   cudaStream_t st[2], ce[2];
-  cudaEvent_t e0[2], e1[2];
-  std::vector<cudaEvent_t> ev0(2), ev1(2);
+  std::vector<cudaEvent_t> e0(2), e1(2);
   CK(cudaHostAlloc(&host_flag, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
   *reinterpret_cast<volatile int32_t*>(host_flag) = 0;
   for (int g = 0; g < 2; ++g) {
@@ -192,8 +182,6 @@ int main(int argc, char** argv) {
     CK(cudaStreamCreateWithFlags(&ce[g], cudaStreamNonBlocking));
     CK(cudaEventCreate(&e0[g]));
     CK(cudaEventCreate(&e1[g]));
-    ev0[g] = e0[g];
-    ev1[g] = e1[g];
   }
   sync_all(2);
   int32_t epoch = 0;
@@ -252,7 +240,7 @@ int main(int argc, char** argv) {
     *reinterpret_cast<volatile int32_t*>(host_flag) = epoch;
     sync_all(2);
     clean = mode == kPollSum || mode == kPollCopy;
-    return slowest_ms(2, ev0, ev1) * 1e3f;
+    return slowest_ms(2, e0, e1) * 1e3f;
   };
   auto check = [&](int mode) {
     if (mode == kWait1) return;

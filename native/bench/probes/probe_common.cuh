@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <vector>
 
+#include "uccl_moe/platform.cuh"
+
 #define CK(x)                                                                                     \
   do {                                                                                            \
     cudaError_t e_ = (x);                                                                         \
@@ -63,4 +65,15 @@ __global__ void start_gate(const volatile int32_t* host_flag, int32_t epoch, int
       __trap();
     }
   __threadfence_system();
+}
+
+/// One thread's wait until `*p` (acquire, system scope) reached `target` (wrapping compare); traps, naming `what`,
+/// after 2^30 polls (a probe has no diagnostic record).
+__device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, const char* what) {
+  long long spins = 0;
+  while (static_cast<int32_t>(static_cast<uint32_t>(uccl_moe::gpu::load_acquire_sys(p)) - static_cast<uint32_t>(target)) < 0)
+    if (++spins > (1ll << 30)) {
+      printf("probe: %s wait timed out (seen %d, want %d)\n", what, uccl_moe::gpu::load_acquire_sys(p), target);
+      __trap();
+    }
 }
