@@ -3,10 +3,10 @@ the whole path end to end on CPU (gloo, reference backend, tiny shapes: the flow
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
+from helpers.requires import missing
 
 from uccl_moe.bench.megatron_dispatcher import (
     DISPATCHERS,
@@ -61,7 +61,7 @@ def test_summary_is_the_slowest_ranks_median_and_ratios_are_against_alltoall() -
 
 @pytest.mark.mp
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+@pytest.mark.skipif(missing("megatron.core") is not None, reason=missing("megatron.core") or "")
 def test_every_dispatcher_end_to_end_on_cpu(tmp_path) -> None:
     path = tmp_path / "md.json"
     assert main(["--cpu", "--tokens", "16", "--hidden", "32", "--experts", "8", "--topk", "2", "--iters", "2",

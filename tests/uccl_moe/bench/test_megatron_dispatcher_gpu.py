@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
+from helpers.requires import missing
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mp, pytest.mark.timeout(600),
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")]
+              pytest.mark.skipif(missing("megatron.core") is not None, reason=missing("megatron.core") or "")]
 
 
 def test_every_dispatcher_on_two_gpus(tmp_path) -> None:

@@ -7,18 +7,17 @@ dispatcher's FP8 per-expert padding (``--moe-router-padding-for-quantization``) 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from helpers.mp import run_ranks_on as run_ranks
+from helpers.requires import missing
 
 from tests.uccl_moe.megatron._moe_cases import Case, forward_backward, init_parallel, make_config, make_layer
 
 # Not importorskip: importing megatron.core here would import it into each spawned rank (which unpickles this
 # module) before the shim is installed, and Megatron decides whether deep_ep exists when fused_a2a is imported.
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(600),
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")]
+              pytest.mark.skipif(missing("megatron.core") is not None, reason=missing("megatron.core") or "")]
 
 CASES = [Case(ep=2, topk=2), Case(ep=2, topk=1), Case(ep=2, topk=2, capacity_factor=0.5), Case(ep=2, topk=2,
                                                                                                shared_expert=True)]

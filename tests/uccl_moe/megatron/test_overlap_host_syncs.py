@@ -14,17 +14,16 @@ megatron-core 0.16, Megatron's unfused permute synced in the expert node, until 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 from helpers.mp import run_ranks_on as run_ranks
+from helpers.requires import missing
 
 from tests.uccl_moe.megatron.test_train_gpt_bf16 import ARGS, DISPATCHERS
 
 # Not importorskip: the spawned ranks unpickle this module, and flex must find the deep_ep shim installed before
 # Megatron's MoE modules are imported (as in test_flex_shim.py).
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(900),
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")]
+              pytest.mark.skipif(missing("megatron.core") is not None, reason=missing("megatron.core") or "")]
 
 NUM_LAYERS = 2  # ARGS
 BUFFER_MADE = "uccl_moe/megatron/buffer_manager.py:get_buffer"  # the Buffer's creation, in the first dispatch

@@ -14,17 +14,17 @@ nodes in its 1F1B order on CPU, and its losses and gradients must match the plai
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 
 import pytest
 import torch
 from helpers.mp import run_ranks_on as run_ranks
+from helpers.requires import missing
 
 # Not importorskip: the spawned ranks unpickle this module, and flex must find the deep_ep shim installed before
 # Megatron's MoE modules are imported (as in test_flex_shim.py).
 pytestmark = [pytest.mark.mp, pytest.mark.timeout(900),
-              pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")]
+              pytest.mark.skipif(missing("megatron.core") is not None, reason=missing("megatron.core") or "")]
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-experts", "4",
