@@ -73,7 +73,7 @@ def main() -> None:
                         "op both ways, one after the other")
     args = p.parse_args()
     with one_gpu_case(args.tokens, args.hidden) as c:
-        from uccl_moe.bench._timing import time_op
+        from uccl_moe.bench._timing import FLUSH_BYTES, time_op
 
         buf, cfg, idx, w, x, layout, r, T = c.buf, c.cfg, c.idx, c.w, c.x, c.layout, c.result, args.tokens
         E, y, view = 256, r.recv_x, c.view
@@ -92,7 +92,7 @@ def main() -> None:
                    lambda **kw: buf.combine(y, r.handle, config=cfg, **kw), buf),
                "layout": lambda: buf.get_dispatch_layout(idx, E),
                "empty (baseline)": lambda: torch.empty((T, args.hidden), dtype=torch.bfloat16, device="cuda")}
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
         modes = {"comm": [False], "caller": [True], "both": [False, True]}[args.caller_stream]
         for caller_ops, (name, fn) in ((m, op) for op in ops.items() for m in modes):
             buf._comm._caller_ops = caller_ops  # UCCL_MOE_CALLER_STREAM_OPS, as the Buffer read it

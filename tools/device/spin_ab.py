@@ -67,12 +67,13 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     from ce_timeline import close_headline, headline, headline_calls, slowest_time
 
     from uccl_moe import _C
+    from uccl_moe.bench._timing import FLUSH_BYTES
 
     state: dict[str, Any] = {"where": None, "us": 0}
     for name in LAUNCHES:
         setattr(_C, name, spinning(getattr(_C, name), state))
     buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     ops = headline_calls(buf, h, y, xb, x8)
     for op, fn in ops.items():  # a spin that never runs would time every variant alike: each op must take the path
         before = state.get("calls", 0)
