@@ -296,7 +296,6 @@ int main(int argc, char** argv) {
   *reinterpret_cast<volatile int32_t*>(host_flag) = 0;
   std::vector<cudaEvent_t> e0(n), e1(n), chunk_ev(n * kMaxGpus * 32);
   std::vector<void*> flush(n);
-  const size_t flush_bytes = 256 << 20;
   for (int g = 0; g < n; ++g) {
     enable_peer_access(g, n);
     CK(cudaMalloc(&a.xu[g], block_bytes * n));
@@ -306,7 +305,7 @@ int main(int argc, char** argv) {
     CK(cudaMemset(a.ready[g], 0, sizeof(int32_t) * (n * max_chunks + n)));
     CK(cudaMalloc(&a.done[g], sizeof(int32_t)));
     CK(cudaMalloc(&a.pushed[g], sizeof(int32_t) * kMaxGpus));
-    CK(cudaMalloc(&flush[g], flush_bytes));
+    CK(cudaMalloc(&flush[g], kFlushBytes));
     fill<<<264, 512>>>(a.xu[g], g, n, T);
     CK(cudaGetLastError());
     CK(cudaStreamCreateWithFlags(&st[g], cudaStreamNonBlocking));
@@ -325,7 +324,7 @@ int main(int argc, char** argv) {
       CK(cudaSetDevice(g));
       CK(cudaMemset(a.done[g], 0, sizeof(int32_t)));
       CK(cudaMemset(a.pushed[g], 0, sizeof(int32_t) * kMaxGpus));
-      CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));  // L2 flush
+      CK(cudaMemsetAsync(flush[g], g, kFlushBytes, st[g]));  // L2 flush
     }
     sync_all(n);
     // ce_push: one copy of `chunk` tokens per peer (none at chunk 0)

@@ -51,8 +51,7 @@ struct Args {
   int32_t* done;    // blocks of the peer finished with this GPU's memory
   int32_t* peer_done;
   long long tokens;
-  long long chunk_end[4];  // end token of each chunk
-  int chunks;
+  long long chunk_end[4];  // end token of each chunk (the last: tokens)
   int32_t epoch;
 };
 
@@ -138,7 +137,8 @@ __host__ __device__ inline float input_value(int g, bool own, long long t, long 
   return static_cast<float>((g * 7 + (own ? 3 : 0) + t * 5 + col) % 17) * 0.125f;
 }
 __global__ void fill(int4* x, int g, bool own, long long T) {
-  for (long long i = blockIdx.x * 1ll * blockDim.x + threadIdx.x; i < T * kRowWords; i += 1ll * gridDim.x * blockDim.x) {
+  const long long step = 1ll * gridDim.x * blockDim.x;
+  for (long long i = blockIdx.x * 1ll * blockDim.x + threadIdx.x; i < T * kRowWords; i += step) {
     float v[8];
     for (int k = 0; k < 8; ++k) v[k] = input_value(g, own, i / kRowWords, (i % kRowWords) * 8 + k);
     x[i] = pack_bf16x8(v);
@@ -157,7 +157,6 @@ int main(int argc, char** argv) {
   int4 *own[2], *send[2], *land[2], *y[2];
   int32_t *ready[2], *done[2], *epoch_word[2], *host_flag = nullptr;
   void* flush[2];
-  const size_t flush_bytes = 256 << 20;
   cudaStream_t st[2], ce[2];
   std::vector<cudaEvent_t> e0(2), e1(2);
   CK(cudaHostAlloc(&host_flag, sizeof(int32_t), cudaHostAllocMapped | cudaHostAllocPortable));
@@ -173,7 +172,7 @@ int main(int argc, char** argv) {
     CK(cudaMalloc(&done[g], sizeof(int32_t)));
     CK(cudaMemset(done[g], 0, sizeof(int32_t)));
     CK(cudaMalloc(&epoch_word[g], sizeof(int32_t)));
-    CK(cudaMalloc(&flush[g], flush_bytes));
+    CK(cudaMalloc(&flush[g], kFlushBytes));
     CK(cudaMemset(land[g], 0xff, bytes));
     fill<<<264, 512>>>(own[g], g, true, T);
     fill<<<264, 512>>>(send[g], g, false, T);
@@ -194,7 +193,7 @@ int main(int argc, char** argv) {
     else ends = {T};
     for (int g = 0; g < 2; ++g) {
       CK(cudaSetDevice(g));
-      CK(cudaMemsetAsync(flush[g], g, flush_bytes, st[g]));
+      CK(cudaMemsetAsync(flush[g], g, kFlushBytes, st[g]));
       if (!clean) CK(cudaMemsetAsync(land[g], 0xff, bytes, st[g]));  // untimed: before the gate
     }
     sync_all(2);
@@ -223,7 +222,6 @@ int main(int argc, char** argv) {
       a.done = done[g];
       a.peer_done = done[p];
       a.tokens = T;
-      a.chunks = static_cast<int>(ends.size());
       for (size_t c = 0; c < ends.size(); ++c) a.chunk_end[c] = ends[c];
       a.epoch = epoch;
       switch (mode) {

@@ -11,6 +11,10 @@
 
 #include "uccl_moe/platform.cuh"
 
+/// Bytes a timed run writes before it (an L2 flush): more than the L2 of any supported GPU, as the bench's
+/// FLUSH_BYTES (uccl_moe/bench/_timing.py).
+constexpr size_t kFlushBytes = size_t{256} << 20;
+
 #define CK(x)                                                                                     \
   do {                                                                                            \
     cudaError_t e_ = (x);                                                                         \
@@ -70,8 +74,12 @@ __global__ void start_gate(const volatile int32_t* host_flag, int32_t epoch, int
 /// One thread's wait until `*p` (acquire, system scope) reached `target` (wrapping compare); traps, naming `what`,
 /// after 2^30 polls (a probe has no diagnostic record).
 __device__ __forceinline__ void spin_until(const int32_t* p, int32_t target, const char* what) {
+  const auto behind = [&] {
+    const auto seen = static_cast<uint32_t>(uccl_moe::gpu::load_acquire_sys(p));
+    return static_cast<int32_t>(seen - static_cast<uint32_t>(target)) < 0;
+  };
   long long spins = 0;
-  while (static_cast<int32_t>(static_cast<uint32_t>(uccl_moe::gpu::load_acquire_sys(p)) - static_cast<uint32_t>(target)) < 0)
+  while (behind())
     if (++spins > (1ll << 30)) {
       printf("probe: %s wait timed out (seen %d, want %d)\n", what, uccl_moe::gpu::load_acquire_sys(p), target);
       __trap();
