@@ -118,15 +118,22 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
     ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
     wants = [_combine(nat, "ring", yi, rn.handle, config=cfg).combined_x for yi in ys]
     outs = []
-    early0 = early_ops(nat)
+    early0, polled0 = early_ops(nat), _poll_counts(nat)
     for yi in ys:
         if rank == 0:
             torch.cuda._sleep(200_000)
         outs.append(_combine(nat, P, yi, rn.handle, config=cfg).combined_x)
     check(f"24 {P} combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
-    if P == "ce":  # every one after the first (which follows a ring combine) starts its copies at once
-        check("early copy-engine combines", early_ops(nat) - early0 == (23 if early_wanted() else 0))
+    if P == "ce":  # every one after the first (which follows a ring combine) starts its copies at once, unless
+        # they poll: then none is early; the first two set the sentinel before their copies (after the ring combine,
+        # and after a polled one: neither followed by a polled combine last time), and once one followed another,
+        # every one sets it for the next after itself, on the side stream
+        polls = poll_wanted() and R > 1
+        check("early copy-engine combines", early_ops(nat) - early0 == (23 if early_wanted() and not polls else 0))
+        got_counts = tuple(b - a for a, b in zip(polled0, _poll_counts(nat)))
+        check(f"polled combines, sentinel sets before them and after ops: {got_counts}",
+              got_counts == ((24, 2, 23) if polls else (0, 0, 0)))
     if few:
         torch.cuda.synchronize()
         check.finish(gloo, nat, ref)
@@ -178,6 +185,117 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
               _ran(P, names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()
     check.finish(gloo, small, nat, ref)
+
+
+def poll_wanted() -> bool:
+    """UCCL_MOE_CE_POLL as the Buffer reads it."""
+    from uccl_moe import env
+
+    return bool(env.get("CE_POLL"))
+
+
+def _poll_counts(buf) -> tuple[int, int, int]:
+    """`buf`'s polled copy-engine combines, sentinel memsets before one (on its stream) and after an op (side
+    stream), since it was made."""
+    rt = buf._live()._rt
+    return int(rt.ce_polled_ops), int(rt.ce_sentinel_sets), int(rt.ce_sentinel_side_sets)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bits (NaN rows compare equal where their bits do)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _poll_worker(rank: int, world: int, gloo) -> None:
+    """The polled copy-engine combine (UCCL_MOE_CE_POLL, the default), against the ring's bits (fresh random rows):
+    rows that hold the sentinel (all ones in a 32-bit word: a pair of BF16 NaNs) as data, in whole rows and scattered
+    words; op patterns that each end in a polled combine, three times over with rank 0 late before every op (after
+    the first time the op before it sets the sentinel on the side stream, and the combine sets none; a view written
+    while that memset may still run, and a staged combine, follow such an op too); one rank's sum kernel 5 ms late
+    (its peers' words from its SMs, the head rows, land long after the copy: a word still at the sentinel is waited
+    for through both flags). Every rank checks."""
+    from uccl_moe.backends import _buffer_paths
+
+    R = world
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    case = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 600)
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    w = rn.recv_topk_weights
+    y = (torch.rand(rn.recv_x.shape, device="cuda") * 4 - 2).bfloat16()
+    pat = y.clone()
+    words = pat.view(torch.int32)
+    words[::7] = -1                 # whole rows of the sentinel
+    words[3::5, rank::61] = -1      # and scattered words of others
+    ring = _combine(nat, "ring", pat, rn.handle, topk_weights=w, config=cfg)
+    got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
+    check("rows holding the sentinel: ce == ring (bits)", torch.equal(_bits(got.combined_x), _bits(ring.combined_x))
+          and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+
+    def cached() -> None:
+        check("cached dispatch", torch.equal(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x,
+                                             rn.recv_x))
+
+    def view(rows: torch.Tensor, want: torch.Tensor) -> None:
+        v = nat.get_combine_buffer(rn.handle, 4096)
+        v.copy_(rows)
+        check("combine from the view", torch.equal(nat.combine(v, rn.handle, config=cfg).combined_x, want))
+
+    # The references first: a ring combine inside a pattern would be the op before the polled one.
+    ys = [(y.float() * (k + 1) - k).bfloat16() for k in range(3)]
+    wants = [_combine(nat, "ring", yk, rn.handle, topk_weights=w, config=cfg) for yk in ys]
+    plain = [_combine(nat, "ring", yk, rn.handle, config=cfg).combined_x for yk in ys]
+    patterns = {
+        "cached dispatch": [cached],
+        "ring combine": [lambda: _combine(nat, "ring", y, rn.handle, config=cfg)],
+        "staged combine": [lambda: _combine(nat, "staged", y, rn.handle, config=cfg)],
+        "view": [lambda: view(ys[0], plain[0])],
+        "cached dispatch, then a view": [cached],
+    }
+    for name, ops in patterns.items():
+        for k in range(3):
+            before = _poll_counts(nat)
+            for op in ops:
+                if rank == 0:
+                    torch.cuda._sleep(200_000)
+                op()
+            if name == "cached dispatch, then a view":  # a polled combine was predicted: the view's writes wait for
+                view(ys[k], plain[k])                    # the memset after the dispatch
+                continue
+            if rank == 0:
+                torch.cuda._sleep(200_000)
+            got = _combine(nat, "ce", ys[k], rn.handle, topk_weights=w, config=cfg)
+            counts = tuple(b - a for a, b in zip(before, _poll_counts(nat)))
+            check(f"{name}, then polled ({k}): == ring", torch.equal(got.combined_x, wants[k].combined_x)
+                  and torch.equal(got.combined_topk_weights, wants[k].combined_topk_weights))
+            # once the op before was followed by a polled combine, it sets the sentinel on the side stream and the
+            # combine sets none; the first time it may not have been (a kind seen before another kind last time)
+            if R > 1:
+                check(f"{name} ({k}): polled, sentinel sets {counts}", counts[0] == 1 and (
+                      sum(counts[1:]) == 1 if k == 0 else counts[1:] == (0, 1)))
+    # A rank whose sum kernel starts 5 ms late: its outputs' allocation (after its first copies, before its kernel)
+    # holds its stream back.
+    orig = _buffer_paths.combine_outputs
+
+    def late_outputs(*a, **kw):
+        if rank == R - 1:
+            torch.cuda._sleep(10_000_000)
+        return orig(*a, **kw)
+
+    _buffer_paths.combine_outputs = late_outputs
+    try:
+        got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
+    finally:
+        _buffer_paths.combine_outputs = orig
+    check("one rank's sum 5 ms late: == ring (bits)", torch.equal(_bits(got.combined_x), _bits(ring.combined_x))
+          and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+    check("every copy-engine combine polled", _poll_counts(nat)[0] == 1 + 4 * 3 + 1)
+    torch.cuda.synchronize()
+    check.finish(gloo, nat, ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_polled_ce_combine(world: int) -> None:
+    run_shared_gpu_ranks(_poll_worker, world, timeout_s=600)
 
 
 def _kernels(fn) -> str:

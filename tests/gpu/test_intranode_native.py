@@ -837,7 +837,7 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     view.copy_(res.recv_x)
     if mode.endswith("_early"):
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
-    elif mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks", "ce_hidden", "staged_hidden"):
+    elif mode in ("weights", "mixed_staged", "mixed_ce", "ce_chunks", "ce_poll", "ce_hidden", "staged_hidden"):
         # refused on every rank: other weights, layout, chunks or hidden size
         weights = mode == "weights"
         x = view if weights or rank != odd else res.recv_x.clone()
@@ -850,8 +850,14 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
         if mode == "ce_chunks":  # both through the copy engines, one rank splitting its copies otherwise
             x = res.recv_x.clone()
             os.environ["UCCL_MOE_COMBINE_CE"] = "1"
+            os.environ["UCCL_MOE_CE_POLL"] = "0"  # a polled combine copies in one chunk
             os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
             needles = ("UCCL_MOE_COMBINE_CE_CHUNKS", "chunks")
+        if mode == "ce_poll":  # both through the copy engines, one rank waiting for chunk flags
+            x = res.recv_x.clone()
+            os.environ["UCCL_MOE_COMBINE_CE"] = "1"
+            os.environ["UCCL_MOE_CE_POLL"] = "0" if rank == odd else "1"
+            needles = ("UCCL_MOE_CE_POLL", "polls" if rank == odd else "does not poll")
         if mode.endswith("_hidden"):  # tensors of their own on one path, one rank's rows narrower
             x = res.recv_x.clone() if rank != odd else res.recv_x[:, :1024].contiguous()
             os.environ["UCCL_MOE_COMBINE_CE"] = "1" if mode == "ce_hidden" else "0"
@@ -969,6 +975,7 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     from uccl_moe import CommTimeoutError, InvalidUsageError
 
     os.environ["UCCL_MOE_COMBINE_CE"] = "1"
+    os.environ["UCCL_MOE_CE_POLL"] = "0"  # a polled combine is never early (NvlRuntime::begin_op)
     nat.combine(res.recv_x.clone(), res.handle, config=cfg)
     torch.cuda.synchronize()
     early0 = early_ops(nat)
@@ -1007,12 +1014,13 @@ def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
-@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_hidden",
+@pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_poll", "ce_hidden",
                                   "staged_hidden", "ce_late_early"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the
-    copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs); or both on one path (copy engines,
+    copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs), or one polling its landing area and the
+    other not (UCCL_MOE_CE_POLL differs); or both on one path (copy engines,
     staged), one rank's rows of another hidden size: refused on every rank."""
     run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

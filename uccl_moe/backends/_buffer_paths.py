@@ -232,6 +232,9 @@ class BufferPaths:
         rows = int(handle_field(handle, "recv_src_idx").shape[0])  # tests pass DeepEP-order tuples
         offset, end = _C.intranode_combine_input_layout(rows, hidden, 0)
         self._refuse_over_buffer(int(end), f"get_combine_buffer: {rows} rows of hidden {hidden}")
+        # The caller writes the view on its stream: after the sentinel memset a copy-engine combine may have left
+        # running beside it (NvlRuntime::begin_op).
+        self._rt.wait_for_sentinel(self._stream())
         # A rank that receives nothing gets a 0-row slice of a 1-row view, so it still points into the buffer and
         # takes the same path as its peers.
         return tensor_at(self._rt.local_buffer + int(offset), (max(rows, 1), hidden), dtype, self.ctx.device)[:rows]
@@ -332,10 +335,10 @@ class BufferPaths:
             num_lanes=int(lanes.shape[1]), staged=int(own), own_x=_ptr(x) if own else 0,
             ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
         if ce_rank_prefix is not None:
-            early, stream = bool(env.get("CE_EARLY")), self._stream()
+            early, poll, stream = bool(env.get("CE_EARLY")), bool(env.get("CE_POLL")), self._stream()
             return _late_outputs(
                 lambda outputs: _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, early,
-                                                        stream, outputs),
+                                                        stream, outputs, poll),
                 lambda: combine_outputs(x, T, tw), "copy-engine combine")
         out, out_w = combine_outputs(x, T, tw)
         args.out, args.out_topk_weights = _ptr(out), _ptr(out_w)

@@ -384,6 +384,12 @@ class NativeBackend(BufferPaths, Backend):
         self._check_alive()
         _C.peer_copy(runtime=self._rt, peer=peer, bytes=num_bytes, stream=self._stream())
 
+    def peer_copies_done(self) -> None:
+        """Every rank, after peer_copy's copies (into the peers' buffers, behind their runtimes' backs) completed:
+        the next polled copy-engine combine sets its whole landing area to the sentinel first (UCCL_MOE_CE_POLL)."""
+        self._check_alive()
+        self._rt.forget_sentinel()
+
     def destroy(self) -> None:
         if self._inter is not None:
             self._inter.destroy()

@@ -24,7 +24,9 @@ def peer_copy_ceiling(buf: Any, rank: int, R: int, gloo: Any, nbytes: int, args:
             us = time_op(lambda: backend.peer_copy(1, nbytes), flush, args.iters, args.warmup)[0]
             gbps = nbytes / (us * 1e3)
     vals: list[Any] = [None] * R
-    dist.all_gather_object(vals, gbps, group=gloo)
+    dist.all_gather_object(vals, gbps, group=gloo)  # after rank 0's copies (time_op synchronizes)
+    if R > 1 and hasattr(backend, "peer_copies_done"):
+        backend.peer_copies_done()
     return float(vals[0])
 
 

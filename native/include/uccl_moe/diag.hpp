@@ -52,6 +52,10 @@ constexpr int32_t kPullArgsStaged = 1 << 16;
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own through the copy engines
 /// (UCCL_MOE_COMBINE_CE); the low bits are the top-k weights per row it sends.
 constexpr int32_t kPullArgsCe = 1 << 17;
+/// Bit of a copy-engine combine's kCombinePullArgs value: its landing areas are polled (UCCL_MOE_CE_POLL: one copy
+/// per peer, each word taken as it lands); every rank must do alike (a rank that polls reads words its peer's
+/// chunks have not written yet as final).
+constexpr int32_t kPullArgsPoll = 1 << 18;
 /// The top-k part of a kCombinePullArgs value (num_topk <= kMaxTopk = 32).
 constexpr int32_t kPullArgsTopkMask = (1 << 6) - 1;
 /// The rows' hidden size in a kCombinePullArgs value, as hidden / 8 (16-byte BF16 groups; every rank must lay its rows
@@ -78,9 +82,9 @@ constexpr int kPullArgsChunksShift = 20;
 /// runs the other op of the two sees it differ.
 constexpr int32_t kCeDispatchArgsMark = 1 << 30;
 static_assert((kPullArgsTopkMask & kPullArgsHiddenMask) == 0 && (kPullArgsHiddenMask & kPullArgsStaged) == 0 &&
-                  (kPullArgsHiddenMask & kPullArgsCe) == 0 &&
+                  (kPullArgsHiddenMask & kPullArgsCe) == 0 && (kPullArgsHiddenMask & kPullArgsPoll) == 0 &&
                   (kPullArgsHiddenMask & (7 << kPullArgsChunksShift)) == 0 &&
-                  ((kPullArgsTopkMask | kPullArgsHiddenMask | kPullArgsStaged | kPullArgsCe |
+                  ((kPullArgsTopkMask | kPullArgsHiddenMask | kPullArgsStaged | kPullArgsCe | kPullArgsPoll |
                     (7 << kPullArgsChunksShift)) & (kCeDispatchArgsMark | static_cast<int32_t>(1u << 31))) == 0,
               "the fields of a kCombinePullArgs value overlap, or reach the dispatch's mark or the sign bit");
 

@@ -57,6 +57,14 @@ inline Error event_record(Event e, Stream s) { return hipEventRecord(e, s); }
 inline Error stream_wait_event(Stream s, Event e) { return hipStreamWaitEvent(s, e, 0); }
 /// Success once the event completed; kNotReady while it is pending; anything else is an error.
 inline Error event_query(Event e) { return hipEventQuery(e); }
+inline Error event_synchronize_any_capture(Event e) {
+  hipStreamCaptureMode mode = hipStreamCaptureModeRelaxed;
+  const Error x = hipThreadExchangeStreamCaptureMode(&mode);
+  if (x != hipSuccess) return x;
+  const Error r = hipEventSynchronize(e);
+  (void)hipThreadExchangeStreamCaptureMode(&mode);
+  return r;
+}
 constexpr Error kNotReady = hipErrorNotReady;
 inline Error event_destroy(Event e) { return hipEventDestroy(e); }
 inline bool is_success(Error e) { return e == hipSuccess; }
@@ -117,6 +125,16 @@ inline Error event_record(Event e, Stream s) { return cudaEventRecord(e, s); }
 inline Error stream_wait_event(Stream s, Event e) { return cudaStreamWaitEvent(s, e, 0); }
 /// Success once the event completed; kNotReady while it is pending; anything else is an error.
 inline Error event_query(Event e) { return cudaEventQuery(e); }
+/// Waits on the host until `e` completed, also while a stream of this thread captures a graph (the call runs in the
+/// relaxed capture mode: a global-mode capture would be invalidated by a synchronizing call).
+inline Error event_synchronize_any_capture(Event e) {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const Error x = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (x != cudaSuccess) return x;
+  const Error r = cudaEventSynchronize(e);
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  return r;
+}
 constexpr Error kNotReady = cudaErrorNotReady;
 inline Error event_destroy(Event e) { return cudaEventDestroy(e); }
 inline bool is_success(Error e) { return e == cudaSuccess; }

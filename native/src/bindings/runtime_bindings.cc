@@ -151,7 +151,8 @@ void register_args(nb::module_& m) {
             UCCL_MOE_ARG(CombinePullArgs, out_topk_weights),
             UCCL_MOE_ARG(CombinePullArgs, staged),
             UCCL_MOE_ARG(CombinePullArgs, own_x),
-            UCCL_MOE_ARG(CombinePullArgs, ce_chunks));
+            UCCL_MOE_ARG(CombinePullArgs, ce_chunks),
+            UCCL_MOE_ARG(CombinePullArgs, ce_poll));
 
   m.def("dispatch_rows_code", [](int64_t row_bytes, int num_topk, int num_scales) {
     return dispatch_rows_code(row_bytes, num_topk, num_scales);
@@ -237,6 +238,15 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
       .def_prop_ro("ce_early_ops", &NvlRuntime::ce_early_ops,
                    "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
+      .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops, "copy-engine combines that polled (UCCL_MOE_CE_POLL)")
+      .def_prop_ro("ce_sentinel_sets", &NvlRuntime::ce_sentinel_sets,
+                   "sentinel memsets a polled combine ran on its own stream before its enter kernel")
+      .def_prop_ro("ce_sentinel_side_sets", &NvlRuntime::ce_sentinel_side_sets,
+                   "sentinel memsets run on the runtime's side stream after an op (NvlRuntime::begin_op)")
+      .def("wait_for_sentinel", [](NvlRuntime& r, uintptr_t stream) { r.wait_for_sentinel(stream_of(stream)); },
+           "stream"_a, "The stream waits for the last sentinel memset (a get_combine_buffer view is written on it)")
+      .def("forget_sentinel", &NvlRuntime::forget_sentinel,
+           "The landing area was written behind the runtime's back (the bench's peer copies): set it all next time")
       .def("set_global_rank", &NvlRuntime::set_global_rank, "rank"_a)
       .def("aborted", &NvlRuntime::aborted)
       .def("check_num_sms", &NvlRuntime::check_num_sms, "num_sms"_a,
@@ -335,17 +345,19 @@ void register_runtime(nb::module_& m) {
   // The ops take the geometry NvlRuntime.geometry computed and one argument struct built by field name.
   m.def("notify_dispatch", [](NvlRuntime& rt, const Geometry& g, const intranode::NotifyArgs& a, uintptr_t stream) {
     rt.check_graph_channels(g.num_channels, stream_of(stream));
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpNotify);
     intranode::launch_notify_dispatch(rt.context(), g, a, stream_of(stream));
     rt.set_ring_channels(g.num_channels);  // notify resets the ring counters
-    rt.note_op(stream_of(stream), false);
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpNotify);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("dispatch_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
                                  uintptr_t stream) {
     const auto ctx = rt.context();
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpRingDispatch);
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_dispatch_intranode(ctx, g, a, stream_of(stream));
-    rt.note_op(stream_of(stream), false);
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpRingDispatch);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("dispatch_direct_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::DispatchArgs& a,
@@ -353,8 +365,9 @@ void register_runtime(nb::module_& m) {
     // No ring is used (the handle's lane geometry only places the rows): no ring reset needed. The unpack takes the
     // whole GPU (a grid of two blocks per SM; at its register count one is resident per SM at a time).
     const int unpack_blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpDirectDispatch);
     intranode::launch_dispatch_direct(rt.context(), g, a, unpack_blocks, stream_of(stream));
-    rt.note_op(stream_of(stream), false);  // its hand-shakes are its own (the direct words)
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpDirectDispatch);  // its hand-shakes are its own
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a,
   "The ring-free dispatch (intranode.hpp launch_dispatch_direct): same outputs as dispatch_intranode");
   m.def("intranode_direct_landing_bytes", &intranode::direct_landing_bytes, "rows"_a, "row_bytes"_a, "num_topk"_a,
@@ -363,37 +376,53 @@ void register_runtime(nb::module_& m) {
   m.def("combine_intranode", [](NvlRuntime& rt, const Geometry& g, const intranode::CombineArgs& a,
                                 uintptr_t stream) {
     const auto ctx = rt.context();
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpRingCombine);
     ensure_rings(rt, ctx, g, stream);
     intranode::launch_combine_intranode(ctx, g, a, stream_of(stream));
-    rt.note_op(stream_of(stream), false);
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpRingCombine);
   }, "runtime"_a, "geometry"_a, "args"_a, "stream"_a);
 
   m.def("combine_pull_intranode", [](NvlRuntime& rt, int num_sms, int64_t num_rows, const intranode::CombinePullArgs& a,
                                      uintptr_t stream) {
     // No ring is used, so the ring counters need no reset (ensure_rings) and the op's SM count is free.
     rt.check_num_sms(num_sms);
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpPullCombine);
     intranode::launch_combine_pull(rt.context(), num_sms, num_rows, a, stream_of(stream));
-    rt.note_op(stream_of(stream), true);
+    rt.note_op(stream_of(stream), true, NvlRuntime::kOpPullCombine);
   }, "runtime"_a, "num_sms"_a, "num_rows"_a, "args"_a, "stream"_a);
 
   m.def("combine_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::CombinePullArgs& a,
                                    const std::vector<int32_t>& rank_prefix, bool early, uintptr_t stream,
-                                   const nb::object& outputs) {
+                                   const nb::object& outputs, bool poll) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
                 rank_prefix.size(), N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings, as for the pull
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
+    intranode::CombinePullArgs args = a;
+    args.ce_poll = rt.ce_poll(stream_of(stream), poll) ? 1 : 0;
+    if (args.ce_poll != 0) {  // one copy per peer; the landing area's rows hold the sentinel before it
+      args.ce_chunks = 1;
+      const int64_t rows = intranode::ce_landing_rows(rank_prefix.data(), N, rt.rank());
+      rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledCombine,
+                  static_cast<int64_t>(intranode::kOffCombineInput) + rows * static_cast<int64_t>(a.hidden) * 2);
+    } else {
+      rt.begin_op(stream_of(stream), NvlRuntime::kOpCeCombine);
+    }
+    const int kind = args.ce_poll != 0 ? NvlRuntime::kOpPolledCombine : NvlRuntime::kOpCeCombine;
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early && args.ce_poll == 0);
     std::exception_ptr failed;
-    intranode::launch_combine_ce(rt.context(), num_sms, a, ce, stream_of(stream),
+    intranode::launch_combine_ce(rt.context(), num_sms, args, ce, stream_of(stream),
                                  late_outputs(outputs, failed, a.num_tokens > 0, a.num_tokens > 0 && a.num_topk > 0,
                                               "copy-engine combine"));
-    rt.note_op(stream_of(stream), true);
+    rt.note_op(stream_of(stream), true, kind);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a, "outputs"_a = nb::none(),
+  "poll"_a = false,
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
   "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major; early: "
-  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake); outputs: None "
+  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake); poll: "
+  "UCCL_MOE_CE_POLL (one copy per peer into a landing area set to the sentinel, each word summed as it lands; "
+  "NvlRuntime.ce_poll says where it is off, NvlRuntime::begin_op how the sentinel is kept); outputs: None "
   "(args.out holds them) or a callable returning (out, out_topk_weights) addresses, called once the first copies "
   "are enqueued (intranode.hpp LateOutputs; what it raises is raised after the launch)");
 
@@ -405,13 +434,14 @@ void register_runtime(nb::module_& m) {
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
     const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
     std::exception_ptr failed;
     const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
                                   late_outputs(outputs, failed, rows, rows && a.num_scales > 0,
                                                "copy-engine dispatch"));
-    rt.note_op(stream_of(stream), true);
+    rt.note_op(stream_of(stream), true, NvlRuntime::kOpCeDispatch);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,
   "outputs"_a = nb::none(),
@@ -423,15 +453,17 @@ void register_runtime(nb::module_& m) {
                                            uintptr_t rank_prefix, uintptr_t stream) {
     // The whole GPU (two blocks per SM): an HBM-bound copy, done before the pull's SMs start.
     const int blocks = rt.device_sms() > 0 ? 2 * rt.device_sms() : 264;
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpStage);
     intranode::launch_stage_combine_rows(rt.context(), reinterpret_cast<const void*>(x), hidden, max_rows,
                                          reinterpret_cast<const int32_t*>(rank_prefix), blocks, stream_of(stream));
-    rt.note_op(stream_of(stream), false);
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpStage);
   }, "runtime"_a, "x"_a, "hidden"_a, "max_rows"_a, "rank_prefix"_a, "stream"_a,
   "A staged combine's first half: the rows of x that came from other ranks into this rank's buffer (intranode.hpp)");
 
   m.def("peer_copy", [](NvlRuntime& rt, int peer, int64_t bytes, uintptr_t stream) {
+    rt.begin_op(stream_of(stream), NvlRuntime::kOpPeerCopy);
     intranode::launch_peer_copy(rt.context(), peer, bytes, stream_of(stream));
-    rt.note_op(stream_of(stream), false);
+    rt.note_op(stream_of(stream), false, NvlRuntime::kOpPeerCopy);
   }, "runtime"_a, "peer"_a, "bytes"_a, "stream"_a,
   "Copy-engine copy of `bytes` from this rank's NVL ring region into peer's (benchmark ceiling)");
 }

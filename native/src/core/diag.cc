@@ -78,6 +78,14 @@ std::string format_diag(const DiagRecord& r) {
     const int64_t chunks_seen = ((r.seen >> kPullArgsChunksShift) & 7) + 1;
     const int64_t chunks_expected = ((r.expected >> kPullArgsChunksShift) & 7) + 1;
     if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
+        (r.seen & kPullArgsPoll) != (r.expected & kPullArgsPoll))
+      return detail::format(
+          "rank %d: copy-engine combine: peer %d %s its landing area, this rank %s; every rank must set the same "
+          "UCCL_MOE_CE_POLL (polling is also off while a CUDA graph captures and on a Buffer that had an op "
+          "captured: every rank must capture alike)",
+          r.rank, r.peer, (r.seen & kPullArgsPoll) != 0 ? "polls" : "does not poll",
+          (r.expected & kPullArgsPoll) != 0 ? "does" : "does not");
+    if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
         chunks_seen != chunks_expected)
       return detail::format(
           "rank %d: copy-engine combine: peer %d copies in %lld chunks, this rank expects %lld; every rank must set "

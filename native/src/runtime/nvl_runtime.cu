@@ -1,5 +1,6 @@
 #include "nvl_runtime.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -111,6 +112,12 @@ void NvlRuntime::destroy() {
   }
   if (ce_entered_ != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(ce_entered_)), "event_destroy");
   ce_entered_ = nullptr;
+  for (void** e : {&sentinel_after_, &sentinel_set_}) {
+    if (*e != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(*e)), "event_destroy");
+    *e = nullptr;
+  }
+  if (sentinel_stream_ != nullptr) warn(gpu::stream_destroy(static_cast<gpu::Stream>(sentinel_stream_)), "stream_destroy");
+  sentinel_stream_ = nullptr;
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_ && peers_[r] != nullptr) warn(gpu::ipc_close_mem_handle(peers_[r]), "ipc_close_mem_handle");
   if (local_ != nullptr) warn(gpu::device_free(local_), "device_free");
@@ -133,6 +140,13 @@ void NvlRuntime::make_ce_streams() {
   }
   UCCL_CHECK_GPU(gpu::event_create(&e));
   ce_entered_ = e;
+  gpu::Stream st = nullptr;
+  UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&st));
+  sentinel_stream_ = st;
+  UCCL_CHECK_GPU(gpu::event_create(&e));
+  sentinel_after_ = e;
+  UCCL_CHECK_GPU(gpu::event_create(&e));
+  sentinel_set_ = e;
 }
 
 intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted) {
@@ -145,7 +159,7 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void*
     c.copied[r] = ce_copied_[r];
   }
   c.entered = ce_entered_;
-  const bool early = early_wanted && after_done_ && !captured_ && graph_channels_ < 0 &&
+  const bool early = early_wanted && after_done_ && !captured_ && graph_channels_ < 0 && !sentinel_unfenced_ &&
                      !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
   if (early) ++ce_early_ops_;
   c.early = early ? 1 : 0;
@@ -273,9 +287,71 @@ void NvlRuntime::check_graph_channels(int channels, void* stream) {
   if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
 }
 
-void NvlRuntime::note_op(void* stream, bool done) {
-  if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) captured_ = true;
+bool NvlRuntime::ce_poll(void* stream, bool wanted) const {
+  return wanted && !captured_ && graph_channels_ < 0 && !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+}
+
+void NvlRuntime::wait_for_sentinel(void* stream) {
+  UCCL_ASSERT(!destroyed_ && connected_, "the NVL runtime is not connected (or was destroyed)");
+  if (sentinel_seq_ == waited_seq_ && stream == waited_stream_) return;
+  if (sentinel_seq_ > 0) {
+    const auto st = static_cast<gpu::Stream>(stream);
+    if (gpu::stream_capturing(st))
+      UCCL_CHECK_GPU(gpu::event_synchronize_any_capture(static_cast<gpu::Event>(sentinel_set_)));
+    else
+      UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(sentinel_set_)));
+  }
+  waited_stream_ = stream;
+  waited_seq_ = sentinel_seq_;
+}
+
+void NvlRuntime::begin_op(void* stream, int kind, int64_t polled_end) {
+  UCCL_ASSERT(kind >= 0 && kind < kNumOpKinds, "op kind %d", kind);
+  wait_for_sentinel(stream);
+  if (last_kind_ >= 0) polled_after_[last_kind_] = kind == kOpPolledCombine;
+  last_kind_ = kind;
+  if (kind == kOpPolledCombine) {
+    const int64_t base = static_cast<int64_t>(intranode::kOffCombineInput);
+    UCCL_ASSERT(polled_end >= base && polled_end <= num_nvl_bytes_, "a polled landing area ends at %lld, outside "
+                "[%lld, %lld]", static_cast<long long>(polled_end), static_cast<long long>(base),
+                static_cast<long long>(num_nvl_bytes_));
+    const int64_t from = std::max(sentinel_end_, base);
+    if (polled_end > from) {
+      UCCL_CHECK_GPU(gpu::memset_async(static_cast<char*>(local_) + from, 0xFF, static_cast<size_t>(polled_end - from),
+                                       static_cast<gpu::Stream>(stream)));
+      ++ce_sentinel_sets_;
+    }
+    poll_end_ = polled_end;
+    ++ce_polled_ops_;
+  }
+  if (kind != kOpNotify) sentinel_end_ = 0;  // the op overwrites the area (notify writes only the meta)
+}
+
+void NvlRuntime::note_op(void* stream, bool done, int kind) {
+  const bool capturing = gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+  if (capturing) captured_ = true;
   after_done_ = done;
+  // Every kind but these enters with a cross-rank hand-shake that each rank reached after its memset: from here on
+  // no rank's buffer is still being set, and an early op may start its copies again. Not an op captured in a graph:
+  // the capture ran nothing.
+  if (!capturing && kind != kOpStage && kind != kOpPeerCopy) sentinel_unfenced_ = false;
+  // After notify (a dispatch follows, which overwrites the area), a stage (the pull after it reads the staged rows)
+  // and the bench's peer copy (one-sided, into a peer's buffer) no memset.
+  const bool after = kind != kOpNotify && kind != kOpStage && kind != kOpPeerCopy;
+  if (!after || !polled_after_[kind] || captured_ || poll_end_ <= static_cast<int64_t>(intranode::kOffCombineInput))
+    return;
+  const auto side = static_cast<gpu::Stream>(sentinel_stream_);
+  const int64_t base = static_cast<int64_t>(intranode::kOffCombineInput);
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_after_), static_cast<gpu::Stream>(stream)));
+  UCCL_CHECK_GPU(gpu::stream_wait_event(side, static_cast<gpu::Event>(sentinel_after_)));
+  UCCL_CHECK_GPU(gpu::memset_async(static_cast<char*>(local_) + base, 0xFF, static_cast<size_t>(poll_end_ - base),
+                                   side));
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_set_), side));
+  sentinel_end_ = poll_end_;
+  ++sentinel_seq_;
+  ++ce_sentinel_side_sets_;
+  sentinel_unfenced_ = true;
+  ring_channels_ = -1;  // the next ring op resets the rings: its barriers order every peer's writes after our memset
 }
 
 void NvlRuntime::check_num_sms(int num_sms) const {

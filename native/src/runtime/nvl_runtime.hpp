@@ -87,9 +87,51 @@ class NvlRuntime {
   /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
   /// as a different op would be).
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted);
+  /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled combine's sentinel, below).
+  enum OpKind : int {
+    kOpNotify,
+    kOpRingDispatch,
+    kOpDirectDispatch,
+    kOpCeDispatch,
+    kOpRingCombine,
+    kOpPullCombine,
+    kOpStage,
+    kOpCeCombine,
+    kOpPolledCombine,
+    kOpPeerCopy,
+    kNumOpKinds
+  };
+  /// Whether a copy-engine combine enqueued now on `stream` polls its landing area (UCCL_MOE_CE_POLL = `wanted`):
+  /// not while `stream` captures a CUDA graph and never on a Buffer that had an op captured (a replay runs behind
+  /// the host's back, so the host cannot keep the sentinel). Every rank sees the same calls, so decides alike.
+  bool ce_poll(void* stream, bool wanted) const;
+  /// Before every op's launch on `stream` (the bindings call it first). A polled copy-engine combine needs the
+  /// sentinel (all ones) in every 32-bit word of its landing area before any peer's copy lands there, and every other
+  /// op overwrites it (rings, landing areas, views and the staged rows all start at kOffCombineInput). So after an op
+  /// of a kind that a polled combine followed last time, note_op sets the sentinel again over the last polled
+  /// landing area with a memset on a stream of this runtime's own, which runs beside the caller's work between the
+  /// ops; here `stream` waits for that memset (on the host, in the relaxed capture mode, where `stream` captures: an
+  /// event recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the
+  /// first op after it is never early (ce_copies), the next ring op resets the rings (two barriers) and every other
+  /// op enters with a hand-shake that our stream reaches after the wait. A polled combine (`kind`
+  /// kOpPolledCombine, landing area [kOffCombineInput, `polled_end`)) then sets the sentinel where it does not hold
+  /// with a memset on `stream`, before its enter kernel. Every kind but notify leaves the area overwritten.
+  void begin_op(void* stream, int kind, int64_t polled_end = 0);
   /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
-  /// copy-engine op). Remembers a capture.
-  void note_op(void* stream, bool done);
+  /// copy-engine op); `kind` as for begin_op. Remembers a capture; sets the sentinel after the op where a polled
+  /// combine followed this kind last time (begin_op).
+  void note_op(void* stream, bool done, int kind);
+  /// `stream` waits for the last sentinel memset (begin_op): a get_combine_buffer view is written on the caller's
+  /// stream, into the landing area.
+  void wait_for_sentinel(void* stream);
+  /// The landing area was written behind this runtime's back (the bench's one-sided peer copies into it): the next
+  /// polled combine sets the sentinel over all of its area first.
+  void forget_sentinel() { sentinel_end_ = 0; }
+  /// Polled combines, sentinel memsets before a polled combine (on its stream) and after an op (on the side
+  /// stream), since the Buffer was made (tests: which path ran).
+  int64_t ce_polled_ops() const { return ce_polled_ops_; }
+  int64_t ce_sentinel_sets() const { return ce_sentinel_sets_; }
+  int64_t ce_sentinel_side_sets() const { return ce_sentinel_side_sets_; }
   /// Copy-engine ops that started their copies at once, since the Buffer was made (tests: the path was taken).
   int64_t ce_early_ops() const { return ce_early_ops_; }
 
@@ -107,6 +149,20 @@ class NvlRuntime {
   bool after_done_ = false;  // the last op launched ended with the done hand-shake (note_op)
   bool captured_ = false;    // an op of this Buffer was captured in a CUDA graph
   int64_t ce_early_ops_ = 0;
+  int64_t ce_polled_ops_ = 0, ce_sentinel_sets_ = 0, ce_sentinel_side_sets_ = 0;
+  // The sentinel: bytes [kOffCombineInput, sentinel_end_) hold it once the last memset ran (0: nowhere); the end of
+  // the last polled combine's landing area (the side memset's extent); the side memsets enqueued, and how many of
+  // them waited_stream_ last waited for; a side memset no cross-rank hand-shake followed yet (no early op then).
+  int64_t sentinel_end_ = 0, poll_end_ = 0;
+  int64_t sentinel_seq_ = 0, waited_seq_ = 0;
+  void* waited_stream_ = nullptr;
+  bool sentinel_unfenced_ = false;
+  // The kind of the op before, and per kind whether a polled combine followed it last time.
+  int last_kind_ = -1;
+  bool polled_after_[kNumOpKinds] = {};
+  void* sentinel_stream_ = nullptr;  // the side memsets' stream, and its events (after the op, after the memset)
+  void* sentinel_after_ = nullptr;
+  void* sentinel_set_ = nullptr;
   int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
   void make_ce_streams();  // connect(): the copy-engine ops' streams and events
   void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine ops: a stream per peer, and its events (ce_copies)

@@ -432,8 +432,8 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
                         lambda rt, num_sms, num_rows, args, stream: calls.append(("pull", args)))
     monkeypatch.setattr(native._C, "stage_combine_rows_intranode", lambda *a: calls.append(("stage", a)))
     monkeypatch.setattr(native._C, "combine_ce_intranode",  # outputs: allocated late (LateOutputs), at the kernel
-                        lambda rt, num_sms, args, rank_prefix, early, stream, outputs: calls.append(
-                            ("ce", (num_sms, args, rank_prefix, early, outputs()))))
+                        lambda rt, num_sms, args, rank_prefix, early, stream, outputs, poll: calls.append(
+                            ("ce", (num_sms, args, rank_prefix, early, outputs(), poll))))
     R, T, H, K, rows = 2, 5, 64, 2, 7
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
@@ -453,8 +453,9 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     assert _C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K) == _C.intranode_combine_input_layout(4, H, K)[1]
     calls.clear()
     out, out_w = backend.combine(y, h, w, (None, None), cfg)
-    [(op, (num_sms, ce, rank_prefix, early, late))] = calls
+    [(op, (num_sms, ce, rank_prefix, early, late, poll))] = calls
     assert (op, num_sms, rank_prefix, early) == ("ce", 24, [3, 4, 5, 7], True)  # UCCL_MOE_CE_EARLY's default
+    assert poll is True  # UCCL_MOE_CE_POLL's default (the runtime turns it off where a graph captures)
     assert (ce.staged, ce.own_x, ce.ce_chunks, ce.topk_weights, ce.out, ce.out_topk_weights) == (
         1, _ptr(y), 4, _ptr(w), 0, 0)  # the outputs come from the callback, once the first copies are enqueued
     assert late == (_ptr(out), _ptr(out_w)) and out.shape == (T, H) and out_w.shape == (T, K)
@@ -471,6 +472,11 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     backend.combine(y, h, w, (None, None), cfg)
     assert calls[0][1][3] is False
     monkeypatch.delenv("UCCL_MOE_CE_EARLY")
+    monkeypatch.setenv("UCCL_MOE_CE_POLL", "0")
+    calls.clear()
+    backend.combine(y, h, w, (None, None), cfg)
+    assert calls[0][1][5] is False
+    monkeypatch.delenv("UCCL_MOE_CE_POLL")
     monkeypatch.setenv("UCCL_MOE_COMBINE_CE_CHUNKS", "9")  # more than the meta region's ce_ready words
     with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_CE_CHUNKS"):
         backend.combine(y, h, w, (None, None), cfg)

@@ -42,9 +42,14 @@ namespace {
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
 /// copy (or -1 when the token did not go to d). `kLanded`: a copy-engine combine, where the peers' copies of our
 /// tokens landed in our own buffer (ce_block_at) chunk by chunk (waited for per token), with their weights.
-template <int kNumRanks, int kColUnroll, bool kLanded = false>
+/// `kPoll` (with kLanded): the landing area held the sentinel before the peers' one copy each (UCCL_MOE_CE_POLL):
+/// every word is taken as it lands (sum_token_copies_polled), with no wait for a head or a chunk, and the weights
+/// are summed in a second pass over the tokens, once every peer's head (which carries them) landed: a wait or a
+/// dependent load per token in the rows' loop would put the sum behind the engines.
+template <int kNumRanks, int kColUnroll, bool kLanded = false, bool kPoll = false>
 UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a, int32_t round = 0,
                                  const CeEnter& enter = CeEnter{}) {
+  static_assert(kLanded || !kPoll, "only a copy-engine combine's landing area is polled");
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id(), L = a.num_lanes, T = a.num_tokens;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * 2;
   const int num_16 = static_cast<int>(row_bytes / 16);
@@ -84,32 +89,57 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     gpu::sync_warp();
     if (gpu::ballot(!ok) != 0) return;
   }
-  if (kLanded) {  // the peers' heads (their top-k weights and their blocks' first rows): waited for before the
-    // first token, which needs them or chunk 0, and that lands long after them
+  // The peers' heads (their top-k weights and their blocks' first rows): waited for before the first token, which
+  // needs them or chunk 0, and that lands long after them; a polled sum waits for them only before the weights.
+  auto heads_landed = [&]() {
     bool ok = true;
     if (lane < N && lane != me)
       ok = wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + lane, round,
                         DiagPhase::kCombineCeChunk, DiagRole::kReceiver, lane, -1);
     gpu::sync_warp();  // lane d's acquire covers the warp's later loads of d's weights
-    if (gpu::ballot(!ok) != 0) return;
-  }
+    return gpu::ballot(!ok) == 0;
+  };
+  if (kLanded && !kPoll && !heads_landed()) return;
   const int4* bias0 = static_cast<const int4*>(a.bias0);
   const int4* bias1 = static_cast<const int4*>(a.bias1);
   const int stride = static_cast<int>(gridDim.x) * kWarpsPerBlock;
-  int t = static_cast<int>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+  const int first = static_cast<int>(blockIdx.x) * kWarpsPerBlock + gpu::warp_id();
+  // Lane d's row of token t in rank d's rows (-1: none), from t's entry p of send_head.
+  auto row_of = [&](int t, int32_t p) -> int64_t {
+    const int l = t / per_lane;
+    return lane < N && p >= 0 ? from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p : -1;
+  };
+  // The weights' sum of token t, in the same rank order (warp-collective).
+  auto sum_weights = [&](int t, int64_t row, gpu::LaneMask have) {
+    float sum = 0.0f;
+    for (int d = 0; d < N; ++d) {
+      const long long r = gpu::shfl(static_cast<long long>(row), d);
+      const float* w = reinterpret_cast<const float*>(gpu::shfl(reinterpret_cast<unsigned long long>(weights_d), d));
+      if (((have >> d) & 1) && lane < a.num_topk)  // our own copy exists, so our topk_weights is not null
+        sum += d == me ? a.topk_weights[r * a.num_topk + lane]
+                       : __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(w + r * a.num_topk + lane)));
+    }
+    if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+  };
+  // Polled: a word of peer d's still at the sentinel after many loads is data once d's copy and head both landed.
+  uint32_t settled = 0;
+  auto settle = [&](int d) {
+    const int k = a.ce_chunks - 1;
+    return wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeReady) + d * kMaxCeChunks + k,
+                        round, DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, k) &&
+           wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + d, round,
+                        DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, -1);
+  };
+  int t = first;
   int32_t p_next = lane < N && t < T ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
   for (; t < T; t += stride) {
     const int32_t p = p_next;  // the next token's entry loads while this one sums
     if (lane < N && t + stride < T) p_next = a.send_head[static_cast<int64_t>(t + stride) * N + lane];
-    const int l = t / per_lane;
-    int64_t row = -1;
-    if (lane < N && p >= 0) row = from_me_d + (l > 0 ? a.lane_prefix[lane * L + l - 1] : 0) + p;
-    if (kLanded) {  // a warp about to wait for the chunk that holds a peer's copy: our own copy into L2 meanwhile,
-      // so that the sum once the chunk landed (the op's tail, for the last chunk) reads it from there
+    const int64_t row = row_of(t, p);
+    if (kLanded && !kPoll) {  // a warp about to wait for the chunk that holds a peer's copy: our own copy into L2
+      // meanwhile, so that the sum once the chunk landed (the op's tail, for the last chunk) reads it from there
       const bool waits = lane < N && lane != me && row >= 0 && row - from_me_d >= landed.ready_end;
       if (gpu::ballot(waits) != 0 && lane == me && row >= 0) gpu::prefetch_l2(rows_d + row * row_bytes, row_bytes);
-    }
-    if (kLanded) {
       UCCL_MOE_TRACE(const long long t_land = trace::now());
       if (!landed.wait(ctx, a.ce_chunks, lane != me && row >= 0 ? row - from_me_d : -1, lane)) return;
       UCCL_MOE_TRACE(trace::add(trace::kWait, t_land));
@@ -118,21 +148,24 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
     // our own rows are not written during the launch: they may take non-coherent loads
     UCCL_MOE_TRACE(const long long t_sum = trace::now());
-    sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
-                                            static_cast<int4*>(a.out));
-    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_sum); const long long t_w = trace::now());
-    if (a.out_topk_weights != nullptr) {  // the weights' sum, in the same rank order (warp-uniform branch)
-      float sum = 0.0f;
-      for (int d = 0; d < N; ++d) {
-        const long long r = gpu::shfl(static_cast<long long>(row), d);
-        const float* w = reinterpret_cast<const float*>(gpu::shfl(reinterpret_cast<unsigned long long>(weights_d), d));
-        if (((have >> d) & 1) && lane < a.num_topk)  // our own copy exists, so our topk_weights is not null
-          sum += d == me ? a.topk_weights[r * a.num_topk + lane]
-                         : __int_as_float(gpu::load_ring_32(reinterpret_cast<const int32_t*>(w + r * a.num_topk + lane)));
-      }
-      if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
+    if constexpr (kPoll) {
+      if (!sum_token_copies_polled<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
+                                                          static_cast<int4*>(a.out), settled, settle))
+        return;
+    } else {
+      sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
+                                              static_cast<int4*>(a.out));
     }
+    UCCL_MOE_TRACE(trace::add(trace::kCopy, t_sum); const long long t_w = trace::now());
+    if (!kPoll && a.out_topk_weights != nullptr) sum_weights(t, row, have);  // warp-uniform branch
     UCCL_MOE_TRACE(trace::add(trace::kMeta, t_w));
+  }
+  if (kPoll && a.out_topk_weights != nullptr) {
+    if (!heads_landed()) return;
+    for (t = first; t < T; t += stride) {
+      const int64_t row = row_of(t, lane < N ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1);
+      sum_weights(t, row, gpu::ballot(row >= 0));
+    }
   }
 }
 
@@ -180,10 +213,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
 
 /// A copy-engine combine's sum: first our top-k weights and each block's first rows into the peers' landing areas
 /// (push_ce_head), then every token's copies, the peers' read from our landing area once their head (and past its
-/// rows their chunk) landed. Then the pull's end hand-shake: a
+/// rows their chunk) landed, or with `kPoll` as each word lands (pull_sum). Then the pull's end hand-shake: a
 /// rank leaves once every peer stopped reading its own landing area, since the next op may write into the peers'
 /// buffers at once (ring slots overlap the landing areas).
-template <int kNumRanks, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
+template <int kNumRanks, bool kPoll, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a,
                                                                              CeHead head, CeEnter enter) {
   UCCL_MOE_TRACE(const long long t0 = trace::now(); const unsigned long long t0_ns = gpu::global_timer_ns();
@@ -195,7 +228,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
   push_ce_head(ctx, head, round, &sm);
-  if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true>(ctx, a, round, enter);
+  if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true, kPoll>(ctx, a, round, enter);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
   if (last_block(meta_ptr(local, kOffPullLeave), &sm))
     ce_op_end(ctx, enter, round, a.ce_chunks, DiagPhase::kCombineCeChunk, &sm);
@@ -372,8 +405,11 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
+  UCCL_ASSERT(a.ce_poll == 0 || (a.ce_chunks == 1 && ce.early == 0),
+              "a polled copy-engine combine copies in one chunk (got %d) and is never early", a.ce_chunks);
   const CeEnter enter = launch_ce_enter(
-      ctx, K | pull_args_hidden(a.hidden) | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift),
+      ctx, K | pull_args_hidden(a.hidden) | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift) |
+               (a.ce_poll != 0 ? kPullArgsPoll : 0),
       DiagPhase::kCombinePullArgs, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // each block's first rows and their top-k weights, stored by the sum kernel's SMs
@@ -418,9 +454,12 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
           args.out_topk_weights = nullptr;
         }
         with_num_ranks(N, "combine", [&](auto n) {
-          combine_ce_sum_kernel<decltype(n)::value>
-              <<<dim3(num_sms), dim3(kThreadsPerBlock), 0, static_cast<gpu::Stream>(stream)>>>(ctx, args, head,
-                                                                                                enter);
+          const dim3 grid(num_sms), block(kThreadsPerBlock);
+          const gpu::Stream st = static_cast<gpu::Stream>(stream);
+          if (a.ce_poll != 0)
+            combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
+          else
+            combine_ce_sum_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, head, enter);
         });
       },
       stream);

@@ -7,42 +7,110 @@
 
 namespace uccl_moe::intranode {
 
-/// One token's combine sum over the 16-B columns [col_begin, col_end), called by the whole warp: lane d < kNumRanks
-/// holds in `copy` where rank d's copy of the row starts (bit d of `have`, warp-uniform, says whether there is one).
-/// The copies are added in float32 in rank order 0..N-1, then row t of bias0 and of bias1 (either may be null), and
-/// rounded once to BF16 into row t of `out`: a fixed order, so bitwise deterministic. kColUnroll column groups x
-/// kNumRanks copies: every load is issued before the first add, so each lane keeps kColUnroll * kNumRanks 16-B loads
-/// in flight. The copy of rank `stable` (-1: none) was written before the launch and may take non-coherent loads;
-/// the others may have been written by a peer during it.
+/// Loads one column group of a token's copies (the 16-B columns col_base + u * 32 + lane, u < kColUnroll, below
+/// col_end): lane d < kNumRanks of the warp holds in `copy` where rank d's copy of the row starts (bit d of `have`,
+/// warp-uniform, says whether there is one). Every load is issued before any is used, so each lane keeps
+/// kColUnroll * kNumRanks 16-B loads in flight. The copy of rank `stable` (-1: none) was written before the launch
+/// and may take non-coherent loads; the others may have been written by a peer during it.
 template <int kNumRanks, int kColUnroll>
-UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, int stable, int col_begin, int col_end,
-                                         const int4* bias0, const int4* bias1, int64_t t, int num_16, int4* out) {
+UCCL_DEVICE_INLINE void load_token_copies(int4 (&v)[kColUnroll][kNumRanks], const int4* (&rows)[kNumRanks],
+                                          const char* copy, gpu::LaneMask have, int stable, int col_base,
+                                          int col_end) {
   const int lane = gpu::lane_id();
-  for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
-    int4 v[kColUnroll][kNumRanks];
 #pragma unroll
-    for (int d = 0; d < kNumRanks; ++d) {
-      const int4* row = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(copy), d));
-#pragma unroll
-      for (int u = 0; u < kColUnroll; ++u) {
-        const int col = col_base + u * gpu::kWarpSize + lane;
-        if (((have >> d) & 1) && col < col_end)
-          v[u][d] = d == stable ? gpu::load_stream_128(row + col) : gpu::load_ring_128(row + col);
-      }
-    }
+  for (int d = 0; d < kNumRanks; ++d) {
+    rows[d] = reinterpret_cast<const int4*>(gpu::shfl(reinterpret_cast<unsigned long long>(copy), d));
 #pragma unroll
     for (int u = 0; u < kColUnroll; ++u) {
       const int col = col_base + u * gpu::kWarpSize + lane;
-      if (col >= col_end) continue;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-      for (int d = 0; d < kNumRanks; ++d)
-        if ((have >> d) & 1) kernels::add_bf16x8(acc, v[u][d]);
-      if (bias0 != nullptr) kernels::add_bf16x8(acc, gpu::load_stream_128(bias0 + t * num_16 + col));
-      if (bias1 != nullptr) kernels::add_bf16x8(acc, gpu::load_stream_128(bias1 + t * num_16 + col));
-      out[t * num_16 + col] = kernels::pack_bf16x8(acc);
+      if (((have >> d) & 1) && col < col_end)
+        v[u][d] = d == stable ? gpu::load_stream_128(rows[d] + col) : gpu::load_ring_128(rows[d] + col);
     }
   }
+}
+
+/// The sum of one column group load_token_copies loaded: the copies added in float32 in rank order 0..N-1, then
+/// row t of bias0 and of bias1 (either may be null), rounded once to BF16 into row t of `out`: a fixed order, so
+/// bitwise deterministic.
+template <int kNumRanks, int kColUnroll>
+UCCL_DEVICE_INLINE void store_token_sum(const int4 (&v)[kColUnroll][kNumRanks], gpu::LaneMask have, int col_base,
+                                        int col_end, const int4* bias0, const int4* bias1, int64_t t, int num_16,
+                                        int4* out) {
+  const int lane = gpu::lane_id();
+#pragma unroll
+  for (int u = 0; u < kColUnroll; ++u) {
+    const int col = col_base + u * gpu::kWarpSize + lane;
+    if (col >= col_end) continue;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (int d = 0; d < kNumRanks; ++d)
+      if ((have >> d) & 1) kernels::add_bf16x8(acc, v[u][d]);
+    if (bias0 != nullptr) kernels::add_bf16x8(acc, gpu::load_stream_128(bias0 + t * num_16 + col));
+    if (bias1 != nullptr) kernels::add_bf16x8(acc, gpu::load_stream_128(bias1 + t * num_16 + col));
+    out[t * num_16 + col] = kernels::pack_bf16x8(acc);
+  }
+}
+
+/// One token's combine sum over the 16-B columns [col_begin, col_end), called by the whole warp (the copies as
+/// load_token_copies takes them, the sum as store_token_sum makes it).
+template <int kNumRanks, int kColUnroll>
+UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, int stable, int col_begin, int col_end,
+                                         const int4* bias0, const int4* bias1, int64_t t, int num_16, int4* out) {
+  for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
+    int4 v[kColUnroll][kNumRanks];
+    const int4* rows[kNumRanks];
+    load_token_copies<kNumRanks, kColUnroll>(v, rows, copy, have, stable, col_base, col_end);
+    store_token_sum<kNumRanks, kColUnroll>(v, have, col_base, col_end, bias0, bias1, t, num_16, out);
+  }
+}
+
+/// A polled landing area (UCCL_MOE_CE_POLL) holds all ones in every 32-bit word before a peer's copy lands there
+/// (a NaN in float32, BF16 and FP8: no row the sum should take holds it except as data): a 16-B word without it is
+/// final, since the engine and the peer's SMs write each word once per op.
+UCCL_DEVICE_INLINE bool landing_pending(const int4& w) {
+  return w.x == -1 || w.y == -1 || w.z == -1 || w.w == -1;
+}
+
+/// Polls before a lane asks the peer's flags whether a word that still reads as the sentinel is data.
+constexpr int kPollsBeforeFlags = 1024;
+
+/// sum_token_copies over copies that land during the sum in a polled landing area: each peer's 16-B word is taken
+/// once none of its 32-bit words holds the sentinel. A word still at the sentinel after kPollsBeforeFlags loads is
+/// taken once `settle(d)` returns true: the peer's whole copy landed (its copy flag and its head word, both acquired,
+/// the word then loaded once more), so the value is the data's own; bit d of `settled` (per lane) then skips the
+/// polls for the rest of the launch. Returns false (warp-uniform) where settle gave up (an expiry or an abort).
+template <int kNumRanks, int kColUnroll, class Settle>
+UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
+                                                int col_end, const int4* bias0, const int4* bias1, int64_t t,
+                                                int num_16, int4* out, uint32_t& settled, const Settle& settle) {
+  const int lane = gpu::lane_id();
+  bool ok = true;
+  for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
+    int4 v[kColUnroll][kNumRanks];
+    const int4* rows[kNumRanks];
+    load_token_copies<kNumRanks, kColUnroll>(v, rows, copy, have, stable, col_base, col_end);
+#pragma unroll
+    for (int d = 0; d < kNumRanks; ++d) {
+      if (d == stable || !((have >> d) & 1)) continue;
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u) {
+        const int col = col_base + u * gpu::kWarpSize + lane;
+        if (col >= col_end || ((settled >> d) & 1)) continue;
+        for (int polls = 0; ok && landing_pending(v[u][d]); ++polls) {
+          if (polls >= kPollsBeforeFlags) {
+            ok = settle(d);
+            if (ok) settled |= 1u << d;
+            v[u][d] = gpu::load_ring_128(rows[d] + col);
+            break;
+          }
+          v[u][d] = gpu::load_ring_128(rows[d] + col);
+        }
+      }
+    }
+    if (gpu::ballot(!ok) != 0) return false;
+    store_token_sum<kNumRanks, kColUnroll>(v, have, col_base, col_end, bias0, bias1, t, num_16, out);
+  }
+  return true;
 }
 
 }  // namespace uccl_moe::intranode

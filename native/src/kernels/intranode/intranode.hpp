@@ -226,6 +226,9 @@ struct CombinePullArgs {
                                  ///< copy-engine combine's copy engines read the peers' blocks from it too; null on a
                                  ///< rank with no rows)
   int32_t ce_chunks = 0;         ///< copy-engine combine (launch_combine_ce): chunks per peer block (else unused)
+  int32_t ce_poll = 0;           ///< copy-engine combine: 1 = our landing area holds the sentinel (every 32-bit word
+                                 ///< all ones) and every peer's rows come in one copy (ce_chunks 1), taken word by
+                                 ///< word as they land (NvlRuntime sets the sentinel); alike on every rank
 };
 /// `num_sms` blocks; `num_rows` = rows this rank's buffer holds (the caller's input rows, or for a staged combine
 /// at least the rows staged), checked against the buffer.
