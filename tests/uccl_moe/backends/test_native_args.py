@@ -47,7 +47,7 @@ def test_args_struct_fields_match_the_stub(name: str) -> None:
 # The integer (non-pointer) fields of the structs in intranode.hpp and internode.hpp.
 _SCALARS = {"num_tokens", "num_experts", "expert_alignment", "row_bytes", "num_topk", "num_scales",
             "scale_token_stride", "scale_hidden_stride", "num_recv_rows", "hidden", "num_lanes", "staged",
-            "ce_chunks"}
+            "ce_chunks", "ce_poll"}
 
 
 def test_geometry_properties_match_the_stub() -> None:
