@@ -201,15 +201,22 @@ def _poll_counts(buf) -> tuple[int, int, int]:
     return int(rt.ce_polled_ops), int(rt.ce_sentinel_sets), int(rt.ce_sentinel_side_sets)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t's bits (NaN rows compare equal where their bits do)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+def _same(a: torch.Tensor, b: torch.Tensor) -> str:
+    """'' where a and b hold the same bits except that a NaN may be any NaN (a sum's NaN takes the payload of one
+    of its inputs, which the compiler's operand order picks), else what differs."""
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return f"NaN at {int((nan != b.isnan()).sum())} other places"
+    diff = int((a[~nan].view(torch.int16) != b[~nan].view(torch.int16)).sum()) if a.dtype == torch.bfloat16 else \
+        int((a[~nan] != b[~nan]).sum())
+    return f"{diff} values differ" if diff else ""
 
 
 def _poll_worker(rank: int, world: int, gloo) -> None:
     """The polled copy-engine combine (UCCL_MOE_CE_POLL, the default), against the ring's bits (fresh random rows):
     rows that hold the sentinel (all ones in a 32-bit word: a pair of BF16 NaNs) as data, in whole rows and scattered
-    words; op patterns that each end in a polled combine, three times over with rank 0 late before every op (after
+    words (their sums are NaN: the same places must be, and every other value the same bits); op patterns that each
+    end in a polled combine, three times over with rank 0 late before every op (after
     the first time the op before it sets the sentinel on the side stream, and the combine sets none; a view written
     while that memset may still run, and a staged combine, follow such an op too); one rank's sum kernel 5 ms late
     (its peers' words from its SMs, the head rows, land long after the copy: a word still at the sentinel is waited
@@ -228,8 +235,9 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
     words[3::5, rank::61] = -1      # and scattered words of others
     ring = _combine(nat, "ring", pat, rn.handle, topk_weights=w, config=cfg)
     got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
-    check("rows holding the sentinel: ce == ring (bits)", torch.equal(_bits(got.combined_x), _bits(ring.combined_x))
-          and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+    why = _same(got.combined_x, ring.combined_x)
+    check(f"rows holding the sentinel: ce == ring (bits; NaN where the ring's is) {why}",
+          not why and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
 
     def cached() -> None:
         check("cached dispatch", torch.equal(nat.dispatch(case.xin("cuda"), handle=rn.handle, config=cfg).recv_x,
@@ -286,8 +294,9 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
         got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
     finally:
         _buffer_paths.combine_outputs = orig
-    check("one rank's sum 5 ms late: == ring (bits)", torch.equal(_bits(got.combined_x), _bits(ring.combined_x))
-          and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
+    why = _same(got.combined_x, ring.combined_x)
+    check(f"one rank's sum 5 ms late: == ring (bits; NaN where the ring's is) {why}",
+          not why and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
     check("every copy-engine combine polled", _poll_counts(nat)[0] == 1 + 4 * 3 + 1)
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)

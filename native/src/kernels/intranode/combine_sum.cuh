@@ -77,8 +77,8 @@ constexpr int kPollsBeforeFlags = 1024;
 /// sum_token_copies over copies that land during the sum in a polled landing area: each peer's 16-B word is taken
 /// once none of its 32-bit words holds the sentinel. A word still at the sentinel after kPollsBeforeFlags loads is
 /// taken once `settle(d)` returns true: the peer's whole copy landed (its copy flag and its head word, both acquired,
-/// the word then loaded once more), so the value is the data's own; bit d of `settled` (per lane) then skips the
-/// polls for the rest of the launch. Returns false (warp-uniform) where settle gave up (an expiry or an abort).
+/// the word then loaded once more), so the value is the data's own; bit d of `settled` (per lane) then takes any
+/// later word of d still at the sentinel after one more load (words loaded before the acquire may be stale). Returns false (warp-uniform) where settle gave up (an expiry or an abort).
 template <int kNumRanks, int kColUnroll, class Settle>
 UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
                                                 int col_end, const int4* bias0, const int4* bias1, int64_t t,
@@ -95,11 +95,16 @@ UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask 
 #pragma unroll
       for (int u = 0; u < kColUnroll; ++u) {
         const int col = col_base + u * gpu::kWarpSize + lane;
-        if (col >= col_end || ((settled >> d) & 1)) continue;
+        if (col >= col_end) continue;
         for (int polls = 0; ok && landing_pending(v[u][d]); ++polls) {
-          if (polls >= kPollsBeforeFlags) {
-            ok = settle(d);
-            if (ok) settled |= 1u << d;
+          // Settled (here or for an earlier word): a load after the flags' acquire is final. The loads above may
+          // predate it, so a word still at the sentinel is loaded once more, not taken.
+          const bool was_settled = ((settled >> d) & 1) != 0;
+          if (was_settled || polls >= kPollsBeforeFlags) {
+            if (!was_settled) {
+              ok = settle(d);
+              if (ok) settled |= 1u << d;
+            }
             v[u][d] = gpu::load_ring_128(rows[d] + col);
             break;
           }
