@@ -402,7 +402,10 @@ void register_runtime(nb::module_& m) {
     args.ce_poll = rt.ce_poll(stream_of(stream), poll) ? 1 : 0;
     if (args.ce_poll != 0) {  // one copy per peer; the landing area's rows hold the sentinel before it
       args.ce_chunks = 1;
-      const int64_t rows = intranode::ce_landing_rows(rank_prefix.data(), N, rt.rank());
+      // Every rank's largest landing area, not its own: the runtime's choices after the op (a memset on the side
+      // stream, the rings' reset, no early op) must be the same on every rank, and rest on this extent.
+      int64_t rows = 0;
+      for (int d = 0; d < N; ++d) rows = std::max(rows, intranode::ce_landing_rows(rank_prefix.data(), N, d));
       rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledCombine,
                   static_cast<int64_t>(intranode::kOffCombineInput) + rows * static_cast<int64_t>(a.hidden) * 2);
     } else {

@@ -114,8 +114,9 @@ class NvlRuntime {
   /// event recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the
   /// first op after it is never early (ce_copies), the next ring op resets the rings (two barriers) and every other
   /// op enters with a hand-shake that our stream reaches after the wait. A polled combine (`kind`
-  /// kOpPolledCombine, landing area [kOffCombineInput, `polled_end`)) then sets the sentinel where it does not hold
-  /// with a memset on `stream`, before its enter kernel. Every kind but notify leaves the area overwritten.
+  /// kOpPolledCombine, landing area [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes
+  /// the same decisions here and in note_op) then sets the sentinel where it does not hold with a memset on
+  /// `stream`, before its enter kernel. Every kind but notify leaves the area overwritten.
   void begin_op(void* stream, int kind, int64_t polled_end = 0);
   /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
   /// copy-engine op); `kind` as for begin_op. Remembers a capture; sets the sentinel after the op where a polled

@@ -121,8 +121,15 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     }
     if (lane < a.num_topk) a.out_topk_weights[static_cast<int64_t>(t) * a.num_topk + lane] = sum;
   };
-  // Polled: a word of peer d's still at the sentinel after many loads is data once d's copy and head both landed.
+  // Polled: a word of peer d's still at the sentinel is data once d's copy and head both landed.
   uint32_t settled = 0;
+  auto peek = [&](int d) {
+    const int k = a.ce_chunks - 1;
+    void* local = ctx.buffers[me];
+    return ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k),
+                     round) >= 0 &&
+           ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeHead) + d), round) >= 0;
+  };
   auto settle = [&](int d) {
     const int k = a.ce_chunks - 1;
     return wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeReady) + d * kMaxCeChunks + k,
@@ -150,7 +157,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     UCCL_MOE_TRACE(const long long t_sum = trace::now());
     if constexpr (kPoll) {
       if (!sum_token_copies_polled<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
-                                                          static_cast<int4*>(a.out), settled, settle))
+                                                          static_cast<int4*>(a.out), settled, peek, settle))
         return;
     } else {
       sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
