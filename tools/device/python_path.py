@@ -117,9 +117,10 @@ def _native_ops(buf: Any, T: int, H: int) -> dict[str, Any]:
 
 
 def _asking_launch() -> Any:
-    """A stand-in for a copy-engine launch: asks for its outputs (the last argument) once, as the real one does."""
+    """A stand-in for a copy-engine launch: asks for its outputs (its callable argument) once, as the real one
+    does."""
     def launch(*args: Any) -> None:
-        args[-1]()
+        next(a for a in reversed(args) if callable(a))()
     return launch
 
 
