@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _combine, _kernels
+from test_combine_staged_gpu import _combine, _kernels, _same, poll_wanted
 from test_intranode_native import (
     PULL_WORST_T,
     _Case,
@@ -228,8 +228,10 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
         outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
     check(f"{len(xs)} copy-engine dispatches back to back, one rank late",
           all(_eq(o, w) for o, w in zip(outs, wants)))
-    # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY)
-    check("early copy-engine dispatches", early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() else 0))
+    # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY), unless
+    # it polls (never early)
+    check("early copy-engine dispatches",
+          early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() and not poll_wanted() else 0))
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
@@ -278,12 +280,13 @@ def test_ce_dispatch_more_ranks(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, True, timeout_s=600)
 
 
-@pytest.mark.parametrize("chunks", [1, 8])
+@pytest.mark.parametrize("chunks", [1, 3, 8])
 def test_ce_dispatch_chunk_counts(chunks: int) -> None:
-    """UCCL_MOE_DISPATCH_CE_CHUNKS at its ends (the default, 3, runs above): one copy per peer, and 8 that shrink so
-    fast that the last ones hold no row for the smaller cases, against the rings at EP2 (the BF16 and the FP8 split
-    both)."""
-    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks)}, timeout_s=600)
+    """Chunk flags instead of polling (UCCL_MOE_CE_POLL=0), with UCCL_MOE_DISPATCH_CE_CHUNKS at its ends and its
+    default, 3: one copy per peer, and 8 that shrink so fast that the last ones hold no row for the smaller cases,
+    against the rings at EP2 (the BF16 and the FP8 split both), early copies included."""
+    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks), "UCCL_MOE_CE_POLL": "0"},
+                         timeout_s=600)
 
 
 def test_ce_ops_where_launches_block() -> None:
@@ -295,9 +298,110 @@ def test_ce_ops_where_launches_block() -> None:
 
 
 def test_ce_dispatch_with_the_enter_kernel_always() -> None:
-    """UCCL_MOE_CE_EARLY=0: every copy-engine dispatch waits for the enter hand-shake kernel before its copies: the
-    same outputs as the rings, at EP2 (the default's early copies run in the tests above)."""
-    run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)
+    """UCCL_MOE_CE_EARLY=0 with chunk flags (UCCL_MOE_CE_POLL=0): every copy-engine dispatch waits for the enter
+    hand-shake kernel before its copies: the same outputs as the rings, at EP2 (early copies run with chunk flags in
+    test_ce_dispatch_chunk_counts; a polled dispatch, the default, is never early)."""
+    run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0", "UCCL_MOE_CE_POLL": "0"}, timeout_s=600)
+
+
+def _poll_counts(buf) -> tuple[int, int, int, int]:
+    """`buf`'s polled copy-engine dispatches, polled ops (dispatches and combines), sentinel memsets before a polled
+    op (on its stream) and after an op (side stream), since it was made."""
+    rt = buf._live()._rt
+    return (int(rt.ce_polled_dispatches), int(rt.ce_polled_ops), int(rt.ce_sentinel_sets),
+            int(rt.ce_sentinel_side_sets))
+
+
+def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
+    """The polled copy-engine dispatch (UCCL_MOE_CE_POLL, the default) against the rings, bit for bit (fresh random
+    rows): rows that hold the sentinel (all ones in a 32-bit word: four FP8 NaNs, two BF16 NaNs) as data, whole rows
+    and scattered words, FP8 with column-major scales (some of them all ones too) and BF16 (whose head rows the SMs
+    store, and whose words the gather takes by the same flags); op patterns that each end in a polled dispatch,
+    three times over with rank 0 late before every op: a polled combine, a ring combine, a fresh dispatch (notify and
+    the rings) and a combine from a view; from the third time on every memset runs on the side stream after the op
+    before (none before the dispatch), and a polled combine that follows the dispatch is set up the same way; one
+    rank's gather kernel 5 ms late (its head lands long after the peers' copies). Every rank checks."""
+    R = world
+    cfg, nat, ref, check = pull_buffers(rank, R, gloo)
+    fp8 = _Case(rank, R, 640, 7168, 16 * R, 8, True, "col", "random", 960)
+    bf = _Case(rank, R, 600, 7168, 16 * R, 8, False, "none", "random", 961)
+    _, rf = _ce(False, _dispatch, nat, fp8, "cuda", config=cfg)
+    _, rb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
+    xf, sf = fp8.xin("cuda")
+    xb = bf.xin("cuda")
+    xf.view(torch.int32)[::7] = -1          # whole rows of the sentinel
+    xf.view(torch.int32)[3::5, rank::61] = -1  # and scattered words
+    sf.view(torch.int32)[5::9, 1::3] = -1   # scales whose bits are all ones
+    xb.view(torch.int32)[::7] = -1
+    xb.view(torch.int32)[3::5, rank::61] = -1
+    want_f = _ce(False, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
+    want_b = _ce(False, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
+    got_f = _ce(True, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
+    got_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
+    check("rows and scales holding the sentinel: polled == rings (FP8)", all(_eq(p, q) for p, q in zip(got_f, want_f)))
+    check("rows holding the sentinel: polled == rings (BF16)", _eq(got_b, want_b))
+    # The references first (a ring op inside a pattern would be the op before the polled one).
+    yb = (torch.rand(rb.recv_x.shape, device="cuda") * 4 - 2).bfloat16()
+    want_comb = _combine(nat, "ring", yb, rb.handle, config=cfg).combined_x
+
+    def polled_combine() -> None:
+        why = _same(_combine(nat, "ce", yb, rb.handle, config=cfg).combined_x, want_comb)
+        check(f"polled combine before a polled dispatch {why}", not why)
+
+    def view() -> None:
+        v = nat.get_combine_buffer(rb.handle, 7168)
+        v.copy_(yb)
+        check("combine from the view", _eq(nat.combine(v, rb.handle, config=cfg).combined_x, want_comb))
+
+    patterns = {
+        "polled combine": polled_combine,
+        "ring combine": lambda: _combine(nat, "ring", yb, rb.handle, config=cfg),
+        "fresh dispatch": lambda: _ce(False, _dispatch, nat, bf, "cuda", config=cfg),
+        "view": view,
+    }
+    for name, op in patterns.items():
+        for dtype, x, h, want in (("FP8", (xf, sf), rf.handle, want_f), ("BF16", xb, rb.handle, want_b)):
+            for k in range(3):
+                before = _poll_counts(nat)
+                if rank == 0:
+                    torch.cuda._sleep(200_000)
+                op()
+                if rank == 0:
+                    torch.cuda._sleep(200_000)
+                got = _ce(True, nat.dispatch, x, handle=h, config=cfg).recv_x
+                d = tuple(b - a for a, b in zip(before, _poll_counts(nat)))
+                what = f"{name}, then a polled {dtype} dispatch ({k})"
+                check(f"{what}: == rings", all(_eq(p, q) for p, q in zip(_split(got), _split(want))))
+                check(f"{what}: it polled ({d})", d[0] == 1)
+                # learnt by the third time: the memsets after the ops before polled ones run on the side stream (the
+                # polled combine's too), none before the dispatch
+                if k == 2 and R > 1:
+                    check(f"{what}: sentinel sets {d}", d[2] == 0 and d[3] == 1 + (name == "polled combine"))
+    # A rank whose gather kernel starts 5 ms late: its outputs' allocation (after its first copies, before its kernel)
+    # holds its stream back.
+    be = nat._live()
+    orig = be._alloc_recv
+
+    def late_alloc(*a, **kw):
+        if rank == R - 1:
+            torch.cuda._sleep(10_000_000)
+        return orig(*a, **kw)
+
+    be._alloc_recv = late_alloc
+    try:
+        late_f = _ce(True, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
+        late_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
+    finally:
+        be._alloc_recv = orig
+    check("one rank's gather 5 ms late: == rings", all(_eq(p, q) for p, q in zip(late_f, want_f))
+          and _eq(late_b, want_b))
+    torch.cuda.synchronize()
+    check.finish(gloo, nat, ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_polled_ce_dispatch(world: int) -> None:
+    run_shared_gpu_ranks(_poll_dispatch_worker, world, timeout_s=600)
 
 
 def _late_outputs_worker(rank: int, world: int, gloo) -> None:

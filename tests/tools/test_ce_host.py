@@ -61,8 +61,9 @@ def test_a_recorded_launch_replays_with_its_outputs_made_once() -> None:
     assert replay == ("rt", 24, args, [1], [2], 3, True, 0, None) and made == [1]
     assert (args.recv_x, args.recv_scales) == (0x2000, 0x3000)
     comb = SimpleNamespace(out=0, out_topk_weights=0)
-    ch._replayable(("rt", 24, comb, [1], True, 0, lambda: (0x4000, 0)), "combine_ce_intranode")
+    replay = ch._replayable(("rt", 24, comb, [1], True, 0, lambda: (0x4000, 0), True), "combine_ce_intranode")
     assert (comb.out, comb.out_topk_weights) == (0x4000, 0)
+    assert replay == ("rt", 24, comb, [1], True, 0, None, True)  # poll, after the callback, stays
 
 
 def test_without_two_gpus_it_refuses(capsys: Any) -> None:

@@ -243,6 +243,21 @@ def test_diag_message_names_rank_peer_channel_phase():
                             waited_s=0.0)["message"]
     assert "peer 0 lays out its landing area as 64, this rank as 96" in direct and "timed out" not in direct
     assert "UCCL_MOE_DISPATCH_CE" in direct and "column-major" in direct
+    mark, poll = 1 << 30, 1 << 29  # kCeDispatchArgsMark, kCeDispatchArgsPoll: a copy-engine dispatch, polled
+    ce_disp = mark | (56 << 16) | 448
+    polls = _C.format_diag(rank=1, peer=0, channel=-1, phase=22, role=2, expected=ce_disp, seen=ce_disp | poll,
+                           command=0, waited_s=0.0)["message"]
+    assert ("copy-engine dispatch: peer 0 polls its landing area, this rank does not" in polls
+            and "UCCL_MOE_CE_POLL" in polls), polls
+    flags = _C.format_diag(rank=0, peer=1, channel=-1, phase=22, role=2, expected=ce_disp | poll, seen=ce_disp,
+                           command=0, waited_s=0.0)["message"]
+    assert "peer 1 does not poll its landing area, this rank does" in flags, flags
+    other = _C.format_diag(rank=0, peer=1, channel=-1, phase=22, role=2, expected=ce_disp | poll,
+                           seen=(ce_disp + 1) | poll, command=0, waited_s=0.0)["message"]
+    assert "lays out its landing area" in other, other  # same polling, other rows: the layout message
+    pc = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=ce | (1 << 18) | 8, seen=ce | 8,
+                        command=0, waited_s=0.0)["message"]
+    assert "copy-engine combine: peer 1 does not poll its landing area, this rank does" in pc, pc
 
 
 def test_error_tree():

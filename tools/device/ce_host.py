@@ -100,12 +100,12 @@ def _no_launch(*args: Any) -> None:
 def _replayable(args: tuple[Any, ...], launch: str) -> tuple[Any, ...]:
     """A recorded launch's arguments made to replay: its outputs allocated once, now (their addresses into the
     argument struct, args[2]), and no callback, so each replay times the native launch alone and allocates nothing."""
-    outputs = args[-1]
-    if not callable(outputs):
+    at = next((i for i, a in enumerate(args) if callable(a)), None)  # the outputs callback (poll may follow it)
+    if at is None:
         return args
-    for field, address in zip(_OUTPUT_FIELDS[launch], outputs()):  # the callback keeps the tensors it made alive
+    for field, address in zip(_OUTPUT_FIELDS[launch], args[at]()):  # the callback keeps the tensors it made alive
         setattr(args[2], field, address)
-    return (*args[:-1], None)
+    return (*args[:at], None, *args[at + 1:])
 
 
 def _profile(ops: dict[str, Any], C: Any, timed: Any, prims: dict[str, Any]) -> str:

@@ -173,6 +173,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
     be = buf._live()
     sms, rows, T = be._sms_of(h), int(h.recv_src_idx.shape[0]), int(h.is_token_in_rank.shape[0])
     chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), be._stream()
+    poll = bool(env.get("CE_POLL"))
     calls = {}
     for name, (x, scales) in (("fp8_floor", x8), ("bf16_floor", (xb, None))):
         S, s_tok, s_hid = scale_layout(scales)
@@ -183,7 +184,8 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
                                num_tokens=T, row_bytes=row_bytes, num_scales=S, scale_token_stride=s_tok,
                                scale_hidden_stride=s_hid, num_recv_rows=rows, recv_src_idx=_ptr(h.recv_src_idx))
         calls[name] = (lambda a=args, c=counts, x=x, sc=scales: _late_outputs(  # type: ignore[misc]
-            lambda outputs: _C.dispatch_ce_intranode(be._rt, sms, a, c[0], c[1], chunks, early, stream, outputs),
+            lambda outputs: _C.dispatch_ce_intranode(be._rt, sms, a, c[0], c[1], chunks, early, stream, outputs,
+                                                     poll),
             lambda: be._alloc_recv(rows, x, sc, 0, False)[:2], "floor"))
     H = int(y.shape[1])
     prefix = be._ce_rank_prefix(h, H, 0)
@@ -195,7 +197,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
         ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
     combine_sms = int(buf.get_combine_config(buf.group_size).num_sms)  # what the API's combine launches with
     calls["combine_floor"] = lambda: _late_outputs(
-        lambda outputs: _C.combine_ce_intranode(be._rt, combine_sms, cargs, prefix, early, stream, outputs),
+        lambda outputs: _C.combine_ce_intranode(be._rt, combine_sms, cargs, prefix, early, stream, outputs, poll),
         lambda: combine_outputs(y, T, None), "floor")
     return calls
 

@@ -140,9 +140,10 @@ class BufferPaths:
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
             num_recv_rows=rows, recv_src_idx=_ptr(handle.recv_src_idx))
         chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), self._stream()
+        poll = bool(env.get("CE_POLL"))
         return _late_outputs(
             lambda outputs: _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, chunks, early,
-                                                     stream, outputs),
+                                                     stream, outputs, poll),
             lambda: self._alloc_recv(rows, x, x_scales, 0, False)[:2], "copy-engine dispatch")
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:

@@ -238,9 +238,12 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
       .def_prop_ro("ce_early_ops", &NvlRuntime::ce_early_ops,
                    "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
-      .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops, "copy-engine combines that polled (UCCL_MOE_CE_POLL)")
+      .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops,
+                   "copy-engine combines and dispatches that polled (UCCL_MOE_CE_POLL)")
+      .def_prop_ro("ce_polled_dispatches", &NvlRuntime::ce_polled_dispatches,
+                   "the copy-engine dispatches among ce_polled_ops")
       .def_prop_ro("ce_sentinel_sets", &NvlRuntime::ce_sentinel_sets,
-                   "sentinel memsets a polled combine ran on its own stream before its enter kernel")
+                   "sentinel memsets a polled op ran on its own stream before its enter kernel")
       .def_prop_ro("ce_sentinel_side_sets", &NvlRuntime::ce_sentinel_side_sets,
                    "sentinel memsets run on the runtime's side stream after an op (NvlRuntime::begin_op)")
       .def("wait_for_sentinel", [](NvlRuntime& r, uintptr_t stream) { r.wait_for_sentinel(stream_of(stream)); },
@@ -431,26 +434,40 @@ void register_runtime(nb::module_& m) {
 
   m.def("dispatch_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::DispatchArgs& a,
                                     const std::vector<int32_t>& rank_prefix, const std::vector<int32_t>& rank_tokens,
-                                    int chunks, bool early, uintptr_t stream, const nb::object& outputs) {
+                                    int chunks, bool early, uintptr_t stream, const nb::object& outputs,
+                                    bool poll) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N && static_cast<int>(rank_tokens.size()) == N,
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
-    rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early);
+    poll = rt.ce_poll(stream_of(stream), poll);
+    if (poll) {  // one copy per peer; the landing area holds the sentinel before it
+      chunks = 1;
+      // Every rank's largest landing area, as for the polled combine (the runtime's choices must be alike).
+      int64_t end = static_cast<int64_t>(intranode::kOffCombineInput), rows_at[kMaxLocalRanks],
+              scales_at[kMaxLocalRanks];
+      for (int d = 0; d < N; ++d)
+        end = std::max(end, intranode::ce_dispatch_landing(rank_tokens.data(), N, d, a.row_bytes, a.num_scales,
+                                                           rows_at, scales_at));
+      rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledDispatch, std::min(end, rt.num_nvl_bytes()));
+    } else {
+      rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
+    }
+    const int kind = poll ? NvlRuntime::kOpPolledDispatch : NvlRuntime::kOpCeDispatch;
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early && !poll);
     std::exception_ptr failed;
     const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
                                   late_outputs(outputs, failed, rows, rows && a.num_scales > 0,
-                                               "copy-engine dispatch"));
-    rt.note_op(stream_of(stream), true, NvlRuntime::kOpCeDispatch);
+                                               "copy-engine dispatch"), poll);
+    rt.note_op(stream_of(stream), true, kind);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,
-  "outputs"_a = nb::none(),
+  "outputs"_a = nb::none(), "poll"_a = false,
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
-  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early and outputs (here "
-  "(recv_x, recv_scales)) as for combine_ce_intranode");
+  "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early, outputs (here "
+  "(recv_x, recv_scales)) and poll (UCCL_MOE_CE_POLL: chunks is then 1) as for combine_ce_intranode");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

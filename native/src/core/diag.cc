@@ -56,6 +56,19 @@ ErrorCode diag_error_code(const DiagRecord& r) {
              : ErrorCode::kTimeout;
 }
 
+namespace {
+
+/// A copy-engine `op` whose peer polls its landing area where this rank does not, or the other way round.
+std::string poll_differs(const char* op, const DiagRecord& r, bool peer_polls, bool we_poll) {
+  return detail::format(
+      "rank %d: copy-engine %s: peer %d %s its landing area, this rank %s; every rank must set the same "
+      "UCCL_MOE_CE_POLL (polling is also off while a CUDA graph captures and on a Buffer that had an op captured: "
+      "every rank must capture alike)",
+      r.rank, op, r.peer, peer_polls ? "polls" : "does not poll", we_poll ? "does" : "does not");
+}
+
+}  // namespace
+
 std::string format_diag(const DiagRecord& r) {
   if (r.phase == DiagPhase::kRdmaCapacity)
     return detail::format(
@@ -79,12 +92,7 @@ std::string format_diag(const DiagRecord& r) {
     const int64_t chunks_expected = ((r.expected >> kPullArgsChunksShift) & 7) + 1;
     if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
         (r.seen & kPullArgsPoll) != (r.expected & kPullArgsPoll))
-      return detail::format(
-          "rank %d: copy-engine combine: peer %d %s its landing area, this rank %s; every rank must set the same "
-          "UCCL_MOE_CE_POLL (polling is also off while a CUDA graph captures and on a Buffer that had an op "
-          "captured: every rank must capture alike)",
-          r.rank, r.peer, (r.seen & kPullArgsPoll) != 0 ? "polls" : "does not poll",
-          (r.expected & kPullArgsPoll) != 0 ? "does" : "does not");
+      return poll_differs("combine", r, (r.seen & kPullArgsPoll) != 0, (r.expected & kPullArgsPoll) != 0);
     if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
         chunks_seen != chunks_expected)
       return detail::format(
@@ -110,6 +118,10 @@ std::string format_diag(const DiagRecord& r) {
         r.rank, r.peer, static_cast<long long>(r.seen & kPullArgsTopkMask),
         static_cast<long long>(r.expected & kPullArgsTopkMask));
   }
+  if (r.phase == DiagPhase::kDispatchDirectArgs && (r.seen & kCeDispatchArgsMark) != 0 &&
+      (r.expected & kCeDispatchArgsMark) != 0 && (r.seen & kCeDispatchArgsPoll) != (r.expected & kCeDispatchArgsPoll))
+    return poll_differs("dispatch", r, (r.seen & kCeDispatchArgsPoll) != 0,
+                        (r.expected & kCeDispatchArgsPoll) != 0);
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(
         "rank %d: ring-free or copy-engine dispatch: peer %d lays out its landing area as %lld, this rank as %lld "

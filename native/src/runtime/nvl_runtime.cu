@@ -40,6 +40,7 @@ NvlRuntime::NvlRuntime(int rank, int num_ranks, int64_t num_nvl_bytes, int devic
       num_nvl_bytes_(num_nvl_bytes) {
   UCCL_ASSERT(num_ranks >= 1 && num_ranks <= kMaxLocalRanks, "num_ranks=%d: the intranode runtime serves 1..%d local ranks",
               num_ranks, kMaxLocalRanks);
+  std::fill(next_kind_, next_kind_ + kNumOpKinds, -1);
   UCCL_ASSERT(rank >= 0 && rank < num_ranks, "rank=%d outside [0, %d)", rank, num_ranks);
   UCCL_ASSERT(num_nvl_bytes >= static_cast<int64_t>(kNvlMetaBytes) && num_nvl_bytes % kBufferAlignBytes == 0,
               "num_nvl_bytes=%lld must be a multiple of %zu and at least %zu (use Config.get_nvl_buffer_size_hint)",
@@ -308,9 +309,9 @@ void NvlRuntime::wait_for_sentinel(void* stream) {
 void NvlRuntime::begin_op(void* stream, int kind, int64_t polled_end) {
   UCCL_ASSERT(kind >= 0 && kind < kNumOpKinds, "op kind %d", kind);
   wait_for_sentinel(stream);
-  if (last_kind_ >= 0) polled_after_[last_kind_] = kind == kOpPolledCombine;
+  if (last_kind_ >= 0) next_kind_[last_kind_] = kind;
   last_kind_ = kind;
-  if (kind == kOpPolledCombine) {
+  if (polls(kind)) {
     const int64_t base = static_cast<int64_t>(intranode::kOffCombineInput);
     UCCL_ASSERT(polled_end >= base && polled_end <= num_nvl_bytes_, "a polled landing area ends at %lld, outside "
                 "[%lld, %lld]", static_cast<long long>(polled_end), static_cast<long long>(base),
@@ -321,8 +322,9 @@ void NvlRuntime::begin_op(void* stream, int kind, int64_t polled_end) {
                                        static_cast<gpu::Stream>(stream)));
       ++ce_sentinel_sets_;
     }
-    poll_end_ = polled_end;
+    poll_end_[kind] = polled_end;
     ++ce_polled_ops_;
+    if (kind == kOpPolledDispatch) ++ce_polled_dispatches_;
   }
   if (kind != kOpNotify) sentinel_end_ = 0;  // the op overwrites the area (notify writes only the meta)
 }
@@ -335,19 +337,19 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
   // no rank's buffer is still being set, and an early op may start its copies again. Not an op captured in a graph:
   // the capture ran nothing.
   if (!capturing && kind != kOpStage && kind != kOpPeerCopy) sentinel_unfenced_ = false;
-  // After notify (a dispatch follows, which overwrites the area), a stage (the pull after it reads the staged rows)
-  // and the bench's peer copy (one-sided, into a peer's buffer) no memset.
+  // After notify (a ring or ring-free dispatch follows, which overwrites the area), a stage (the pull after it reads the
+  // staged rows) and the bench's peer copy (one-sided, into a peer's buffer) no memset.
   const bool after = kind != kOpNotify && kind != kOpStage && kind != kOpPeerCopy;
-  if (!after || !polled_after_[kind] || captured_ || poll_end_ <= static_cast<int64_t>(intranode::kOffCombineInput))
-    return;
-  const auto side = static_cast<gpu::Stream>(sentinel_stream_);
+  const int next = next_kind_[kind];
   const int64_t base = static_cast<int64_t>(intranode::kOffCombineInput);
+  if (!after || next < 0 || !polls(next) || captured_ || poll_end_[next] <= base) return;
+  const int64_t end = poll_end_[next];
+  const auto side = static_cast<gpu::Stream>(sentinel_stream_);
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_after_), static_cast<gpu::Stream>(stream)));
   UCCL_CHECK_GPU(gpu::stream_wait_event(side, static_cast<gpu::Event>(sentinel_after_)));
-  UCCL_CHECK_GPU(gpu::memset_async(static_cast<char*>(local_) + base, 0xFF, static_cast<size_t>(poll_end_ - base),
-                                   side));
+  UCCL_CHECK_GPU(gpu::memset_async(static_cast<char*>(local_) + base, 0xFF, static_cast<size_t>(end - base), side));
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_set_), side));
-  sentinel_end_ = poll_end_;
+  sentinel_end_ = end;
   ++sentinel_seq_;
   ++ce_sentinel_side_sets_;
   sentinel_unfenced_ = true;

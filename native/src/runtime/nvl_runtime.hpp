@@ -98,25 +98,28 @@ class NvlRuntime {
     kOpStage,
     kOpCeCombine,
     kOpPolledCombine,
+    kOpPolledDispatch,
     kOpPeerCopy,
     kNumOpKinds
   };
-  /// Whether a copy-engine combine enqueued now on `stream` polls its landing area (UCCL_MOE_CE_POLL = `wanted`):
+  /// The kinds that poll a landing area (the copy-engine combine and dispatch under UCCL_MOE_CE_POLL).
+  static bool polls(int kind) { return kind == kOpPolledCombine || kind == kOpPolledDispatch; }
+  /// Whether a copy-engine op enqueued now on `stream` polls its landing area (UCCL_MOE_CE_POLL = `wanted`):
   /// not while `stream` captures a CUDA graph and never on a Buffer that had an op captured (a replay runs behind
   /// the host's back, so the host cannot keep the sentinel). Every rank sees the same calls, so decides alike.
   bool ce_poll(void* stream, bool wanted) const;
-  /// Before every op's launch on `stream` (the bindings call it first). A polled copy-engine combine needs the
-  /// sentinel (all ones) in every 32-bit word of its landing area before any peer's copy lands there, and every other
-  /// op overwrites it (rings, landing areas, views and the staged rows all start at kOffCombineInput). So after an op
-  /// of a kind that a polled combine followed last time, note_op sets the sentinel again over the last polled
-  /// landing area with a memset on a stream of this runtime's own, which runs beside the caller's work between the
-  /// ops; here `stream` waits for that memset (on the host, in the relaxed capture mode, where `stream` captures: an
-  /// event recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the
-  /// first op after it is never early (ce_copies), the next ring op resets the rings (two barriers) and every other
-  /// op enters with a hand-shake that our stream reaches after the wait. A polled combine (`kind`
-  /// kOpPolledCombine, landing area [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes
-  /// the same decisions here and in note_op) then sets the sentinel where it does not hold with a memset on
-  /// `stream`, before its enter kernel. Every kind but notify leaves the area overwritten.
+  /// Before every op's launch on `stream` (the bindings call it first). A polled copy-engine op needs the sentinel
+  /// (all ones) in every 32-bit word of its landing area before any peer's copy lands there, and every other op
+  /// overwrites it (rings, landing areas, views and the staged rows all start at kOffCombineInput). So after an op of
+  /// a kind that a polled op followed last time, note_op sets the sentinel again over that polled kind's last landing
+  /// area with a memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here
+  /// `stream` waits for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event
+  /// recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is never early
+  /// (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake that
+  /// our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
+  /// [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes the same decisions here and in
+  /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel.
+  /// Every kind but notify leaves the area overwritten.
   void begin_op(void* stream, int kind, int64_t polled_end = 0);
   /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
   /// copy-engine op); `kind` as for begin_op. Remembers a capture; sets the sentinel after the op where a polled
@@ -128,9 +131,10 @@ class NvlRuntime {
   /// The landing area was written behind this runtime's back (the bench's one-sided peer copies into it): the next
   /// polled combine sets the sentinel over all of its area first.
   void forget_sentinel() { sentinel_end_ = 0; }
-  /// Polled combines, sentinel memsets before a polled combine (on its stream) and after an op (on the side
-  /// stream), since the Buffer was made (tests: which path ran).
+  /// Polled ops (combines and dispatches), sentinel memsets before a polled op (on its stream) and after an op (on
+  /// the side stream), since the Buffer was made (tests: which path ran).
   int64_t ce_polled_ops() const { return ce_polled_ops_; }
+  int64_t ce_polled_dispatches() const { return ce_polled_dispatches_; }
   int64_t ce_sentinel_sets() const { return ce_sentinel_sets_; }
   int64_t ce_sentinel_side_sets() const { return ce_sentinel_side_sets_; }
   /// Copy-engine ops that started their copies at once, since the Buffer was made (tests: the path was taken).
@@ -150,17 +154,17 @@ class NvlRuntime {
   bool after_done_ = false;  // the last op launched ended with the done hand-shake (note_op)
   bool captured_ = false;    // an op of this Buffer was captured in a CUDA graph
   int64_t ce_early_ops_ = 0;
-  int64_t ce_polled_ops_ = 0, ce_sentinel_sets_ = 0, ce_sentinel_side_sets_ = 0;
-  // The sentinel: bytes [kOffCombineInput, sentinel_end_) hold it once the last memset ran (0: nowhere); the end of
-  // the last polled combine's landing area (the side memset's extent); the side memsets enqueued, and how many of
+  int64_t ce_polled_ops_ = 0, ce_polled_dispatches_ = 0, ce_sentinel_sets_ = 0, ce_sentinel_side_sets_ = 0;
+  // The sentinel: bytes [kOffCombineInput, sentinel_end_) hold it once the last memset ran (0: nowhere); per polled
+  // kind the end of its last landing area (a side memset's extent); the side memsets enqueued, and how many of
   // them waited_stream_ last waited for; a side memset no cross-rank hand-shake followed yet (no early op then).
-  int64_t sentinel_end_ = 0, poll_end_ = 0;
+  int64_t sentinel_end_ = 0, poll_end_[kNumOpKinds] = {};
   int64_t sentinel_seq_ = 0, waited_seq_ = 0;
   void* waited_stream_ = nullptr;
   bool sentinel_unfenced_ = false;
-  // The kind of the op before, and per kind whether a polled combine followed it last time.
+  // The kind of the op before, and per kind the kind that followed it last time (-1: none yet).
   int last_kind_ = -1;
-  bool polled_after_[kNumOpKinds] = {};
+  int next_kind_[kNumOpKinds];  // set to -1 by the constructor
   void* sentinel_stream_ = nullptr;  // the side memsets' stream, and its events (after the op, after the memset)
   void* sentinel_after_ = nullptr;
   void* sentinel_set_ = nullptr;

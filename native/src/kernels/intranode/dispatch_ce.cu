@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "handshake.cuh"
+#include "landing_poll.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::intranode {
@@ -30,7 +31,10 @@ constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
-template <int kNumRanks>
+/// `kPoll` (UCCL_MOE_CE_POLL; one copy per peer, never early): the landing area held the sentinel before the peers'
+/// copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no wait for its chunk; its scales
+/// (which the peer's head carries) once that head landed.
+template <int kNumRanks, bool kPoll>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,
                                                                                CeEnter enter) {
@@ -54,6 +58,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, a.row_bytes, S > 0, N - 1));  // S: alike
       landed.enter = enter;
     }
+    const CeLandedFlags flags{local, round, p.chunks, DiagPhase::kDispatchCeChunk, &ctx};
+    uint32_t settled = 0, heads = 0;  // polled: peers whose copy (take_landed_word) and whose head this warp saw land
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + gpu::warp_id();
     // Row own0 + i, wrapped (own0 <= rows and stride < rows while a next row exists: one subtraction, not a 64-bit
@@ -67,7 +73,14 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
       if (i + stride < rows) src_next = a.recv_src_idx[r_next];
-      if (s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
+      if (kPoll && s != me && S > 0 && ((heads >> s) & 1) == 0) {  // the head holds the scales: waited for once
+        const bool ok = lane != s || wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + s, round,
+                                                  DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, s, -1);
+        gpu::sync_warp();  // lane s's acquire covers the warp's loads of s's scales
+        if (gpu::ballot(!ok) != 0) break;
+        heads |= 1u << s;
+      }
+      if (!kPoll && s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
       int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.row_bytes);
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
       // The row's first kScalesAhead scales per lane load before its words, and are stored after them.
@@ -85,8 +98,12 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
             dst, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes), num_16);
       } else {  // landed by a copy engine during the launch: coherent loads
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
-        warp_copy_row_pipelined<kGatherUnroll, true>(
-            dst, reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes), num_16);
+        const int4* row = reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes);
+        if constexpr (kPoll) {
+          if (!warp_copy_row_polled<kGatherUnroll>(dst, row, num_16, s, settled, flags)) break;
+        } else {
+          warp_copy_row_pipelined<kGatherUnroll, true>(dst, row, num_16);
+        }
       }
 #pragma unroll
       for (int u = 0; u < kScalesAhead; ++u)
@@ -103,7 +120,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
 }  // namespace
 
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
-                        int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs) {
+                        int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs, bool poll) {
   const int N = ctx.num_ranks, me = ctx.rank;
   const int32_t* rp = ce.rank_prefix_host;
   UCCL_ASSERT(a.row_bytes > 0 && a.row_bytes % 16 == 0, "row bytes %d must be a positive multiple of 16",
@@ -111,6 +128,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   UCCL_ASSERT(chunks >= 1 && chunks <= kMaxCeChunks, "copy-engine dispatch chunks=%d outside [1, %d]", chunks,
               kMaxCeChunks);
   UCCL_ASSERT(num_sms > 0, "a copy-engine dispatch needs num_sms > 0");
+  UCCL_ASSERT(!poll || (chunks == 1 && ce.early == 0),
+              "a polled copy-engine dispatch copies in one chunk (got %d) and is never early", chunks);
   UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr, "the copy-engine dispatch is intranode only");
   UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
               rank_tokens[me]);
@@ -150,7 +169,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   // Every rank must lay out its rows alike (size, scales, chunks) and take this path: checked by every peer (the
   // scales' order may differ per rank: every landing area holds them row-major).
   const int32_t checked =
-      kCeDispatchArgsMark | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) | ((a.row_bytes / 16) & 0xFFFF);
+      kCeDispatchArgsMark | (poll ? kCeDispatchArgsPoll : 0) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) |
+      ((a.row_bytes / 16) & 0xFFFF);
   const CeEnter enter = launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, or without scales our first rows (ce_head_rows), stored by the gather kernel's SMs
@@ -183,9 +203,12 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
           std::fill(p.recv_start, p.recv_start + N + 1, 0);
         }
         with_num_ranks(N, "dispatch", [&](auto n) {
-          dispatch_ce_gather_kernel<decltype(n)::value>
-              <<<dim3(num_sms), dim3(kGatherThreads), 0, static_cast<gpu::Stream>(stream)>>>(ctx, args, p, head,
-                                                                                              enter);
+          const dim3 grid(num_sms), block(kGatherThreads);
+          const gpu::Stream st = static_cast<gpu::Stream>(stream);
+          if (poll)
+            dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
+          else
+            dispatch_ce_gather_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
         });
       },
       stream);
