@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _combine, _kernels, _same, poll_wanted
+from test_combine_staged_gpu import _combine, _kernels, _same
 from test_intranode_native import (
     PULL_WORST_T,
     _Case,
@@ -231,7 +231,7 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY), unless
     # it polls (never early)
     check("early copy-engine dispatches",
-          early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() and not poll_wanted() else 0))
+          early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() and not dispatch_poll_wanted() else 0))
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
@@ -270,9 +270,22 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     check.finish(gloo, nat, ref)
 
 
+def dispatch_poll_wanted() -> bool:
+    """UCCL_MOE_DISPATCH_CE_POLL as the Buffer reads it."""
+    from uccl_moe import env
+
+    return bool(env.get("DISPATCH_CE_POLL"))
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ce_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_polled_ce_dispatch_matches_the_rings(world: int) -> None:
+    """Every case of test_ce_dispatch_matches_the_rings with the gather polled (UCCL_MOE_DISPATCH_CE_POLL=1)."""
+    run_shared_gpu_ranks(_ce_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
 
 
 @pytest.mark.parametrize("world", [6, 8])
@@ -280,13 +293,12 @@ def test_ce_dispatch_more_ranks(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, True, timeout_s=600)
 
 
-@pytest.mark.parametrize("chunks", [1, 3, 8])
+@pytest.mark.parametrize("chunks", [1, 8])
 def test_ce_dispatch_chunk_counts(chunks: int) -> None:
-    """Chunk flags instead of polling (UCCL_MOE_CE_POLL=0), with UCCL_MOE_DISPATCH_CE_CHUNKS at its ends and its
-    default, 3: one copy per peer, and 8 that shrink so fast that the last ones hold no row for the smaller cases,
-    against the rings at EP2 (the BF16 and the FP8 split both), early copies included."""
-    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks), "UCCL_MOE_CE_POLL": "0"},
-                         timeout_s=600)
+    """UCCL_MOE_DISPATCH_CE_CHUNKS at its ends (the default, 3, runs above): one copy per peer, and 8 that shrink so
+    fast that the last ones hold no row for the smaller cases, against the rings at EP2 (the BF16 and the FP8 split
+    both)."""
+    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks)}, timeout_s=600)
 
 
 def test_ce_ops_where_launches_block() -> None:
@@ -298,10 +310,16 @@ def test_ce_ops_where_launches_block() -> None:
 
 
 def test_ce_dispatch_with_the_enter_kernel_always() -> None:
-    """UCCL_MOE_CE_EARLY=0 with chunk flags (UCCL_MOE_CE_POLL=0): every copy-engine dispatch waits for the enter
-    hand-shake kernel before its copies: the same outputs as the rings, at EP2 (early copies run with chunk flags in
-    test_ce_dispatch_chunk_counts; a polled dispatch, the default, is never early)."""
-    run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0", "UCCL_MOE_CE_POLL": "0"}, timeout_s=600)
+    """UCCL_MOE_CE_EARLY=0: every copy-engine dispatch waits for the enter hand-shake kernel before its copies: the
+    same outputs as the rings, at EP2 (the default's early copies run in the tests above)."""
+    run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)
+
+
+def _bits_eq(a, b) -> bool:
+    """recv_x results (a tensor, or a tuple with scales) bit for bit: rows and scales that hold NaNs as data too."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    return all((p is None and q is None) or (p is not None and q is not None and p.dtype == q.dtype and _eq(
+        p.view(ints[p.element_size()]), q.view(ints[q.element_size()]))) for p, q in zip(_split(a), _split(b)))
 
 
 def _poll_counts(buf) -> tuple[int, int, int, int]:
@@ -313,7 +331,7 @@ def _poll_counts(buf) -> tuple[int, int, int, int]:
 
 
 def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
-    """The polled copy-engine dispatch (UCCL_MOE_CE_POLL, the default) against the rings, bit for bit (fresh random
+    """The polled copy-engine dispatch (UCCL_MOE_DISPATCH_CE_POLL=1) against the rings, bit for bit (fresh random
     rows): rows that hold the sentinel (all ones in a 32-bit word: four FP8 NaNs, two BF16 NaNs) as data, whole rows
     and scattered words, FP8 with column-major scales (some of them all ones too) and BF16 (whose head rows the SMs
     store, and whose words the gather takes by the same flags); op patterns that each end in a polled dispatch,
@@ -338,8 +356,8 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
     want_b = _ce(False, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
     got_f = _ce(True, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
     got_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
-    check("rows and scales holding the sentinel: polled == rings (FP8)", all(_eq(p, q) for p, q in zip(got_f, want_f)))
-    check("rows holding the sentinel: polled == rings (BF16)", _eq(got_b, want_b))
+    check("rows and scales holding the sentinel: polled == rings (FP8)", _bits_eq(got_f, want_f))
+    check("rows holding the sentinel: polled == rings (BF16)", _bits_eq(got_b, want_b))
     # The references first (a ring op inside a pattern would be the op before the polled one).
     yb = (torch.rand(rb.recv_x.shape, device="cuda") * 4 - 2).bfloat16()
     want_comb = _combine(nat, "ring", yb, rb.handle, config=cfg).combined_x
@@ -371,7 +389,7 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
                 got = _ce(True, nat.dispatch, x, handle=h, config=cfg).recv_x
                 d = tuple(b - a for a, b in zip(before, _poll_counts(nat)))
                 what = f"{name}, then a polled {dtype} dispatch ({k})"
-                check(f"{what}: == rings", all(_eq(p, q) for p, q in zip(_split(got), _split(want))))
+                check(f"{what}: == rings", _bits_eq(got, want))
                 check(f"{what}: it polled ({d})", d[0] == 1)
                 # learnt by the third time: the memsets after the ops before polled ones run on the side stream (the
                 # polled combine's too), none before the dispatch
@@ -393,15 +411,14 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
         late_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
     finally:
         be._alloc_recv = orig
-    check("one rank's gather 5 ms late: == rings", all(_eq(p, q) for p, q in zip(late_f, want_f))
-          and _eq(late_b, want_b))
+    check("one rank's gather 5 ms late: == rings", _bits_eq(late_f, want_f) and _bits_eq(late_b, want_b))
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_polled_ce_dispatch(world: int) -> None:
-    run_shared_gpu_ranks(_poll_dispatch_worker, world, timeout_s=600)
+    run_shared_gpu_ranks(_poll_dispatch_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
 
 
 def _late_outputs_worker(rank: int, world: int, gloo) -> None:

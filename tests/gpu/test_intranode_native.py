@@ -839,13 +839,13 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
     elif mode == "ce_dispatch_poll":  # both dispatch through the copy engines, one waiting for chunk flags
         os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
-        os.environ["UCCL_MOE_CE_POLL"] = "0" if rank == odd else "1"
+        os.environ["UCCL_MOE_DISPATCH_CE_POLL"] = "0" if rank == odd else "1"
         try:
             nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg)
             torch.cuda.synchronize()
             nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
         except InvalidUsageError as e:
-            needles = ("copy-engine dispatch", "UCCL_MOE_CE_POLL", "polls" if rank == odd else "does not poll")
+            needles = ("copy-engine dispatch", "UCCL_MOE_DISPATCH_CE_POLL", "polls" if rank == odd else "does not poll")
             assert all(n in str(e) for n in needles), str(e)
         else:
             raise AssertionError("a copy-engine dispatch accepted a peer that polls where this rank does not")
@@ -1032,7 +1032,7 @@ def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the
     copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs), or one polling its landing area and the
-    other not (UCCL_MOE_CE_POLL differs; `ce_dispatch_poll`: the same in a cached copy-engine dispatch); or both on
+    other not (UCCL_MOE_CE_POLL differs; `ce_dispatch_poll`: UCCL_MOE_DISPATCH_CE_POLL in a cached dispatch); or both on
     one path (copy engines, staged), one rank's rows of another hidden size: refused on every rank."""
     run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)

@@ -248,7 +248,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     polls = _C.format_diag(rank=1, peer=0, channel=-1, phase=22, role=2, expected=ce_disp, seen=ce_disp | poll,
                            command=0, waited_s=0.0)["message"]
     assert ("copy-engine dispatch: peer 0 polls its landing area, this rank does not" in polls
-            and "UCCL_MOE_CE_POLL" in polls), polls
+            and "UCCL_MOE_DISPATCH_CE_POLL" in polls), polls
     flags = _C.format_diag(rank=0, peer=1, channel=-1, phase=22, role=2, expected=ce_disp | poll, seen=ce_disp,
                            command=0, waited_s=0.0)["message"]
     assert "peer 1 does not poll its landing area, this rank does" in flags, flags
@@ -258,6 +258,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     pc = _C.format_diag(rank=0, peer=1, channel=-1, phase=18, role=2, expected=ce | (1 << 18) | 8, seen=ce | 8,
                         command=0, waited_s=0.0)["message"]
     assert "copy-engine combine: peer 1 does not poll its landing area, this rank does" in pc, pc
+    assert "same UCCL_MOE_CE_POLL " in pc, pc
 
 
 def test_error_tree():

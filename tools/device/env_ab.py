@@ -28,6 +28,8 @@ from typing import Any
 from ce_timeline import add_headline_args  # this folder's tools (the script's folder leads sys.path)
 
 OPS = ("fp8", "bf16", "combine")
+# The runtime's counters of the copy-engine ops' paths (NvlRuntime), printed per call for each op and variant.
+COUNTERS = ("ce_early_ops", "ce_polled_ops", "ce_sentinel_sets", "ce_sentinel_side_sets")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -110,19 +112,27 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
                 differ += 1
     times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in args.ops}
     host: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in args.ops}
+    counts: dict[tuple[str, str], list[int]] = {(n, op): [0] * len(COUNTERS) for n in names for op in args.ops}
+    rt = buf._live()._rt
     for r in range(args.rounds):
         for n in round_order(names, r):
             apply_variant(os.environ, base, envs, envs[names.index(n)])
             for op in args.ops:
+                before = [int(getattr(rt, c)) for c in COUNTERS]
                 us, host_us = slowest_time(ops[op], flush, args.iters, not args.default_mode)
                 times[(n, op)].append(us)
                 host[(n, op)].append(host_us)
+                counts[(n, op)] = [t + int(getattr(rt, c)) - b for t, c, b in zip(counts[(n, op)], COUNTERS, before)]
     apply_variant(os.environ, base, envs, {})
     dist.all_reduce(differ)
     if rank == 0:
         mode = "default mode (host included)" if args.default_mode else "device time"
         print(f"{R} ranks, {args.tokens} tokens, hidden {args.hidden}, {args.rounds} rounds, {mode}", flush=True)
         print("\n".join(summarize(times, host, names, args.ops)), flush=True)
+        calls = args.rounds * (args.iters + 3)  # slowest_time's warm-up calls count too
+        for (n, op), c in counts.items():
+            print(f"{op:8s} {n:12s} per call (rank 0): " + ", ".join(
+                f"{name[3:]} {v / calls:.2f}" for name, v in zip(COUNTERS, c)), flush=True)
     dist.barrier()
     buf.destroy()
     dist.destroy_process_group()

@@ -173,7 +173,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
     be = buf._live()
     sms, rows, T = be._sms_of(h), int(h.recv_src_idx.shape[0]), int(h.is_token_in_rank.shape[0])
     chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), be._stream()
-    poll = bool(env.get("CE_POLL"))
+    poll, dispatch_poll = bool(env.get("CE_POLL")), bool(env.get("DISPATCH_CE_POLL"))
     calls = {}
     for name, (x, scales) in (("fp8_floor", x8), ("bf16_floor", (xb, None))):
         S, s_tok, s_hid = scale_layout(scales)
@@ -185,7 +185,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
                                scale_hidden_stride=s_hid, num_recv_rows=rows, recv_src_idx=_ptr(h.recv_src_idx))
         calls[name] = (lambda a=args, c=counts, x=x, sc=scales: _late_outputs(  # type: ignore[misc]
             lambda outputs: _C.dispatch_ce_intranode(be._rt, sms, a, c[0], c[1], chunks, early, stream, outputs,
-                                                     poll),
+                                                     dispatch_poll),
             lambda: be._alloc_recv(rows, x, sc, 0, False)[:2], "floor"))
     H = int(y.shape[1])
     prefix = be._ce_rank_prefix(h, H, 0)

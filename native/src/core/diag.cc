@@ -58,13 +58,14 @@ ErrorCode diag_error_code(const DiagRecord& r) {
 
 namespace {
 
-/// A copy-engine `op` whose peer polls its landing area where this rank does not, or the other way round.
-std::string poll_differs(const char* op, const DiagRecord& r, bool peer_polls, bool we_poll) {
+/// A copy-engine `op` whose peer polls its landing area where this rank does not, or the other way round; `knob`
+/// switches it.
+std::string poll_differs(const char* op, const char* knob, const DiagRecord& r, bool peer_polls, bool we_poll) {
   return detail::format(
-      "rank %d: copy-engine %s: peer %d %s its landing area, this rank %s; every rank must set the same "
-      "UCCL_MOE_CE_POLL (polling is also off while a CUDA graph captures and on a Buffer that had an op captured: "
-      "every rank must capture alike)",
-      r.rank, op, r.peer, peer_polls ? "polls" : "does not poll", we_poll ? "does" : "does not");
+      "rank %d: copy-engine %s: peer %d %s its landing area, this rank %s; every rank must set the same %s (polling "
+      "is also off while a CUDA graph captures and on a Buffer that had an op captured: every rank must capture "
+      "alike)",
+      r.rank, op, r.peer, peer_polls ? "polls" : "does not poll", we_poll ? "does" : "does not", knob);
 }
 
 }  // namespace
@@ -92,7 +93,8 @@ std::string format_diag(const DiagRecord& r) {
     const int64_t chunks_expected = ((r.expected >> kPullArgsChunksShift) & 7) + 1;
     if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
         (r.seen & kPullArgsPoll) != (r.expected & kPullArgsPoll))
-      return poll_differs("combine", r, (r.seen & kPullArgsPoll) != 0, (r.expected & kPullArgsPoll) != 0);
+      return poll_differs("combine", "UCCL_MOE_CE_POLL", r, (r.seen & kPullArgsPoll) != 0,
+                          (r.expected & kPullArgsPoll) != 0);
     if ((r.seen & path_bits) == (r.expected & path_bits) && (r.seen & kPullArgsCe) != 0 &&
         chunks_seen != chunks_expected)
       return detail::format(
@@ -120,7 +122,7 @@ std::string format_diag(const DiagRecord& r) {
   }
   if (r.phase == DiagPhase::kDispatchDirectArgs && (r.seen & kCeDispatchArgsMark) != 0 &&
       (r.expected & kCeDispatchArgsMark) != 0 && (r.seen & kCeDispatchArgsPoll) != (r.expected & kCeDispatchArgsPoll))
-    return poll_differs("dispatch", r, (r.seen & kCeDispatchArgsPoll) != 0,
+    return poll_differs("dispatch", "UCCL_MOE_DISPATCH_CE_POLL", r, (r.seen & kCeDispatchArgsPoll) != 0,
                         (r.expected & kCeDispatchArgsPoll) != 0);
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(

@@ -337,8 +337,8 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
   // no rank's buffer is still being set, and an early op may start its copies again. Not an op captured in a graph:
   // the capture ran nothing.
   if (!capturing && kind != kOpStage && kind != kOpPeerCopy) sentinel_unfenced_ = false;
-  // After notify (a ring or ring-free dispatch follows, which overwrites the area), a stage (the pull after it reads the
-  // staged rows) and the bench's peer copy (one-sided, into a peer's buffer) no memset.
+  // After notify (a ring or ring-free dispatch follows, which overwrites the area), a stage (the pull after it reads
+  // the staged rows) and the bench's peer copy (one-sided, into a peer's buffer) no memset.
   const bool after = kind != kOpNotify && kind != kOpStage && kind != kOpPeerCopy;
   const int next = next_kind_[kind];
   const int64_t base = static_cast<int64_t>(intranode::kOffCombineInput);

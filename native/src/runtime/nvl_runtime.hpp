@@ -114,9 +114,9 @@ class NvlRuntime {
   /// a kind that a polled op followed last time, note_op sets the sentinel again over that polled kind's last landing
   /// area with a memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here
   /// `stream` waits for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event
-  /// recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is never early
-  /// (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake that
-  /// our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
+  /// recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the first
+  /// op after it is never early (ce_copies), the next ring op resets the rings (two barriers) and every other op
+  /// enters with a hand-shake that our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
   /// [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes the same decisions here and in
   /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel.
   /// Every kind but notify leaves the area overwritten.

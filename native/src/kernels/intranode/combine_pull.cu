@@ -123,7 +123,20 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   };
   // Polled: a word of peer d's still at the sentinel is data once d's copy and head both landed.
   uint32_t settled = 0;
-  const CeLandedFlags flags{ctx.buffers[me], round, a.ce_chunks, DiagPhase::kCombineCeChunk, &ctx};
+  auto peek = [&](int d) {
+    const int k = a.ce_chunks - 1;
+    void* local = ctx.buffers[me];
+    return ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k),
+                     round) >= 0 &&
+           ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeHead) + d), round) >= 0;
+  };
+  auto settle = [&](int d) {
+    const int k = a.ce_chunks - 1;
+    return wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeReady) + d * kMaxCeChunks + k,
+                        round, DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, k) &&
+           wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + d, round,
+                        DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, -1);
+  };
   int t = first;
   int32_t p_next = lane < N && t < T ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
   for (; t < T; t += stride) {
@@ -144,7 +157,7 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     UCCL_MOE_TRACE(const long long t_sum = trace::now());
     if constexpr (kPoll) {
       if (!sum_token_copies_polled<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
-                                                          static_cast<int4*>(a.out), settled, flags))
+                                                          static_cast<int4*>(a.out), settled, peek, settle))
         return;
     } else {
       sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,

@@ -65,13 +65,18 @@ UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, i
   }
 }
 
-/// sum_token_copies over copies that land during the sum in a polled landing area (landing_poll.cuh): each peer's
-/// 16-B word is taken once it landed (take_landed_word, with `settled` and `flags` as it takes them). Returns false
-/// (warp-uniform) where a lane's wait for a peer's flags gave up (an expiry or an abort).
-template <int kNumRanks, int kColUnroll, class Flags>
+/// sum_token_copies over copies that land during the sum in a polled landing area: each peer's 16-B word is taken
+/// once none of its 32-bit words holds the sentinel. A word still at the sentinel once peer d's whole copy landed
+/// (`peek(d)`: its copy flag and its head word both reached this round, read without waiting, then a fence) is the
+/// data's own: it is loaded once more and taken; bit d of `settled` (per lane) then takes any later word of d
+/// still at the sentinel after one more load (words loaded before the fence may be stale). After
+/// kPollsBeforeSettle polls `settle(d)` waits for the same flags (bounded). Returns false (warp-uniform) where settle
+/// gave up (an expiry or an abort).
+template <int kNumRanks, int kColUnroll, class Peek, class Settle>
 UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
                                                 int col_end, const int4* bias0, const int4* bias1, int64_t t,
-                                                int num_16, int4* out, uint32_t& settled, const Flags& flags) {
+                                                int num_16, int4* out, uint32_t& settled, const Peek& peek,
+                                                const Settle& settle) {
   const int lane = gpu::lane_id();
   bool ok = true;
   for (int col_base = col_begin; col_base < col_end; col_base += kColUnroll * gpu::kWarpSize) {
@@ -84,7 +89,26 @@ UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask 
 #pragma unroll
       for (int u = 0; u < kColUnroll; ++u) {
         const int col = col_base + u * gpu::kWarpSize + lane;
-        if (col < col_end && ok) ok = take_landed_word(v[u][d], rows[d] + col, d, settled, flags);
+        if (col >= col_end) continue;
+        for (int polls = 0; ok && landing_pending(v[u][d]); ++polls) {
+          // Settled (here or for an earlier word): a load after the flags' acquire is final. The loads above may
+          // predate it, so a word still at the sentinel is loaded once more, not taken.
+          bool was_settled = ((settled >> d) & 1) != 0;
+          if (!was_settled && polls % kPollsPerPeek == kPollsPerPeek - 1 && peek(d)) {
+            gpu::fence_sys();  // the flags' values were read relaxed: the reload below comes after them
+            settled |= 1u << d;
+            was_settled = true;
+          }
+          if (was_settled || polls >= kPollsBeforeSettle) {
+            if (!was_settled) {
+              ok = settle(d);
+              if (ok) settled |= 1u << d;
+            }
+            v[u][d] = gpu::load_ring_128(rows[d] + col);
+            break;
+          }
+          v[u][d] = gpu::load_ring_128(rows[d] + col);
+        }
       }
     }
     if (gpu::ballot(!ok) != 0) return false;

@@ -58,7 +58,10 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, a.row_bytes, S > 0, N - 1));  // S: alike
       landed.enter = enter;
     }
-    const CeLandedFlags flags{local, round, p.chunks, DiagPhase::kDispatchCeChunk, &ctx};
+    auto peek = [&](int d) { return ce_landed_peek(local, d, round, p.chunks); };
+    auto settle = [&](int d) {
+      return ce_landed_settle(ctx, local, d, round, p.chunks, DiagPhase::kDispatchCeChunk);
+    };
     uint32_t settled = 0, heads = 0;  // polled: peers whose copy (take_landed_word) and whose head this warp saw land
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + gpu::warp_id();
@@ -100,7 +103,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
         const int4* row = reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes);
         if constexpr (kPoll) {
-          if (!warp_copy_row_polled<kGatherUnroll>(dst, row, num_16, s, settled, flags)) break;
+          if (!warp_copy_row_polled<kGatherUnroll>(dst, row, num_16, s, settled, peek, settle)) break;
         } else {
           warp_copy_row_pipelined<kGatherUnroll, true>(dst, row, num_16);
         }
