@@ -18,6 +18,7 @@ on one device).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -194,6 +195,25 @@ def poll_wanted() -> bool:
     return bool(env.get("CE_POLL"))
 
 
+@contextlib.contextmanager
+def kernel_late(owner, name: str, late: bool):
+    """Where `late`, `owner.name` (a copy-engine op's outputs' allocation, which runs after the op's first copies and
+    before its kernel) first holds this rank's stream back for about 5 ms: the op's kernel starts long after its
+    peers' copies and SM stores into this rank landed."""
+    orig = getattr(owner, name)
+
+    def held(*a, **kw):
+        if late:
+            torch.cuda._sleep(10_000_000)
+        return orig(*a, **kw)
+
+    setattr(owner, name, held)
+    try:
+        yield
+    finally:
+        setattr(owner, name, orig)
+
+
 def _poll_counts(buf) -> tuple[int, int, int]:
     """`buf`'s polled copy-engine combines, sentinel memsets before one (on its stream) and after an op (side
     stream), since it was made."""
@@ -280,20 +300,9 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
             if R > 1:
                 check(f"{name} ({k}): polled, sentinel sets {counts}", counts[0] == 1 and (
                       sum(counts[1:]) == 1 if k == 0 else counts[1:] == (0, 1)))
-    # A rank whose sum kernel starts 5 ms late: its outputs' allocation (after its first copies, before its kernel)
-    # holds its stream back.
-    orig = _buffer_paths.combine_outputs
-
-    def late_outputs(*a, **kw):
-        if rank == R - 1:
-            torch.cuda._sleep(10_000_000)
-        return orig(*a, **kw)
-
-    _buffer_paths.combine_outputs = late_outputs
-    try:
+    # A rank whose sum kernel starts 5 ms late.
+    with kernel_late(_buffer_paths, "combine_outputs", rank == R - 1):
         got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
-    finally:
-        _buffer_paths.combine_outputs = orig
     why = _same(got.combined_x, ring.combined_x)
     check(f"one rank's sum 5 ms late: == ring (bits; NaN where the ring's is) {why}",
           not why and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))

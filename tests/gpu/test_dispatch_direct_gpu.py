@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.mp import run_shared_gpu_ranks
-from test_combine_staged_gpu import _combine, _kernels, _same
+from test_combine_staged_gpu import _combine, _kernels, _same, kernel_late
 from test_intranode_native import (
     PULL_WORST_T,
     _Case,
@@ -395,22 +395,10 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
                 # polled combine's too), none before the dispatch
                 if k == 2 and R > 1:
                     check(f"{what}: sentinel sets {d}", d[2] == 0 and d[3] == 1 + (name == "polled combine"))
-    # A rank whose gather kernel starts 5 ms late: its outputs' allocation (after its first copies, before its kernel)
-    # holds its stream back.
-    be = nat._live()
-    orig = be._alloc_recv
-
-    def late_alloc(*a, **kw):
-        if rank == R - 1:
-            torch.cuda._sleep(10_000_000)
-        return orig(*a, **kw)
-
-    be._alloc_recv = late_alloc
-    try:
+    # A rank whose gather kernel starts 5 ms late.
+    with kernel_late(nat._live(), "_alloc_recv", rank == R - 1):
         late_f = _ce(True, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
         late_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
-    finally:
-        be._alloc_recv = orig
     check("one rank's gather 5 ms late: == rings", _bits_eq(late_f, want_f) and _bits_eq(late_b, want_b))
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)

@@ -72,6 +72,9 @@ UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, i
 /// still at the sentinel after one more load (words loaded before the fence may be stale). After
 /// kPollsBeforeSettle polls `settle(d)` waits for the same flags (bounded). Returns false (warp-uniform) where settle
 /// gave up (an expiry or an abort).
+/// The per-word loop is take_landed_word's (landing_poll.cuh, the dispatch's gather) written out here on purpose:
+/// the sum calling that helper compiled to a measurably slower kernel, with the same semantics (docs/intranode.md,
+/// session 43). A change to one is a change to both.
 template <int kNumRanks, int kColUnroll, class Peek, class Settle>
 UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
                                                 int col_end, const int4* bias0, const int4* bias1, int64_t t,

@@ -29,9 +29,9 @@ constexpr int kPollsBeforeSettle = 1 << 16;
 /// the sentinel after one more load (words loaded before the fence may be stale, so never taken as they are). After
 /// kPollsBeforeSettle polls the lane waits for the same flags instead (`settle(d)`, bounded); where that wait gives
 /// up (an expiry or an abort) `ok` turns false, and stays so (no later word is polled).
-/// peek and settle are callables that compute their words' addresses from values the caller keeps anyway: a struct
-/// holding them keeps them in registers through the whole copy or sum, which measured slower (docs/intranode.md,
-/// session 43).
+/// peek and settle are callables that compute their words' addresses from values the caller keeps anyway (a struct
+/// holding them measured slower in the combine's sum). The combine's sum has its own copy of this loop
+/// (sum_token_copies_polled, combine_sum.cuh: see there why); a change to one is a change to both.
 template <class Peek, class Settle>
 UCCL_DEVICE_INLINE void take_landed_word(int4& v, const int4* at, int d, uint32_t& settled, bool& ok, const Peek& peek,
                                          const Settle& settle) {
