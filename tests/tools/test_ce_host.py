@@ -73,3 +73,18 @@ def test_without_two_gpus_it_refuses(capsys: Any) -> None:
         return  # a GPU machine runs the tool for real (tools/device)
     assert ch.main(["--profile"]) == 2
     assert "needs 2 GPUs" in capsys.readouterr().err
+
+
+def test_the_streams_probe_splits_bytes_and_refuses_without_two_gpus(capsys: Any) -> None:
+    """tools/device/ce_streams.py: every stream moves an equal share rounded down to 4 KiB, and the rate counts what
+    moved; on a machine without two GPUs it refuses (exit 2, saying so)."""
+    import torch
+
+    cs = device_tool("ce_streams")
+    moved: list[tuple[int, int, int]] = []
+    rate = cs.gbps(10_000_000, 3, (0, 1), 2, lambda d, j, part: moved.append((d, j, part)), lambda: None)
+    assert len(moved) == 2 * 2 * 3 and {m[2] for m in moved} == {(10_000_000 // 3) // 4096 * 4096} and rate > 0
+    if torch.cuda.device_count() >= 2:
+        return  # a GPU machine runs the tool for real (tools/device)
+    assert cs.main([]) == 2
+    assert "needs 2 GPUs" in capsys.readouterr().err
