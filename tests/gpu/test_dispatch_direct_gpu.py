@@ -282,10 +282,17 @@ def test_ce_dispatch_matches_the_rings(world: int) -> None:
     run_shared_gpu_ranks(_ce_worker, world, timeout_s=600)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_polled_ce_dispatch_matches_the_rings(world: int) -> None:
     """Every case of test_ce_dispatch_matches_the_rings with the gather polled (UCCL_MOE_DISPATCH_CE_POLL=1)."""
     run_shared_gpu_ranks(_ce_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [6, 8])
+def test_polled_ce_dispatch_more_ranks(world: int) -> None:
+    """The polled gather at 6 and 8 ranks sharing the GPUs (the -1-entry, empty-rank and no-token cases, back to
+    back and interleaved), as test_ce_dispatch_more_ranks."""
+    run_shared_gpu_ranks(_ce_worker, world, True, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
 
 
 @pytest.mark.parametrize("world", [6, 8])

@@ -839,6 +839,10 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
     elif mode == "ce_dispatch_poll":  # both dispatch through the copy engines, one waiting for chunk flags
         os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
+        # one copy-engine dispatch alike first: the non-polling rank's next one is early (its copies may land in the
+        # polling rank's area before or during its memset), and both must still be refused cleanly
+        want = nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg).recv_x
+        assert torch.equal(want, res.recv_x), "the copy-engine dispatch before the mismatch"
         os.environ["UCCL_MOE_DISPATCH_CE_POLL"] = "0" if rank == odd else "1"
         try:
             nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg)

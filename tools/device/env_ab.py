@@ -29,7 +29,7 @@ from ce_timeline import add_headline_args  # this folder's tools (the script's f
 
 OPS = ("fp8", "bf16", "combine")
 # The runtime's counters of the copy-engine ops' paths (NvlRuntime), printed per call for each op and variant.
-COUNTERS = ("ce_early_ops", "ce_polled_ops", "ce_sentinel_sets", "ce_sentinel_side_sets")
+COUNTERS = ("ce_early_ops", "ce_polled_ops", "ce_polled_dispatches", "ce_sentinel_sets", "ce_sentinel_side_sets")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:

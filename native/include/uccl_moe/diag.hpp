@@ -81,7 +81,7 @@ constexpr int kPullArgsChunksShift = 20;
 /// Bit 30 of a copy-engine dispatch's checked value (dispatch_ce.cu): no combine value sets it, so a rank whose peer
 /// runs the other op of the two sees it differ.
 constexpr int32_t kCeDispatchArgsMark = 1 << 30;
-/// Bit 29 of a copy-engine dispatch's checked value: the gather polls its landing area (UCCL_MOE_CE_POLL); the
+/// Bit 29 of a copy-engine dispatch's checked value: the gather polls its landing area (UCCL_MOE_DISPATCH_CE_POLL); the
 /// value's other fields: chunks less one in bits [26, 29), scales in [16, 26), the row's 16-B words in [0, 16).
 constexpr int32_t kCeDispatchArgsPoll = 1 << 29;
 static_assert((kCeDispatchArgsPoll & ((7 << 26) | (0x3FF << 16) | 0xFFFF | kCeDispatchArgsMark)) == 0,

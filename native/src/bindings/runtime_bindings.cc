@@ -239,13 +239,13 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("ce_early_ops", &NvlRuntime::ce_early_ops,
                    "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
       .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops,
-                   "copy-engine combines and dispatches that polled (UCCL_MOE_CE_POLL)")
+                   "copy-engine combines and dispatches that polled (UCCL_MOE_CE_POLL, UCCL_MOE_DISPATCH_CE_POLL)")
       .def_prop_ro("ce_polled_dispatches", &NvlRuntime::ce_polled_dispatches,
                    "the copy-engine dispatches among ce_polled_ops")
       .def_prop_ro("ce_sentinel_sets", &NvlRuntime::ce_sentinel_sets,
                    "sentinel memsets a polled op ran on its own stream before its enter kernel")
       .def_prop_ro("ce_sentinel_side_sets", &NvlRuntime::ce_sentinel_side_sets,
-                   "sentinel memsets run on the runtime's side stream after an op (NvlRuntime::begin_op)")
+                   "sentinel memsets run on the runtime's side stream after an op (NvlRuntime::note_op)")
       .def("wait_for_sentinel", [](NvlRuntime& r, uintptr_t stream) { r.wait_for_sentinel(stream_of(stream)); },
            "stream"_a, "The stream waits for the last sentinel memset (a get_combine_buffer view is written on it)")
       .def("forget_sentinel", &NvlRuntime::forget_sentinel,
@@ -450,7 +450,10 @@ void register_runtime(nb::module_& m) {
       for (int d = 0; d < N; ++d)
         end = std::max(end, intranode::ce_dispatch_landing(rank_tokens.data(), N, d, a.row_bytes, a.num_scales,
                                                            rows_at, scales_at));
-      rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledDispatch, std::min(end, rt.num_nvl_bytes()));
+      // (the host checked the fit on every rank alike; before the memset and the prediction, not after them)
+      UCCL_ASSERT(end <= rt.num_nvl_bytes(), "a copy-engine dispatch lands %lld bytes but the Buffer has %lld",
+                  static_cast<long long>(end), static_cast<long long>(rt.num_nvl_bytes()));
+      rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledDispatch, end);
     } else {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
     }
@@ -467,7 +470,8 @@ void register_runtime(nb::module_& m) {
   "outputs"_a = nb::none(), "poll"_a = false,
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
   "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early, outputs (here "
-  "(recv_x, recv_scales)) and poll (UCCL_MOE_CE_POLL: chunks is then 1) as for combine_ce_intranode");
+  "(recv_x, recv_scales)) as for combine_ce_intranode; poll: UCCL_MOE_DISPATCH_CE_POLL (chunks is then 1; the gather "
+  "polls as the combine's sum does)");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

@@ -87,7 +87,7 @@ class NvlRuntime {
   /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
   /// as a different op would be).
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted);
-  /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled combine's sentinel, below).
+  /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
     kOpNotify,
     kOpRingDispatch,
@@ -102,34 +102,35 @@ class NvlRuntime {
     kOpPeerCopy,
     kNumOpKinds
   };
-  /// The kinds that poll a landing area (the copy-engine combine and dispatch under UCCL_MOE_CE_POLL).
+  /// The kinds that poll a landing area (the copy-engine combine under UCCL_MOE_CE_POLL, the copy-engine dispatch
+  /// under UCCL_MOE_DISPATCH_CE_POLL).
   static bool polls(int kind) { return kind == kOpPolledCombine || kind == kOpPolledDispatch; }
-  /// Whether a copy-engine op enqueued now on `stream` polls its landing area (UCCL_MOE_CE_POLL = `wanted`):
+  /// Whether a copy-engine op enqueued now on `stream` polls its landing area (`wanted`: its knob, above):
   /// not while `stream` captures a CUDA graph and never on a Buffer that had an op captured (a replay runs behind
   /// the host's back, so the host cannot keep the sentinel). Every rank sees the same calls, so decides alike.
   bool ce_poll(void* stream, bool wanted) const;
-  /// Before every op's launch on `stream` (the bindings call it first). A polled copy-engine op needs the sentinel
-  /// (all ones) in every 32-bit word of its landing area before any peer's copy lands there, and every other op
-  /// overwrites it (rings, landing areas, views and the staged rows all start at kOffCombineInput). So after an op of
-  /// a kind that a polled op followed last time, note_op sets the sentinel again over that polled kind's last landing
-  /// area with a memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here
-  /// `stream` waits for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event
-  /// recorded outside a capture cannot be waited for inside it). No peer writes into our buffer under it: the first
-  /// op after it is never early (ce_copies), the next ring op resets the rings (two barriers) and every other op
-  /// enters with a hand-shake that our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
+  /// Before every op's launch on `stream` (the bindings call it first). A polled copy-engine op needs the sentinel (all
+  /// ones) in every 32-bit word of its landing area before any peer's copy lands there, and every other op overwrites
+  /// it (rings, landing areas, views and the staged rows all start at kOffCombineInput). So after an op of a kind that
+  /// a polled op followed last time, note_op sets the sentinel again over that polled kind's last landing area with a
+  /// memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here `stream` waits
+  /// for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event recorded outside a
+  /// capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is never
+  /// early (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake
+  /// that our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
   /// [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes the same decisions here and in
-  /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel.
-  /// Every kind but notify leaves the area overwritten.
+  /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel. Every
+  /// kind but notify leaves the area overwritten.
   void begin_op(void* stream, int kind, int64_t polled_end = 0);
   /// After every op's launch: `done` when it ends with the done hand-shake (a combine from the buffer, a
   /// copy-engine op); `kind` as for begin_op. Remembers a capture; sets the sentinel after the op where a polled
-  /// combine followed this kind last time (begin_op).
+  /// op followed this kind last time (begin_op).
   void note_op(void* stream, bool done, int kind);
   /// `stream` waits for the last sentinel memset (begin_op): a get_combine_buffer view is written on the caller's
   /// stream, into the landing area.
   void wait_for_sentinel(void* stream);
   /// The landing area was written behind this runtime's back (the bench's one-sided peer copies into it): the next
-  /// polled combine sets the sentinel over all of its area first.
+  /// polled op sets the sentinel over all of its area first.
   void forget_sentinel() { sentinel_end_ = 0; }
   /// Polled ops (combines and dispatches), sentinel memsets before a polled op (on its stream) and after an op (on
   /// the side stream), since the Buffer was made (tests: which path ran).

@@ -15,6 +15,10 @@
 // checked value) before any copy into a peer, or where the op before ended with the done hand-shake none (CeEnter:
 // the copies start at once and the gather checks each peer's entry before its rows), and the pull's done hand-shake
 // at the end of the gather (a later op may write into the peers' buffers at once).
+//
+// Polled (UCCL_MOE_DISPATCH_CE_POLL, off by default): one copy per peer, never early, into a landing area that
+// holds the sentinel (NvlRuntime::begin_op); the gather takes each row's words as they land (landing_poll.cuh) and
+// a peer's scales once its head landed.
 #include <algorithm>
 
 #include "handshake.cuh"
@@ -31,9 +35,9 @@ constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
-/// `kPoll` (UCCL_MOE_CE_POLL; one copy per peer, never early): the landing area held the sentinel before the peers'
-/// copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no wait for its chunk; its scales
-/// (which the peer's head carries) once that head landed.
+/// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, never early): the landing area held the sentinel before the
+/// peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no wait for its chunk; its
+/// scales (which the peer's head carries) once that head landed.
 template <int kNumRanks, bool kPoll>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,

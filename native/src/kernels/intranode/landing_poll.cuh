@@ -1,8 +1,8 @@
-// Polled landing areas (UCCL_MOE_CE_POLL): the copy-engine combine's sum (combine_sum.cuh) and the copy-engine
-// dispatch's gather (dispatch_ce.cu) read a peer's rows from their landing area as each 16-byte word lands, rather
-// than waiting for the chunk that holds it. The runtime sets every 32-bit word of the area to all ones before the
-// peers' copies can reach it (NvlRuntime::begin_op), and each peer's engine and SMs write each word once per op.
-// Include only from .cu files.
+// Polled landing areas (UCCL_MOE_CE_POLL, UCCL_MOE_DISPATCH_CE_POLL): the copy-engine combine's sum (combine_sum.cuh)
+// and the copy-engine dispatch's gather (dispatch_ce.cu) read a peer's rows from their landing area as each 16-byte
+// word lands, rather than waiting for the chunk that holds it. The runtime sets every 32-bit word of the area to all
+// ones before the peers' copies can reach it (NvlRuntime::begin_op), and each peer's engine and SMs write each word
+// once per op. Include only from .cu files.
 #pragma once
 
 #include "intranode_device.cuh"
@@ -95,10 +95,12 @@ UCCL_DEVICE_INLINE bool warp_copy_row_polled(int4* __restrict__ dst, const int4*
   for (int base = 0; base < num_16; base += 2 * kRound) {
     if (base + kRound < num_16) load_round<kUnroll, true>(b, src, base + kRound, num_16);
     take_landed_round<kUnroll>(a, src, base, num_16, d, settled, ok, peek, settle);
+    if (!ok) break;  // (this lane: a wait gave up, the op is aborted) nothing it did not take goes into the outputs
     store_round<kUnroll>(dst, a, base, num_16);
     if (base + kRound >= num_16) break;
     if (base + 2 * kRound < num_16) load_round<kUnroll, true>(a, src, base + 2 * kRound, num_16);
     take_landed_round<kUnroll>(b, src, base + kRound, num_16, d, settled, ok, peek, settle);
+    if (!ok) break;
     store_round<kUnroll>(dst, b, base + kRound, num_16);
   }
   return gpu::ballot(!ok) == 0;
