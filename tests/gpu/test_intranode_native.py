@@ -837,12 +837,13 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     view.copy_(res.recv_x)
     if mode.endswith("_early"):
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
-    elif mode == "ce_dispatch_poll":  # both dispatch through the copy engines, one waiting for chunk flags
+    elif mode.startswith("ce_dispatch_poll"):  # both dispatch through the copy engines, one waiting for chunk flags
         os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
-        # one copy-engine dispatch alike first: the non-polling rank's next one is early (its copies may land in the
-        # polling rank's area before or during its memset), and both must still be refused cleanly
-        want = nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg).recv_x
-        assert torch.equal(want, res.recv_x), "the copy-engine dispatch before the mismatch"
+        if mode == "ce_dispatch_poll_after_ce":  # one copy-engine dispatch alike first: the non-polling rank's next
+            # one is early (its copies may land in the polling rank's area before or during its memset); both must
+            # still be refused cleanly
+            want = nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg).recv_x
+            assert torch.equal(want, res.recv_x), "the copy-engine dispatch before the mismatch"
         os.environ["UCCL_MOE_DISPATCH_CE_POLL"] = "0" if rank == odd else "1"
         try:
             nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg)
@@ -1031,12 +1032,13 @@ def test_native_combine_from_buffer_timeout(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_poll", "ce_hidden",
-                                  "staged_hidden", "ce_late_early", "ce_dispatch_poll"])
+                                  "staged_hidden", "ce_late_early", "ce_dispatch_poll", "ce_dispatch_poll_after_ce"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the
     copy engines in different chunks (UCCL_MOE_COMBINE_CE_CHUNKS differs), or one polling its landing area and the
-    other not (UCCL_MOE_CE_POLL differs; `ce_dispatch_poll`: UCCL_MOE_DISPATCH_CE_POLL in a cached dispatch); or both on
+    other not (UCCL_MOE_CE_POLL differs; `ce_dispatch_poll`: UCCL_MOE_DISPATCH_CE_POLL in a cached dispatch, and
+    `ce_dispatch_poll_after_ce` after a copy-engine dispatch, so that the rank without it starts early); or both on
     one path (copy engines, staged), one rank's rows of another hidden size: refused on every rank."""
     run_shared_gpu_ranks(_skip_pull_worker, 2, mode,
                          env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_COMBINE_STAGED": "1"}, timeout_s=300)
