@@ -386,7 +386,8 @@ class NativeBackend(BufferPaths, Backend):
 
     def peer_copies_done(self) -> None:
         """Every rank, after peer_copy's copies (into the peers' buffers, behind their runtimes' backs) completed:
-        the next polled copy-engine combine sets its whole landing area to the sentinel first (UCCL_MOE_CE_POLL)."""
+        the next polled copy-engine op sets its whole landing area to the sentinel first (UCCL_MOE_CE_POLL,
+        UCCL_MOE_DISPATCH_CE_POLL)."""
         self._check_alive()
         self._rt.forget_sentinel()
 

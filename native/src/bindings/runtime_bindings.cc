@@ -164,11 +164,7 @@ void register_args(nb::module_& m) {
                                                   int num_scales) {
     const int N = static_cast<int>(rank_tokens.size());
     UCCL_ASSERT(N >= 1 && N <= kMaxLocalRanks, "rank_tokens has %d entries, expected 1..%d", N, kMaxLocalRanks);
-    int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks], most = 0;
-    for (int d = 0; d < N; ++d)
-      most = std::max(most, intranode::ce_dispatch_landing(rank_tokens.data(), N, d, row_bytes, num_scales, rows_at,
-                                                           scales_at));
-    return most;
+    return intranode::ce_dispatch_landing_most(rank_tokens.data(), N, row_bytes, num_scales);
   }, "rank_tokens"_a, "row_bytes"_a, "num_scales"_a,
   "Bytes from the buffer's start the largest landing area of a copy-engine dispatch needs (every other rank's "
   "tokens of row_bytes with num_scales 4-byte scales each), the same on every rank");
@@ -179,11 +175,8 @@ void register_args(nb::module_& m) {
     UCCL_ASSERT(N >= 1 && N <= kMaxLocalRanks && N * N == static_cast<int>(rank_prefix.size()),
                 "rank_prefix has %zu entries: not an [N, N] matrix with N in [1, %d]", rank_prefix.size(),
                 kMaxLocalRanks);
-    int64_t most = 0;
-    for (int d = 0; d < N; ++d)
-      most = std::max(most, intranode::combine_input_bytes(intranode::ce_landing_rows(rank_prefix.data(), N, d),
-                                                           hidden, num_topk));
-    return most;
+    // (combine_input_bytes grows with the rows: the largest area is the one with the most rows)
+    return intranode::combine_input_bytes(intranode::ce_landing_rows_most(rank_prefix.data(), N), hidden, num_topk);
   }, "rank_prefix"_a, "hidden"_a, "num_topk"_a,
   "Bytes from the buffer's start the largest landing area of a copy-engine combine needs (rows of hidden BF16 "
   "values, num_topk weights each), the same on every rank: rank_prefix is the handle's [N, N] matrix, row-major");
@@ -407,8 +400,7 @@ void register_runtime(nb::module_& m) {
       args.ce_chunks = 1;
       // Every rank's largest landing area, not its own: the runtime's choices after the op (a memset on the side
       // stream, the rings' reset, no early op) must be the same on every rank, and rest on this extent.
-      int64_t rows = 0;
-      for (int d = 0; d < N; ++d) rows = std::max(rows, intranode::ce_landing_rows(rank_prefix.data(), N, d));
+      const int64_t rows = intranode::ce_landing_rows_most(rank_prefix.data(), N);
       rt.begin_op(stream_of(stream), NvlRuntime::kOpPolledCombine,
                   static_cast<int64_t>(intranode::kOffCombineInput) + rows * static_cast<int64_t>(a.hidden) * 2);
     } else {
@@ -445,11 +437,7 @@ void register_runtime(nb::module_& m) {
     if (poll) {  // one copy per peer; the landing area holds the sentinel before it
       chunks = 1;
       // Every rank's largest landing area, as for the polled combine (the runtime's choices must be alike).
-      int64_t end = static_cast<int64_t>(intranode::kOffCombineInput), rows_at[kMaxLocalRanks],
-              scales_at[kMaxLocalRanks];
-      for (int d = 0; d < N; ++d)
-        end = std::max(end, intranode::ce_dispatch_landing(rank_tokens.data(), N, d, a.row_bytes, a.num_scales,
-                                                           rows_at, scales_at));
+      const int64_t end = intranode::ce_dispatch_landing_most(rank_tokens.data(), N, a.row_bytes, a.num_scales);
       // (the host checked the fit on every rank alike; before the memset and the prediction, not after them)
       UCCL_ASSERT(end <= rt.num_nvl_bytes(), "a copy-engine dispatch lands %lld bytes but the Buffer has %lld",
                   static_cast<long long>(end), static_cast<long long>(rt.num_nvl_bytes()));

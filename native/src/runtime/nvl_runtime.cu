@@ -160,8 +160,7 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void*
     c.copied[r] = ce_copied_[r];
   }
   c.entered = ce_entered_;
-  const bool early = early_wanted && after_done_ && !captured_ && graph_channels_ < 0 && !sentinel_unfenced_ &&
-                     !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+  const bool early = early_wanted && after_done_ && !sentinel_unfenced_ && outside_graphs(stream);
   if (early) ++ce_early_ops_;
   c.early = early ? 1 : 0;
   return c;
@@ -288,9 +287,11 @@ void NvlRuntime::check_graph_channels(int channels, void* stream) {
   if (gpu::stream_capturing(static_cast<gpu::Stream>(stream))) graph_channels_ = channels;
 }
 
-bool NvlRuntime::ce_poll(void* stream, bool wanted) const {
-  return wanted && !captured_ && graph_channels_ < 0 && !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
+bool NvlRuntime::outside_graphs(void* stream) const {
+  return !captured_ && graph_channels_ < 0 && !gpu::stream_capturing(static_cast<gpu::Stream>(stream));
 }
+
+bool NvlRuntime::ce_poll(void* stream, bool wanted) const { return wanted && outside_graphs(stream); }
 
 void NvlRuntime::wait_for_sentinel(void* stream) {
   UCCL_ASSERT(!destroyed_ && connected_, "the NVL runtime is not connected (or was destroyed)");

@@ -170,6 +170,9 @@ class NvlRuntime {
   void* sentinel_after_ = nullptr;
   void* sentinel_set_ = nullptr;
   int device_sms_ = 0;       // SMs / CUs of device_ (0: unknown, no check)
+  // No op of this Buffer was captured in a CUDA graph and `stream` is not capturing: the host sees every op's order
+  // (early copies and polling rest on it).
+  bool outside_graphs(void* stream) const;
   void make_ce_streams();  // connect(): the copy-engine ops' streams and events
   void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine ops: a stream per peer, and its events (ce_copies)
   void* ce_entered_ = nullptr;

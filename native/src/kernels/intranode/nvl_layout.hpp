@@ -171,6 +171,15 @@ UCCL_HOST_DEVICE_FN int64_t ce_block_at(const int32_t* rank_prefix, int N, int d
 UCCL_HOST_DEVICE_FN int64_t ce_landing_rows(const int32_t* rank_prefix, int N, int d) {
   return ce_block_at(rank_prefix, N, d, N);
 }
+/// The most rows any rank's landing area holds (ce_landing_rows): the same on every rank.
+UCCL_HOST_DEVICE_FN int64_t ce_landing_rows_most(const int32_t* rank_prefix, int N) {
+  int64_t most = 0;
+  for (int d = 0; d < N; ++d) {
+    const int64_t rows = ce_landing_rows(rank_prefix, N, d);
+    most = rows > most ? rows : most;
+  }
+  return most;
+}
 /// How a copy-engine op's chunks shrink toward the end (ce_chunk_end's `shrink_pct`). The copy engines pay a few
 /// microseconds per copy, and the work on the last chunk cannot overlap any copy, so the chunks shrink: the
 /// combine's sum halves them (0). The dispatch's gather of rows without scales keeps pace with chunks that shrink
@@ -239,6 +248,16 @@ UCCL_HOST_DEVICE_FN int64_t ce_dispatch_landing(const int32_t* tokens, int N, in
     at = static_cast<int64_t>(align_up(static_cast<size_t>(at + int64_t{tokens[s]} * num_scales * 4), 128));
   }
   return at;
+}
+/// The end of the largest copy-engine dispatch landing area of all N ranks (ce_dispatch_landing): the same on every
+/// rank.
+UCCL_HOST_DEVICE_FN int64_t ce_dispatch_landing_most(const int32_t* tokens, int N, int64_t row_bytes, int num_scales) {
+  int64_t rows_at[kMaxLocalRanks], scales_at[kMaxLocalRanks], most = 0;
+  for (int d = 0; d < N; ++d) {
+    const int64_t end = ce_dispatch_landing(tokens, N, d, row_bytes, num_scales, rows_at, scales_at);
+    most = end > most ? end : most;
+  }
+  return most;
 }
 
 /// Where a ring-free dispatch (dispatch.cu) lands the rows a rank receives from other ranks in its buffer, compacted
