@@ -33,6 +33,7 @@ from test_intranode_native import (
     _dispatch,
     early_ops,
     early_wanted,
+    gated_ops,
     pull_buffers,
     pull_cases,
     pull_inputs,
@@ -119,19 +120,23 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
     ys = [(y.float() * (1 + i % 4) - i).bfloat16() for i in range(24)]
     wants = [_combine(nat, "ring", yi, rn.handle, config=cfg).combined_x for yi in ys]
     outs = []
-    early0, polled0 = early_ops(nat), _poll_counts(nat)
+    early0, gated0, polled0 = early_ops(nat), gated_ops(nat), _poll_counts(nat)
     for yi in ys:
         if rank == 0:
             torch.cuda._sleep(200_000)
         outs.append(_combine(nat, P, yi, rn.handle, config=cfg).combined_x)
     check(f"24 {P} combines back to back, other rows each, one rank late",
           all(torch.equal(o, w) for o, w in zip(outs, wants)))
-    if P == "ce":  # every one after the first (which follows a ring combine) starts its copies at once, unless
-        # they poll: then none is early; the first two set the sentinel before their copies (after the ring combine,
-        # and after a polled one: neither followed by a polled combine last time), and once one followed another,
-        # every one sets it for the next after itself, on the side stream
+    if P == "ce":  # every one after the first (which follows a ring combine) starts its copies at once; where they
+        # poll, the first two set the sentinel before their copies (after the ring combine, and after a polled one:
+        # neither followed by a polled combine last time), and once one followed another, every one sets it for the
+        # next after itself, on the side stream: from the third on each starts at once behind the gate (its copies
+        # into a peer wait until that peer's side memset ended)
         polls = poll_wanted() and R > 1
-        check("early copy-engine combines", early_ops(nat) - early0 == (23 if early_wanted() and not polls else 0))
+        gated = 22 if polls and early_wanted() else 0
+        early = gated if polls else 23 if early_wanted() else 0
+        check("early copy-engine combines", early_ops(nat) - early0 == early)
+        check("early polled combines behind the gate", gated_ops(nat) - gated0 == gated)
         got_counts = tuple(b - a for a, b in zip(polled0, _poll_counts(nat)))
         check(f"polled combines, sentinel sets before them and after ops: {got_counts}",
               got_counts == ((24, 2, 23) if polls else (0, 0, 0)))

@@ -973,6 +973,14 @@ def early_ops(buf) -> int:
     return int(buf._live()._rt.ce_early_ops)
 
 
+def gated_ops(buf) -> int:
+    """`buf`'s polled copy-engine ops that started their copies at once behind the gate (each peer's side memset
+    ended first), since it was made; asserts the gate is there (stream memory operations, CUDA 12 and later)."""
+    rt = buf._live()._rt
+    assert rt.ce_gate_ok, "stream memory operations failed on this GPU: polled copy-engine ops are never early"
+    return int(rt.ce_gated_ops)
+
+
 def early_wanted() -> bool:
     """UCCL_MOE_CE_EARLY as the Buffer reads it."""
     from uccl_moe import env
@@ -988,14 +996,18 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     rank 0 starts after rank 1's whole timeout, finds its flag up and every wait passed, and still raises) or splits
     its copies otherwise
     (`ce_chunks_early`: every rank raises InvalidUsageError naming the chunks, checked by the sum kernel before it
-    reads a peer's rows)."""
+    reads a peer's rows). `_poll` in the mode: the combines poll, so the faulted one is early behind the gate."""
     from uccl_moe import CommTimeoutError, InvalidUsageError
 
+    poll = "_poll" in mode
+    mode = mode.replace("_poll", "")
     os.environ["UCCL_MOE_COMBINE_CE"] = "1"
-    os.environ["UCCL_MOE_CE_POLL"] = "0"  # a polled combine is never early (NvlRuntime::begin_op)
-    nat.combine(res.recv_x.clone(), res.handle, config=cfg)
+    os.environ["UCCL_MOE_CE_POLL"] = "1" if poll else "0"
+    # A polled combine is early only after a side memset, made after one once one followed another (begin_op).
+    for _ in range(2 if poll else 1):
+        nat.combine(res.recv_x.clone(), res.handle, config=cfg)
     torch.cuda.synchronize()
-    early0 = early_ops(nat)
+    early0, gated0 = early_ops(nat), gated_ops(nat) if poll else 0
     if mode == "ce_chunks_early":
         os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
     elif rank == odd and mode != "ce_late_early":
@@ -1007,6 +1019,7 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     try:
         nat.combine(res.recv_x.clone(), res.handle, config=cfg)
         assert early_ops(nat) == early0 + 1, "the combine did not start its copies at once"
+        assert not poll or gated_ops(nat) == gated0 + 1, "the polled combine did not start behind the gate"
         torch.cuda.synchronize()
         nat.get_dispatch_layout(case.idx.cuda(), 4 * (odd + 1))  # the next call surfaces the abort
     except InvalidUsageError as e:
@@ -1026,13 +1039,15 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
         raise AssertionError(f"an early copy-engine combine returned through a fault ({mode})")
 
 
-@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_late_early"])
+@pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_late_early",
+                                  "ce_skip_poll_early", "ce_skip_late_poll_early"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 
 
 @pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_poll", "ce_hidden",
-                                  "staged_hidden", "ce_late_early", "ce_dispatch_poll", "ce_dispatch_poll_after_ce"])
+                                  "staged_hidden", "ce_late_early", "ce_late_poll_early", "ce_dispatch_poll",
+                                  "ce_dispatch_poll_after_ce"])
 def test_native_combine_view_and_staged_tensor_refused(mode: str) -> None:
     """2 ranks: one passes its get_combine_buffer view, the other a tensor of its own, which is staged; or both pass
     tensors of their own, one staged, one through the copy engines (UCCL_MOE_COMBINE_CE differs); or both through the

@@ -67,6 +67,15 @@ inline Error event_synchronize_any_capture(Event e) {
 }
 constexpr Error kNotReady = hipErrorNotReady;
 inline Error event_destroy(Event e) { return hipEventDestroy(e); }
+/// Stream memory operations (stream_write_u32 / stream_wait_u32_geq below): 0 on success, else the API's error code
+/// (-1: the API is not there).
+inline int stream_write_u32(Stream s, void* p, uint32_t v) {
+  return static_cast<int>(hipStreamWriteValue32(s, p, v, 0));
+}
+inline int stream_wait_u32_geq(Stream s, void* p, uint32_t v) {
+  return static_cast<int>(hipStreamWaitValue32(s, p, v, hipStreamWaitValueGte, 0xFFFFFFFFu));
+}
+inline Error peek_last_error() { return hipPeekAtLastError(); }
 inline bool is_success(Error e) { return e == hipSuccess; }
 using IpcMemHandle = hipIpcMemHandle_t;
 inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return hipIpcGetMemHandle(h, p); }
@@ -137,6 +146,31 @@ inline Error event_synchronize_any_capture(Event e) {
 }
 constexpr Error kNotReady = cudaErrorNotReady;
 inline Error event_destroy(Event e) { return cudaEventDestroy(e); }
+/// The driver's cuStreamWriteValue32 / cuStreamWaitValue32 (CUresult f(CUstream, CUdeviceptr, cuuint32_t, unsigned)),
+/// found through the runtime's entry point (no libcuda link); null where the driver has none.
+using StreamValueFn = int (*)(Stream, unsigned long long, uint32_t, unsigned int);
+inline StreamValueFn stream_value_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return nullptr;
+  return reinterpret_cast<StreamValueFn>(fn);
+}
+/// Stream memory operations: once the work before it on `s` completed (and its writes are visible: the default
+/// flags fence), the 4-byte word at `p` (device memory, ours or a peer's) becomes `v`. 0 on success, else the
+/// driver's CUresult (-1: the driver has no such entry point).
+inline int stream_write_u32(Stream s, void* p, uint32_t v) {
+  static const StreamValueFn fn = stream_value_fn("cuStreamWriteValue32");
+  return fn == nullptr ? -1 : fn(s, reinterpret_cast<unsigned long long>(p), v, 0 /* CU_STREAM_WRITE_VALUE_DEFAULT */);
+}
+/// Work after it on `s` waits until the word at `p` (device memory) reaches `v` (a count: at least `v`). Unbounded:
+/// whoever relies on it must make sure the word gets there (the copy-engine gate: NvlRuntime::ce_copies).
+inline int stream_wait_u32_geq(Stream s, void* p, uint32_t v) {
+  static const StreamValueFn fn = stream_value_fn("cuStreamWaitValue32");
+  return fn == nullptr ? -1 : fn(s, reinterpret_cast<unsigned long long>(p), v, 0 /* CU_STREAM_WAIT_VALUE_GEQ */);
+}
+inline Error peek_last_error() { return cudaPeekAtLastError(); }
 inline bool is_success(Error e) { return e == cudaSuccess; }
 using IpcMemHandle = cudaIpcMemHandle_t;
 inline Error ipc_get_mem_handle(IpcMemHandle* h, void* p) { return cudaIpcGetMemHandle(h, p); }

@@ -231,6 +231,10 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("num_nvl_bytes", &NvlRuntime::num_nvl_bytes)
       .def_prop_ro("ce_early_ops", &NvlRuntime::ce_early_ops,
                    "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
+      .def_prop_ro("ce_gated_ops", &NvlRuntime::ce_gated_ops,
+                   "the polled ones among ce_early_ops: their copies waited for each peer's side memset (the gate)")
+      .def_prop_ro("ce_gate_ok", &NvlRuntime::ce_gate_ok,
+                   "whether stream memory operations worked on this GPU (else polled ops are never early)")
       .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops,
                    "copy-engine combines and dispatches that polled (UCCL_MOE_CE_POLL, UCCL_MOE_DISPATCH_CE_POLL)")
       .def_prop_ro("ce_polled_dispatches", &NvlRuntime::ce_polled_dispatches,
@@ -407,7 +411,7 @@ void register_runtime(nb::module_& m) {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeCombine);
     }
     const int kind = args.ce_poll != 0 ? NvlRuntime::kOpPolledCombine : NvlRuntime::kOpCeCombine;
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early && args.ce_poll == 0);
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, args.ce_poll != 0);
     std::exception_ptr failed;
     intranode::launch_combine_ce(rt.context(), num_sms, args, ce, stream_of(stream),
                                  late_outputs(outputs, failed, a.num_tokens > 0, a.num_tokens > 0 && a.num_topk > 0,
@@ -418,7 +422,8 @@ void register_runtime(nb::module_& m) {
   "poll"_a = false,
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
   "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major; early: "
-  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake); poll: "
+  "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake; polled, behind "
+  "the gate: NvlRuntime::ce_copies); poll: "
   "UCCL_MOE_CE_POLL (one copy per peer into a landing area set to the sentinel, each word summed as it lands; "
   "NvlRuntime.ce_poll says where it is off, NvlRuntime::begin_op how the sentinel is kept); outputs: None "
   "(args.out holds them) or a callable returning (out, out_topk_weights) addresses, called once the first copies "

@@ -148,9 +148,18 @@ void NvlRuntime::make_ce_streams() {
   sentinel_after_ = e;
   UCCL_CHECK_GPU(gpu::event_create(&e));
   sentinel_set_ = e;
+  // The gate of early polled ops (ce_copies) rests on stream memory operations: tried once on our own word (no peer
+  // writes it), else polled ops are never early.
+  void* own = static_cast<char*>(local_) + intranode::kOffSentinelReady + sizeof(int32_t) * rank_;
+  gate_ok_ = gpu::stream_write_u32(st, own, 0) == 0 && gpu::stream_wait_u32_geq(st, own, 0) == 0 &&
+             gpu::is_success(gpu::stream_synchronize(st));
+  if (!gate_ok_)
+    UCCL_LOG(INFO, MEM, "no stream memory operations on device %d: polled copy-engine ops wait for an enter "
+             "hand-shake", device_);
 }
 
-intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted) {
+intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted,
+                                          bool polled) {
   UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
   UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
   intranode::CeCopies c{};
@@ -160,9 +169,15 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void*
     c.copied[r] = ce_copied_[r];
   }
   c.entered = ce_entered_;
-  const bool early = early_wanted && after_done_ && !sentinel_unfenced_ && outside_graphs(stream);
+  // After a side memset no op is early (a peer's copies could land under it) unless it is a polled one behind the
+  // gate: the memset after the op before is the last one every rank made (sentinel_seq_ of them).
+  const bool gated = polled && gate_ok_ && sentinel_unfenced_ && !pre_set_ && sentinel_seq_ > 0;
+  const bool early = early_wanted && after_done_ && (polled ? gated : !sentinel_unfenced_) && outside_graphs(stream);
   if (early) ++ce_early_ops_;
   c.early = early ? 1 : 0;
+  c.gated = early && polled ? 1 : 0;
+  c.gate = static_cast<int32_t>(static_cast<uint32_t>(sentinel_seq_));
+  if (c.gated != 0) ++ce_gated_ops_;
   return c;
 }
 
@@ -318,7 +333,8 @@ void NvlRuntime::begin_op(void* stream, int kind, int64_t polled_end) {
                 "[%lld, %lld]", static_cast<long long>(polled_end), static_cast<long long>(base),
                 static_cast<long long>(num_nvl_bytes_));
     const int64_t from = std::max(sentinel_end_, base);
-    if (polled_end > from) {
+    pre_set_ = polled_end > from;
+    if (pre_set_) {
       UCCL_CHECK_GPU(gpu::memset_async(static_cast<char*>(local_) + from, 0xFF, static_cast<size_t>(polled_end - from),
                                        static_cast<gpu::Stream>(stream)));
       ++ce_sentinel_sets_;
@@ -327,6 +343,7 @@ void NvlRuntime::begin_op(void* stream, int kind, int64_t polled_end) {
     ++ce_polled_ops_;
     if (kind == kOpPolledDispatch) ++ce_polled_dispatches_;
   }
+  if (!polls(kind)) pre_set_ = false;
   if (kind != kOpNotify) sentinel_end_ = 0;  // the op overwrites the area (notify writes only the meta)
 }
 
@@ -352,6 +369,14 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_set_), side));
   sentinel_end_ = end;
   ++sentinel_seq_;
+  // Every peer learns that our area holds the sentinel again (the write fences the memset): an early polled op's copy
+  // stream waits for it (ce_copies).
+  for (int d = 0; d < num_ranks_ && gate_ok_; ++d) {
+    if (d == rank_) continue;
+    const int r = gpu::stream_write_u32(side, static_cast<char*>(peers_[d]) + intranode::kOffSentinelReady +
+                                                  sizeof(int32_t) * rank_, static_cast<uint32_t>(sentinel_seq_));
+    UCCL_ASSERT(r == 0, "the side stream could not tell rank %d that our landing area is set (error %d)", d, r);
+  }
   ++ce_sentinel_side_sets_;
   sentinel_unfenced_ = true;
   ring_channels_ = -1;  // the next ring op resets the rings: its barriers order every peer's writes after our memset

@@ -86,7 +86,12 @@ class NvlRuntime {
   /// graph (a replay's first op follows whatever ran before it, which the host does not see) and `stream` is not
   /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
   /// as a different op would be).
-  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted);
+  /// A polled op (`polled`: a polled combine) is early only behind a gate (CeCopies::gate): where the sentinel was set
+  /// by a side memset after the op before (note_op) and not by begin_op, each copy stream first waits (a stream
+  /// memory wait) until its peer's count of side memsets, which the peer's side stream writes into our meta after each
+  /// (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where the driver has no
+  /// stream memory operations (connect() tries them): there a polled op is never early.
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
     kOpNotify,
@@ -115,8 +120,8 @@ class NvlRuntime {
   /// a polled op followed last time, note_op sets the sentinel again over that polled kind's last landing area with a
   /// memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here `stream` waits
   /// for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event recorded outside a
-  /// capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is never
-  /// early (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake
+  /// capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is early
+  /// only if it polls, and then each peer's copies wait until our side stream told it the memset ended (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake
   /// that our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
   /// [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes the same decisions here and in
   /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel. Every
@@ -138,8 +143,12 @@ class NvlRuntime {
   int64_t ce_polled_dispatches() const { return ce_polled_dispatches_; }
   int64_t ce_sentinel_sets() const { return ce_sentinel_sets_; }
   int64_t ce_sentinel_side_sets() const { return ce_sentinel_side_sets_; }
-  /// Copy-engine ops that started their copies at once, since the Buffer was made (tests: the path was taken).
+  /// Copy-engine ops that started their copies at once, since the Buffer was made (tests: the path was taken); of
+  /// them, the polled ones behind the gate (ce_copies).
   int64_t ce_early_ops() const { return ce_early_ops_; }
+  int64_t ce_gated_ops() const { return ce_gated_ops_; }
+  /// Whether the driver's stream memory operations worked here (connect()): polled ops may then be early.
+  bool ce_gate_ok() const { return gate_ok_; }
 
  private:
   int rank_, num_ranks_, device_;
@@ -154,7 +163,9 @@ class NvlRuntime {
   int graph_channels_ = -1;  // channel count of the ops captured in CUDA graphs (-1: none captured)
   bool after_done_ = false;  // the last op launched ended with the done hand-shake (note_op)
   bool captured_ = false;    // an op of this Buffer was captured in a CUDA graph
-  int64_t ce_early_ops_ = 0;
+  int64_t ce_early_ops_ = 0, ce_gated_ops_ = 0;
+  bool gate_ok_ = false;  // stream memory operations work (connect())
+  bool pre_set_ = false;  // begin_op set the sentinel for the op being launched on its own stream
   int64_t ce_polled_ops_ = 0, ce_polled_dispatches_ = 0, ce_sentinel_sets_ = 0, ce_sentinel_side_sets_ = 0;
   // The sentinel: bytes [kOffCombineInput, sentinel_end_) hold it once the last memset ran (0: nowhere); per polled
   // kind the end of its last landing area (a side memset's extent); the side memsets enqueued, and how many of

@@ -347,7 +347,7 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
     UCCL_CHECK_GPU(gpu::get_last_error());
   }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
-  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase};
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.early != 0 ? ce.gated : 0, ce.gate};
 }
 
 int ce_chunks_before_kernel(int chunks) {
@@ -370,7 +370,14 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
   src += head_rows * row_bytes;
   rows -= head_rows;
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
-  if (k_begin == 0) UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+  if (k_begin == 0) {
+    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
+    if (ce.gated != 0) {  // d's side memset set its landing area to the sentinel again (NvlRuntime::ce_copies)
+      void* gate = static_cast<char*>(ctx.buffers[ctx.rank]) + kOffSentinelReady + sizeof(int32_t) * d;
+      const int r = gpu::stream_wait_u32_geq(s, gate, static_cast<uint32_t>(ce.gate));
+      UCCL_ASSERT(r == 0, "a copy stream's wait for rank %d's sentinel failed (error %d)", d, r);
+    }
+  }
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
   int64_t r0 = k_begin > 0 ? ce_chunk_end(rows, k_begin - 1, chunks, shrink_pct) : 0;
@@ -412,8 +419,10 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     UCCL_ASSERT(need <= ctx.num_nvl_bytes, "a copy-engine combine lands %lld bytes in rank %d's buffer but the Buffer "
                 "has %lld", static_cast<long long>(need), d, static_cast<long long>(ctx.num_nvl_bytes));
   }
-  UCCL_ASSERT(a.ce_poll == 0 || (a.ce_chunks == 1 && ce.early == 0),
-              "a polled copy-engine combine copies in one chunk (got %d) and is never early", a.ce_chunks);
+  UCCL_ASSERT(a.ce_poll == 0 || (a.ce_chunks == 1 && (ce.early == 0 || ce.gated != 0)),
+              "a polled copy-engine combine copies in one chunk (got %d) and is early only behind the gate",
+              a.ce_chunks);
+  UCCL_ASSERT(ce.gated == 0 || (a.ce_poll != 0 && ce.early != 0), "only an early polled combine waits at the gate");
   const CeEnter enter = launch_ce_enter(
       ctx, K | pull_args_hidden(a.hidden) | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift) |
                (a.ce_poll != 0 ? kPullArgsPoll : 0),
@@ -467,6 +476,13 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
             combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
           else
             combine_ce_sum_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, head, enter);
+          // The kernel that would open our gate where the op fails (ce_op_end) did not launch: open it on our stream,
+          // so that the join below does not wait forever for a copy stream held at it (the error is raised after it).
+          if (enter.gated != 0 && !gpu::is_success(gpu::peek_last_error()))
+            for (int d = 0; d < N; ++d)
+              if (d != me)
+                (void)gpu::stream_write_u32(st, static_cast<char*>(ctx.buffers[me]) + kOffSentinelReady +
+                                                    sizeof(int32_t) * d, static_cast<uint32_t>(enter.gate));
         });
       },
       stream);

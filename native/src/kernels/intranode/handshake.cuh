@@ -247,6 +247,16 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   if (e.early != 0 && d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) != 0 &&
       gpu::load_acquire_sys(meta_ptr<const int32_t>(local, kOffPullStart) + d) == round)
     peer_arg_matches(ctx, d, e.checked, e.args_phase);
+  // An early polled op's gate (CeCopies::gate): once every peer left the op, d's count has reached ours unless d
+  // failed before its side memset or counts otherwise. Then open it here, so that our copy stream does not wait
+  // forever, and fail the op (our rows never reached d).
+  if (e.gated != 0 && d < ctx.num_ranks && d != ctx.rank) {
+    int32_t* gate = meta_ptr(local, kOffSentinelReady) + d;
+    if (ring_diff(gpu::load_volatile(gate), e.gate) < 0) {
+      gpu::store_release_sys(gate, e.gate);
+      gpu::store_release_sys(ctx.abort_flag, 1);
+    }
+  }
   __syncthreads();
   record_if_aborted(ctx, phase);
 }

@@ -254,6 +254,9 @@ struct CeCopies {
   int32_t early;                     ///< 1: the op before this one on the Buffer ended with the done hand-shake (the
                                      ///< host tracks it, NvlRuntime::ce_copies): no enter kernel, the copies
                                      ///< start at once and the op's kernel checks the peers' entry (CeEnter)
+  int32_t gated;                     ///< 1 (an early polled op, NvlRuntime::ce_copies): d's copy stream first waits
+  int32_t gate;                      ///< until our sentinel_ready[d] word reached `gate`, d's count of its side
+                                     ///< memsets (nvl_layout.hpp; wrapping), i.e. d's landing area holds the sentinel
 };
 /// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
 /// ran before it (launch_ce_enter) and advanced the round. With `early` there was none: the copies started as soon as
@@ -265,6 +268,7 @@ struct CeEnter {
   int32_t early;
   int32_t checked;
   DiagPhase args_phase;
+  int32_t gated, gate;  ///< CeCopies': ce_op_end opens the gate where the op failed, so no copy stream waits forever
 };
 /// The copy-engine ops' enter hand-shake. Not early: a one-block kernel on `stream`, then ce.entered recorded after
 /// it: every rank releases the round with `checked`, which every rank must agree on (else `args_phase`,

@@ -84,6 +84,12 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   notify_rows[src] kMaxLocalRanks, int64: how src's dispatch lays out its rows (diag.hpp dispatch_rows_code; written
 //                                     by src, compared by every rank after notify's second barrier)
 //   notify_experts[src] kMaxLocalRanks  num_experts of src's dispatch (written and compared alike)
+// And the runtime (nvl_runtime.cu):
+//   sentinel_ready[src] kMaxLocalRanks  how many side memsets src has made of its landing area (the polled ops'
+//                                     sentinel, NvlRuntime::note_op): written by src's side stream after each, so a
+//                                     copy stream that waits for the count (the gate, NvlRuntime::ce_copies) writes
+//                                     into src's area only once src set it; our own kernel writes it where an op
+//                                     fails (ce_op_end), so that our gate never holds a stream forever
 constexpr size_t kOffPullStart = align_up(kMetaEnd, 128);
 constexpr size_t kOffPullDone = kOffPullStart + sizeof(int32_t) * kMaxLocalRanks;
 constexpr size_t kOffPullTopk = kOffPullDone + sizeof(int32_t) * kMaxLocalRanks;
@@ -98,7 +104,8 @@ constexpr size_t kOffCeHead = kOffCeRound + sizeof(int32_t);
 constexpr size_t kOffRankTokens = align_up(kOffCeHead + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kOffNotifyRows = align_up(kOffRankTokens + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kOffNotifyExperts = kOffNotifyRows + sizeof(int64_t) * kMaxLocalRanks;
-constexpr size_t kPullMetaEnd = kOffNotifyExperts + sizeof(int32_t) * kMaxLocalRanks;
+constexpr size_t kOffSentinelReady = align_up(kOffNotifyExperts + sizeof(int32_t) * kMaxLocalRanks, 128);
+constexpr size_t kPullMetaEnd = kOffSentinelReady + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
