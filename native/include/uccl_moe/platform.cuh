@@ -17,6 +17,9 @@
 #endif
 
 #define UCCL_DEVICE_INLINE __device__ __forceinline__
+/// Out of line on purpose (a rarely taken wait whose inlined loop would cost a hot kernel registers); internal
+/// linkage, as a header's device function.
+#define UCCL_DEVICE_NOINLINE static __device__ __noinline__
 #define UCCL_HOST_DEVICE_INLINE __host__ __device__ __forceinline__
 
 namespace uccl_moe::gpu {

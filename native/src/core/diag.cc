@@ -32,6 +32,7 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kCombineCeChunk: return "combine/ce-chunk";
     case DiagPhase::kDispatchCeChunk: return "dispatch/ce-chunk";
     case DiagPhase::kDispatchArgs: return "dispatch/args";
+    case DiagPhase::kCeSentinel: return "combine/ce-sentinel";
   }
   return "unknown";
 }

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
-  push_ce_head(ctx, head, round, &sm);
+  push_ce_head(ctx, head, round, &sm, enter);
   if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true, kPoll>(ctx, a, round, enter);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
   if (last_block(meta_ptr(local, kOffPullLeave), &sm))

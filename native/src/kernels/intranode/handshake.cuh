@@ -106,6 +106,17 @@ UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem
   return done;
 }
 
+/// Whether every peer's count of side memsets reached `gate` (an early polled op: push_ce_head), waited for by one
+/// thread; false once that wait expired or the op aborted. Out of line: inlined, its loop costs the sum kernel's
+/// loops registers.
+UCCL_DEVICE_NOINLINE bool ce_gate_open(const NvlContext& ctx, int32_t gate) {
+  for (int d = 0; d < ctx.num_ranks; ++d)
+    if (d != ctx.rank && !wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffSentinelReady) +
+                                                         d, gate, DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
+      return false;
+  return true;
+}
+
 /// push_ce_head's column-major source stored row-major (CeHead::transpose_rows, the dispatch's scales): tiles of
 /// kCeHeadTileRows tokens by up to kCeHeadTileCols scale indices, each read one scale index at a time along the
 /// tokens (coalesced) into shared memory, then written row by row (runs of the tile's columns; one run where a row
@@ -148,10 +159,14 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 /// Each storing thread fences its stores system-wide before the block counts itself. Not after an abort (the enter
 /// wait gave up: a peer may still be in an earlier op); the count still completes. `kTransposable`:
 /// the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather kernel, whose shared
-/// memory then holds the tile).
+/// memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the sentinel again only
+/// once its side memset ended, so each block first waits for every peer's count, as our copy streams do (the gate,
+/// CeCopies), bounded (combine/ce-sentinel).
 template <bool kTransposable = false>
-UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm) {
-  if (threadIdx.x == 0) sm->aborted = gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
+UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm,
+                                     const CeEnter& e = CeEnter{}) {
+  if (threadIdx.x == 0)
+    sm->aborted = (e.gated != 0 && !ce_gate_open(ctx, e.gate)) || gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
   __syncthreads();
   const bool aborted = sm->aborted != 0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
