@@ -354,17 +354,6 @@ def test_staged_and_ce_combine_more_ranks(world: int, path: str) -> None:
     run_shared_gpu_ranks(_staged_worker, world, path, True, timeout_s=600)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ce_combine_with_the_caller_copies(world: int) -> None:
-    """UCCL_MOE_CE_CALLER_COPIES=1: the first peer's copies on the caller's stream, the sum on a stream of the
-    Buffer's own: the same bits as the ring in every case of test_staged_and_ce_combine_match_the_ring (the CUDA
-    graph's capture among them), and the polled combine's cases at EP2."""
-    env = {"UCCL_MOE_CE_CALLER_COPIES": "1"}
-    run_shared_gpu_ranks(_staged_worker, world, "ce", env=env, timeout_s=600)
-    if world == 2:
-        run_shared_gpu_ranks(_poll_worker, world, env=env, timeout_s=600)
-
-
 def test_ce_combine_with_the_enter_kernel_always() -> None:
     """UCCL_MOE_CE_EARLY=0: every copy-engine combine waits for the enter hand-shake kernel before its copies (the
     default starts them at once where the op before ended with the done hand-shake): the same bits, at EP2."""

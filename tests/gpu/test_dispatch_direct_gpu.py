@@ -322,14 +322,6 @@ def test_ce_dispatch_with_the_enter_kernel_always() -> None:
     run_shared_gpu_ranks(_ce_worker, 2, True, env={"UCCL_MOE_CE_EARLY": "0"}, timeout_s=600)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ce_dispatch_with_the_caller_copies(world: int) -> None:
-    """UCCL_MOE_CE_CALLER_COPIES=1: the first peer's copies on the caller's stream, the gather on a stream of the
-    Buffer's own: the same outputs as the rings in every case of test_ce_dispatch_matches_the_rings (the CUDA graph's
-    capture, where that stream forks and joins, among them)."""
-    run_shared_gpu_ranks(_ce_worker, world, env={"UCCL_MOE_CE_CALLER_COPIES": "1"}, timeout_s=600)
-
-
 def _bits_eq(a, b) -> bool:
     """recv_x results (a tensor, or a tuple with scales) bit for bit: rows and scales that hold NaNs as data too."""
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}

@@ -113,15 +113,12 @@ void NvlRuntime::destroy() {
   }
   if (ce_entered_ != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(ce_entered_)), "event_destroy");
   ce_entered_ = nullptr;
-  for (void** e : {&sentinel_after_, &sentinel_set_, &ce_kernel_done_}) {
+  for (void** e : {&sentinel_after_, &sentinel_set_}) {
     if (*e != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(*e)), "event_destroy");
     *e = nullptr;
   }
   if (sentinel_stream_ != nullptr) warn(gpu::stream_destroy(static_cast<gpu::Stream>(sentinel_stream_)), "stream_destroy");
   sentinel_stream_ = nullptr;
-  if (ce_kernel_stream_ != nullptr)
-    warn(gpu::stream_destroy(static_cast<gpu::Stream>(ce_kernel_stream_)), "stream_destroy");
-  ce_kernel_stream_ = nullptr;
   for (int r = 0; r < num_ranks_; ++r)
     if (r != rank_ && peers_[r] != nullptr) warn(gpu::ipc_close_mem_handle(peers_[r]), "ipc_close_mem_handle");
   if (local_ != nullptr) warn(gpu::device_free(local_), "device_free");
@@ -144,11 +141,6 @@ void NvlRuntime::make_ce_streams() {
   }
   UCCL_CHECK_GPU(gpu::event_create(&e));
   ce_entered_ = e;
-  UCCL_CHECK_GPU(gpu::event_create(&e));
-  ce_kernel_done_ = e;
-  gpu::Stream ks = nullptr;
-  UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&ks));
-  ce_kernel_stream_ = ks;
   gpu::Stream st = nullptr;
   UCCL_CHECK_GPU(gpu::stream_create_nonblocking(&st));
   sentinel_stream_ = st;
@@ -167,7 +159,7 @@ void NvlRuntime::make_ce_streams() {
 }
 
 intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted,
-                                          bool polled, bool caller_copies) {
+                                          bool polled) {
   UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
   UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
   intranode::CeCopies c{};
@@ -177,11 +169,6 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void*
     c.copied[r] = ce_copied_[r];
   }
   c.entered = ce_entered_;
-  if (caller_copies && num_ranks_ > 1) {
-    c.streams[(rank_ + 1) % num_ranks_] = stream;
-    c.kernel_stream = ce_kernel_stream_;
-    c.kernel_done = ce_kernel_done_;
-  }
   // After a side memset no op is early (a peer's copies could land under it) unless it is a polled one behind the
   // gate: the memset after the op before is the last one every rank made (sentinel_seq_ of them).
   const bool gated = polled && gate_ok_ && sentinel_unfenced_ && !pre_set_ && sentinel_seq_ > 0;

@@ -91,10 +91,7 @@ class NvlRuntime {
   /// memory wait) until its peer's count of side memsets, which the peer's side stream writes into our meta after each
   /// (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where the driver has no
   /// stream memory operations (connect() tries them): there a polled op is never early.
-  /// `caller_copies` (UCCL_MOE_CE_CALLER_COPIES): the first peer's copies go on `stream` itself and the op's kernel on
-  /// a stream of this runtime's (CeCopies::kernel_stream), so that no cross-stream wait comes before the first copy.
-  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false,
-                                bool caller_copies = false);
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
     kOpNotify,
@@ -190,8 +187,6 @@ class NvlRuntime {
   void make_ce_streams();  // connect(): the copy-engine ops' streams and events
   void* ce_streams_[kMaxLocalRanks] = {};  // copy-engine ops: a stream per peer, and its events (ce_copies)
   void* ce_entered_ = nullptr;
-  void* ce_kernel_stream_ = nullptr;  // the op's kernel where the caller's stream carries copies (ce_copies)
-  void* ce_kernel_done_ = nullptr;
   void* ce_copied_[kMaxLocalRanks] = {};
   char* host_ = nullptr;   // host-mapped block: DiagRecord | abort flag | recv counter | expert counters
   char* host_dev_ = nullptr;

@@ -458,7 +458,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
         enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
                          k_begin, k_end, head_rows[d]);
       },
-      [&](void* kernel_stream) {
+      [&] {
         CombinePullArgs args = a;
         void *out = nullptr, *out_w = nullptr;
         if (outputs && outputs(out, out_w)) {
@@ -471,7 +471,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
         }
         with_num_ranks(N, "combine", [&](auto n) {
           const dim3 grid(num_sms), block(kThreadsPerBlock);
-          const gpu::Stream st = static_cast<gpu::Stream>(kernel_stream);
+          const gpu::Stream st = static_cast<gpu::Stream>(stream);
           if (a.ce_poll != 0)
             combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
           else

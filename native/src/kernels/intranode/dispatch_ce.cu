@@ -203,7 +203,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
                          static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end,
                          head_rows);
       },
-      [&](void* kernel_stream) {
+      [&] {
         DispatchArgs args = a;
         if (outputs && !outputs(args.recv_x, args.recv_scales)) {  // no outputs: gather no row, still hand-shake
           args.recv_x = args.recv_scales = nullptr;
@@ -211,7 +211,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
         }
         with_num_ranks(N, "dispatch", [&](auto n) {
           const dim3 grid(num_sms), block(kGatherThreads);
-          const gpu::Stream st = static_cast<gpu::Stream>(kernel_stream);
+          const gpu::Stream st = static_cast<gpu::Stream>(stream);
           if (poll)
             dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
           else

@@ -326,30 +326,18 @@ struct LandedChunks {
   }
 };
 
-/// A copy-engine op's launch order, on the host: each peer's first chunks (ce_chunks_before_kernel), then
-/// `kernel(kernel_stream)` (the op's gather or sum: on `stream`, or on ce.kernel_stream after ce.entered), then the
-/// other chunks, the join, and the launch's error check after all of them (the peers' kernels wait for those chunks,
-/// so a stale error raised earlier would leave them waiting).
+/// A copy-engine op's launch order, on the host: each peer's first chunks (ce_chunks_before_kernel), then `kernel()`
+/// (the op's gather or sum), then the other chunks, the join, and the launch's error check after all of them (the
+/// peers' kernels wait for those chunks, so a stale error raised earlier would leave them waiting).
 /// `copies(d, k_begin, k_end)` enqueues chunks [k_begin, k_end) of the block for peer d (enqueue_ce_block).
 template <class Copies, class Kernel>
 void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chunks, const Copies& copies,
                              const Kernel& kernel, void* stream) {
   const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, 0, before);
-  void* kernel_stream = stream;
-  if (ce.kernel_stream != nullptr) {  // the kernel beside the copies on the caller's stream, once the op entered
-    kernel_stream = ce.kernel_stream;
-    UCCL_CHECK_GPU(gpu::stream_wait_event(static_cast<gpu::Stream>(kernel_stream),
-                                          static_cast<gpu::Event>(ce.entered)));
-  }
-  kernel(kernel_stream);
-  if (ce.kernel_stream != nullptr)
-    UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.kernel_done),
-                                     static_cast<gpu::Stream>(kernel_stream)));
+  kernel();
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, before, chunks);
   join_ce_copies(ctx, ce, stream);  // the copies read the caller's tensors until their streams finish
-  if (ce.kernel_stream != nullptr)
-    UCCL_CHECK_GPU(gpu::stream_wait_event(static_cast<gpu::Stream>(stream), static_cast<gpu::Event>(ce.kernel_done)));
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

@@ -254,10 +254,6 @@ struct CeCopies {
   int32_t early;                     ///< 1: the op before this one on the Buffer ended with the done hand-shake (the
                                      ///< host tracks it, NvlRuntime::ce_copies): no enter kernel, the copies
                                      ///< start at once and the op's kernel checks the peers' entry (CeEnter)
-  void* kernel_stream;                ///< null: the op's kernel runs on the caller's stream; else on this stream of the
-                                     ///< runtime's (after ce.entered), while the first peer's copies run on the
-                                     ///< caller's stream (streams[that peer]); the caller's stream then waits for
-  void* kernel_done;                 ///< this event, recorded after the kernel (UCCL_MOE_CE_CALLER_COPIES)
   int32_t gated;                     ///< 1 (an early polled op, NvlRuntime::ce_copies): d's copy stream first waits
   int32_t gate;                      ///< until our sentinel_ready[d] word reached `gate`, d's count of its side
                                      ///< memsets (nvl_layout.hpp; wrapping), i.e. d's landing area holds the sentinel
