@@ -439,7 +439,8 @@ void register_runtime(nb::module_& m) {
                 rank_tokens.size(), N, N, N);
     rt.check_num_sms(num_sms);  // no ring: no ensure_rings
     poll = rt.ce_poll(stream_of(stream), poll);
-    if (poll) {  // the landing area holds the sentinel before the copies (the last chunk's rows are polled)
+    if (poll) {  // one copy per peer; the landing area holds the sentinel before it
+      chunks = 1;
       // Every rank's largest landing area, as for the polled combine (the runtime's choices must be alike).
       const int64_t end = intranode::ce_dispatch_landing_most(rank_tokens.data(), N, a.row_bytes, a.num_scales);
       // (the host checked the fit on every rank alike; before the memset and the prediction, not after them)
@@ -450,7 +451,7 @@ void register_runtime(nb::module_& m) {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
     }
     const int kind = poll ? NvlRuntime::kOpPolledDispatch : NvlRuntime::kOpCeDispatch;
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, poll);
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early && !poll);
     std::exception_ptr failed;
     const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
@@ -462,8 +463,8 @@ void register_runtime(nb::module_& m) {
   "outputs"_a = nb::none(), "poll"_a = false,
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
   "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early, outputs (here "
-  "(recv_x, recv_scales)) as for combine_ce_intranode; poll: UCCL_MOE_DISPATCH_CE_POLL (the gather polls the rows of "
-  "each peer's last chunk as the combine's sum does; early only behind the gate)");
+  "(recv_x, recv_scales)) as for combine_ce_intranode; poll: UCCL_MOE_DISPATCH_CE_POLL (chunks is then 1; the gather "
+  "polls as the combine's sum does)");
 
   m.def("stage_combine_rows_intranode", [](NvlRuntime& rt, uintptr_t x, int hidden, int64_t max_rows,
                                            uintptr_t rank_prefix, uintptr_t stream) {

@@ -476,7 +476,13 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
             combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
           else
             combine_ce_sum_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, head, enter);
-          open_ce_gate_if_unlaunched(ctx, enter, st);
+          // The kernel that would open our gate where the op fails (ce_op_end) did not launch: open it on our stream,
+          // so that the join below does not wait forever for a copy stream held at it (the error is raised after it).
+          if (enter.gated != 0 && !gpu::is_success(gpu::peek_last_error()))
+            for (int d = 0; d < N; ++d)
+              if (d != me)
+                (void)gpu::stream_write_u32(st, static_cast<char*>(ctx.buffers[me]) + kOffSentinelReady +
+                                                    sizeof(int32_t) * d, static_cast<uint32_t>(enter.gate));
         });
       },
       stream);

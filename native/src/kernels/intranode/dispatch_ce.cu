@@ -16,11 +16,9 @@
 // the copies start at once and the gather checks each peer's entry before its rows), and the pull's done hand-shake
 // at the end of the gather (a later op may write into the peers' buffers at once).
 //
-// Polled (UCCL_MOE_DISPATCH_CE_POLL, off by default): the landing area holds the sentinel (NvlRuntime::begin_op) and
-// the gather takes the rows of each peer's last chunk word by word as they land (landing_poll.cuh), a peer's scales
-// once its head landed; the rows of earlier chunks once their flag landed, as without polling. So the last chunk's
-// rows need no flag and no wait for the whole chunk: its gather follows the engine instead of starting after it (with
-// one chunk every row is polled). Early only behind the gate (CeCopies::gate), as the polled combine.
+// Polled (UCCL_MOE_DISPATCH_CE_POLL, off by default): one copy per peer, never early, into a landing area that
+// holds the sentinel (NvlRuntime::begin_op); the gather takes each row's words as they land (landing_poll.cuh) and
+// a peer's scales once its head landed.
 #include <algorithm>
 
 #include "handshake.cuh"
@@ -37,9 +35,9 @@ constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
-/// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL): the landing area held the sentinel before the peers' copies, and a row of a
-/// peer's last chunk is copied as its words land (warp_copy_row_polled) with no wait for its chunk, its scales (which
-/// the peer's head carries) once that head landed; a row of an earlier chunk after that chunk's flag.
+/// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, never early): the landing area held the sentinel before the
+/// peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no wait for its chunk; its
+/// scales (which the peer's head carries) once that head landed.
 template <int kNumRanks, bool kPoll>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,
@@ -51,7 +49,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
-  push_ce_head<true>(ctx, head, round, &sm, enter);  // our scales (row-major) or first rows into the peers' areas
+  push_ce_head<true>(ctx, head, round, &sm);  // our scales (row-major) or first rows into the peers' landing areas
   if (gpu::load_volatile(ctx.abort_flag) == 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
@@ -64,12 +62,6 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, a.row_bytes, S > 0, N - 1));  // S: alike
       landed.enter = enter;
     }
-    // Polled: lane d holds the first of d's tokens in d's last chunk (the head rows, then the chunks: enqueue_ce_block);
-    // with one chunk every row (the head rows hold no sentinel once stored, and are covered as the chunk's words are).
-    int32_t poll_from = 0;
-    if (kPoll && lane < N && lane != me && p.chunks > 1)
-      poll_from = landed.head_rows + static_cast<int32_t>(ce_chunk_end(landed.rows - landed.head_rows, p.chunks - 2,
-                                                                       p.chunks, landed.shrink_pct));
     auto peek = [&](int d) { return ce_landed_peek(local, d, round, p.chunks); };
     auto settle = [&](int d) {
       return ce_landed_settle(ctx, local, d, round, p.chunks, DiagPhase::kDispatchCeChunk);
@@ -88,17 +80,14 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
       if (i + stride < rows) src_next = a.recv_src_idx[r_next];
-      const bool polled = kPoll && s != me && src >= gpu::shfl(poll_from, s);  // warp-uniform
-      if (polled && ((heads >> s) & 1) == 0) {  // s entered (an early op) and its head (the scales) landed: once
-        const bool ok = lane != s || ((enter.early == 0 || wait_entered(ctx, enter, round, s)) &&
-                                      (S == 0 || wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) +
-                                                              s, round, DiagPhase::kDispatchCeChunk,
-                                                              DiagRole::kReceiver, s, -1)));
+      if (kPoll && s != me && S > 0 && ((heads >> s) & 1) == 0) {  // the head holds the scales: waited for once
+        const bool ok = lane != s || wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + s, round,
+                                                  DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, s, -1);
         gpu::sync_warp();  // lane s's acquire covers the warp's loads of s's scales
         if (gpu::ballot(!ok) != 0) break;
         heads |= 1u << s;
       }
-      if (!polled && s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
+      if (!kPoll && s != me && !landed.wait(ctx, p.chunks, lane == s ? src : -1, lane)) break;
       int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) + r * a.row_bytes);
       int32_t* out_scales = static_cast<int32_t*>(a.recv_scales) + r * S;
       // The row's first kScalesAhead scales per lane load before its words, and are stored after them.
@@ -117,7 +106,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       } else {  // landed by a copy engine during the launch: coherent loads
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
         const int4* row = reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes);
-        if (polled) {
+        if constexpr (kPoll) {
           if (!warp_copy_row_polled<kGatherUnroll>(dst, row, num_16, s, settled, peek, settle)) break;
         } else {
           warp_copy_row_pipelined<kGatherUnroll, true>(dst, row, num_16);
@@ -146,8 +135,8 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   UCCL_ASSERT(chunks >= 1 && chunks <= kMaxCeChunks, "copy-engine dispatch chunks=%d outside [1, %d]", chunks,
               kMaxCeChunks);
   UCCL_ASSERT(num_sms > 0, "a copy-engine dispatch needs num_sms > 0");
-  UCCL_ASSERT(!poll || ce.early == 0 || ce.gated != 0, "a polled copy-engine dispatch is early only behind the gate");
-  UCCL_ASSERT(ce.gated == 0 || (poll && ce.early != 0), "only an early polled dispatch waits at the gate");
+  UCCL_ASSERT(!poll || (chunks == 1 && ce.early == 0),
+              "a polled copy-engine dispatch copies in one chunk (got %d) and is never early", chunks);
   UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr, "the copy-engine dispatch is intranode only");
   UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
               rank_tokens[me]);
@@ -227,7 +216,6 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
             dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
           else
             dispatch_ce_gather_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
-          open_ce_gate_if_unlaunched(ctx, enter, st);
         });
       },
       stream);

@@ -326,17 +326,6 @@ struct LandedChunks {
   }
 };
 
-/// Right after an early polled op's kernel launch on `stream`: where it did not launch, the kernel that would open our
-/// gate where the op fails (ce_op_end) will not run, so open it on `stream`, before the join that waits for the copy
-/// streams held at it (the launch's error is raised after the join).
-inline void open_ce_gate_if_unlaunched(const NvlContext& ctx, const CeEnter& e, gpu::Stream stream) {
-  if (e.gated == 0 || gpu::is_success(gpu::peek_last_error())) return;
-  for (int d = 0; d < ctx.num_ranks; ++d)
-    if (d != ctx.rank)
-      (void)gpu::stream_write_u32(stream, static_cast<char*>(ctx.buffers[ctx.rank]) + kOffSentinelReady +
-                                              sizeof(int32_t) * d, static_cast<uint32_t>(e.gate));
-}
-
 /// A copy-engine op's launch order, on the host: each peer's first chunks (ce_chunks_before_kernel), then `kernel()`
 /// (the op's gather or sum), then the other chunks, the join, and the launch's error check after all of them (the
 /// peers' kernels wait for those chunks, so a stale error raised earlier would leave them waiting).
