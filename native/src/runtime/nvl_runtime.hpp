@@ -90,7 +90,7 @@ class NvlRuntime {
   /// by a side memset after the op before (note_op) and not by begin_op, each copy stream first waits (a stream
   /// memory wait) until its peer's count of side memsets, which the peer's side stream writes into our meta after each
   /// (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where the driver has no
-  /// stream memory operations (connect() tries them): there a polled op is never early.
+  /// stream memory operations (connect() tries them): there a polled combine is never early.
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
