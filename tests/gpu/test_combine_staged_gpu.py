@@ -33,6 +33,7 @@ from test_intranode_native import (
     _dispatch,
     early_ops,
     early_wanted,
+    gate_ok,
     gated_ops,
     pull_buffers,
     pull_cases,
@@ -134,7 +135,7 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
         # into a peer wait until that peer's side memset ended)
         # (one rank: they poll too, but land nothing, so no memset and nothing early)
         polls = poll_wanted()
-        gated = 22 if polls and early_wanted() and R > 1 else 0
+        gated = 22 if polls and early_wanted() and R > 1 and gate_ok(nat) else 0
         early = gated if polls else 23 if early_wanted() else 0
         check("early copy-engine combines", early_ops(nat) - early0 == early)
         check("early polled combines behind the gate", gated_ops(nat) - gated0 == gated)
@@ -320,6 +321,54 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_polled_ce_combine(world: int) -> None:
     run_shared_gpu_ranks(_poll_worker, world, timeout_s=600)
+
+
+def _gate_worker(rank: int, world: int, gloo) -> None:
+    """A peer whose count of side memsets stays behind ours: it ran a one-sided op (the bench's peer copy) between two
+    polled combines, so it predicts no polled combine after one and makes one memset fewer (ranks must run the same
+    ops on a Buffer; this one breaks that rule on purpose). Our next early polled combine's copies into it then wait
+    at the gate, which nothing opens but the side stream's watch (ce_gate_watch_kernel) after UCCL_MOE_TIMEOUT_S; with
+    CUDA_DEVICE_MAX_CONNECTIONS=1 the waiting copy stream may also hold the combine's own kernel. The gated rank raises
+    CommTimeoutError naming that peer (combine/ce-sentinel); the peer raises or returns; nobody hangs."""
+    from uccl_moe import CommTimeoutError
+
+    cfg, nat, ref, check = pull_buffers(rank, world, gloo)
+    check("stream memory operations work here", gate_ok(nat))
+    case = _Case(rank, world, 256, 2048, 8 * world, 4, False, "none", "random", 77)
+    _, rn = _dispatch(nat, case, "cuda", config=cfg)
+    y = (rn.recv_x.float() * 0.5 - 1).bfloat16()
+    want = _combine(nat, "ring", y, rn.handle, config=cfg).combined_x
+    odd = world - 1
+    ok = all(torch.equal(_combine(nat, "ce", y, rn.handle, config=cfg).combined_x, want) for _ in range(2))
+    if rank == odd:
+        nat._live().peer_copy(rank, 4096)  # one-sided, within its own buffer
+    torch.cuda.synchronize()
+    dist.barrier(group=gloo)
+    nat._live().peer_copies_done()  # every rank: the next polled combine sets its whole area first (none is early)
+    ok &= torch.equal(_combine(nat, "ce", y, rn.handle, config=cfg).combined_x, want)
+    torch.cuda.synchronize()
+    check("polled combines before the fault", ok)
+    gated0 = gated_ops(nat)
+    try:
+        _combine(nat, "ce", y, rn.handle, config=cfg)
+        torch.cuda.synchronize()
+        nat.get_dispatch_layout(case.idx.cuda(), 8 * world)  # the next call surfaces an abort
+    except CommTimeoutError as e:
+        rec = e.record or {}
+        if rank != odd:
+            check(f"the gated rank names the peer whose memset count stayed behind ({rec})",
+                  rec.get("phase") == "combine/ce-sentinel" and rec.get("peer") == odd)
+    else:
+        check("the gated rank raised", rank == odd)
+    if rank != odd:
+        check("the combine was early behind the gate", gated_ops(nat) == gated0 + 1)
+    dist.barrier(group=gloo)
+    check.assert_none_failed()
+
+
+def test_polled_ce_combine_gate_that_never_opens() -> None:
+    run_shared_gpu_ranks(_gate_worker, 2, env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+                         timeout_s=300)
 
 
 def _kernels(fn) -> str:

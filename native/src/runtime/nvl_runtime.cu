@@ -12,6 +12,7 @@
 #include "uccl_moe/error.hpp"
 #include "uccl_moe/log.hpp"
 #include "../kernels/intranode/nvl_layout.hpp"
+#include "uccl_moe/diag_device.cuh"
 #include "uccl_moe/gpu_check.cuh"
 
 namespace uccl_moe::runtime {
@@ -29,6 +30,25 @@ static_assert(kHostOffRecvCounter + sizeof(int32_t) * (intranode::kRecvCounterRa
 constexpr size_t kHostBytes = kHostOffExpertCounters + sizeof(int32_t) * kMaxExpertsPerRank;
 static_assert(kHostOffDiag + sizeof(DiagRecord) <= kHostOffAbort && kHostOffTopkFault + sizeof(TopkFault) <= kHostOffRecvCounter,
               "host-mapped records overlap");
+
+}  // namespace
+
+namespace {
+
+/// After a side memset (NvlRuntime::note_op), on the side stream behind the count writes: thread d waits, bounded,
+/// until peer d's count of side memsets (its sentinel_ready word in our meta) reached ours. Where it does not within
+/// UCCL_MOE_TIMEOUT_S (d failed or stopped before its memset, or counts differently), it writes our count there,
+/// which opens the gate of any copy stream of ours waiting for it (NvlRuntime::ce_copies), and the record names d
+/// (combine/ce-sentinel; the abort flag is up, so the Buffer's next call raises). A copy stream's stream-memory wait
+/// is unbounded and may hold work queued behind it (streams that share a hardware queue, as with
+/// CUDA_DEVICE_MAX_CONNECTIONS=1, the op's own kernel among them), so this kernel, queued before any gated copy,
+/// is what bounds it.
+__global__ void ce_gate_watch_kernel(DiagDeviceHandle diag, int32_t* words, int num_ranks, int rank, int32_t count) {
+  const int d = static_cast<int>(threadIdx.x);
+  if (d >= num_ranks || d == rank) return;
+  if (!wait_reached(diag, words + d, count, DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
+    gpu::store_release_sys(words + d, count);
+}
 
 }  // namespace
 
@@ -369,17 +389,26 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(sentinel_set_), side));
   sentinel_end_ = end;
   ++sentinel_seq_;
-  // Every peer learns that our area holds the sentinel again (the write fences the memset): an early polled op's copy
-  // stream waits for it (ce_copies).
-  for (int d = 0; d < num_ranks_ && gate_ok_; ++d) {
-    if (d == rank_) continue;
-    const int r = gpu::stream_write_u32(side, static_cast<char*>(peers_[d]) + intranode::kOffSentinelReady +
-                                                  sizeof(int32_t) * rank_, static_cast<uint32_t>(sentinel_seq_));
-    UCCL_ASSERT(r == 0, "the side stream could not tell rank %d that our landing area is set (error %d)", d, r);
-  }
   ++ce_sentinel_side_sets_;
   sentinel_unfenced_ = true;
   ring_channels_ = -1;  // the next ring op resets the rings: its barriers order every peer's writes after our memset
+  if (!gate_ok_ || num_ranks_ < 2) return;
+  // Every peer learns that our area holds the sentinel again (the write fences the memset): an early polled op's copy
+  // stream waits for it (ce_copies). Then the watch that bounds our own copy streams' waits for the peers' counts.
+  const auto count = static_cast<int32_t>(static_cast<uint32_t>(sentinel_seq_));
+  for (int d = 0; d < num_ranks_; ++d) {
+    if (d == rank_) continue;
+    const int r = gpu::stream_write_u32(side, static_cast<char*>(peers_[d]) + intranode::kOffSentinelReady +
+                                                  sizeof(int32_t) * rank_, static_cast<uint32_t>(count));
+    UCCL_ASSERT(r == 0, "the side stream could not tell rank %d that our landing area is set (error %d)", d, r);
+  }
+  const DiagDeviceHandle diag{reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag),
+                              reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag),
+                              timeout_.limit_ns(), global_rank_ >= 0 ? global_rank_ : rank_};
+  ce_gate_watch_kernel<<<1, gpu::kWarpSize, 0, side>>>(
+      diag, reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffSentinelReady), num_ranks_, rank_,
+      count);
+  UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
 void NvlRuntime::check_num_sms(int num_sms) const {
