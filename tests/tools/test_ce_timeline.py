@@ -93,3 +93,13 @@ def test_held_iterations_leave_out_the_gpu_sleep() -> None:
     [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": held}))]
     assert got is not None and got["kernel_start"] == pytest.approx(20.0) and got["span"] == pytest.approx(87.0)
     assert "spin_kernel" not in "".join(ct.listing({"traceEvents": held}))
+
+
+def test_the_polled_combines_watch_after_the_op_is_not_its_kernel() -> None:
+    """The polled combine's side stream runs a watch after the op (ce_gate_watch_kernel, until the peers' memsets
+    ended): neither the op's kernel nor its end."""
+    t = 3000.0
+    it = _iteration(t, 5.0) + [_k("uccl_moe::runtime::(anonymous namespace)::ce_gate_watch_kernel", t + 95.0, 30.0)]
+    [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": it}))]
+    assert got is not None and got["tail"] == pytest.approx(5.0) and got["span"] == pytest.approx(87.0)
+    assert "ce_gate_watch" not in "".join(ct.listing({"traceEvents": it}))
