@@ -32,9 +32,9 @@ from test_intranode_native import (
     _close_bf16,
     _dispatch,
     early_ops,
-    early_wanted,
     gate_ok,
     gated_ops,
+    knob_on,
     pull_buffers,
     pull_cases,
     pull_inputs,
@@ -134,9 +134,9 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
         # next after itself, on the side stream: from the third on each starts at once behind the gate (its copies
         # into a peer wait until that peer's side memset ended)
         # (one rank: they poll too, but land nothing, so no memset and nothing early)
-        polls = poll_wanted()
-        gated = 22 if polls and early_wanted() and R > 1 and gate_ok(nat) else 0
-        early = gated if polls else 23 if early_wanted() else 0
+        polls = knob_on("CE_POLL")
+        gated = 22 if polls and knob_on("CE_EARLY") and R > 1 and gate_ok(nat) else 0
+        early = gated if polls else 23 if knob_on("CE_EARLY") else 0
         check("early copy-engine combines", early_ops(nat) - early0 == early)
         check("early polled combines behind the gate", gated_ops(nat) - gated0 == gated)
         got_counts = tuple(b - a for a, b in zip(polled0, _poll_counts(nat)))
@@ -193,13 +193,6 @@ def _staged_worker(rank: int, world: int, gloo, path: str = "staged", few: bool 
               _ran(P, names, R, bn.recv_x.shape[0]) if stages else "combine_intranode_kernel" in names)
     torch.cuda.synchronize()
     check.finish(gloo, small, nat, ref)
-
-
-def poll_wanted() -> bool:
-    """UCCL_MOE_CE_POLL as the Buffer reads it."""
-    from uccl_moe import env
-
-    return bool(env.get("CE_POLL"))
 
 
 @contextlib.contextmanager

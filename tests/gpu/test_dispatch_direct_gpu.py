@@ -30,7 +30,7 @@ from test_intranode_native import (
     _eq,
     _split,
     early_ops,
-    early_wanted,
+    knob_on,
     pull_buffers,
 )
 
@@ -231,7 +231,7 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY), unless
     # it polls (never early)
     check("early copy-engine dispatches",
-          early_ops(nat) - early0 == (len(xs) - 1 if early_wanted() and not dispatch_poll_wanted() else 0))
+          early_ops(nat) - early0 == (len(xs) - 1 if knob_on("CE_EARLY") and not knob_on("DISPATCH_CE_POLL") else 0))
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
@@ -268,13 +268,6 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     check("scales in different orders on different ranks", all(_eq(p, q) for p, q in zip(got_m, want_m)))
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
-
-
-def dispatch_poll_wanted() -> bool:
-    """UCCL_MOE_DISPATCH_CE_POLL as the Buffer reads it."""
-    from uccl_moe import env
-
-    return bool(env.get("DISPATCH_CE_POLL"))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -984,11 +984,11 @@ def gate_ok(buf) -> bool:
     return bool(buf._live()._rt.ce_gate_ok)
 
 
-def early_wanted() -> bool:
-    """UCCL_MOE_CE_EARLY as the Buffer reads it."""
+def knob_on(name: str) -> bool:
+    """The boolean knob UCCL_MOE_<name> (CE_EARLY, CE_POLL, DISPATCH_CE_POLL, ...) as the Buffer reads it."""
     from uccl_moe import env
 
-    return bool(env.get("CE_EARLY"))
+    return bool(env.get(name))
 
 
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
