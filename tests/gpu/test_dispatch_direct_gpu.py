@@ -30,6 +30,8 @@ from test_intranode_native import (
     _eq,
     _split,
     early_ops,
+    gate_ok,
+    gated_ops,
     knob_on,
     pull_buffers,
 )
@@ -221,17 +223,23 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
           for i in range(4 if sanitizer else 24)]
     wants = [_ce(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0] for xi in xs]
     outs = []
-    early0 = early_ops(nat)
+    early0, gated0 = early_ops(nat), gated_ops(nat)
     for xi in xs:
         if rank == 0:
             torch.cuda._sleep(200_000)
         outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
     check(f"{len(xs)} copy-engine dispatches back to back, one rank late",
           all(_eq(o, w) for o, w in zip(outs, wants)))
-    # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY), unless
-    # it polls (never early)
-    check("early copy-engine dispatches",
-          early_ops(nat) - early0 == (len(xs) - 1 if knob_on("CE_EARLY") and not knob_on("DISPATCH_CE_POLL") else 0))
+    # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY); where
+    # they poll, the first two set the sentinel before their copies (after the ring dispatch, and after a polled one
+    # that no polled dispatch followed last time), and from the third on each starts at once behind the gate (its
+    # copies into a peer wait until that peer's side memset after the dispatch before ended); one rank lands nothing,
+    # so sets no sentinel and is never early where it polls
+    polls = knob_on("DISPATCH_CE_POLL")
+    gated = len(xs) - 2 if polls and knob_on("CE_EARLY") and R > 1 and gate_ok(nat) else 0
+    early = gated if polls else len(xs) - 1 if knob_on("CE_EARLY") else 0
+    check("early copy-engine dispatches", early_ops(nat) - early0 == early)
+    check("early polled dispatches behind the gate", gated_ops(nat) - gated0 == gated)
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)
@@ -276,16 +284,17 @@ def test_ce_dispatch_matches_the_rings(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_polled_ce_dispatch_matches_the_rings(world: int) -> None:
-    """Every case of test_ce_dispatch_matches_the_rings with the gather polled (UCCL_MOE_DISPATCH_CE_POLL=1)."""
-    run_shared_gpu_ranks(_ce_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
+def test_flagged_ce_dispatch_matches_the_rings(world: int) -> None:
+    """Every case of test_ce_dispatch_matches_the_rings (whose gather polls by default) with chunks and their flags
+    instead (UCCL_MOE_DISPATCH_CE_POLL=0)."""
+    run_shared_gpu_ranks(_ce_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "0"}, timeout_s=600)
 
 
 @pytest.mark.parametrize("world", [6, 8])
-def test_polled_ce_dispatch_more_ranks(world: int) -> None:
-    """The polled gather at 6 and 8 ranks sharing the GPUs (the -1-entry, empty-rank and no-token cases, back to
-    back and interleaved), as test_ce_dispatch_more_ranks."""
-    run_shared_gpu_ranks(_ce_worker, world, True, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
+def test_flagged_ce_dispatch_more_ranks(world: int) -> None:
+    """The gather by chunk flags at 6 and 8 ranks sharing the GPUs (the -1-entry, empty-rank and no-token cases, back
+    to back and interleaved), as test_ce_dispatch_more_ranks."""
+    run_shared_gpu_ranks(_ce_worker, world, True, env={"UCCL_MOE_DISPATCH_CE_POLL": "0"}, timeout_s=600)
 
 
 @pytest.mark.parametrize("world", [6, 8])
@@ -295,10 +304,11 @@ def test_ce_dispatch_more_ranks(world: int) -> None:
 
 @pytest.mark.parametrize("chunks", [1, 8])
 def test_ce_dispatch_chunk_counts(chunks: int) -> None:
-    """UCCL_MOE_DISPATCH_CE_CHUNKS at its ends (the default, 3, runs above): one copy per peer, and 8 that shrink so
-    fast that the last ones hold no row for the smaller cases, against the rings at EP2 (the BF16 and the FP8 split
-    both)."""
-    run_shared_gpu_ranks(_ce_worker, 2, env={"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks)}, timeout_s=600)
+    """UCCL_MOE_DISPATCH_CE_CHUNKS at its ends with chunk flags (UCCL_MOE_DISPATCH_CE_POLL=0; the default, 3, runs in
+    test_flagged_ce_dispatch_matches_the_rings): one copy per peer, and 8 that shrink so fast that the last ones hold no
+    row for the smaller cases, against the rings at EP2 (the BF16 and the FP8 split both)."""
+    env = {"UCCL_MOE_DISPATCH_CE_CHUNKS": str(chunks), "UCCL_MOE_DISPATCH_CE_POLL": "0"}
+    run_shared_gpu_ranks(_ce_worker, 2, env=env, timeout_s=600)
 
 
 def test_ce_ops_where_launches_block() -> None:
@@ -406,7 +416,7 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_polled_ce_dispatch(world: int) -> None:
-    run_shared_gpu_ranks(_poll_dispatch_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "1"}, timeout_s=600)
+    run_shared_gpu_ranks(_poll_dispatch_worker, world, timeout_s=600)
 
 
 def _late_outputs_worker(rank: int, world: int, gloo) -> None:

@@ -999,18 +999,29 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     rank 0 starts after rank 1's whole timeout, finds its flag up and every wait passed, and still raises) or splits
     its copies otherwise
     (`ce_chunks_early`: every rank raises InvalidUsageError naming the chunks, checked by the sum kernel before it
-    reads a peer's rows). `_poll` in the mode: the combines poll, so the faulted one is early behind the gate."""
+    reads a peer's rows). `_poll` in the mode: the combines poll, so the faulted one is early behind the gate.
+    `ce_dispatch_skip_poll_early`: the same skip in a polled copy-engine dispatch (the gather's wait for the skipped
+    rank's entry is the one that gives up)."""
     from uccl_moe import CommTimeoutError, InvalidUsageError
 
     poll = "_poll" in mode
     mode = mode.replace("_poll", "")
+    dispatch = mode == "ce_dispatch_skip_early"
     os.environ["UCCL_MOE_COMBINE_CE"] = "1"
     os.environ["UCCL_MOE_CE_POLL"] = "1" if poll else "0"
-    # A polled combine is early only after a side memset, made after one once one followed another (begin_op).
+    os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
+    os.environ["UCCL_MOE_DISPATCH_CE_POLL"] = "1" if poll else "0"
+
+    def op():
+        if dispatch:
+            return nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg)
+        return nat.combine(res.recv_x.clone(), res.handle, config=cfg)
+
+    # A polled op is early only after a side memset, made after one once one followed another (begin_op).
     for _ in range(2 if poll else 1):
-        nat.combine(res.recv_x.clone(), res.handle, config=cfg)
+        op()
     torch.cuda.synchronize()
-    assert not poll or gate_ok(nat), "stream memory operations failed on this GPU: polled combines are never early"
+    assert not poll or gate_ok(nat), "stream memory operations failed on this GPU: polled ops are never early"
     early0, gated0 = early_ops(nat), gated_ops(nat)
     if mode == "ce_chunks_early":
         os.environ["UCCL_MOE_COMBINE_CE_CHUNKS"] = "2" if rank == odd else "4"
@@ -1021,9 +1032,9 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
     if mode == "ce_late_early" and rank == 0:
         time.sleep(4.5)  # past the peer's whole timeout: it gave up, released its done word and raised our flag
     try:
-        nat.combine(res.recv_x.clone(), res.handle, config=cfg)
-        assert early_ops(nat) == early0 + 1, "the combine did not start its copies at once"
-        assert not poll or gated_ops(nat) == gated0 + 1, "the polled combine did not start behind the gate"
+        op()
+        assert early_ops(nat) == early0 + 1, "the op did not start its copies at once"
+        assert not poll or gated_ops(nat) == gated0 + 1, "the polled op did not start behind the gate"
         torch.cuda.synchronize()
         nat.get_dispatch_layout(case.idx.cuda(), 4 * (odd + 1))  # the next call surfaces the abort
     except InvalidUsageError as e:
@@ -1034,17 +1045,17 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
             assert rec.get("drained") == (rank == 0), rec
             assert rank == 0 or (rec.get("phase") == "combine/pull-start" and rec.get("peer") == 0), rec
             return
-        assert mode in ("ce_skip_early", "ce_skip_late_early"), rec
+        assert mode in ("ce_skip_early", "ce_skip_late_early", "ce_dispatch_skip_early"), rec
         assert rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
         if mode == "ce_skip_late_early":  # rank 0 learnt of it from rank 1's abort, rank 1 on its own clock
             assert rec.get("drained") == (rank == 0), rec
             assert ("aborted first" in str(e)) == (rank == 0), str(e)
     else:
-        raise AssertionError(f"an early copy-engine combine returned through a fault ({mode})")
+        raise AssertionError(f"an early copy-engine op returned through a fault ({mode})")
 
 
 @pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_late_early",
-                                  "ce_skip_poll_early", "ce_skip_late_poll_early"])
+                                  "ce_skip_poll_early", "ce_skip_late_poll_early", "ce_dispatch_skip_poll_early"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 

@@ -234,7 +234,7 @@ void register_runtime(nb::module_& m) {
       .def_prop_ro("ce_gated_ops", &NvlRuntime::ce_gated_ops,
                    "the polled ones among ce_early_ops: their copies waited for each peer's side memset (the gate)")
       .def_prop_ro("ce_gate_ok", &NvlRuntime::ce_gate_ok,
-                   "whether stream memory operations worked on this GPU (else polled combines are never early)")
+                   "whether stream memory operations worked on this GPU (else polled ops are never early)")
       .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops,
                    "copy-engine combines and dispatches that polled (UCCL_MOE_CE_POLL, UCCL_MOE_DISPATCH_CE_POLL)")
       .def_prop_ro("ce_polled_dispatches", &NvlRuntime::ce_polled_dispatches,
@@ -451,7 +451,7 @@ void register_runtime(nb::module_& m) {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
     }
     const int kind = poll ? NvlRuntime::kOpPolledDispatch : NvlRuntime::kOpCeDispatch;
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early && !poll);
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, poll);
     std::exception_ptr failed;
     const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),

@@ -169,7 +169,7 @@ void NvlRuntime::make_ce_streams() {
   UCCL_CHECK_GPU(gpu::event_create(&e));
   sentinel_set_ = e;
   // The gate of early polled ops (ce_copies) rests on stream memory operations: tried once on our own word (no peer
-  // writes it), else polled combines are never early.
+  // writes it), else polled ops are never early.
   void* own = static_cast<char*>(local_) + intranode::kOffSentinelReady + sizeof(int32_t) * rank_;
   gate_ok_ = gpu::stream_write_u32(st, own, 0) == 0 && gpu::stream_wait_u32_geq(st, own, 0) == 0 &&
              gpu::is_success(gpu::stream_synchronize(st));

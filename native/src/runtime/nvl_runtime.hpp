@@ -86,11 +86,11 @@ class NvlRuntime {
   /// graph (a replay's first op follows whatever ran before it, which the host does not see) and `stream` is not
   /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
   /// as a different op would be).
-  /// A polled op (`polled`: a polled combine) is early only behind a gate (CeCopies::gate): where the sentinel was set
+  /// A polled op (`polled`: a polled combine or dispatch) is early only behind a gate (CeCopies::gate): where the sentinel was set
   /// by a side memset after the op before (note_op) and not by begin_op, each copy stream first waits (a stream
   /// memory wait) until its peer's count of side memsets, which the peer's side stream writes into our meta after each
   /// (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where the driver has no
-  /// stream memory operations (connect() tries them): there a polled combine is never early.
+  /// stream memory operations (connect() tries them): there a polled op is never early.
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {

@@ -536,7 +536,7 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     recv_x, recv_s = backend.cached_dispatch(x, scales, h, cfg)
     [(op, (num_sms, a, rank_prefix, tokens, chunks, early, late, poll))] = calls
     assert (op, num_sms, rank_prefix, tokens, chunks, early) == ("ce", 24, [3, 4, 5, 7], [T, 6], 3, True)
-    assert poll is False  # UCCL_MOE_DISPATCH_CE_POLL's default (chunk flags and early copies measured faster)
+    assert poll is True  # UCCL_MOE_DISPATCH_CE_POLL's default (polled and early behind the gate measured faster)
     assert (a.x, a.x_scales, a.num_tokens, a.row_bytes, a.num_scales) == (_ptr(x), _ptr(scales), T, H, 2)
     assert (a.scale_token_stride, a.scale_hidden_stride) == (1, T)
     assert (a.recv_src_idx, a.recv_x, a.recv_scales, a.num_recv_rows) == (_ptr(h.recv_src_idx), 0, 0, rows)
@@ -557,10 +557,10 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert calls[0][1][5] is False
     monkeypatch.delenv("UCCL_MOE_CE_EARLY")
-    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_POLL", "1")
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_POLL", "0")
     calls.clear()
     backend.cached_dispatch(x, scales, h, cfg)
-    assert calls[0][1][7] is True
+    assert calls[0][1][7] is False
     monkeypatch.delenv("UCCL_MOE_DISPATCH_CE_POLL")
     # the largest landing area over the buffer: every rank computes the same one and takes the rings
     need = int(_C.intranode_ce_dispatch_landing_bytes([T, 6], H, 2))

@@ -350,6 +350,14 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
   return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.early != 0 ? ce.gated : 0, ce.gate};
 }
 
+void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream) {
+  if (enter.gated == 0 || gpu::is_success(gpu::peek_last_error())) return;
+  for (int d = 0; d < ctx.num_ranks; ++d)
+    if (d != ctx.rank)
+      (void)gpu::stream_write_u32(static_cast<gpu::Stream>(stream), static_cast<char*>(ctx.buffers[ctx.rank]) +
+                                  kOffSentinelReady + sizeof(int32_t) * d, static_cast<uint32_t>(enter.gate));
+}
+
 int ce_chunks_before_kernel(int chunks) {
   static const bool blocking = [] {
     for (const char* var : {"CUDA_LAUNCH_BLOCKING", "HIP_LAUNCH_BLOCKING", "AMD_SERIALIZE_KERNEL"}) {
@@ -476,13 +484,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
             combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
           else
             combine_ce_sum_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, head, enter);
-          // The kernel that would open our gate where the op fails (ce_op_end) did not launch: open it on our stream,
-          // so that the join below does not wait forever for a copy stream held at it (the error is raised after it).
-          if (enter.gated != 0 && !gpu::is_success(gpu::peek_last_error()))
-            for (int d = 0; d < N; ++d)
-              if (d != me)
-                (void)gpu::stream_write_u32(st, static_cast<char*>(ctx.buffers[me]) + kOffSentinelReady +
-                                                    sizeof(int32_t) * d, static_cast<uint32_t>(enter.gate));
+          open_gate_if_launch_failed(ctx, enter, st);
         });
       },
       stream);

@@ -16,9 +16,9 @@
 // the copies start at once and the gather checks each peer's entry before its rows), and the pull's done hand-shake
 // at the end of the gather (a later op may write into the peers' buffers at once).
 //
-// Polled (UCCL_MOE_DISPATCH_CE_POLL, off by default): one copy per peer, never early, into a landing area that
-// holds the sentinel (NvlRuntime::begin_op); the gather takes each row's words as they land (landing_poll.cuh) and
-// a peer's scales once its head landed.
+// Polled (UCCL_MOE_DISPATCH_CE_POLL, the default): one copy per peer into a landing area that holds the sentinel
+// (NvlRuntime::begin_op), early only behind the gate (CeCopies::gated, as the polled combine); the gather takes each
+// row's words as they land (landing_poll.cuh) and a peer's scales once its head landed.
 #include <algorithm>
 
 #include "handshake.cuh"
@@ -35,9 +35,9 @@ constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
-/// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, never early): the landing area held the sentinel before the
-/// peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no wait for its chunk; its
-/// scales (which the peer's head carries) once that head landed.
+/// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, early only behind the gate): the landing area held the
+/// sentinel before the peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no
+/// wait for its chunk; its scales (which the peer's head carries) once that head landed.
 template <int kNumRanks, bool kPoll>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,
@@ -49,8 +49,14 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
   ce_release_entry(ctx, enter, round);
-  push_ce_head<true>(ctx, head, round, &sm);  // our scales (row-major) or first rows into the peers' landing areas
-  if (gpu::load_volatile(ctx.abort_flag) == 0) {
+  // Our scales (row-major) or first rows into the peers' landing areas. Polled: warp 0 of each block fences them and
+  // gathers no row, the other warps gather from the start (finish_ce_head_block says why; chunk flags gathered no
+  // faster so, since their gather waits for the engines' chunks anyway).
+  push_ce_head<true, kPoll>(ctx, head, round, &sm, enter);
+  constexpr int kRowWarps = kPoll ? kGatherWarps - 1 : kGatherWarps;
+  const int row_warp = kPoll ? gpu::warp_id() - 1 : gpu::warp_id();
+  if (kPoll && row_warp < 0) finish_ce_head_block(ctx, round);
+  if (gpu::load_volatile(ctx.abort_flag) == 0 && row_warp >= 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;
     LandedChunks landed;
@@ -67,8 +73,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       return ce_landed_settle(ctx, local, d, round, p.chunks, DiagPhase::kDispatchCeChunk);
     };
     uint32_t settled = 0, heads = 0;  // polled: peers whose copy (take_landed_word) and whose head this warp saw land
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherWarps;
-    int64_t i = static_cast<int64_t>(blockIdx.x) * kGatherWarps + gpu::warp_id();
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps;
+    int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + row_warp;
     // Row own0 + i, wrapped (own0 <= rows and stride < rows while a next row exists: one subtraction, not a 64-bit
     // modulo per row). The next row's recv_src_idx entry loads while this row copies.
     int64_t r_next = own0 + i < rows ? own0 + i : own0 + i - rows;
@@ -80,9 +86,13 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
       if (i + stride < rows) src_next = a.recv_src_idx[r_next];
-      if (kPoll && s != me && S > 0 && ((heads >> s) & 1) == 0) {  // the head holds the scales: waited for once
-        const bool ok = lane != s || wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + s, round,
-                                                  DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, s, -1);
+      if (kPoll && s != me && ((heads >> s) & 1) == 0) {
+        // Once per warp and peer: an early op's peer entered it with our checked bits (CeEnter) before anything of
+        // its is taken, and its head, which holds its scales, landed.
+        const bool ok =
+            lane != s || ((enter.early == 0 || wait_entered(ctx, enter, round, s)) &&
+                          (S == 0 || wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + s, round,
+                                                  DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, s, -1)));
         gpu::sync_warp();  // lane s's acquire covers the warp's loads of s's scales
         if (gpu::ballot(!ok) != 0) break;
         heads |= 1u << s;
@@ -135,8 +145,9 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   UCCL_ASSERT(chunks >= 1 && chunks <= kMaxCeChunks, "copy-engine dispatch chunks=%d outside [1, %d]", chunks,
               kMaxCeChunks);
   UCCL_ASSERT(num_sms > 0, "a copy-engine dispatch needs num_sms > 0");
-  UCCL_ASSERT(!poll || (chunks == 1 && ce.early == 0),
-              "a polled copy-engine dispatch copies in one chunk (got %d) and is never early", chunks);
+  UCCL_ASSERT(!poll || (chunks == 1 && (ce.early == 0 || ce.gated != 0)),
+              "a polled copy-engine dispatch copies in one chunk (got %d) and is early only behind the gate", chunks);
+  UCCL_ASSERT(ce.gated == 0 || (poll && ce.early != 0), "only an early polled dispatch waits at the gate");
   UCCL_ASSERT(a.row_map == nullptr && a.num_tokens_ptr == nullptr, "the copy-engine dispatch is intranode only");
   UCCL_ASSERT(a.num_tokens == rank_tokens[me], "x has %d tokens but the handle was made for %d", a.num_tokens,
               rank_tokens[me]);
@@ -216,6 +227,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
             dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
           else
             dispatch_ce_gather_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
+          open_gate_if_launch_failed(ctx, enter, st);
         });
       },
       stream);

@@ -161,8 +161,9 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 /// the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather kernel, whose shared
 /// memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the sentinel again only
 /// once its side memset ended, so each block first waits for every peer's count, as our copy streams do (the gate,
-/// CeCopies), bounded (combine/ce-sentinel).
-template <bool kTransposable = false>
+/// CeCopies), bounded (combine/ce-sentinel). `kDeferred`: every thread only issues its stores; warp 0 of each block
+/// then fences them and counts the block (finish_ce_head_block), while the other warps go on.
+template <bool kTransposable = false, bool kDeferred = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm,
                                      const CeEnter& e = CeEnter{}) {
   if (threadIdx.x == 0)
@@ -208,11 +209,41 @@ UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int
       stored = true;
     }
   }
+  if constexpr (kDeferred) {
+    __syncthreads();  // every thread's stores come before warp 0's fence (finish_ce_head_block)
+    return;
+  }
   if (stored) gpu::fence_sys();
   // Released only if no block skipped its stores: a block that read the abort flag raised did so before it counted
   // itself, so the last block, counting after it, reads it raised too (it is never lowered during an op).
   if (last_block(meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive), sm) && gpu::load_volatile(ctx.abort_flag) == 0)
     release_to_peers(ctx, kOffCeHead, round);
+}
+
+/// The end of a deferred push_ce_head, by warp 0 of every block after the barrier that ends it: lane 0 fences the
+/// block's head stores system-wide (a fence after a block barrier orders the stores of every thread before it, as a
+/// release after __syncthreads does) and counts the block; the last block's warp releases `round` into every peer's
+/// ce_head[me] (lane d serves peer d), unless the abort flag is up (push_ce_head's rule). Why: with the copy engines
+/// on the link the SMs' stores to a peer take tens of microseconds to complete, and a block whose every thread fences
+/// them starts its rows only then (a warp whose rows start late ends late); one fencing lane per block lets the
+/// other warps gather meanwhile.
+UCCL_DEVICE_INLINE void finish_ce_head_block(const NvlContext& ctx, int32_t round) {
+  int32_t* counter = meta_ptr(ctx.buffers[ctx.rank], kOffPullArrive);
+  int last = 0;
+  if (gpu::lane_id() == 0) {
+    gpu::fence_sys();
+    last = atomicAdd(counter, 1) == static_cast<int>(gridDim.x) - 1 ? 1 : 0;
+    if (last) {
+      gpu::fence_gpu();  // acquire side of the count: the other blocks' fenced stores before theirs
+      atomicExch(counter, 0);
+    }
+  }
+  if (gpu::shfl(last, 0) == 0) return;
+  const int d = gpu::lane_id();
+  if (gpu::load_volatile(ctx.abort_flag) == 0 && d < ctx.num_ranks && d != ctx.rank) {
+    gpu::fence_sys();
+    gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffCeHead) + ctx.rank, round);
+  }
 }
 
 /// Lane d (d < N, d != me) of an early copy-engine op's kernel (CeEnter::early: no enter kernel ran): waits until

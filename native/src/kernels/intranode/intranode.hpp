@@ -276,6 +276,11 @@ struct CeEnter {
 /// CeEnter).
 CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
                         void* stream);
+/// Right after an early polled op's kernel launch (`enter.gated`): where the launch failed, the kernel that would open
+/// our gate on a failure (ce_op_end) never runs, so the host opens it on `stream` (our count into our own
+/// sentinel_ready words), and the join after it does not wait forever for a copy stream held at the gate; the launch's
+/// error is raised after the join.
+void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
 /// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them. Chunks [k_begin, k_end) only: the launches
@@ -354,7 +359,7 @@ struct CeDispatchPlan {
 /// hand-shake. The caller's stream waits for the copy streams. `rank_tokens`: every rank's token count (notify's);
 /// ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
 /// `outputs`: see LateOutputs (a rank without outputs gathers no row). `poll` (UCCL_MOE_DISPATCH_CE_POLL, chunks 1,
-/// never early): every 32-bit word of our landing area holds the sentinel before the peers' copies (NvlRuntime::
+/// early only behind the gate, ce.gated): every 32-bit word of our landing area holds the sentinel before the peers' copies (NvlRuntime::
 /// begin_op), and the gather copies a peer's rows as their words land, with no wait for a chunk (landing_poll.cuh).
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
                         int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs = {},
