@@ -45,6 +45,12 @@ def test_parts_of_each_iteration_and_medians() -> None:
     assert med["flushed"] == pytest.approx(89.0 + 10.0)  # the flush ended at t - 10
     lines = ct.listing(trace)
     assert len(lines) == 6 and "ce_enter_kernel" in lines[0] and "AllReduce" not in "".join(lines)
+    # a polled op's side memset after it (the next op's sentinel) is listed, and is not part of its span or tail
+    memset = {"cat": "gpu_memset", "name": "Memset (Device)", "ts": 3000.0 + 95, "dur": 8.0,
+              "args": {"bytes": 1 << 20, "stream": 9}}
+    with_memset = {"traceEvents": its + [memset]}
+    assert ct.summarise(with_memset)[0]["span"] == pytest.approx(89.0)
+    assert "Memset" in ct.listing(with_memset)[-1]
 
 
 def test_other_paths_are_skipped_and_an_empty_trace_says_so() -> None:

@@ -47,8 +47,10 @@ def _end(e: dict[str, Any]) -> float:
 
 
 def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
-    """The kernels and copies of a chrome trace (torch.profiler's export), by start time."""
-    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy") and "dur" in e]
+    """The kernels, copies and memsets (the polled ops' sentinel: listed, not part of an op's span) of a chrome trace
+    (torch.profiler's export), by start time."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and "dur" in e]
     return sorted(evs, key=lambda e: float(e["ts"]))
 
 
