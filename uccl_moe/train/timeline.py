@@ -55,7 +55,7 @@ UCCL_KERNEL_PATTERNS = (
     "stage_combine_rows_kernel",
     "combine_ce_",  # the copy-engine combine's sum (UCCL_MOE_COMBINE_CE), the copy-engine ops' enter hand-shake
     "ce_enter_kernel",
-    "ce_gate_watch_kernel",  # the polled combine's side stream: bounds the copy streams' waits for the peers' memsets
+    "ce_gate_watch_kernel",  # the polled ops' side stream: bounds the copy streams' waits for the peers' memsets
     "dispatch_ce_",  # the copy-engine dispatch's gather (UCCL_MOE_DISPATCH_CE)
     "check_topk_idx_kernel",  # the device-side topk_idx range check of a dispatch
     "notify_dispatch_kernel",

@@ -86,11 +86,11 @@ class NvlRuntime {
   /// graph (a replay's first op follows whatever ran before it, which the host does not see) and `stream` is not
   /// capturing. Every rank sees the same calls, so decides alike (a rank that does not is caught by the op's checks
   /// as a different op would be).
-  /// A polled op (`polled`: a polled combine or dispatch) is early only behind a gate (CeCopies::gate): where the sentinel was set
-  /// by a side memset after the op before (note_op) and not by begin_op, each copy stream first waits (a stream
-  /// memory wait) until its peer's count of side memsets, which the peer's side stream writes into our meta after each
-  /// (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where the driver has no
-  /// stream memory operations (connect() tries them): there a polled op is never early.
+  /// A polled op (`polled`: a polled combine or dispatch) is early only behind a gate (CeCopies::gate): where the
+  /// sentinel was set by a side memset after the op before (note_op) and not by begin_op, each copy stream first
+  /// waits (a stream memory wait) until its peer's count of side memsets, which the peer's side stream writes into
+  /// our meta after each (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where
+  /// the driver has no stream memory operations (connect() tries them): there a polled op is never early.
   intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
@@ -121,8 +121,9 @@ class NvlRuntime {
   /// memset on a stream of this runtime's own, which runs beside the caller's work between the ops; here `stream` waits
   /// for that memset (on the host, in the relaxed capture mode, where `stream` captures: an event recorded outside a
   /// capture cannot be waited for inside it). No peer writes into our buffer under it: the first op after it is early
-  /// only if it polls, and then each peer's copies wait until our side stream told it the memset ended (ce_copies), the next ring op resets the rings (two barriers) and every other op enters with a hand-shake
-  /// that our stream reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
+  /// only if it polls, and then each peer's copies wait until our side stream told it the memset ended (ce_copies),
+  /// the next ring op resets the rings (two barriers) and every other op enters with a hand-shake that our stream
+  /// reaches after the wait. A polled op (`kind` kOpPolledCombine or kOpPolledDispatch, landing area
   /// [kOffCombineInput, `polled_end`): every rank's largest, so that every rank takes the same decisions here and in
   /// note_op) then sets the sentinel where it does not hold with a memset on `stream`, before its enter kernel. Every
   /// kind but notify leaves the area overwritten.

@@ -33,6 +33,14 @@ constexpr int kGatherUnroll = 8;     // 16-B words per lane in each of a row's t
 constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
 constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
+/// Whether the gather's head is fenced by one warp per block (push_ce_head's kDeferred): the polled gather, on CUDA.
+#if defined(UCCL_MOE_HIP)
+template <bool kPoll>
+constexpr bool kDeferHead = false;
+#else
+template <bool kPoll>
+constexpr bool kDeferHead = kPoll;
+#endif
 
 /// Every received row r (our own source's block first: those rows need no wait) from x or from our landing area.
 /// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, early only behind the gate): the landing area held the
@@ -51,11 +59,13 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   ce_release_entry(ctx, enter, round);
   // Our scales (row-major) or first rows into the peers' landing areas. Polled: warp 0 of each block fences them and
   // gathers no row, the other warps gather from the start (finish_ce_head_block says why; chunk flags gathered no
-  // faster so, since their gather waits for the engines' chunks anyway).
-  push_ce_head<true, kPoll>(ctx, head, round, &sm, enter);
-  constexpr int kRowWarps = kPoll ? kGatherWarps - 1 : kGatherWarps;
-  const int row_warp = kPoll ? gpu::warp_id() - 1 : gpu::warp_id();
-  if (kPoll && row_warp < 0) finish_ce_head_block(ctx, round);
+  // faster so, since their gather waits for the engines' chunks anyway). Not on HIP yet: there a fence after a
+  // workgroup barrier covering the other waves' stores is the case platform.cuh's block-scope hand-off does not
+  // trust, and it has not run on an AMD GPU.
+  push_ce_head<true, kDeferHead<kPoll>>(ctx, head, round, &sm, enter);
+  constexpr int kRowWarps = kDeferHead<kPoll> ? kGatherWarps - 1 : kGatherWarps;
+  const int row_warp = kDeferHead<kPoll> ? gpu::warp_id() - 1 : gpu::warp_id();
+  if (kDeferHead<kPoll> && row_warp < 0) finish_ce_head_block(ctx, round);
   if (gpu::load_volatile(ctx.abort_flag) == 0 && row_warp >= 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;

@@ -156,13 +156,13 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 /// landing area with the SMs, which costs the copy engine nothing (a copy of its own would delay the rows' first
 /// chunk by the engine's start) and moves rows while the copy stream still waits to begin, then the last block to
 /// finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the first row it reads).
-/// Each storing thread fences its stores system-wide before the block counts itself. Not after an abort (the enter
-/// wait gave up: a peer may still be in an earlier op); the count still completes. `kTransposable`:
-/// the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather kernel, whose shared
-/// memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the sentinel again only
-/// once its side memset ended, so each block first waits for every peer's count, as our copy streams do (the gate,
-/// CeCopies), bounded (combine/ce-sentinel). `kDeferred`: every thread only issues its stores; warp 0 of each block
-/// then fences them and counts the block (finish_ce_head_block), while the other warps go on.
+/// Each storing thread fences its stores system-wide before the block counts itself (not with `kDeferred`, below).
+/// Not after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes.
+/// `kTransposable`: the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather
+/// kernel, whose shared memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the
+/// sentinel again only once its side memset ended, so each block first waits for every peer's count, as our copy
+/// streams do (the gate, CeCopies), bounded (combine/ce-sentinel). `kDeferred`: every thread only issues its stores;
+/// warp 0 of each block then fences them and counts the block (finish_ce_head_block), while the other warps go on.
 template <bool kTransposable = false, bool kDeferred = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm,
                                      const CeEnter& e = CeEnter{}) {

@@ -358,9 +358,10 @@ struct CeDispatchPlan {
 /// landed; then the pull's done
 /// hand-shake. The caller's stream waits for the copy streams. `rank_tokens`: every rank's token count (notify's);
 /// ce.rank_prefix_host the handle's matrix. Same outputs as the rings.
-/// `outputs`: see LateOutputs (a rank without outputs gathers no row). `poll` (UCCL_MOE_DISPATCH_CE_POLL, chunks 1,
-/// early only behind the gate, ce.gated): every 32-bit word of our landing area holds the sentinel before the peers' copies (NvlRuntime::
-/// begin_op), and the gather copies a peer's rows as their words land, with no wait for a chunk (landing_poll.cuh).
+/// `outputs`: see LateOutputs (a rank without outputs gathers no row). `poll` (UCCL_MOE_DISPATCH_CE_POLL, chunks
+/// 1, early only behind the gate, ce.gated): every 32-bit word of our landing area holds the sentinel before the
+/// peers' copies (NvlRuntime::begin_op), and the gather copies a peer's rows as their words land, with no wait for a
+/// chunk (landing_poll.cuh).
 void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& a, const int32_t* rank_tokens,
                         int chunks, const CeCopies& ce, void* stream, const LateOutputs& outputs = {},
                         bool poll = false);
