@@ -318,34 +318,45 @@ def test_polled_ce_combine(world: int) -> None:
     run_shared_gpu_ranks(_poll_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "0"}, timeout_s=600)
 
 
-def _gate_worker(rank: int, world: int, gloo) -> None:
+def _gate_worker(rank: int, world: int, gloo, op: str = "combine") -> None:
     """A peer whose count of side memsets stays behind ours: it ran a one-sided op (the bench's peer copy) between two
     polled combines, so it predicts no polled combine after one and makes one memset fewer (ranks must run the same
     ops on a Buffer; this one breaks that rule on purpose). Our next early polled combine's copies into it then wait
     at the gate, which nothing opens but the side stream's watch (ce_gate_watch_kernel) after UCCL_MOE_TIMEOUT_S; with
     CUDA_DEVICE_MAX_CONNECTIONS=1 the waiting copy stream may also hold the combine's own kernel. The gated rank raises
-    CommTimeoutError naming that peer (combine/ce-sentinel); the peer raises or returns; nobody hangs."""
+    CommTimeoutError naming that peer (combine/ce-sentinel); the peer raises or returns; nobody hangs. `op`
+    "dispatch": the same with polled copy-engine dispatches (UCCL_MOE_DISPATCH_CE=1, the cached dispatch)."""
     from uccl_moe import CommTimeoutError
 
     cfg, nat, ref, check = pull_buffers(rank, world, gloo)
     check("stream memory operations work here", gate_ok(nat))
     case = _Case(rank, world, 256, 2048, 8 * world, 4, False, "none", "random", 77)
     _, rn = _dispatch(nat, case, "cuda", config=cfg)
-    y = (rn.recv_x.float() * 0.5 - 1).bfloat16()
-    want = _combine(nat, "ring", y, rn.handle, config=cfg).combined_x
+    if op == "dispatch":
+        os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
+        x, want = case.xin("cuda"), rn.recv_x
+
+        def polled():
+            return nat.dispatch(x, handle=rn.handle, config=cfg).recv_x
+    else:
+        y = (rn.recv_x.float() * 0.5 - 1).bfloat16()
+        want = _combine(nat, "ring", y, rn.handle, config=cfg).combined_x
+
+        def polled():
+            return _combine(nat, "ce", y, rn.handle, config=cfg).combined_x
     odd = world - 1
-    ok = all(torch.equal(_combine(nat, "ce", y, rn.handle, config=cfg).combined_x, want) for _ in range(2))
+    ok = all(torch.equal(polled(), want) for _ in range(2))
     if rank == odd:
         nat._live().peer_copy(rank, 4096)  # one-sided, within its own buffer
     torch.cuda.synchronize()
     dist.barrier(group=gloo)
     nat._live().peer_copies_done()  # every rank: the next polled combine sets its whole area first (none is early)
     # (no device-wide synchronize from here on: it would wait for the watch too, which then fires before the next call)
-    ok &= torch.equal(_combine(nat, "ce", y, rn.handle, config=cfg).combined_x, want)
-    check("polled combines before the fault", ok)
+    ok &= torch.equal(polled(), want)
+    check(f"polled {op}s before the fault", ok)
     gated0 = gated_ops(nat)
     try:
-        _combine(nat, "ce", y, rn.handle, config=cfg)
+        polled()
         torch.cuda.synchronize()
         nat.get_dispatch_layout(case.idx.cuda(), 8 * world)  # the next call surfaces an abort
     except CommTimeoutError as e:
@@ -356,7 +367,7 @@ def _gate_worker(rank: int, world: int, gloo) -> None:
     else:
         check("the gated rank raised", rank == odd)
     if rank != odd:
-        check("the combine was early behind the gate", gated_ops(nat) == gated0 + 1)
+        check(f"the {op} was early behind the gate", gated_ops(nat) == gated0 + 1)
     dist.barrier(group=gloo)
     check.assert_none_failed()
 
@@ -364,6 +375,13 @@ def _gate_worker(rank: int, world: int, gloo) -> None:
 def test_polled_ce_combine_gate_that_never_opens() -> None:
     run_shared_gpu_ranks(_gate_worker, 2, env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
                          timeout_s=300)
+
+
+def test_polled_ce_dispatch_gate_that_never_opens() -> None:
+    """The gate that never opens with polled copy-engine dispatches (the default since session 45; written after the
+    session's GPU time was spent: first run in the next session)."""
+    run_shared_gpu_ranks(_gate_worker, 2, "dispatch",
+                         env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, timeout_s=300)
 
 
 def _kernels(fn) -> str:
