@@ -37,7 +37,7 @@ from typing import Any
 PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary", "flushed")
 OPS = ("dispatch fp8", "dispatch bf16", "combine")
 FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
-# the alignment's all-reduce, --hold's GPU sleep (torch.cuda._sleep) and the polled combine's watch on its side stream
+# the alignment's all-reduce, --hold's GPU sleep (torch.cuda._sleep) and the polled ops' watch on the side stream
 # after the op (ce_gate_watch_kernel: not part of the op)
 SKIPPED = ("AllReduce", "spin_kernel", "ce_gate_watch")
 

@@ -170,7 +170,7 @@ void NvlRuntime::make_ce_streams() {
   sentinel_set_ = e;
   // The gate of early polled ops (ce_copies) rests on stream memory operations: tried once on our own word (no peer
   // writes it), else polled ops are never early.
-  void* own = static_cast<char*>(local_) + intranode::kOffSentinelReady + sizeof(int32_t) * rank_;
+  void* own = intranode::sentinel_ready_word(local_, rank_);
   gate_ok_ = gpu::stream_write_u32(st, own, 0) == 0 && gpu::stream_wait_u32_geq(st, own, 0) == 0 &&
              gpu::is_success(gpu::stream_synchronize(st));
   if (!gate_ok_)
@@ -398,16 +398,15 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
   const auto count = static_cast<int32_t>(static_cast<uint32_t>(sentinel_seq_));
   for (int d = 0; d < num_ranks_; ++d) {
     if (d == rank_) continue;
-    const int r = gpu::stream_write_u32(side, static_cast<char*>(peers_[d]) + intranode::kOffSentinelReady +
-                                                  sizeof(int32_t) * rank_, static_cast<uint32_t>(count));
+    const int r = gpu::stream_write_u32(side, intranode::sentinel_ready_word(peers_[d], rank_),
+                                        static_cast<uint32_t>(count));
     UCCL_ASSERT(r == 0, "the side stream could not tell rank %d that our landing area is set (error %d)", d, r);
   }
   const DiagDeviceHandle diag{reinterpret_cast<DiagRecord*>(host_dev_ + kHostOffDiag),
                               reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag),
                               timeout_.limit_ns(), global_rank_ >= 0 ? global_rank_ : rank_};
   ce_gate_watch_kernel<<<1, gpu::kWarpSize, 0, side>>>(
-      diag, reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffSentinelReady), num_ranks_, rank_,
-      count);
+      diag, intranode::sentinel_ready_word(local_, 0), num_ranks_, rank_, count);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

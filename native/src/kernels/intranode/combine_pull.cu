@@ -354,8 +354,8 @@ void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, voi
   if (enter.gated == 0 || gpu::is_success(gpu::peek_last_error())) return;
   for (int d = 0; d < ctx.num_ranks; ++d)
     if (d != ctx.rank)
-      (void)gpu::stream_write_u32(static_cast<gpu::Stream>(stream), static_cast<char*>(ctx.buffers[ctx.rank]) +
-                                  kOffSentinelReady + sizeof(int32_t) * d, static_cast<uint32_t>(enter.gate));
+      (void)gpu::stream_write_u32(static_cast<gpu::Stream>(stream), sentinel_ready_word(ctx.buffers[ctx.rank], d),
+                                  static_cast<uint32_t>(enter.gate));
 }
 
 int ce_chunks_before_kernel(int chunks) {
@@ -381,7 +381,7 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
   if (k_begin == 0) {
     UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
     if (ce.gated != 0) {  // d's side memset set its landing area to the sentinel again (NvlRuntime::ce_copies)
-      void* gate = static_cast<char*>(ctx.buffers[ctx.rank]) + kOffSentinelReady + sizeof(int32_t) * d;
+      void* gate = sentinel_ready_word(ctx.buffers[ctx.rank], d);
       const int r = gpu::stream_wait_u32_geq(s, gate, static_cast<uint32_t>(ce.gate));
       UCCL_ASSERT(r == 0, "a copy stream's wait for rank %d's sentinel failed (error %d)", d, r);
     }

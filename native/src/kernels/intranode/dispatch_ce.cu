@@ -62,10 +62,11 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   // faster so, since their gather waits for the engines' chunks anyway). Not on HIP yet: there a fence after a
   // workgroup barrier covering the other waves' stores is the case platform.cuh's block-scope hand-off does not
   // trust, and it has not run on an AMD GPU.
-  push_ce_head<true, kDeferHead<kPoll>>(ctx, head, round, &sm, enter);
-  constexpr int kRowWarps = kDeferHead<kPoll> ? kGatherWarps - 1 : kGatherWarps;
-  const int row_warp = kDeferHead<kPoll> ? gpu::warp_id() - 1 : gpu::warp_id();
-  if (kDeferHead<kPoll> && row_warp < 0) finish_ce_head_block(ctx, round);
+  constexpr bool kDefer = kDeferHead<kPoll>;
+  push_ce_head<true, kDefer>(ctx, head, round, &sm, enter);
+  constexpr int kRowWarps = kDefer ? kGatherWarps - 1 : kGatherWarps;
+  const int row_warp = kDefer ? gpu::warp_id() - 1 : gpu::warp_id();
+  if (kDefer && row_warp < 0) finish_ce_head_block(ctx, round);
   if (gpu::load_volatile(ctx.abort_flag) == 0 && row_warp >= 0) {
     const int64_t rows = p.recv_start[N], own0 = p.recv_start[me];
     const int S = a.num_scales, num_16 = a.row_bytes / 16;

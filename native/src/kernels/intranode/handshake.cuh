@@ -111,8 +111,8 @@ UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem
 /// loops registers.
 UCCL_DEVICE_NOINLINE bool ce_gate_open(const NvlContext& ctx, int32_t gate) {
   for (int d = 0; d < ctx.num_ranks; ++d)
-    if (d != ctx.rank && !wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[ctx.rank], kOffSentinelReady) +
-                                                         d, gate, DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
+    if (d != ctx.rank && !wait_reached(diag_of(ctx), sentinel_ready_word(ctx.buffers[ctx.rank], d), gate,
+                                       DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
       return false;
   return true;
 }
@@ -297,7 +297,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   // failed before its side memset or counts otherwise. Then open it here, so that our copy stream does not wait
   // forever, and fail the op (our rows never reached d).
   if (e.gated != 0 && d < ctx.num_ranks && d != ctx.rank) {
-    int32_t* gate = meta_ptr(local, kOffSentinelReady) + d;
+    int32_t* gate = sentinel_ready_word(local, d);
     if (ring_diff(gpu::load_volatile(gate), e.gate) < 0) {
       gpu::store_release_sys(gate, e.gate);
       gpu::store_release_sys(ctx.abort_flag, 1);

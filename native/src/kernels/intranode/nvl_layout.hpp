@@ -107,6 +107,11 @@ constexpr size_t kOffNotifyExperts = kOffNotifyRows + sizeof(int64_t) * kMaxLoca
 constexpr size_t kOffSentinelReady = align_up(kOffNotifyExperts + sizeof(int32_t) * kMaxLocalRanks, 128);
 constexpr size_t kPullMetaEnd = kOffSentinelReady + sizeof(int32_t) * kMaxLocalRanks;
 static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvlMetaBytes (config.hpp)");
+/// Word `src` of the sentinel_ready array in the NVL buffer at `buffer` (kOffSentinelReady): how many side memsets
+/// rank src made of its landing area, as src's side stream wrote it there.
+UCCL_HOST_DEVICE_FN int32_t* sentinel_ready_word(void* buffer, int src) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(buffer) + kOffSentinelReady) + src;
+}
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
 constexpr size_t kOffCombineInput = kNvlMetaBytes;
