@@ -39,6 +39,10 @@ namespace uccl_moe::intranode {
 
 namespace {
 
+/// 16-B columns of a token in one work item of the polled copy-engine sum (pull_sum): 2 KB of a row, one load round
+/// of a warp at EP2 (kColUnroll 4); half that measured far slower (the per-item lookups dominate).
+constexpr int kSumPartCols = 128;
+
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
 /// copy (or -1 when the token did not go to d). `kLanded`: a copy-engine combine, where the peers' copies of our
 /// tokens landed in our own buffer (ce_block_at) chunk by chunk (waited for per token), with their weights.
@@ -137,13 +141,48 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
            wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + d, round,
                         DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, -1);
   };
+  if constexpr (kPoll) {
+    // Work items of kSumPartCols columns of a token, not whole tokens: a warp sums an item in a chain of dependent
+    // load rounds, and the tokens whose copies land last are summed after the copy, on the op's critical path; a
+    // token's parts on G warps end about G times sooner (docs/intranode.md, "Session 46"). Consecutive items, the
+    // parts of one token, go to consecutive warps.
+    const int G = (num_16 + kSumPartCols - 1) / kSumPartCols, cw = kSumPartCols;
+    const int items = T * G;
+    int j = first;
+    int t_next = j / G;
+    int32_t q_next = lane < N && j < items ? a.send_head[static_cast<int64_t>(t_next) * N + lane] : -1;
+    for (; j < items; j += stride) {
+      const int tt = t_next;
+      const int32_t q = q_next;
+      const int part = j - tt * G;
+      if (j + stride < items) {
+        t_next = (j + stride) / G;
+        if (lane < N) q_next = a.send_head[static_cast<int64_t>(t_next) * N + lane];
+      }
+      const int c0 = part * cw, c1 = min(num_16, c0 + cw);  // c0 < num_16: G parts cover the row
+      const int64_t row = row_of(tt, q);
+      const char* src = row >= 0 ? rows_d + row * row_bytes : nullptr;
+      const gpu::LaneMask have = gpu::ballot(row >= 0);
+      if (!sum_token_copies_polled<kNumRanks, kColUnroll>(src, have, me, c0, c1, bias0, bias1, tt, num_16,
+                                                          static_cast<int4*>(a.out), settled, peek, settle))
+        return;
+    }
+    if (a.out_topk_weights != nullptr) {
+      if (!heads_landed()) return;
+      for (int t = first; t < T; t += stride) {
+        const int64_t row = row_of(t, lane < N ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1);
+        sum_weights(t, row, gpu::ballot(row >= 0));
+      }
+    }
+    return;
+  }
   int t = first;
   int32_t p_next = lane < N && t < T ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1;
   for (; t < T; t += stride) {
     const int32_t p = p_next;  // the next token's entry loads while this one sums
     if (lane < N && t + stride < T) p_next = a.send_head[static_cast<int64_t>(t + stride) * N + lane];
     const int64_t row = row_of(t, p);
-    if (kLanded && !kPoll) {  // a warp about to wait for the chunk that holds a peer's copy: our own copy into L2
+    if (kLanded) {  // a warp about to wait for the chunk that holds a peer's copy: our own copy into L2
       // meanwhile, so that the sum once the chunk landed (the op's tail, for the last chunk) reads it from there
       const bool waits = lane < N && lane != me && row >= 0 && row - from_me_d >= landed.ready_end;
       if (gpu::ballot(waits) != 0 && lane == me && row >= 0) gpu::prefetch_l2(rows_d + row * row_bytes, row_bytes);
@@ -155,24 +194,11 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     const gpu::LaneMask have = gpu::ballot(row >= 0);  // uniform
     // our own rows are not written during the launch: they may take non-coherent loads
     UCCL_MOE_TRACE(const long long t_sum = trace::now());
-    if constexpr (kPoll) {
-      if (!sum_token_copies_polled<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
-                                                          static_cast<int4*>(a.out), settled, peek, settle))
-        return;
-    } else {
-      sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
-                                              static_cast<int4*>(a.out));
-    }
+    sum_token_copies<kNumRanks, kColUnroll>(src, have, me, 0, num_16, bias0, bias1, t, num_16,
+                                            static_cast<int4*>(a.out));
     UCCL_MOE_TRACE(trace::add(trace::kCopy, t_sum); const long long t_w = trace::now());
-    if (!kPoll && a.out_topk_weights != nullptr) sum_weights(t, row, have);  // warp-uniform branch
+    if (a.out_topk_weights != nullptr) sum_weights(t, row, have);  // warp-uniform branch
     UCCL_MOE_TRACE(trace::add(trace::kMeta, t_w));
-  }
-  if (kPoll && a.out_topk_weights != nullptr) {
-    if (!heads_landed()) return;
-    for (t = first; t < T; t += stride) {
-      const int64_t row = row_of(t, lane < N ? a.send_head[static_cast<int64_t>(t) * N + lane] : -1);
-      sum_weights(t, row, gpu::ballot(row >= 0));
-    }
   }
 }
 
@@ -379,12 +405,16 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
   rows -= head_rows;
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
   if (k_begin == 0) {
-    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
-    if (ce.gated != 0) {  // d's side memset set its landing area to the sentinel again (NvlRuntime::ce_copies)
+    // The gate before the op's start: d's side memset (NvlRuntime::ce_copies) has as a rule set its landing area to
+    // the sentinel again long before our op starts, and a stream memory wait enqueued first passes while the
+    // caller's earlier work still runs; enqueued after the start's event it was evaluated only once that event
+    // completed, and the gated copies started later (docs/intranode.md, "Session 46").
+    if (ce.gated != 0) {
       void* gate = sentinel_ready_word(ctx.buffers[ctx.rank], d);
       const int r = gpu::stream_wait_u32_geq(s, gate, static_cast<uint32_t>(ce.gate));
       UCCL_ASSERT(r == 0, "a copy stream's wait for rank %d's sentinel failed (error %d)", d, r);
     }
+    UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   }
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
   char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
@@ -451,7 +481,10 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     block_rows[d] = rows;
     head.rows_src[d] = src[d];
     head.rows_dst[d] = dst[d];
-    head_rows[d] = ce_head_rows(rows, row_bytes, false, N - 1);
+    // A polled sum stores no rows of its own ahead of the engines: a polled reader takes the rows as they land,
+    // and our SMs' stores to the peer, slow while the engines fill the link, only held up the first tokens' sums
+    // (docs/intranode.md, "Session 46"). With chunk flags the first rows still go that way (LandedChunks::head_rows).
+    head_rows[d] = a.ce_poll != 0 ? 0 : ce_head_rows(rows, row_bytes, false, N - 1);
     head.rows_16[d] = head_rows[d] * row_bytes / 16;
     if (K > 0 && rows > 0) {
       head.src[d] = reinterpret_cast<const int32_t*>(a.topk_weights + first * K);

@@ -238,7 +238,9 @@ UCCL_DEVICE_INLINE void finish_ce_head_block(const NvlContext& ctx, int32_t roun
       atomicExch(counter, 0);
     }
   }
-  if (gpu::shfl(last, 0) == 0) return;
+  last = gpu::shfl(last, 0);
+  gpu::sync_warp();  // lane 0's acquire (fence_gpu above) covers the other lanes' releases below
+  if (last == 0) return;
   const int d = gpu::lane_id();
   if (gpu::load_volatile(ctx.abort_flag) == 0 && d < ctx.num_ranks && d != ctx.rank) {
     gpu::fence_sys();
@@ -365,11 +367,15 @@ template <class Copies, class Kernel>
 void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chunks, const Copies& copies,
                              const Kernel& kernel, void* stream) {
   const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
+  // An error an earlier call left pending is taken now and raised after the join: the kernel's launch is then the
+  // only error open_gate_if_launch_failed can see (a stale one would open our gate though the kernel launched).
+  const gpu::Error pending_before_op = gpu::get_last_error();
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, 0, before);
   kernel();
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, before, chunks);
   join_ce_copies(ctx, ce, stream);  // the copies read the caller's tensors until their streams finish
   UCCL_CHECK_GPU(gpu::get_last_error());
+  UCCL_CHECK_GPU(pending_before_op);
 }
 
 }  // namespace uccl_moe::intranode
