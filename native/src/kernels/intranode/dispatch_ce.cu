@@ -33,6 +33,9 @@ constexpr int kGatherUnroll = 8;     // 16-B words per lane in each of a row's t
 constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
 constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
+/// Work items per row of the polled gather for rows without scales (BF16; docs/intranode.md, "Session 46": 2 measured
+/// faster than 1 and 4); FP8 rows, half as long, gather whole (2 parts measured far slower there).
+constexpr int kPolledRowParts = 2;
 /// Whether the gather's head is fenced by one warp per block (push_ce_head's kDeferred): the polled gather, on CUDA.
 #if defined(UCCL_MOE_HIP)
 template <bool kPoll>
@@ -46,7 +49,10 @@ constexpr bool kDeferHead = kPoll;
 /// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, early only behind the gate): the landing area held the
 /// sentinel before the peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no
 /// wait for its chunk; its scales (which the peer's head carries) once that head landed.
-template <int kNumRanks, bool kPoll>
+/// `kParts` (polled only): a row is kParts work items, each a run of its 16-B words on its own warp (the first with
+/// the row's scales), so that the rows whose words land last, gathered after the copy on the op's critical path,
+/// take 1 / kParts of a warp's time each (kPolledRowParts).
+template <int kNumRanks, bool kPoll, int kParts = 1>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,
                                                                                CeEnter enter) {
@@ -85,18 +91,26 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
     };
     uint32_t settled = 0, heads = 0;  // polled: peers whose copy (take_landed_word) and whose head this warp saw land
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps;
+    constexpr int G = kParts;
+    const int cw = ((num_16 + G - 1) / G + gpu::kWarpSize - 1) / gpu::kWarpSize * gpu::kWarpSize;
+    const int64_t items = rows * G;
     int64_t i = static_cast<int64_t>(blockIdx.x) * kRowWarps + row_warp;
-    // Row own0 + i, wrapped (own0 <= rows and stride < rows while a next row exists: one subtraction, not a 64-bit
-    // modulo per row). The next row's recv_src_idx entry loads while this row copies.
-    int64_t r_next = own0 + i < rows ? own0 + i : own0 + i - rows;
-    int32_t src_next = i < rows ? a.recv_src_idx[r_next] : 0;
-    for (; i < rows; i += stride) {
+    // Item i: part i % G of row own0 + i / G, wrapped (own0 <= rows). The next item's recv_src_idx entry loads while
+    // this one copies.
+    auto row_of_item = [&](int64_t j) {
+      const int64_t k = G == 1 ? j : j / G;
+      return own0 + k < rows ? own0 + k : own0 + k - rows;
+    };
+    int64_t r_next = i < items ? row_of_item(i) : 0;
+    int32_t src_next = i < items ? a.recv_src_idx[r_next] : 0;
+    for (; i < items; i += stride) {
       const int64_t r = r_next;
-      r_next = r + stride < rows ? r + stride : r + stride - rows;
+      const int part = G == 1 ? 0 : static_cast<int>(i % G);
+      if (i + stride < items) r_next = row_of_item(i + stride);
       int s = 0;
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
-      if (i + stride < rows) src_next = a.recv_src_idx[r_next];
+      if (i + stride < items) src_next = a.recv_src_idx[r_next];
       if (kPoll && s != me && ((heads >> s) & 1) == 0) {
         // Once per warp and peer: an early op's peer entered it with our checked bits (CeEnter) before anything of
         // its is taken, and its head, which holds its scales, landed.
@@ -117,26 +131,30 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       const auto scale = [&](int j) {
         return s == me ? scale_at(a, src, j) : gpu::load_ring_32(scales + int64_t{src} * S + j);
       };
+      const int S_part = part == 0 ? S : 0;  // the first part of a row copies its scales
+      const int c0 = part * cw, n16 = min(num_16 - c0, cw);
+      if (n16 <= 0 && S_part == 0) continue;
       int32_t ahead[kScalesAhead];
 #pragma unroll
       for (int u = 0; u < kScalesAhead; ++u)
-        if (lane + u * gpu::kWarpSize < S) ahead[u] = scale(lane + u * gpu::kWarpSize);
+        if (lane + u * gpu::kWarpSize < S_part) ahead[u] = scale(lane + u * gpu::kWarpSize);
       if (s == me) {  // x is not written during the launch
         warp_copy_row_pipelined<kGatherUnroll, false>(
-            dst, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes), num_16);
+            dst + c0, reinterpret_cast<const int4*>(static_cast<const char*>(a.x) + int64_t{src} * a.row_bytes) + c0,
+            n16);
       } else {  // landed by a copy engine during the launch: coherent loads
         const char* from = static_cast<const char*>(local) + p.rows_at[s];
         const int4* row = reinterpret_cast<const int4*>(from + int64_t{src} * a.row_bytes);
         if constexpr (kPoll) {
-          if (!warp_copy_row_polled<kGatherUnroll>(dst, row, num_16, s, settled, peek, settle)) break;
+          if (!warp_copy_row_polled<kGatherUnroll>(dst + c0, row + c0, n16, s, settled, peek, settle)) break;
         } else {
           warp_copy_row_pipelined<kGatherUnroll, true>(dst, row, num_16);
         }
       }
 #pragma unroll
       for (int u = 0; u < kScalesAhead; ++u)
-        if (lane + u * gpu::kWarpSize < S) out_scales[lane + u * gpu::kWarpSize] = ahead[u];
-      for (int j = lane + kScalesAhead * gpu::kWarpSize; j < S; j += gpu::kWarpSize) out_scales[j] = scale(j);
+        if (lane + u * gpu::kWarpSize < S_part) out_scales[lane + u * gpu::kWarpSize] = ahead[u];
+      for (int j = lane + kScalesAhead * gpu::kWarpSize; j < S_part; j += gpu::kWarpSize) out_scales[j] = scale(j);
     }
   }
   // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: the end
@@ -234,7 +252,10 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
         with_num_ranks(N, "dispatch", [&](auto n) {
           const dim3 grid(num_sms), block(kGatherThreads);
           const gpu::Stream st = static_cast<gpu::Stream>(stream);
-          if (poll)
+          if (poll && S == 0)
+            dispatch_ce_gather_kernel<decltype(n)::value, true, kPolledRowParts>
+                <<<grid, block, 0, st>>>(ctx, args, p, head, enter);
+          else if (poll)
             dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
           else
             dispatch_ce_gather_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
