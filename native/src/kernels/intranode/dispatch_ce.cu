@@ -101,12 +101,15 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       const int64_t k = G == 1 ? j : j / G;
       return own0 + k < rows ? own0 + k : own0 + k - rows;
     };
-    int64_t r_next = i < items ? row_of_item(i) : 0;
+    int64_t r_next = G == 1 ? (own0 + i < rows ? own0 + i : own0 + i - rows) : i < items ? row_of_item(i) : 0;
     int32_t src_next = i < items ? a.recv_src_idx[r_next] : 0;
     for (; i < items; i += stride) {
       const int64_t r = r_next;
       const int part = G == 1 ? 0 : static_cast<int>(i % G);
-      if (i + stride < items) r_next = row_of_item(i + stride);
+      if constexpr (G == 1)  // one subtraction, not a 64-bit modulo per row (stride < rows while a next row exists)
+        r_next = r + stride < rows ? r + stride : r + stride - rows;
+      else if (i + stride < items)
+        r_next = row_of_item(i + stride);
       int s = 0;
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
@@ -132,8 +135,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
         return s == me ? scale_at(a, src, j) : gpu::load_ring_32(scales + int64_t{src} * S + j);
       };
       const int S_part = part == 0 ? S : 0;  // the first part of a row copies its scales
-      const int c0 = part * cw, n16 = min(num_16 - c0, cw);
-      if (n16 <= 0 && S_part == 0) continue;
+      const int c0 = part * cw, n16 = G == 1 ? num_16 : min(num_16 - c0, cw);
+      if (G > 1 && n16 <= 0 && S_part == 0) continue;
       int32_t ahead[kScalesAhead];
 #pragma unroll
       for (int u = 0; u < kScalesAhead; ++u)
