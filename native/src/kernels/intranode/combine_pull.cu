@@ -40,7 +40,8 @@ namespace uccl_moe::intranode {
 namespace {
 
 /// 16-B columns of a token in one work item of the polled copy-engine sum (pull_sum): 2 KB of a row, one load round
-/// of a warp at EP2 (kColUnroll 4); half that measured far slower (the per-item lookups dominate).
+/// of a 32-lane warp at EP2 (kColUnroll 4; half a round of a 64-lane wavefront); half that measured far slower (the
+/// per-item lookups dominate).
 constexpr int kSumPartCols = 128;
 
 /// Sums the copies of tokens t = (global warp), + (all warps), ... Lane d < N holds where rank d keeps this token's
@@ -85,7 +86,8 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
     landed.head = false;  // waited for below, once
-    landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false, N - 1));
+    // the sender's head rows (launch_combine_ce: none where the sum polls)
+    landed.head_rows = kPoll ? 0 : static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false, N - 1));
   }
   if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
     // theirs is read (their weights, then their rows)
@@ -93,8 +95,9 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
     gpu::sync_warp();
     if (gpu::ballot(!ok) != 0) return;
   }
-  // The peers' heads (their top-k weights and their blocks' first rows): waited for before the first token, which
-  // needs them or chunk 0, and that lands long after them; a polled sum waits for them only before the weights.
+  // The peers' heads (their top-k weights, and with chunk flags their blocks' first rows): waited for before the
+  // first token, which needs them or chunk 0, and that lands long after them; a polled sum waits for them only
+  // before the weights.
   auto heads_landed = [&]() {
     bool ok = true;
     if (lane < N && lane != me)
@@ -244,8 +247,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
                                a.hidden * 2));
 }
 
-/// A copy-engine combine's sum: first our top-k weights and each block's first rows into the peers' landing areas
-/// (push_ce_head), then every token's copies, the peers' read from our landing area once their head (and past its
+/// A copy-engine combine's sum: first our top-k weights and (with chunk flags) each block's first rows into the peers'
+/// landing areas (push_ce_head), then every token's copies, the peers' read from our landing area once their head (and past its
 /// rows their chunk) landed, or with `kPoll` as each word lands (pull_sum). Then the pull's end hand-shake: a
 /// rank leaves once every peer stopped reading its own landing area, since the next op may write into the peers'
 /// buffers at once (ring slots overlap the landing areas).
@@ -405,10 +408,12 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
   rows -= head_rows;
   const gpu::Stream s = static_cast<gpu::Stream>(ce.streams[d]);
   if (k_begin == 0) {
-    // The gate before the op's start: d's side memset (NvlRuntime::ce_copies) has as a rule set its landing area to
-    // the sentinel again long before our op starts, and a stream memory wait enqueued first passes while the
-    // caller's earlier work still runs; enqueued after the start's event it was evaluated only once that event
-    // completed, and the gated copies started later (docs/intranode.md, "Session 46").
+    // The gate before the op's start: d's side memset (NvlRuntime::note_op; the gate's count: ce_copies) has as a
+    // rule set its landing area to the sentinel again long before our op starts, and a stream memory wait enqueued
+    // first passes while the caller's earlier work still runs; enqueued after the start's event it was evaluated
+    // only once that event completed, and the gated copies started later (docs/intranode.md, "Session 46"). Gated
+    // ops are early ops, which never run while a CUDA graph captures (a wait enqueued before the event would not be
+    // part of the capture).
     if (ce.gated != 0) {
       void* gate = sentinel_ready_word(ctx.buffers[ctx.rank], d);
       const int r = gpu::stream_wait_u32_geq(s, gate, static_cast<uint32_t>(ce.gate));

@@ -33,8 +33,8 @@ constexpr int kGatherUnroll = 8;     // 16-B words per lane in each of a row's t
 constexpr int kGatherThreads = 512;  // per block (one block per SM): fewer warps, each with more bytes in flight
 constexpr int kGatherWarps = kGatherThreads / gpu::kWarpSize;
 constexpr int kScalesAhead = 2;       // scales per lane loaded ahead of a row's words (56 per row at hidden 7168)
-/// Work items per row of the polled gather for rows without scales (BF16; docs/intranode.md, "Session 46": 2 measured
-/// faster than 1 and 4); FP8 rows, half as long, gather whole (2 parts measured far slower there).
+/// Work items per row of the polled gather for rows without scales (BF16: docs/intranode.md, "Session 46", 2 measured
+/// faster than 1 and 4); rows with scales (FP8), half as long, gather whole (2 parts measured far slower there).
 constexpr int kPolledRowParts = 2;
 /// Whether the gather's head is fenced by one warp per block (push_ce_head's kDeferred): the polled gather, on CUDA.
 #if defined(UCCL_MOE_HIP)
@@ -49,8 +49,8 @@ constexpr bool kDeferHead = kPoll;
 /// `kPoll` (UCCL_MOE_DISPATCH_CE_POLL; one copy per peer, early only behind the gate): the landing area held the
 /// sentinel before the peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no
 /// wait for its chunk; its scales (which the peer's head carries) once that head landed.
-/// `kParts` (polled only): a row is kParts work items, each a run of its 16-B words on its own warp (the first with
-/// the row's scales), so that the rows whose words land last, gathered after the copy on the op's critical path,
+/// `kParts` (polled only): a row is kParts work items, each a run of its 16-B words on its own warp (the first would
+/// copy the row's scales; launched only for rows without scales: kPolledRowParts), so that the rows whose words land last, gathered after the copy on the op's critical path,
 /// take 1 / kParts of a warp's time each (kPolledRowParts).
 template <int kNumRanks, bool kPoll, int kParts = 1>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,

@@ -152,7 +152,8 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 }
 
 /// Called by every thread of every block of a copy-engine op, first: stores the op's head for each peer (CeHead:
-/// the combine's top-k weights, the dispatch's scales, and the block's first rows, ce_head_rows) into that peer's
+/// the combine's top-k weights, the dispatch's scales, and the block's first rows, ce_head_rows, none in a polled
+/// combine) into that peer's
 /// landing area with the SMs, which costs the copy engine nothing (a copy of its own would delay the rows' first
 /// chunk by the engine's start) and moves rows while the copy stream still waits to begin, then the last block to
 /// finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the first row it reads).
@@ -367,8 +368,9 @@ template <class Copies, class Kernel>
 void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chunks, const Copies& copies,
                              const Kernel& kernel, void* stream) {
   const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
-  // An error an earlier call left pending is taken now and raised after the join: the kernel's launch is then the
-  // only error open_gate_if_launch_failed can see (a stale one would open our gate though the kernel launched).
+  // An error an earlier call left pending is taken now and raised after the join (lost only where this op throws
+  // first): then open_gate_if_launch_failed sees only errors of this op's own calls before it, the launch's above
+  // all (a stale one would open our gate though the kernel launched).
   const gpu::Error pending_before_op = gpu::get_last_error();
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, 0, before);
   kernel();

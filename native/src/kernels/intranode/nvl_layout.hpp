@@ -77,7 +77,8 @@ constexpr size_t kMetaEnd = kOffRecvBase + sizeof(int32_t) * kMaxLocalRanks * kM
 //   ce_round         1                the round of this rank's copy-engine combine: the word its copy engine copies
 //                                     into the peers' ce_ready (local)
 //   ce_head[src]     kMaxLocalRanks   round number src released once its SMs stored its head (the combine's top-k
-//                                     weights, the dispatch's scales, the block's first rows: ce_head_rows) into our
+//                                     weights, the dispatch's scales, the block's first rows: ce_head_rows, none in
+//                                     a polled combine) into our
 //                                     landing area (written by src)
 // A copy-engine dispatch (dispatch_ce.cu) uses the same words. Notify also writes:
 //   rank_tokens[src] kMaxLocalRanks   tokens of rank src (written by src; published to the host, for the copy engines)
@@ -230,6 +231,7 @@ UCCL_HOST_DEVICE_FN int ce_chunk_from(int64_t q, int64_t rows, int chunks, int s
 /// docs/intranode.md, "Session 33"; split over the peers, so that the SMs' stores before their own work stay the same
 /// at any EP); none for a dispatch of rows with scales, whose head already stores the scales and whose gather, near
 /// the op's critical path, slowed with more stores ahead of it. Every rank computes the same from the block's size.
+/// A polled combine stores none (launch_combine_ce; its readers take rows as they land, whoever wrote them).
 constexpr int64_t kCeSmHeadBytes = int64_t{4} << 20;
 UCCL_HOST_DEVICE_FN int64_t ce_head_rows(int64_t rows, int64_t row_bytes, bool scaled, int peers) {
   if (scaled || row_bytes <= 0 || peers <= 0) return 0;
