@@ -50,8 +50,8 @@ constexpr bool kDeferHead = kPoll;
 /// sentinel before the peers' copies, and a peer's row is copied as its words land (warp_copy_row_polled) with no
 /// wait for its chunk; its scales (which the peer's head carries) once that head landed.
 /// `kParts` (polled only): a row is kParts work items, each a run of its 16-B words on its own warp (the first would
-/// copy the row's scales; launched only for rows without scales: kPolledRowParts), so that the rows whose words land last, gathered after the copy on the op's critical path,
-/// take 1 / kParts of a warp's time each (kPolledRowParts).
+/// copy the row's scales; launched only for rows without scales: kPolledRowParts), so that the rows whose words land
+/// last, gathered after the copy on the op's critical path, take 1 / kParts of a warp's time each.
 template <int kNumRanks, bool kPoll, int kParts = 1>
 __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(NvlContext ctx, DispatchArgs a,
                                                                                CeDispatchPlan p, CeHead head,

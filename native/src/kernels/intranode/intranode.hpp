@@ -331,9 +331,9 @@ void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream);
 /// peer d the rows of x that came from d (one block of x) go back into d's landing area (ce_block_at) on d's copy
 /// stream, in `a.ce_chunks` chunks each followed by a 4-byte copy of the round into d's ce_ready word; meanwhile
 /// `num_sms` blocks store their top-k weights and, with chunk flags (not `a.ce_poll`), the block's first rows
-/// (ce_head_rows: the chunks carry the rest) into d's landing area (CeHead) and sum each token's copies (ours from x = own_x, the peers' from our landing area
-/// once their head word and, past the head rows, their chunk's word say so), in the same rank
-/// order, so the same bits, as every other combine.
+/// (ce_head_rows: the chunks carry the rest) into d's landing area (CeHead) and sum each token's copies (ours from
+/// x = own_x, the peers' from our landing area once their head word and, past the head rows, their chunk's word say
+/// so; polled: as each word lands), in the same rank order, so the same bits, as every other combine.
 /// The caller's stream waits for the copy streams before anything after the combine. The sum ends with the pull's
 /// done hand-shake (a later op's ring slots overlap the landing areas).
 /// `outputs`: see LateOutputs (a rank without outputs sums no token).
