@@ -249,9 +249,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_pull_kernel(NvlCo
 
 /// A copy-engine combine's sum: first our top-k weights and (with chunk flags) each block's first rows into the
 /// peers' landing areas (push_ce_head), then every token's copies, the peers' read from our landing area once their
-/// head (and past its rows their chunk) landed, or with `kPoll` as each word lands (pull_sum). Then the pull's end hand-shake: a
-/// rank leaves once every peer stopped reading its own landing area, since the next op may write into the peers'
-/// buffers at once (ring slots overlap the landing areas).
+/// head (and past its rows their chunk) landed, or with `kPoll` as each word lands (pull_sum). Then the pull's end
+/// hand-shake: a rank leaves once every peer stopped reading its own landing area, since the next op may write into
+/// the peers' buffers at once (ring slots overlap the landing areas).
 template <int kNumRanks, bool kPoll, int kColUnroll = (kNumRanks <= 2 ? 4 : kNumRanks <= 4 ? 2 : 1)>
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(NvlContext ctx, CombinePullArgs a,
                                                                              CeHead head, CeEnter enter) {
