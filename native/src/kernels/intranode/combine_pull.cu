@@ -82,12 +82,11 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
                             : kLanded && lane != me ? ce_block_at(a.rank_prefix, N, me, lane)
                                                     : our_rows_at(a.rank_prefix, N, me, lane, compact);
   LandedChunks landed;
-  if (kLanded && lane < N && lane != me) {
+  if (kLanded && !kPoll && lane < N && lane != me) {  // a polled sum waits for no chunk
     landed.rows = rows_sent(a.rank_prefix, N, me, lane);
     landed.round = round;
     landed.head = false;  // waited for below, once
-    // the sender's head rows (launch_combine_ce: none where the sum polls)
-    landed.head_rows = kPoll ? 0 : static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false, N - 1));
+    landed.head_rows = static_cast<int32_t>(ce_head_rows(landed.rows, row_bytes, false, N - 1));
   }
   if (kLanded && enter.early != 0) {  // an early op: every peer entered with our checked bits, before anything of
     // theirs is read (their weights, then their rows)
@@ -499,7 +498,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     }
   }
   launch_around_ce_copies(
-      ctx, ce, a.ce_chunks,
+      ctx, ce, enter, a.ce_chunks,
       [&](int d, int k_begin, int k_end) {
         enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
                          k_begin, k_end, head_rows[d]);
@@ -522,7 +521,6 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
             combine_ce_sum_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, head, enter);
           else
             combine_ce_sum_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, head, enter);
-          open_gate_if_launch_failed(ctx, enter, st);
         });
       },
       stream);

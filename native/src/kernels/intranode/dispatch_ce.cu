@@ -240,7 +240,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     head.rows_16[d] = head_rows * a.row_bytes / 16;
   }
   launch_around_ce_copies(
-      ctx, ce, chunks,
+      ctx, ce, enter, chunks,
       [&](int d, int k_begin, int k_end) {  // all of x into d's area, chunked as the peer's gather splits them
         enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
                          static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end,
@@ -262,7 +262,6 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
             dispatch_ce_gather_kernel<decltype(n)::value, true><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
           else
             dispatch_ce_gather_kernel<decltype(n)::value, false><<<grid, block, 0, st>>>(ctx, args, p, head, enter);
-          open_gate_if_launch_failed(ctx, enter, st);
         });
       },
       stream);

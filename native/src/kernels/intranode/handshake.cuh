@@ -153,11 +153,11 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 
 /// Called by every thread of every block of a copy-engine op, first: stores the op's head for each peer (CeHead:
 /// the combine's top-k weights, the dispatch's scales, and the block's first rows, ce_head_rows, none in a polled
-/// combine) into that peer's
-/// landing area with the SMs, which costs the copy engine nothing (a copy of its own would delay the rows' first
-/// chunk by the engine's start) and moves rows while the copy stream still waits to begin, then the last block to
-/// finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the first row it reads).
-/// Each storing thread fences its stores system-wide before the block counts itself (not with `kDeferred`, below).
+/// combine) into that peer's landing area with the SMs, which costs the copy engine nothing (a copy of its own would
+/// delay the rows' first chunk by the engine's start) and moves rows while the copy stream still waits to begin, then
+/// the last block to finish releases `round` into every peer's ce_head[me] (LandedChunks waits for it before the
+/// first row it reads). Each storing thread fences its stores system-wide before the block counts itself (not with
+/// `kDeferred`, below).
 /// Not after an abort (the enter wait gave up: a peer may still be in an earlier op); the count still completes.
 /// `kTransposable`: the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather
 /// kernel, whose shared memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the
@@ -361,12 +361,13 @@ struct LandedChunks {
 };
 
 /// A copy-engine op's launch order, on the host: each peer's first chunks (ce_chunks_before_kernel), then `kernel()`
-/// (the op's gather or sum), then the other chunks, the join, and the launch's error check after all of them (the
-/// peers' kernels wait for those chunks, so a stale error raised earlier would leave them waiting).
+/// (the op's gather or sum, on `stream`) and, where its launch failed, our gate opened (open_gate_if_launch_failed,
+/// for `enter`), then the other chunks, the join, and the launch's error check after all of them (the peers' kernels
+/// wait for those chunks, so a stale error raised earlier would leave them waiting).
 /// `copies(d, k_begin, k_end)` enqueues chunks [k_begin, k_end) of the block for peer d (enqueue_ce_block).
 template <class Copies, class Kernel>
-void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chunks, const Copies& copies,
-                             const Kernel& kernel, void* stream) {
+void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, const CeEnter& enter, int chunks,
+                             const Copies& copies, const Kernel& kernel, void* stream) {
   const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
   // An error an earlier call left pending is taken now and raised after the join (lost only where this op throws
   // first): then open_gate_if_launch_failed sees only errors of this op's own calls before it, the launch's above
@@ -374,6 +375,7 @@ void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, int chun
   const gpu::Error pending_before_op = gpu::get_last_error();
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, 0, before);
   kernel();
+  open_gate_if_launch_failed(ctx, enter, stream);
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, before, chunks);
   join_ce_copies(ctx, ce, stream);  // the copies read the caller's tensors until their streams finish
   UCCL_CHECK_GPU(gpu::get_last_error());

@@ -276,10 +276,10 @@ struct CeEnter {
 /// CeEnter).
 CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
                         void* stream);
-/// Right after an early polled op's kernel launch (`enter.gated`): where the launch failed, the kernel that would open
-/// our gate on a failure (ce_op_end) never runs, so the host opens it on `stream` (our count into our own
-/// sentinel_ready words), and the join after it does not wait forever for a copy stream held at the gate; the launch's
-/// error is raised after the join.
+/// Right after an early polled op's kernel launch (`enter.gated`; launch_around_ce_copies): where the launch failed,
+/// the kernel that would open our gate on a failure (ce_op_end) never runs, so the host opens it on `stream` (our
+/// count into our own sentinel_ready words), and the join after it does not wait forever for a copy stream held at
+/// the gate; the launch's error is raised after the join.
 void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
