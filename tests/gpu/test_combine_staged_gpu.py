@@ -378,8 +378,7 @@ def test_polled_ce_combine_gate_that_never_opens() -> None:
 
 
 def test_polled_ce_dispatch_gate_that_never_opens() -> None:
-    """The gate that never opens with polled copy-engine dispatches (the default since session 45; written after the
-    session's GPU time was spent: first run in the next session)."""
+    """The gate that never opens with polled copy-engine dispatches (the default since session 45)."""
     run_shared_gpu_ranks(_gate_worker, 2, "dispatch",
                          env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, timeout_s=300)
 
