@@ -74,7 +74,8 @@ UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, i
 /// gave up (an expiry or an abort).
 /// The per-word loop is take_landed_word's (landing_poll.cuh, the dispatch's gather) written out here on purpose:
 /// the sum calling that helper compiled to a measurably slower kernel, with the same semantics (docs/intranode.md,
-/// session 43). A change to one is a change to both.
+/// session 43). A change to one is a change to both. The dispatch's one test of a lane's whole round before that loop
+/// (take_landed_round, session 47) is not here: the sum has not been measured with it.
 template <int kNumRanks, int kColUnroll, class Peek, class Settle>
 UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
                                                 int col_end, const int4* bias0, const int4* bias1, int64_t t,

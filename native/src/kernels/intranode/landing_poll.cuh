@@ -72,9 +72,17 @@ UCCL_DEVICE_INLINE bool ce_landed_settle(const NvlContext& ctx, void* local, int
 }
 
 /// take_landed_word over one round of a warp copy (load_round's words [base, base + kUnroll * warp) below `end`).
+/// A lane none of whose words of the round still reads as the sentinel (the common case: the copy ran ahead of the
+/// gather) takes them at once, after one test, without entering each word's poll loop. Per lane, not a warp vote: a
+/// lane whose wait gave up leaves its warp's copy loop early (warp_copy_row_polled).
 template <int kUnroll, class Peek, class Settle>
 UCCL_DEVICE_INLINE void take_landed_round(int4 (&v)[kUnroll], const int4* src, int base, int end, int d,
                                           uint32_t& settled, bool& ok, const Peek& peek, const Settle& settle) {
+  bool pending = false;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u)
+    pending |= base + u * gpu::kWarpSize + gpu::lane_id() < end && landing_pending(v[u]);
+  if (!pending) return;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int i = base + u * gpu::kWarpSize + gpu::lane_id();
