@@ -21,6 +21,7 @@
 // row's words as they land (landing_poll.cuh) and a peer's scales once its head landed.
 #include <algorithm>
 
+#include "gather_stamps.cuh"
 #include "handshake.cuh"
 #include "landing_poll.cuh"
 #include "uccl_moe/gpu_check.cuh"
@@ -59,6 +60,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   __shared__ PullSmem sm;
   const int N = kNumRanks, me = ctx.rank, lane = gpu::lane_id();
   void* local = ctx.buffers[me];
+  UCCL_MOE_STAMP(stamps::begin());
   // The enter kernel advanced the round (where its wait gave up it did not, and the abort flag is up: no gather); an
   // early op releases its entry here (CeEnter).
   const int32_t round = ce_op_round(ctx, enter);
@@ -103,6 +105,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
     };
     int64_t r_next = G == 1 ? (own0 + i < rows ? own0 + i : own0 + i - rows) : i < items ? row_of_item(i) : 0;
     int32_t src_next = i < items ? a.recv_src_idx[r_next] : 0;
+    UCCL_MOE_STAMP(stamps::rows_ready(ctx, local, round, p.chunks));
     for (; i < items; i += stride) {
       const int64_t r = r_next;
       const int part = G == 1 ? 0 : static_cast<int>(i % G);
@@ -113,6 +116,7 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       int s = 0;
       while (s < N - 1 && r >= p.recv_start[s + 1]) ++s;
       const int32_t src = src_next;  // the handle's: token src of source s
+      UCCL_MOE_STAMP(stamps::row_begins(s != me));
       if (i + stride < items) src_next = a.recv_src_idx[r_next];
       if (kPoll && s != me && ((heads >> s) & 1) == 0) {
         // Once per warp and peer: an early op's peer entered it with our checked bits (CeEnter) before anything of
@@ -158,12 +162,16 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
       for (int u = 0; u < kScalesAhead; ++u)
         if (lane + u * gpu::kWarpSize < S_part) out_scales[lane + u * gpu::kWarpSize] = ahead[u];
       for (int j = lane + kScalesAhead * gpu::kWarpSize; j < S_part; j += gpu::kWarpSize) out_scales[j] = scale(j);
+      UCCL_MOE_STAMP(stamps::row_done(s != me));
     }
   }
   // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: the end
   // waits for every peer's last chunk before saying "done".
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm))
+  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+    UCCL_MOE_STAMP(unsigned long long stamp_t[2]; stamps::last_block_waits(ctx, local, round, p.chunks, stamp_t));
     ce_op_end(ctx, enter, round, p.chunks, DiagPhase::kDispatchCeChunk, &sm);
+    UCCL_MOE_STAMP(stamps::end(me, a.row_bytes, kParts, stamp_t));
+  }
 }
 
 }  // namespace

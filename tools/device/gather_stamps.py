@@ -1,0 +1,148 @@
+"""Where the copy-engine dispatch's gather spends a launch, from a stamped build
+(native/src/kernels/intranode/gather_stamps.cuh): each launch prints one ``gather-stamp`` line per rank, in us from
+the launch's first block: the rows' start (``ready``), the first row done, the last own row done (``own_end``), the
+first peer row begun and the last one done, the last block's arrival (``rows_done``), every peer's last copy flag
+seen (``flag``) and the end after the done hand-shake. This runs the API-default cached dispatch at the bench's
+headline setting and prints the lines (run), or summarizes a log of them (--summary).
+
+Where every rank has its own GPU the ranks are aligned as the bench's device time aligns them (a one-float
+all-reduce and a GPU sleep before each call). Where ranks share a GPU (one GPU lent: two ranks on it), processes take
+it by time slices: a rank's launch that waits for a peer spins out its slice, and the launch of the rank that came
+last, whose peers' copies were waiting at its gate, runs alone once they land. ``--summary`` then keeps, per call,
+the rank with the earliest ``rows_done`` (header ``mode=shared``): the gather's own pace on one GPU, not the link's.
+
+    UCCL_MOE_BUILD_DIR=build/stamp tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \\
+        -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_STAMP_GATHER     (add -DUCCL_MOE_STAMP_WAIT_ALL inside the quotes of
+        "-DUCCL_MOE_STAMP_GATHER -DUCCL_MOE_STAMP_WAIT_ALL": rows start once every peer's copy landed)
+    python tools/device/gather_stamps.py [--ops fp8,bf16] [--iters 12] [--ranks 2] > stamps.log
+    python tools/device/gather_stamps.py --summary stamps.log [--skip 3]
+    tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90    (the shipped module back in place)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from ce_timeline import add_headline_args, headline, spawn_headline  # this folder's tools (it leads sys.path)
+
+FIELDS = ("ready", "first_row", "own_end", "peer_begin", "peer_end", "rows_done", "flag", "end")
+OPS = ("fp8", "bf16")
+_LINE = re.compile(r"gather-stamp rank=(\d+) launch=(\d+) row_bytes=(\d+) parts=(\d+) ((?:\w+=-?[\d.]+ ?)+)$")
+_MODE = re.compile(r"gather-stamps mode=(aligned|shared) ranks=(\d+)")
+Kind = tuple[int, int]  # (row_bytes, parts)
+
+
+def parse(lines: list[str]) -> tuple[str | None, dict[Kind, dict[int, list[dict[str, float]]]]]:
+    """(the run's mode from its header, or None; {(row_bytes, parts): {rank: [fields per launch, in order]}}).
+    A line whose fields differ from FIELDS raises ValueError (the kernel and this script drifted apart)."""
+    mode = None
+    out: dict[Kind, dict[int, list[dict[str, float]]]] = defaultdict(lambda: defaultdict(list))
+    for line in lines:
+        m = _MODE.search(line)
+        if m is not None:
+            mode = m[1]
+            continue
+        m = _LINE.search(line.rstrip())
+        if m is None:
+            continue
+        vals = {k: float(v) for k, v in (kv.split("=") for kv in m[5].split())}
+        if tuple(vals) != FIELDS:
+            raise ValueError(f"gather-stamp line with fields {list(vals)}, expected {list(FIELDS)}: {line.strip()}")
+        out[(int(m[3]), int(m[4]))][int(m[1])].append(vals)
+    return mode, out
+
+
+def summarise(groups: dict[Kind, dict[int, list[dict[str, float]]]], skip: int, shared: bool) -> list[dict[str, Any]]:
+    """One row per row kind and rank (aligned) or per row kind (shared: per call, the rank whose rows were done
+    first): the median of each field over the launches after the first `skip` (all where there are no more), and
+    `launches`."""
+    rows: list[dict[str, Any]] = []
+    for (row_bytes, parts), by_rank in sorted(groups.items()):
+        if shared:
+            calls = min(len(v) for v in by_rank.values())
+            picks = {"late": [min((by_rank[r][k] for r in by_rank), key=lambda f: f["rows_done"])
+                              for k in range(calls)]}
+        else:
+            picks = {str(r): v for r, v in sorted(by_rank.items())}
+        for who, launches in picks.items():
+            kept = launches[skip:] or launches
+            med = {k: statistics.median(f[k] for f in kept) for k in FIELDS}
+            rows.append({"row_bytes": row_bytes, "parts": parts, "rank": who, "launches": len(kept), **med})
+    return rows
+
+
+def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from uccl_moe.bench._timing import FLUSH_BYTES, time_op
+
+    shared = torch.cuda.device_count() < R
+    buf, h, _y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    gloo = dist.new_group(list(range(R)), backend="gloo")
+    if rank == 0:
+        print(f"gather-stamps mode={'shared' if shared else 'aligned'} ranks={R}", flush=True)
+    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h)}
+    one = torch.ones(1, device="cuda")
+    for name in args.ops:
+        fn = ops[name]
+        if shared:  # NCCL takes one rank per GPU: the host aligns the ranks
+            for _ in range(args.iters):
+                flush.fill_(1)
+                torch.cuda.synchronize()
+                dist.barrier(group=gloo)
+                fn()
+            torch.cuda.synchronize()
+        else:
+            time_op(fn, flush, args.iters, 0, align=lambda: dist.all_reduce(one), hold=True)
+        dist.barrier(group=gloo)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def _print_summary(rows: list[dict[str, Any]]) -> None:
+    print(f"{'row_bytes':>9} {'parts':>5} {'rank':>4} {'n':>3} " + " ".join(f"{k:>10}" for k in FIELDS))
+    for r in rows:
+        print(f"{r['row_bytes']:>9} {r['parts']:>5} {r['rank']:>4} {r['launches']:>3} "
+              + " ".join(f"{r[k]:>10.1f}" for k in FIELDS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_headline_args(p)
+    p.add_argument("--iters", type=int, default=12, help="calls per op (each prints one line per rank)")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of: {', '.join(OPS)}")
+    p.add_argument("--summary", nargs="+", metavar="LOG", help="summarize these logs instead of running")
+    p.add_argument("--skip", type=int, default=3, help="--summary: warm-up launches left out per rank and kind")
+    args = p.parse_args(argv)
+    if args.summary:
+        lines = [ln for path in args.summary for ln in Path(path).read_text(errors="replace").splitlines()]
+        try:
+            mode, groups = parse(lines)
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 1
+        if not groups:
+            print("no gather-stamp lines: run this on a build with -DUCCL_MOE_STAMP_GATHER (see --help)",
+                  file=sys.stderr)
+            return 1
+        print(f"mode {mode or 'unknown (no header): aligned assumed'}; us from each launch's first block")
+        _print_summary(summarise(groups, args.skip, mode == "shared"))
+        return 0
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    if not args.ops or any(o not in OPS for o in args.ops):
+        p.error(f"--ops {args.ops}: pick from {', '.join(OPS)}")
+    if args.iters < 1 or args.ranks < 2:
+        p.error("--iters must be at least 1 and --ranks at least 2")
+    return spawn_headline(_worker, args, 1, "gather_stamps needs a GPU (ranks may share it)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
