@@ -1,16 +1,17 @@
 // Milestones of the copy-engine dispatch's gather (dispatch_ce.cu), for kernel work only. Compiled in with
 // -DUCCL_MOE_STAMP_GATHER (tools/device/gather_stamps.py says how to build it, into a separate build), nothing
 // otherwise; CUDA only. Per launch, in global-timer ns, device-wide over the launch's warps: the first block's start,
-// the first and the last row done, the first peer row begun and the last one done, the last own row done, the last
-// block's arrival, its wait for every peer's last copy flag, and its end after the done hand-shake. The last block
-// prints them as one `gather-stamp` line, in us from the start, and clears them for the next launch;
-// tools/device/gather_stamps.py summarizes the lines. Each rank prints its own lines (each rank is a process).
+// the rows' start (the latest warp to reach its first row), the first row done, the last own row done, the first
+// peer row begun and the last one done, the last block's arrival, every peer's last copy flag seen, and the end after
+// the done hand-shake. The last block prints them as one `gather-stamp` line, in us from the start, and clears them
+// for the next launch; tools/device/gather_stamps.py summarizes the lines. Each rank prints its own lines (each rank
+// is a process). The stamps' own waits only look: bounded, silent, they stop at the abort flag, so a failing op
+// reports what its own waits name, as in the shipped build.
 // With -DUCCL_MOE_STAMP_WAIT_ALL as well, every warp first waits for every peer's whole copy (its last flag and its
 // head), so the rows' phases time the gather alone on landed data: an experiment, not the shipped order.
 #pragma once
 
 #include "handshake.cuh"
-#include "landing_poll.cuh"
 
 namespace uccl_moe::intranode::stamps {
 
@@ -21,6 +22,15 @@ enum Max { kOwnEnd, kPeerEnd, kReady, kMaxes };
 __device__ unsigned long long g_min[kMins] = {~0ull, ~0ull, ~0ull};
 __device__ unsigned long long g_max[kMaxes];
 __device__ unsigned int g_launch;
+
+/// Spins until `word` reached `round`, the abort flag is up or a second passed, reporting nothing (the op's own
+/// waits name what never came).
+UCCL_DEVICE_INLINE void look_for(const NvlContext& ctx, const int32_t* word, int32_t round) {
+  const unsigned long long t0 = gpu::global_timer_ns();
+  while (ring_diff(gpu::load_volatile(word), round) < 0 && gpu::load_volatile(ctx.abort_flag) == 0 &&
+         gpu::global_timer_ns() - t0 < 1000000000ull) {
+  }
+}
 
 /// The launch's start, by thread 0 of each block.
 UCCL_DEVICE_INLINE void begin() {
@@ -33,8 +43,10 @@ UCCL_DEVICE_INLINE void begin() {
 UCCL_DEVICE_INLINE void rows_ready(const NvlContext& ctx, void* local, int32_t round, int chunks) {
 #if defined(UCCL_MOE_STAMP_WAIT_ALL)
   const int lane = gpu::lane_id();
-  if (lane < ctx.num_ranks && lane != ctx.rank)
-    ce_landed_settle(ctx, local, lane, round, chunks, DiagPhase::kDispatchCeChunk);
+  if (lane < ctx.num_ranks && lane != ctx.rank) {
+    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeReady) + lane * kMaxCeChunks + chunks - 1, round);
+    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeHead) + lane, round);
+  }
   gpu::sync_warp();
 #else
   (void)ctx, (void)local, (void)round, (void)chunks;
@@ -55,8 +67,8 @@ UCCL_DEVICE_INLINE void row_done(bool peer) {
   atomicMin(&g_min[kFirstRow], now);
 }
 
-/// The last block, before ce_op_end: its arrival, then the same wait for every peer's last copy flag that
-/// ce_op_end makes first (threads 1..N-1 of the block, one per peer), timed. Block-collective.
+/// The last block, before ce_op_end: its arrival, then when every peer's last copy flag, which ce_op_end waits for
+/// first, is seen (one thread per peer, look_for). Block-collective.
 UCCL_DEVICE_INLINE void last_block_waits(const NvlContext& ctx, void* local, int32_t round, int chunks,
                                          unsigned long long (&t)[2]) {
   __shared__ unsigned long long flag_ns;
@@ -67,8 +79,7 @@ UCCL_DEVICE_INLINE void last_block_waits(const NvlContext& ctx, void* local, int
   }
   __syncthreads();
   if (d < ctx.num_ranks && d != ctx.rank) {
-    wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round,
-                 DiagPhase::kDispatchCeChunk, DiagRole::kReceiver, d, chunks - 1);
+    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round);
     atomicMax(&flag_ns, gpu::global_timer_ns());
   }
   __syncthreads();
