@@ -12,6 +12,7 @@
 #pragma once
 
 #include "handshake.cuh"
+#include "landing_poll.cuh"
 
 namespace uccl_moe::intranode::stamps {
 
@@ -23,12 +24,12 @@ __device__ unsigned long long g_min[kMins] = {~0ull, ~0ull, ~0ull};
 __device__ unsigned long long g_max[kMaxes];
 __device__ unsigned int g_launch;
 
-/// Spins until `word` reached `round`, the abort flag is up or a second passed, reporting nothing (the op's own
-/// waits name what never came).
-UCCL_DEVICE_INLINE void look_for(const NvlContext& ctx, const int32_t* word, int32_t round) {
+/// Spins until `seen()` holds, the abort flag is up or a second passed, reporting nothing (the op's own waits name
+/// what never came).
+template <class Seen>
+UCCL_DEVICE_INLINE void look_for(const NvlContext& ctx, const Seen& seen) {
   const unsigned long long t0 = gpu::global_timer_ns();
-  while (ring_diff(gpu::load_volatile(word), round) < 0 && gpu::load_volatile(ctx.abort_flag) == 0 &&
-         gpu::global_timer_ns() - t0 < 1000000000ull) {
+  while (!seen() && gpu::load_volatile(ctx.abort_flag) == 0 && gpu::global_timer_ns() - t0 < 1000000000ull) {
   }
 }
 
@@ -43,10 +44,8 @@ UCCL_DEVICE_INLINE void begin() {
 UCCL_DEVICE_INLINE void rows_ready(const NvlContext& ctx, void* local, int32_t round, int chunks) {
 #if defined(UCCL_MOE_STAMP_WAIT_ALL)
   const int lane = gpu::lane_id();
-  if (lane < ctx.num_ranks && lane != ctx.rank) {
-    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeReady) + lane * kMaxCeChunks + chunks - 1, round);
-    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeHead) + lane, round);
-  }
+  if (lane < ctx.num_ranks && lane != ctx.rank)
+    look_for(ctx, [&] { return ce_landed_peek(local, lane, round, chunks); });
   gpu::sync_warp();
 #else
   (void)ctx, (void)local, (void)round, (void)chunks;
@@ -79,7 +78,8 @@ UCCL_DEVICE_INLINE void last_block_waits(const NvlContext& ctx, void* local, int
   }
   __syncthreads();
   if (d < ctx.num_ranks && d != ctx.rank) {
-    look_for(ctx, meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round);
+    const int32_t* flag = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1;
+    look_for(ctx, [&] { return ring_diff(gpu::load_volatile(flag), round) >= 0; });
     atomicMax(&flag_ns, gpu::global_timer_ns());
   }
   __syncthreads();
