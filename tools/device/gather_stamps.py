@@ -34,7 +34,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from ce_timeline import add_headline_args, headline, spawn_headline  # this folder's tools (it leads sys.path)
+# this folder's tools (it leads sys.path)
+from ce_timeline import add_headline_args, headline, headline_calls, spawn_headline
 
 FIELDS = ("ready", "first_row", "own_end", "peer_begin", "peer_end", "rows_done", "flag", "end")
 OPS = ("fp8", "bf16")
@@ -100,12 +101,12 @@ def _worker(rank: int, R: int, init: str, args: argparse.Namespace) -> None:
     sys.stdout.flush()
     os.dup2(log.fileno(), 1)
     shared = torch.cuda.device_count() < R
-    buf, h, _y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
+    buf, h, y, xb, x8 = headline(rank, R, init, args.tokens, args.hidden)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     gloo = dist.new_group(list(range(R)), backend="gloo")
     if rank == 0:
         print(f"gather-stamps mode={'shared' if shared else 'aligned'} ranks={R}", flush=True)
-    ops = {"fp8": lambda: buf.dispatch(x8, handle=h), "bf16": lambda: buf.dispatch(xb, handle=h)}
+    ops = headline_calls(buf, h, y, xb, x8)
     one = torch.ones(1, device="cuda")
     for name in args.ops:
         fn = ops[name]
