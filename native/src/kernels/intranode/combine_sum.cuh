@@ -74,8 +74,9 @@ UCCL_DEVICE_INLINE void sum_token_copies(const char* copy, gpu::LaneMask have, i
 /// gave up (an expiry or an abort).
 /// The per-word loop is take_landed_word's (landing_poll.cuh, the dispatch's gather) written out here on purpose:
 /// the sum calling that helper compiled to a measurably slower kernel, with the same semantics (docs/intranode.md,
-/// session 43). A change to one is a change to both. The dispatch's one test of a lane's whole round before that loop
-/// (take_landed_round, session 47) is not here: the sum has not been measured with it.
+/// session 43). A change to one is a change to both. As in take_landed_round, a lane first tests all its words of a
+/// column round once and enters the per-word loops only where one still holds the sentinel (per lane, not a warp
+/// vote: docs/intranode.md, "Session 48").
 template <int kNumRanks, int kColUnroll, class Peek, class Settle>
 UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask have, int stable, int col_begin,
                                                 int col_end, const int4* bias0, const int4* bias1, int64_t t,
@@ -87,8 +88,16 @@ UCCL_DEVICE_INLINE bool sum_token_copies_polled(const char* copy, gpu::LaneMask 
     int4 v[kColUnroll][kNumRanks];
     const int4* rows[kNumRanks];
     load_token_copies<kNumRanks, kColUnroll>(v, rows, copy, have, stable, col_base, col_end);
+    bool pending = false;  // a word of this lane's round still holds the sentinel
 #pragma unroll
     for (int d = 0; d < kNumRanks; ++d) {
+      if (d == stable || !((have >> d) & 1)) continue;
+#pragma unroll
+      for (int u = 0; u < kColUnroll; ++u)
+        pending |= col_base + u * gpu::kWarpSize + lane < col_end && landing_pending(v[u][d]);
+    }
+#pragma unroll
+    for (int d = 0; d < kNumRanks && pending; ++d) {
       if (d == stable || !((have >> d) & 1)) continue;
 #pragma unroll
       for (int u = 0; u < kColUnroll; ++u) {

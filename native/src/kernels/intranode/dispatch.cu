@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1)
       for (int p = gwarp; p < pairs; p += warps) direct_push(ctx, g, a, land, p / N, p % N, 0, 1);
     }
   }
-  // Landed: every block's rows are out (each warp fenced its own; the last block's system fence covers them), then
+  // Landed: every block's rows are out (each warp fenced its own, before its block counted itself), then
   // every peer's are in. Not released after a failed wait: peers would unpack rows that never came.
   if (last_block(meta_ptr(local, kOffPullArrive), &sm)) {
     if (gpu::load_volatile(ctx.abort_flag) == 0) release_to_peers(ctx, kOffPullStart, round);

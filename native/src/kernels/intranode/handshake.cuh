@@ -34,6 +34,19 @@ UCCL_DEVICE_INLINE bool last_block(int32_t* counter, PullSmem* sm) {
   return sm->last != 0;
 }
 
+/// A system-scope fence before a release store that already covers what precedes it: on CUDA none. PTX's release
+/// store orders the thread's earlier accesses before it, and through causality order (transitive across morally
+/// strong pairs: the block barrier, the GPU-scope counts of last_block and finish_ce_head_block) those of the other
+/// threads and blocks that the releasing thread synchronized with (PTX ISA, "Memory Consistency Model": release
+/// patterns, causality order). The extra fence.sc.sys lengthened the done hand-shake that ends every op
+/// (docs/intranode.md, "Session 48"). On HIP the fence stays: the cumulativity of a wider release over other waves'
+/// accesses is what platform.cuh does not trust there, and it has not run on an AMD GPU.
+UCCL_DEVICE_INLINE void fence_sys_before_release() {
+#if defined(UCCL_MOE_HIP)
+  gpu::fence_sys();
+#endif
+}
+
 /// Thread d of the block (d < N, d != me) releases `round` into word [me] at `off` of rank d's meta; with
 /// `arg` >= 0 it first stores it into d's pull_topk[me] (the release covers it): a value every rank must agree on
 /// (a pull's top-k weights per row, hidden size and path, diag.hpp kPullArgs*; a dispatch's landing layout).
@@ -41,7 +54,7 @@ UCCL_DEVICE_INLINE void release_to_peers(const NvlContext& ctx, size_t off, int3
   const int d = static_cast<int>(threadIdx.x);
   if (d < ctx.num_ranks && d != ctx.rank) {
     if (arg >= 0) meta_ptr(ctx.buffers[d], kOffPullTopk)[ctx.rank] = arg;
-    gpu::fence_sys();
+    fence_sys_before_release();
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], off) + ctx.rank, round);
   }
 }
@@ -244,7 +257,7 @@ UCCL_DEVICE_INLINE void finish_ce_head_block(const NvlContext& ctx, int32_t roun
   if (last == 0) return;
   const int d = gpu::lane_id();
   if (gpu::load_volatile(ctx.abort_flag) == 0 && d < ctx.num_ranks && d != ctx.rank) {
-    gpu::fence_sys();
+    fence_sys_before_release();  // lane 0's fence and the count above order the blocks' head stores before it
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffCeHead) + ctx.rank, round);
   }
 }
