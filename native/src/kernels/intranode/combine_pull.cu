@@ -132,14 +132,13 @@ UCCL_DEVICE_INLINE void pull_sum(const NvlContext& ctx, const CombinePullArgs& a
   auto peek = [&](int d) {
     const int k = a.ce_chunks - 1;
     void* local = ctx.buffers[me];
-    return ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k),
-                     round) >= 0 &&
+    return ring_diff(gpu::load_volatile(ce_ready_words(local, d) + k), round) >= 0 &&
            ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeHead) + d), round) >= 0;
   };
   auto settle = [&](int d) {
     const int k = a.ce_chunks - 1;
-    return wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeReady) + d * kMaxCeChunks + k,
-                        round, DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, k) &&
+    return wait_reached(diag_of(ctx), ce_ready_words(ctx.buffers[me], d) + k, round, DiagPhase::kCombineCeChunk,
+                        DiagRole::kReceiver, d, k) &&
            wait_reached(diag_of(ctx), meta_ptr<const int32_t>(ctx.buffers[me], kOffCeHead) + d, round,
                         DiagPhase::kCombineCeChunk, DiagRole::kReceiver, d, -1);
   };
@@ -421,7 +420,6 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
     UCCL_CHECK_GPU(gpu::stream_wait_event(s, static_cast<gpu::Event>(ce.entered)));
   }
   const char* round_word = static_cast<const char*>(ctx.buffers[ctx.rank]) + kOffCeRound;
-  char* ready = static_cast<char*>(ctx.buffers[d]) + kOffCeReady + sizeof(int32_t) * ctx.rank * kMaxCeChunks;
   int64_t r0 = k_begin > 0 ? ce_chunk_end(rows, k_begin - 1, chunks, shrink_pct) : 0;
   for (int k = k_begin; k < k_end; ++k) {
     const int64_t r1 = ce_chunk_end(rows, k, chunks, shrink_pct);
@@ -432,7 +430,7 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
     // chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are then visible to
     // the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would fence explicitly, but
     // bakes its value into a CUDA graph, which replays rounds)
-    UCCL_CHECK_GPU(gpu::memcpy_async(ready + sizeof(int32_t) * k, round_word, sizeof(int32_t), s));
+    UCCL_CHECK_GPU(gpu::memcpy_async(ce_ready_words(ctx.buffers[d], ctx.rank) + k, round_word, sizeof(int32_t), s));
     r0 = r1;
   }
   if (k_end == chunks) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));

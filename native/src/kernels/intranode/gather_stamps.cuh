@@ -78,7 +78,7 @@ UCCL_DEVICE_INLINE void last_block_waits(const NvlContext& ctx, void* local, int
   }
   __syncthreads();
   if (d < ctx.num_ranks && d != ctx.rank) {
-    const int32_t* flag = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1;
+    const int32_t* flag = ce_ready_words(local, d) + chunks - 1;
     look_for(ctx, [&] { return ring_diff(gpu::load_volatile(flag), round) >= 0; });
     atomicMax(&flag_ns, gpu::global_timer_ns());
   }

@@ -296,8 +296,8 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   void* local = ctx.buffers[ctx.rank];
   if (d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) == 0) {
     if (e.early == 0 || wait_entered(ctx, e, round, d))
-      wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1, round,
-                   phase, DiagRole::kReceiver, d, chunks - 1);
+      wait_reached(diag_of(ctx), ce_ready_words(local, d) + chunks - 1, round, phase, DiagRole::kReceiver, d,
+                   chunks - 1);
   }
   __syncthreads();
   const bool done = pull_done(ctx, round, sm);
@@ -358,7 +358,7 @@ struct LandedChunks {
       if (ok && q >= ready_end) {
         int64_t end = 0;  // chunk `ready`'s rows end at ready_end <= q: q's chunk is a later one
         const int k = ce_chunk_from(q - head_rows, rows - head_rows, chunks, shrink_pct, ready + 1, &end);
-        const int32_t* word = meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + k;
+        const int32_t* word = ce_ready_words(local, d) + k;
         ok = wait_reached(diag_of(ctx), word, round, phase, DiagRole::kReceiver, d, k);
         if (ok) {  // the copy engine wrote chunk k's word after chunks 0..k on one stream
           ready = k;

@@ -59,14 +59,13 @@ UCCL_DEVICE_INLINE void take_landed_word(int4& v, const int4* at, int d, uint32_
 /// The peek and settle of take_landed_word for a copy-engine op's polled landing area in our buffer `local` (this
 /// op's `round`, `chunks` per peer; a wait that gives up names the peer and `phase`).
 UCCL_DEVICE_INLINE bool ce_landed_peek(void* local, int d, int32_t round, int chunks) {
-  return ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1),
-                   round) >= 0 &&
+  return ring_diff(gpu::load_volatile(ce_ready_words(local, d) + chunks - 1), round) >= 0 &&
          ring_diff(gpu::load_volatile(meta_ptr<const int32_t>(local, kOffCeHead) + d), round) >= 0;
 }
 UCCL_DEVICE_INLINE bool ce_landed_settle(const NvlContext& ctx, void* local, int d, int32_t round, int chunks,
                                           DiagPhase phase) {
-  return wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeReady) + d * kMaxCeChunks + chunks - 1,
-                      round, phase, DiagRole::kReceiver, d, chunks - 1) &&
+  return wait_reached(diag_of(ctx), ce_ready_words(local, d) + chunks - 1, round, phase, DiagRole::kReceiver, d,
+                      chunks - 1) &&
          wait_reached(diag_of(ctx), meta_ptr<const int32_t>(local, kOffCeHead) + d, round, phase, DiagRole::kReceiver,
                       d, -1);
 }

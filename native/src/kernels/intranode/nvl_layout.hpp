@@ -113,6 +113,11 @@ static_assert(kPullMetaEnd <= kNvlMetaBytes, "intranode meta region outgrew kNvl
 UCCL_HOST_DEVICE_FN int32_t* sentinel_ready_word(void* buffer, int src) {
   return reinterpret_cast<int32_t*>(static_cast<char*>(buffer) + kOffSentinelReady) + src;
 }
+/// Row `src` of the ce_ready array in the NVL buffer at `buffer` (kOffCeReady): word k is the round src's copy engine
+/// wrote there after chunk k of its rows landed (the flag copy that follows each chunk).
+UCCL_HOST_DEVICE_FN int32_t* ce_ready_words(void* buffer, int src) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(buffer) + kOffCeReady) + src * kMaxCeChunks;
+}
 /// Where a combine from the buffer finds its inputs: the rows start at the ring region (they replace the rings
 /// for the length of the combine), the top-k weights at the next 128-B line after `rows` rows.
 constexpr size_t kOffCombineInput = kNvlMetaBytes;
