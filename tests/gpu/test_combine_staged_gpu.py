@@ -31,6 +31,7 @@ from test_intranode_native import (
     _Case,
     _close_bf16,
     _dispatch,
+    check_ended_beside,
     early_ops,
     gate_ok,
     gated_ops,
@@ -279,27 +280,39 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
         "view": [lambda: view(ys[0], plain[0])],
         "cached dispatch, then a view": [cached],
     }
-    for name, ops in patterns.items():
-        for k in range(3):
-            before = _poll_counts(nat)
-            for op in ops:
+
+    def run_patterns() -> None:
+        for name, ops in patterns.items():
+            for k in range(3):
+                before = _poll_counts(nat)
+                for op in ops:
+                    if rank == 0:
+                        torch.cuda._sleep(200_000)
+                    op()
+                if name == "cached dispatch, then a view":  # a polled combine was predicted: the view's writes wait for
+                    view(ys[k], plain[k])                    # the memset after the dispatch
+                    continue
                 if rank == 0:
                     torch.cuda._sleep(200_000)
-                op()
-            if name == "cached dispatch, then a view":  # a polled combine was predicted: the view's writes wait for
-                view(ys[k], plain[k])                    # the memset after the dispatch
-                continue
-            if rank == 0:
-                torch.cuda._sleep(200_000)
-            got = _combine(nat, "ce", ys[k], rn.handle, topk_weights=w, config=cfg)
-            counts = tuple(b - a for a, b in zip(before, _poll_counts(nat)))
-            check(f"{name}, then polled ({k}): == ring", torch.equal(got.combined_x, wants[k].combined_x)
-                  and torch.equal(got.combined_topk_weights, wants[k].combined_topk_weights))
-            # once the op before was followed by a polled combine, it sets the sentinel on the side stream and the
-            # combine sets none; the first time it may not have been (a kind seen before another kind last time)
-            if R > 1:
-                check(f"{name} ({k}): polled, sentinel sets {counts}", counts[0] == 1 and (
-                      sum(counts[1:]) == 1 if k == 0 else counts[1:] == (0, 1)))
+                got = _combine(nat, "ce", ys[k], rn.handle, topk_weights=w, config=cfg)
+                counts = tuple(b - a for a, b in zip(before, _poll_counts(nat)))
+                check(f"{name}, then polled ({k}): == ring", torch.equal(got.combined_x, wants[k].combined_x)
+                      and torch.equal(got.combined_topk_weights, wants[k].combined_topk_weights))
+                # once the op before was followed by a polled combine, it sets the sentinel on the side stream and the
+                # combine sets none; the first time it may not have been (a kind seen before another kind last time)
+                if R > 1:
+                    check(f"{name} ({k}): polled, sentinel sets {counts}", counts[0] == 1 and (
+                          sum(counts[1:]) == 1 if k == 0 else counts[1:] == (0, 1)))
+
+    # under UCCL_MOE_CE_END_BESIDE (the default) the gated combines among them end in ce_end_kernel on the side stream
+    rt = nat._live()._rt
+    ended0 = int(rt.ce_ended_beside)
+    names = _kernels(run_patterns)
+    ended = int(rt.ce_ended_beside) - ended0
+    if R > 1:
+        beside = os.environ.get("UCCL_MOE_CE_END_BESIDE", "1") != "0"
+        check(f"combines that ended beside their kernel: {ended} (expected some: {beside}), ce_end_kernel ran: "
+              f"{'ce_end_kernel' in names}", (ended > 0) == beside and ('ce_end_kernel' in names) == beside)
     # A rank whose sum kernel starts 5 ms late.
     with kernel_late(_buffer_paths, "combine_outputs", rank == R - 1):
         got = _combine(nat, "ce", pat, rn.handle, topk_weights=w, config=cfg)
@@ -307,6 +320,7 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
     check(f"one rank's sum 5 ms late: == ring (bits; NaN where the ring's is) {why}",
           not why and torch.equal(got.combined_topk_weights, ring.combined_topk_weights))
     check("every copy-engine combine polled", _poll_counts(nat)[0] == 1 + 4 * 3 + 1)
+    check_ended_beside(check, nat, R, some=True)
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 
@@ -316,6 +330,19 @@ def test_polled_ce_combine(world: int) -> None:
     # the dispatch in its patterns by chunk flags, so that the counts are the combine's (a polled dispatch before a
     # polled combine runs in test_staged_and_ce_combine_match_the_ring's interleaving and in the bench)
     run_shared_gpu_ranks(_poll_worker, world, env={"UCCL_MOE_DISPATCH_CE_POLL": "0"}, timeout_s=600)
+
+
+def test_polled_ce_combine_ends_in_kernel() -> None:
+    """test_polled_ce_combine with each op's end in its kernel's last block (UCCL_MOE_CE_END_BESIDE=0)."""
+    run_shared_gpu_ranks(_poll_worker, 2, env={"UCCL_MOE_DISPATCH_CE_POLL": "0", "UCCL_MOE_CE_END_BESIDE": "0"},
+                         timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [2, 6])
+def test_staged_and_ce_combine_match_the_ring_ends_in_kernel(world: int) -> None:
+    """The copy-engine combine's interleavings (polled dispatches before polled combines) with each op's end in its
+    kernel."""
+    run_shared_gpu_ranks(_staged_worker, world, "ce", world > 4, env={"UCCL_MOE_CE_END_BESIDE": "0"}, timeout_s=600)
 
 
 def _gate_worker(rank: int, world: int, gloo, op: str = "combine") -> None:
@@ -381,6 +408,13 @@ def test_polled_ce_dispatch_gate_that_never_opens() -> None:
     """The gate that never opens with polled copy-engine dispatches (the default since session 45)."""
     run_shared_gpu_ranks(_gate_worker, 2, "dispatch",
                          env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, timeout_s=300)
+
+
+@pytest.mark.parametrize("op", ["combine", "dispatch"])
+def test_gate_that_never_opens_ends_in_kernel(op: str) -> None:
+    """The gate that never opens with each op's end in its kernel (UCCL_MOE_CE_END_BESIDE=0), one hardware queue."""
+    run_shared_gpu_ranks(_gate_worker, 2, op, env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+                                                   "UCCL_MOE_CE_END_BESIDE": "0"}, timeout_s=300)
 
 
 def _kernels(fn) -> str:

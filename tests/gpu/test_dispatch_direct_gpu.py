@@ -29,6 +29,7 @@ from test_intranode_native import (
     _dispatch,
     _eq,
     _split,
+    check_ended_beside,
     early_ops,
     gate_ok,
     gated_ops,
@@ -274,6 +275,7 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     want_m = _ce(False, nat.dispatch, (xm, sm), handle=mr.handle, config=cfg).recv_x
     got_m = _ce(True, nat.dispatch, (xm, sm), handle=mr.handle, config=cfg).recv_x
     check("scales in different orders on different ranks", all(_eq(p, q) for p, q in zip(got_m, want_m)))
+    check_ended_beside(check, nat, R)
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 
@@ -410,6 +412,7 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
         late_f = _ce(True, nat.dispatch, (xf, sf), handle=rf.handle, config=cfg).recv_x
         late_b = _ce(True, nat.dispatch, xb, handle=rb.handle, config=cfg).recv_x
     check("one rank's gather 5 ms late: == rings", _bits_eq(late_f, want_f) and _bits_eq(late_b, want_b))
+    check_ended_beside(check, nat, R, some=True)
     torch.cuda.synchronize()
     check.finish(gloo, nat, ref)
 
@@ -417,6 +420,17 @@ def _poll_dispatch_worker(rank: int, world: int, gloo) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_polled_ce_dispatch(world: int) -> None:
     run_shared_gpu_ranks(_poll_dispatch_worker, world, timeout_s=600)
+
+
+def test_polled_ce_dispatch_ends_in_kernel() -> None:
+    """test_polled_ce_dispatch with each op's end in its kernel's last block (UCCL_MOE_CE_END_BESIDE=0)."""
+    run_shared_gpu_ranks(_poll_dispatch_worker, 2, env={"UCCL_MOE_CE_END_BESIDE": "0"}, timeout_s=600)
+
+
+@pytest.mark.parametrize("world", [2, 6])
+def test_ce_dispatch_matches_the_rings_ends_in_kernel(world: int) -> None:
+    """test_ce_dispatch_matches_the_rings (and its 6 ranks sharing the GPUs) with each op's end in its kernel."""
+    run_shared_gpu_ranks(_ce_worker, world, world > 4, env={"UCCL_MOE_CE_END_BESIDE": "0"}, timeout_s=600)
 
 
 def _late_outputs_worker(rank: int, world: int, gloo) -> None:

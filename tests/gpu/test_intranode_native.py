@@ -393,6 +393,18 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     check.finish(gloo, nat, ref)
 
 
+def check_ended_beside(check, nat, R: int, some: bool = False) -> None:
+    """With more than one rank: under UCCL_MOE_CE_END_BESIDE (the default) every gated op ended on the side stream (and
+    some did, where `some`: the caller ran early polled ops); with 0, none did."""
+    if R > 1:
+        rt = nat._live()._rt
+        n, gated = int(rt.ce_ended_beside), int(rt.ce_gated_ops)
+        if os.environ.get("UCCL_MOE_CE_END_BESIDE", "1") != "0":
+            check(f"ops that ended beside their kernel: {n} of {gated} gated", n == gated and (n > 0 or not some))
+        else:
+            check(f"no op ended beside its kernel under UCCL_MOE_CE_END_BESIDE=0 ({n} did)", n == 0)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_native_intranode_matches_reference(world: int) -> None:
     iters = int(os.environ.get("UMOE_TEST_ITERS", "1000"))
@@ -1058,6 +1070,13 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
                                   "ce_skip_poll_early", "ce_skip_late_poll_early", "ce_dispatch_skip_poll_early"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
+
+
+@pytest.mark.parametrize("mode", ["ce_skip_poll_early", "ce_skip_late_poll_early", "ce_dispatch_skip_poll_early"])
+def test_native_combine_from_buffer_timeout_ends_in_kernel(mode: str) -> None:
+    """The early polled faults with each op's end in its kernel's last block (UCCL_MOE_CE_END_BESIDE=0)."""
+    run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_CE_END_BESIDE": "0"},
+                         timeout_s=300)
 
 
 @pytest.mark.parametrize("mode", ["mixed_staged", "mixed_ce", "ce_chunks", "ce_chunks_early", "ce_poll", "ce_hidden",

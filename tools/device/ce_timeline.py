@@ -38,8 +38,9 @@ PARTS = ("lead", "copies", "tail", "span", "kernel_start", "boundary", "flushed"
 OPS = ("dispatch fp8", "dispatch bf16", "combine")
 FLAG_BYTES = 4  # a chunk's flag copy (enqueue_ce_block)
 # the alignment's all-reduce, --hold's GPU sleep (torch.cuda._sleep) and the polled ops' watch on the side stream
-# after the op (ce_gate_watch_kernel: not part of the op)
-SKIPPED = ("AllReduce", "spin_kernel", "ce_gate_watch")
+# after the op (ce_gate_watch_kernel: not part of the op); an op's end beside its kernel (UCCL_MOE_CE_END_BESIDE:
+# ce_end_kernel, on the side stream: the caller's stream does not wait for it)
+SKIPPED = ("AllReduce", "spin_kernel", "ce_gate_watch", "ce_end_kernel")
 
 
 def _end(e: dict[str, Any]) -> float:

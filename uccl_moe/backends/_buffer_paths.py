@@ -140,10 +140,10 @@ class BufferPaths:
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
             num_recv_rows=rows, recv_src_idx=_ptr(handle.recv_src_idx))
         chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), self._stream()
-        poll = bool(env.get("DISPATCH_CE_POLL"))
+        poll, beside = bool(env.get("DISPATCH_CE_POLL")), bool(env.get("CE_END_BESIDE"))
         return _late_outputs(
             lambda outputs: _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, chunks, early,
-                                                     stream, outputs, poll),
+                                                     stream, outputs, poll, beside),
             lambda: self._alloc_recv(rows, x, x_scales, 0, False)[:2], "copy-engine dispatch")
 
     def dispatch_ce_fits(self, handle: Any, row_bytes: int, num_scales: int) -> bool:
@@ -337,9 +337,10 @@ class BufferPaths:
             ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
         if ce_rank_prefix is not None:
             early, poll, stream = bool(env.get("CE_EARLY")), bool(env.get("CE_POLL")), self._stream()
+            beside = bool(env.get("CE_END_BESIDE"))
             return _late_outputs(
                 lambda outputs: _C.combine_ce_intranode(self._rt, int(config.num_sms), args, ce_rank_prefix, early,
-                                                        stream, outputs, poll),
+                                                        stream, outputs, poll, beside),
                 lambda: combine_outputs(x, T, tw), "copy-engine combine")
         out, out_w = combine_outputs(x, T, tw)
         args.out, args.out_topk_weights = _ptr(out), _ptr(out_w)

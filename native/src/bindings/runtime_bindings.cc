@@ -233,6 +233,8 @@ void register_runtime(nb::module_& m) {
                    "copy-engine ops that started their copies before any hand-shake (UCCL_MOE_CE_EARLY)")
       .def_prop_ro("ce_gated_ops", &NvlRuntime::ce_gated_ops,
                    "the polled ones among ce_early_ops: their copies waited for each peer's side memset (the gate)")
+      .def_prop_ro("ce_ended_beside", &NvlRuntime::ce_ended_beside,
+                   "the gated ones among ce_gated_ops whose end was to run on the side stream (UCCL_MOE_CE_END_BESIDE)")
       .def_prop_ro("ce_gate_ok", &NvlRuntime::ce_gate_ok,
                    "whether stream memory operations worked on this GPU (else polled ops are never early)")
       .def_prop_ro("ce_polled_ops", &NvlRuntime::ce_polled_ops,
@@ -393,7 +395,7 @@ void register_runtime(nb::module_& m) {
 
   m.def("combine_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::CombinePullArgs& a,
                                    const std::vector<int32_t>& rank_prefix, bool early, uintptr_t stream,
-                                   const nb::object& outputs, bool poll) {
+                                   const nb::object& outputs, bool poll, bool beside) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N, "rank_prefix has %zu entries, expected %d x %d",
                 rank_prefix.size(), N, N);
@@ -411,7 +413,7 @@ void register_runtime(nb::module_& m) {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeCombine);
     }
     const int kind = args.ce_poll != 0 ? NvlRuntime::kOpPolledCombine : NvlRuntime::kOpCeCombine;
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, args.ce_poll != 0);
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, args.ce_poll != 0, beside);
     std::exception_ptr failed;
     intranode::launch_combine_ce(rt.context(), num_sms, args, ce, stream_of(stream),
                                  late_outputs(outputs, failed, a.num_tokens > 0, a.num_tokens > 0 && a.num_topk > 0,
@@ -419,7 +421,7 @@ void register_runtime(nb::module_& m) {
     rt.note_op(stream_of(stream), true, kind);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "early"_a, "stream"_a, "outputs"_a = nb::none(),
-  "poll"_a = false,
+  "poll"_a = false, "beside"_a = false,
   "Combine of a caller's tensor through the copy engines (intranode.hpp launch_combine_ce); rank_prefix: the "
   "handle's [N, N] matrix as published to the host by notify (wait_recv_counts), row-major; early: "
   "UCCL_MOE_CE_EARLY (the copies start at once where the op before ended with the done hand-shake; polled, behind "
@@ -432,7 +434,7 @@ void register_runtime(nb::module_& m) {
   m.def("dispatch_ce_intranode", [](NvlRuntime& rt, int num_sms, const intranode::DispatchArgs& a,
                                     const std::vector<int32_t>& rank_prefix, const std::vector<int32_t>& rank_tokens,
                                     int chunks, bool early, uintptr_t stream, const nb::object& outputs,
-                                    bool poll) {
+                                    bool poll, bool beside) {
     const int N = rt.num_ranks();
     UCCL_ASSERT(static_cast<int>(rank_prefix.size()) == N * N && static_cast<int>(rank_tokens.size()) == N,
                 "rank_prefix has %zu entries and rank_tokens %zu, expected %d x %d and %d", rank_prefix.size(),
@@ -451,7 +453,7 @@ void register_runtime(nb::module_& m) {
       rt.begin_op(stream_of(stream), NvlRuntime::kOpCeDispatch);
     }
     const int kind = poll ? NvlRuntime::kOpPolledDispatch : NvlRuntime::kOpCeDispatch;
-    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, poll);
+    const auto ce = rt.ce_copies(rank_prefix.data(), stream_of(stream), early, poll, beside);
     std::exception_ptr failed;
     const bool rows = a.num_recv_rows > 0;
     intranode::launch_dispatch_ce(rt.context(), num_sms, a, rank_tokens.data(), chunks, ce, stream_of(stream),
@@ -460,7 +462,7 @@ void register_runtime(nb::module_& m) {
     rt.note_op(stream_of(stream), true, kind);
     if (failed) std::rethrow_exception(failed);
   }, "runtime"_a, "num_sms"_a, "args"_a, "rank_prefix"_a, "rank_tokens"_a, "chunks"_a, "early"_a, "stream"_a,
-  "outputs"_a = nb::none(), "poll"_a = false,
+  "outputs"_a = nb::none(), "poll"_a = false, "beside"_a = false,
   "Cached dispatch through the copy engines (intranode.hpp launch_dispatch_ce); args.recv_src_idx is the handle's "
   "(read); rank_prefix and rank_tokens as notify published them (wait_recv_counts); early, outputs (here "
   "(recv_x, recv_scales)) as for combine_ce_intranode; poll: UCCL_MOE_DISPATCH_CE_POLL (chunks is then 1; the gather "

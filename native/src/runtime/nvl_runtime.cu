@@ -133,7 +133,7 @@ void NvlRuntime::destroy() {
   }
   if (ce_entered_ != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(ce_entered_)), "event_destroy");
   ce_entered_ = nullptr;
-  for (void** e : {&sentinel_after_, &sentinel_set_}) {
+  for (void** e : {&sentinel_after_, &sentinel_set_, &ce_end_after_, &ce_ended_}) {
     if (*e != nullptr) warn(gpu::event_destroy(static_cast<gpu::Event>(*e)), "event_destroy");
     *e = nullptr;
   }
@@ -168,6 +168,10 @@ void NvlRuntime::make_ce_streams() {
   sentinel_after_ = e;
   UCCL_CHECK_GPU(gpu::event_create(&e));
   sentinel_set_ = e;
+  UCCL_CHECK_GPU(gpu::event_create(&e));
+  ce_end_after_ = e;
+  UCCL_CHECK_GPU(gpu::event_create(&e));
+  ce_ended_ = e;
   // The gate of early polled ops (ce_copies) rests on stream memory operations: tried once on our own word (no peer
   // writes it), else polled ops are never early.
   void* own = intranode::sentinel_ready_word(local_, rank_);
@@ -179,7 +183,7 @@ void NvlRuntime::make_ce_streams() {
 }
 
 intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted,
-                                          bool polled) {
+                                          bool polled, bool beside_wanted) {
   UCCL_ASSERT(!destroyed_, "the NVL runtime was destroyed; create a new Buffer");
   UCCL_ASSERT(connected_, "the NVL runtime is not connected to its peers yet");
   intranode::CeCopies c{};
@@ -198,6 +202,14 @@ intranode::CeCopies NvlRuntime::ce_copies(const int32_t* rank_prefix_host, void*
   c.gated = early && polled ? 1 : 0;
   c.gate = static_cast<int32_t>(static_cast<uint32_t>(sentinel_seq_));
   if (c.gated != 0) ++ce_gated_ops_;
+#if defined(UCCL_MOE_HIP)
+  beside_wanted = false;  // not run on an AMD GPU
+#endif
+  c.beside = beside_wanted && c.gated != 0 ? 1 : 0;
+  c.end_stream = sentinel_stream_;
+  c.end_after = ce_end_after_;
+  c.ended = ce_ended_;
+  if (c.beside != 0) ++ended_seq_;  // the op launches its end beside right after its kernel (launch_ce_end_beside)
   return c;
 }
 
@@ -330,7 +342,17 @@ bool NvlRuntime::ce_poll(void* stream, bool wanted) const { return wanted && out
 
 void NvlRuntime::wait_for_sentinel(void* stream) {
   UCCL_ASSERT(!destroyed_ && connected_, "the NVL runtime is not connected (or was destroyed)");
-  if (sentinel_seq_ == waited_seq_ && stream == waited_stream_) return;
+  if (sentinel_seq_ == waited_seq_ && ended_seq_ == waited_ended_seq_ && stream == waited_stream_) return;
+  // An op that ended beside (CeCopies::beside) ends on the side stream: nothing that writes our buffer or a peer's
+  // runs before that end (on the host where `stream` captures, as for the sentinel below).
+  if (ended_seq_ > 0) {
+    const auto st = static_cast<gpu::Stream>(stream);
+    if (gpu::stream_capturing(st))
+      UCCL_CHECK_GPU(gpu::event_synchronize_any_capture(static_cast<gpu::Event>(ce_ended_)));
+    else
+      UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce_ended_)));
+  }
+  waited_ended_seq_ = ended_seq_;
   if (sentinel_seq_ > 0) {
     const auto st = static_cast<gpu::Stream>(stream);
     if (gpu::stream_capturing(st))

@@ -91,7 +91,10 @@ class NvlRuntime {
   /// waits (a stream memory wait) until its peer's count of side memsets, which the peer's side stream writes into
   /// our meta after each (nvl_layout.hpp sentinel_ready), reached ours: every rank makes the same memsets. Not where
   /// the driver has no stream memory operations (connect() tries them): there a polled op is never early.
-  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false);
+  /// `beside_wanted` (UCCL_MOE_CE_END_BESIDE): a gated op on CUDA ends beside its kernel (CeCopies::beside), on the
+  /// side stream; the next op's wait_for_sentinel waits for that end (ce_ended_).
+  intranode::CeCopies ce_copies(const int32_t* rank_prefix_host, void* stream, bool early_wanted, bool polled = false,
+                                bool beside_wanted = false);
   /// The ops of a Buffer, as begin_op and note_op tell them apart (the polled ops' sentinel, below).
   enum OpKind : int {
     kOpNotify,
@@ -148,6 +151,7 @@ class NvlRuntime {
   /// them, the polled ones behind the gate (ce_copies).
   int64_t ce_early_ops() const { return ce_early_ops_; }
   int64_t ce_gated_ops() const { return ce_gated_ops_; }
+  int64_t ce_ended_beside() const { return ended_seq_; }  // ops classified so (ce_copies), before their launch
   /// Whether the driver's stream memory operations worked here (connect()): polled ops may then be early.
   bool ce_gate_ok() const { return gate_ok_; }
 
@@ -173,6 +177,9 @@ class NvlRuntime {
   // them waited_stream_ last waited for; a side memset no cross-rank hand-shake followed yet (no early op then).
   int64_t sentinel_end_ = 0, poll_end_[kNumOpKinds] = {};
   int64_t sentinel_seq_ = 0, waited_seq_ = 0;
+  int64_t ended_seq_ = 0, waited_ended_seq_ = 0;  // ops that ended beside (ce_ended_ recorded after the last one)
+  void* ce_end_after_ = nullptr;  // recorded on the caller's stream after an op's kernel; the side stream waits for it
+  void* ce_ended_ = nullptr;      // recorded on the side stream after that op's end kernel
   void* waited_stream_ = nullptr;
   bool sentinel_unfenced_ = false;
   // The kind of the op before, and per kind the kind that followed it last time (-1: none yet).

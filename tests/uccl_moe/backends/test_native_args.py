@@ -432,8 +432,8 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
                         lambda rt, num_sms, num_rows, args, stream: calls.append(("pull", args)))
     monkeypatch.setattr(native._C, "stage_combine_rows_intranode", lambda *a: calls.append(("stage", a)))
     monkeypatch.setattr(native._C, "combine_ce_intranode",  # outputs: allocated late (LateOutputs), at the kernel
-                        lambda rt, num_sms, args, rank_prefix, early, stream, outputs, poll: calls.append(
-                            ("ce", (num_sms, args, rank_prefix, early, outputs(), poll))))
+                        lambda rt, num_sms, args, rank_prefix, early, stream, outputs, poll, beside: calls.append(
+                            ("ce", (num_sms, args, rank_prefix, early, outputs(), poll, beside))))
     R, T, H, K, rows = 2, 5, 64, 2, 7
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
@@ -453,9 +453,10 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     assert _C.intranode_ce_landing_bytes([3, 4, 5, 7], H, K) == _C.intranode_combine_input_layout(4, H, K)[1]
     calls.clear()
     out, out_w = backend.combine(y, h, w, (None, None), cfg)
-    [(op, (num_sms, ce, rank_prefix, early, late, poll))] = calls
+    [(op, (num_sms, ce, rank_prefix, early, late, poll, beside))] = calls
     assert (op, num_sms, rank_prefix, early) == ("ce", 24, [3, 4, 5, 7], True)  # UCCL_MOE_CE_EARLY's default
     assert poll is True  # UCCL_MOE_CE_POLL's default (the runtime turns it off where a graph captures)
+    assert beside is True  # UCCL_MOE_CE_END_BESIDE's default (the runtime ends only gated ops beside)
     assert (ce.staged, ce.own_x, ce.ce_chunks, ce.topk_weights, ce.out, ce.out_topk_weights) == (
         1, _ptr(y), 4, _ptr(w), 0, 0)  # the outputs come from the callback, once the first copies are enqueued
     assert late == (_ptr(out), _ptr(out_w)) and out.shape == (T, H) and out_w.shape == (T, K)
@@ -477,6 +478,11 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
     backend.combine(y, h, w, (None, None), cfg)
     assert calls[0][1][5] is False
     monkeypatch.delenv("UCCL_MOE_CE_POLL")
+    monkeypatch.setenv("UCCL_MOE_CE_END_BESIDE", "0")
+    calls.clear()
+    backend.combine(y, h, w, (None, None), cfg)
+    assert calls[0][1][6] is False
+    monkeypatch.delenv("UCCL_MOE_CE_END_BESIDE")
     monkeypatch.setenv("UCCL_MOE_COMBINE_CE_CHUNKS", "9")  # more than the meta region's ce_ready words
     with pytest.raises(_C_error(), match="UCCL_MOE_COMBINE_CE_CHUNKS"):
         backend.combine(y, h, w, (None, None), cfg)
@@ -515,8 +521,8 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     calls: list[tuple[str, Any]] = []
     monkeypatch.setattr(native._C, "dispatch_intranode", lambda rt, geo, args, stream: calls.append(("ring", args)))
     monkeypatch.setattr(native._C, "dispatch_ce_intranode", lambda rt, num_sms, args, rank_prefix, tokens, chunks,
-                        early, stream, outputs, poll: calls.append(
-                            ("ce", (num_sms, args, rank_prefix, tokens, chunks, early, outputs(), poll))))
+                        early, stream, outputs, poll, beside: calls.append(
+                            ("ce", (num_sms, args, rank_prefix, tokens, chunks, early, outputs(), poll, beside))))
     R, T, H, rows = 2, 5, 128, 7
     backend = _fake_backend(R, rows)
     backend.ctx = SimpleNamespace(num_nvl_bytes=2 << 20)
@@ -534,8 +540,8 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     calls.clear()
     scales = torch.rand((2, T)).T  # [T, 2] column-major
     recv_x, recv_s = backend.cached_dispatch(x, scales, h, cfg)
-    [(op, (num_sms, a, rank_prefix, tokens, chunks, early, late, poll))] = calls
-    assert (op, num_sms, rank_prefix, tokens, chunks, early) == ("ce", 24, [3, 4, 5, 7], [T, 6], 3, True)
+    [(op, (num_sms, a, rank_prefix, tokens, chunks, early, late, poll, beside))] = calls
+    assert (op, num_sms, rank_prefix, tokens, chunks, early, beside) == ("ce", 24, [3, 4, 5, 7], [T, 6], 3, True, True)
     assert poll is True  # UCCL_MOE_DISPATCH_CE_POLL's default (polled and early behind the gate measured faster)
     assert (a.x, a.x_scales, a.num_tokens, a.row_bytes, a.num_scales) == (_ptr(x), _ptr(scales), T, H, 2)
     assert (a.scale_token_stride, a.scale_hidden_stride) == (1, T)
@@ -562,6 +568,11 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert calls[0][1][7] is False
     monkeypatch.delenv("UCCL_MOE_DISPATCH_CE_POLL")
+    monkeypatch.setenv("UCCL_MOE_CE_END_BESIDE", "0")
+    calls.clear()
+    backend.cached_dispatch(x, scales, h, cfg)
+    assert calls[0][1][8] is False
+    monkeypatch.delenv("UCCL_MOE_CE_END_BESIDE")
     # the largest landing area over the buffer: every rank computes the same one and takes the rings
     need = int(_C.intranode_ce_dispatch_landing_bytes([T, 6], H, 2))
     assert need == int(_C.intranode_ce_dispatch_landing_bytes([6, T], H, 2))

@@ -264,7 +264,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
   push_ce_head(ctx, head, round, &sm, enter);
   if (gpu::load_volatile(ctx.abort_flag) == 0) pull_sum<kNumRanks, kColUnroll, true, kPoll>(ctx, a, round, enter);
   UCCL_MOE_TRACE(const long long t_end = trace::now());
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm))
+  // Beside (CeEnter::beside): ce_end_kernel on the side stream ends the op instead.
+  if (enter.beside == 0 && last_block(meta_ptr(local, kOffPullLeave), &sm))
     ce_op_end(ctx, enter, round, a.ce_chunks, DiagPhase::kCombineCeChunk, &sm);
   UCCL_MOE_TRACE(trace::add(trace::kPublish, t_end);
                  trace::finish(trace::kRecv, t0, t0_ns, "ce_sum", ctx.rank, a.hidden * 2));
@@ -374,7 +375,34 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
     UCCL_CHECK_GPU(gpu::get_last_error());
   }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
-  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.early != 0 ? ce.gated : 0, ce.gate};
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.early != 0 ? ce.gated : 0, ce.gate,
+                 ce.early != 0 && ce.gated != 0 ? ce.beside : 0};
+}
+
+namespace {
+/// A copy-engine op's end beside its kernel (CeEnter::beside; one block on the runtime's side stream, after the
+/// kernel): ce_op_end as the kernel's last block would run it, for the op's round (nothing moved it since the kernel
+/// read it: the done hand-shake here does).
+__global__ void __launch_bounds__(gpu::kWarpSize, 1) ce_end_kernel(NvlContext ctx, CeEnter enter, int chunks,
+                                                                  DiagPhase phase) {
+  __shared__ PullSmem sm;
+  ce_op_end(ctx, enter, ce_op_round(ctx, enter), chunks, phase, &sm);
+}
+}  // namespace
+
+void launch_ce_end_beside(const NvlContext& ctx, const CeCopies& ce, const CeEnter& enter, int chunks,
+                          DiagPhase phase, void* stream) {
+  UCCL_ASSERT(enter.beside != 0 && ce.end_stream != nullptr, "an op's end beside needs the runtime's side stream");
+  UCCL_ASSERT(chunks == 1, "an op's end beside is for polled ops, which copy in one chunk (got %d)", chunks);
+  const gpu::Stream side = static_cast<gpu::Stream>(ce.end_stream);
+  // Where the op's kernel did not launch, our abort flag goes up first: the end then drains, records and raises the
+  // peers' flags, instead of completing the done hand-shake as if the op had run.
+  if (!gpu::is_success(gpu::peek_last_error()))
+    (void)gpu::stream_write_u32(static_cast<gpu::Stream>(stream), ctx.abort_flag, 1u);
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.end_after), static_cast<gpu::Stream>(stream)));
+  UCCL_CHECK_GPU(gpu::stream_wait_event(side, static_cast<gpu::Event>(ce.end_after)));
+  ce_end_kernel<<<1, gpu::kWarpSize, 0, side>>>(ctx, enter, chunks, phase);  // its launch: checked after the join
+  UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.ended), side));
 }
 
 void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream) {
@@ -430,10 +458,13 @@ void enqueue_ce_block(const NvlContext& ctx, const CeCopies& ce, int d, char* ds
     // chunk on one stream, so it starts after the chunk's copy completed; that the chunk's bytes are then visible to
     // the peer's kernel is what the GPU tests check bit for bit (a stream memory-op write would fence explicitly, but
     // bakes its value into a CUDA graph, which replays rounds)
+    // Beside: the caller's stream waits for the rows only (x is read until then); the flag is the peer's business
+    // (its end waits for it), and ce_round, which the flag copies, moves only once the peer saw it (ce_end_kernel).
+    if (ce.beside != 0 && k == chunks - 1) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
     UCCL_CHECK_GPU(gpu::memcpy_async(ce_ready_words(ctx.buffers[d], ctx.rank) + k, round_word, sizeof(int32_t), s));
     r0 = r1;
   }
-  if (k_end == chunks) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
+  if (k_end == chunks && ce.beside == 0) UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.copied[d]), s));
 }
 
 void join_ce_copies(const NvlContext& ctx, const CeCopies& ce, void* stream) {
@@ -496,7 +527,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
     }
   }
   launch_around_ce_copies(
-      ctx, ce, enter, a.ce_chunks,
+      ctx, ce, enter, a.ce_chunks, DiagPhase::kCombineCeChunk,
       [&](int d, int k_begin, int k_end) {
         enqueue_ce_block(ctx, ce, d, dst[d], src[d], block_rows[d], row_bytes, a.ce_chunks, kCeCombineShrinkPct,
                          k_begin, k_end, head_rows[d]);

@@ -167,7 +167,8 @@ __global__ void __launch_bounds__(kGatherThreads, 1) dispatch_ce_gather_kernel(N
   }
   // The engines move tokens nobody here reads too, and the gather waited only for the chunks it read from: the end
   // waits for every peer's last chunk before saying "done".
-  if (last_block(meta_ptr(local, kOffPullLeave), &sm)) {
+  // Beside (CeEnter::beside): ce_end_kernel on the side stream ends the op instead.
+  if (enter.beside == 0 && last_block(meta_ptr(local, kOffPullLeave), &sm)) {
     UCCL_MOE_STAMP(unsigned long long stamp_t[2]; stamps::last_block_waits(ctx, local, round, p.chunks, stamp_t));
     ce_op_end(ctx, enter, round, p.chunks, DiagPhase::kDispatchCeChunk, &sm);
     UCCL_MOE_STAMP(stamps::end(me, a.row_bytes, kParts, stamp_t));
@@ -248,7 +249,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
     head.rows_16[d] = head_rows * a.row_bytes / 16;
   }
   launch_around_ce_copies(
-      ctx, ce, enter, chunks,
+      ctx, ce, enter, chunks, DiagPhase::kDispatchCeChunk,
       [&](int d, int k_begin, int k_end) {  // all of x into d's area, chunked as the peer's gather splits them
         enqueue_ce_block(ctx, ce, d, static_cast<char*>(ctx.buffers[d]) + rows_at[d][me],
                          static_cast<const char*>(a.x), T, a.row_bytes, chunks, shrink, k_begin, k_end,

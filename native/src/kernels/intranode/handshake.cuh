@@ -380,7 +380,7 @@ struct LandedChunks {
 /// `copies(d, k_begin, k_end)` enqueues chunks [k_begin, k_end) of the block for peer d (enqueue_ce_block).
 template <class Copies, class Kernel>
 void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, const CeEnter& enter, int chunks,
-                             const Copies& copies, const Kernel& kernel, void* stream) {
+                             DiagPhase end_phase, const Copies& copies, const Kernel& kernel, void* stream) {
   const int N = ctx.num_ranks, before = ce_chunks_before_kernel(chunks);
   // An error an earlier call left pending is taken now and raised after the join (lost only where this op throws
   // first): then open_gate_if_launch_failed sees only errors of this op's own calls before it, the launch's above
@@ -390,6 +390,8 @@ void launch_around_ce_copies(const NvlContext& ctx, const CeCopies& ce, const Ce
   kernel();
   open_gate_if_launch_failed(ctx, enter, stream);
   for (int i = 1; i < N; ++i) copies((ctx.rank + i) % N, before, chunks);
+  // After every copy: its side stream's wait for the kernel must not hold later chunks in a shared hardware queue.
+  if (ce.beside != 0) launch_ce_end_beside(ctx, ce, enter, chunks, end_phase, stream);
   join_ce_copies(ctx, ce, stream);  // the copies read the caller's tensors until their streams finish
   UCCL_CHECK_GPU(gpu::get_last_error());
   UCCL_CHECK_GPU(pending_before_op);

@@ -257,6 +257,14 @@ struct CeCopies {
   int32_t gated;                     ///< 1 (an early polled op, NvlRuntime::ce_copies): d's copy stream first waits
   int32_t gate;                      ///< until our sentinel_ready[d] word reached `gate`, d's count of its side
                                      ///< memsets (nvl_layout.hpp; wrapping), i.e. d's landing area holds the sentinel
+  int32_t beside;                    ///< 1 (UCCL_MOE_CE_END_BESIDE; an early polled op outside graphs, CUDA): the
+                                     ///< op's end (ce_op_end) runs in ce_end_kernel on `end_stream` after `end_after`,
+                                     ///< recorded on the caller's stream after the op's kernel; `ended` after it (the
+                                     ///< next op waits for it: NvlRuntime::wait_for_sentinel). The copies' `copied`
+                                     ///< events are then recorded before each last flag copy.
+  void* end_stream;
+  void* end_after;
+  void* ended;
 };
 /// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
 /// ran before it (launch_ce_enter) and advanced the round. With `early` there was none: the copies started as soon as
@@ -269,6 +277,7 @@ struct CeEnter {
   int32_t checked;
   DiagPhase args_phase;
   int32_t gated, gate;  ///< CeCopies': ce_op_end opens the gate where the op failed, so no copy stream waits forever
+  int32_t beside;       ///< CeCopies': the kernel leaves ce_op_end to ce_end_kernel
 };
 /// The copy-engine ops' enter hand-shake. Not early: a one-block kernel on `stream`, then ce.entered recorded after
 /// it: every rank releases the round with `checked`, which every rank must agree on (else `args_phase`,
@@ -281,6 +290,10 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
 /// count into our own sentinel_ready words), and the join after it does not wait forever for a copy stream held at
 /// the gate; the launch's error is raised after the join.
 void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream);
+/// An op whose end runs beside (`ce.beside`), once its kernel and all its copies are enqueued: `ce.end_after` on
+/// `stream` (after the kernel), the side stream waits for it, then ce_end_kernel (ce_op_end for `chunks` and `phase`) there and `ce.ended` after it.
+void launch_ce_end_beside(const NvlContext& ctx, const CeCopies& ce, const CeEnter& enter, int chunks,
+                          DiagPhase phase, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
 /// to `dst` in `chunks` chunks (ce_chunk_end with `shrink_pct`), each followed by a 4-byte copy of our ce_round
 /// into d's ce_ready[us][chunk]; ce.copied[d] recorded after them. Chunks [k_begin, k_end) only: the launches
