@@ -291,7 +291,8 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
 /// the gate; the launch's error is raised after the join.
 void open_gate_if_launch_failed(const NvlContext& ctx, const CeEnter& enter, void* stream);
 /// An op whose end runs beside (`ce.beside`), once its kernel and all its copies are enqueued: `ce.end_after` on
-/// `stream` (after the kernel), the side stream waits for it, then ce_end_kernel (ce_op_end for `chunks` and `phase`) there and `ce.ended` after it.
+/// `stream` (after the kernel), the side stream waits for it, then ce_end_kernel (ce_op_end for `chunks` and `phase`)
+/// there and `ce.ended` after it.
 void launch_ce_end_beside(const NvlContext& ctx, const CeCopies& ce, const CeEnter& enter, int chunks,
                           DiagPhase phase, void* stream);
 /// A copy-engine op's copies to peer d, on d's copy stream after ce.entered: `rows` rows of `row_bytes` from `src`
