@@ -31,6 +31,7 @@ from test_intranode_native import (
     _split,
     check_ended_beside,
     early_ops,
+    ends_beside,
     gate_ok,
     gated_ops,
     knob_on,
@@ -225,10 +226,14 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     wants = [_ce(False, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0] for xi in xs]
     outs = []
     early0, gated0 = early_ops(nat), gated_ops(nat)
-    for xi in xs:
-        if rank == 0:
-            torch.cuda._sleep(200_000)
-        outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
+
+    def back_to_back() -> None:
+        for xi in xs:
+            if rank == 0:
+                torch.cuda._sleep(200_000)
+            outs.append(_ce(True, nat.dispatch, xi, handle=base.handle, config=cfg).recv_x[0])
+
+    names = _kernels(back_to_back) if not sanitizer else back_to_back()
     check(f"{len(xs)} copy-engine dispatches back to back, one rank late",
           all(_eq(o, w) for o, w in zip(outs, wants)))
     # every one after the first (which follows a ring dispatch) starts its copies at once (UCCL_MOE_CE_EARLY); where
@@ -241,6 +246,9 @@ def _ce_worker(rank: int, world: int, gloo, few: bool = False) -> None:
     early = gated if polls else len(xs) - 1 if knob_on("CE_EARLY") else 0
     check("early copy-engine dispatches", early_ops(nat) - early0 == early)
     check("early polled dispatches behind the gate", gated_ops(nat) - gated0 == gated)
+    if not sanitizer:  # the gated ones end beside their kernel (UCCL_MOE_CE_END_BESIDE), on the side stream
+        check(f"the end kernel ran beside the gather: {'ce_end_kernel' in names}, expected {gated > 0}",
+              ("ce_end_kernel" in names) == (gated > 0 and ends_beside(nat)))
     # Interleaved with ring dispatches and every combine path, the last rank late before each copy-engine dispatch.
     bf = _Case(rank, R, 640, 4096, 16 * R, 8, False, "none", "random", 951)
     _, bb = _ce(False, _dispatch, nat, bf, "cuda", config=cfg)

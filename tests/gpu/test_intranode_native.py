@@ -393,16 +393,23 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
     check.finish(gloo, nat, ref)
 
 
+def ends_beside(nat) -> bool:
+    """Whether `nat`'s gated ops end beside their kernel (UCCL_MOE_CE_END_BESIDE as the Buffer reads it; CUDA only)."""
+    return knob_on("CE_END_BESIDE") and torch.version.hip is None and gate_ok(nat)
+
+
 def check_ended_beside(check, nat, R: int, some: bool = False) -> None:
-    """With more than one rank: under UCCL_MOE_CE_END_BESIDE (the default) every gated op ended on the side stream (and
-    some did, where `some`: the caller ran early polled ops); with 0, none did."""
+    """With more than one rank: where ops end beside their kernel (ends_beside) every gated op was classified so (and
+    some were, where `some`: the caller ran polled ops that start early); else none. The runtime counts an op when it
+    classifies it, before the launch: that the end kernel ran, callers check in a profile (ce_end_kernel)."""
     if R > 1:
         rt = nat._live()._rt
         n, gated = int(rt.ce_ended_beside), int(rt.ce_gated_ops)
-        if os.environ.get("UCCL_MOE_CE_END_BESIDE", "1") != "0":
+        if ends_beside(nat):
+            some = some and knob_on("CE_EARLY")
             check(f"ops that ended beside their kernel: {n} of {gated} gated", n == gated and (n > 0 or not some))
         else:
-            check(f"no op ended beside its kernel under UCCL_MOE_CE_END_BESIDE=0 ({n} did)", n == 0)
+            check(f"no op ended beside its kernel (UCCL_MOE_CE_END_BESIDE off, HIP or no gate: {n} did)", n == 0)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

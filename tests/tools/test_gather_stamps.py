@@ -82,6 +82,15 @@ def test_main_summary_refusals_and_arguments(tmp_path: Path, capsys: pytest.Capt
         with pytest.raises(SystemExit):
             gs.main(bad)
         assert f"error: {named}" in capsys.readouterr().err
+    # the stamps' end is the gather's last block: the end beside the kernel is refused, and the ranks get it off
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UCCL_MOE_CE_END_BESIDE", "1")
+        with pytest.raises(SystemExit):
+            gs.main([])
+        assert "UCCL_MOE_CE_END_BESIDE" in capsys.readouterr().err
+        mp.delenv("UCCL_MOE_CE_END_BESIDE")
+        mp.setattr(gs, "spawn_headline", lambda *a: 7 if gs.os.environ.get("UCCL_MOE_CE_END_BESIDE") == "0" else 8)
+        assert gs.main([]) == 7
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() > 0:
         pytest.skip("this machine has a GPU: main() would spawn the ranks")

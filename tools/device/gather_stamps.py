@@ -12,6 +12,8 @@ it by time slices: a rank's launch that waits for a peer spins out its slice, an
 last, whose peers' copies were waiting at its gate, runs alone once they land. The summary then keeps, per call, the
 rank with the earliest ``rows_done`` (header ``mode=shared``): the gather's own pace on one GPU, not the link's.
 A value the kernel could not stamp (a launch with no own or no peer row) prints as -1 and counts in no median.
+The flag and end stamps are taken in the gather's last block, so this runs the in-kernel end
+(UCCL_MOE_CE_END_BESIDE=0; the default ends a gated op beside the kernel, where no stamp line would be printed).
 
     UCCL_MOE_BUILD_DIR=build/stamp tools/build_inplace.sh -DUCCL_MOE_CUDA_ARCHS=90 \\
         -DCMAKE_CUDA_FLAGS=-DUCCL_MOE_STAMP_GATHER     (add -DUCCL_MOE_STAMP_WAIT_ALL inside the quotes of
@@ -169,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--iters must be at least 1")
     if args.ranks < 2:
         p.error("--ranks must be at least 2")
+    if os.environ.get("UCCL_MOE_CE_END_BESIDE", "0").strip().lower() not in ("0", "false", "off", "no", ""):
+        p.error("the stamps need the end in the gather's last block: unset UCCL_MOE_CE_END_BESIDE or set it to 0")
+    os.environ["UCCL_MOE_CE_END_BESIDE"] = "0"  # the ranks inherit it
     with tempfile.TemporaryDirectory() as tmp:
         if args.out is None:
             args.out = tmp
