@@ -174,6 +174,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
     sms, rows, T = be._sms_of(h), int(h.recv_src_idx.shape[0]), int(h.is_token_in_rank.shape[0])
     chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), be._stream()
     poll, dispatch_poll = bool(env.get("CE_POLL")), bool(env.get("DISPATCH_CE_POLL"))
+    beside = bool(env.get("CE_END_BESIDE"))  # the op's end as the API path ends it
     calls = {}
     for name, (x, scales) in (("fp8_floor", x8), ("bf16_floor", (xb, None))):
         S, s_tok, s_hid = scale_layout(scales)
@@ -185,7 +186,7 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
                                scale_hidden_stride=s_hid, num_recv_rows=rows, recv_src_idx=_ptr(h.recv_src_idx))
         calls[name] = (lambda a=args, c=counts, x=x, sc=scales: _late_outputs(  # type: ignore[misc]
             lambda outputs: _C.dispatch_ce_intranode(be._rt, sms, a, c[0], c[1], chunks, early, stream, outputs,
-                                                     dispatch_poll),
+                                                     dispatch_poll, beside),
             lambda: be._alloc_recv(rows, x, sc, 0, False)[:2], "floor"))
     H = int(y.shape[1])
     prefix = be._ce_rank_prefix(h, H, 0)
@@ -197,7 +198,8 @@ def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
         ce_chunks=int(env.get("COMBINE_CE_CHUNKS")))
     combine_sms = int(buf.get_combine_config(buf.group_size).num_sms)  # what the API's combine launches with
     calls["combine_floor"] = lambda: _late_outputs(
-        lambda outputs: _C.combine_ce_intranode(be._rt, combine_sms, cargs, prefix, early, stream, outputs, poll),
+        lambda outputs: _C.combine_ce_intranode(be._rt, combine_sms, cargs, prefix, early, stream, outputs, poll,
+                                                beside),
         lambda: combine_outputs(y, T, None), "floor")
     return calls
 
