@@ -101,11 +101,14 @@ def test_held_iterations_leave_out_the_gpu_sleep() -> None:
     assert "spin_kernel" not in "".join(ct.listing({"traceEvents": held}))
 
 
-def test_the_polled_combines_watch_after_the_op_is_not_its_kernel() -> None:
+@pytest.mark.parametrize("side", ["uccl_moe::runtime::(anonymous namespace)::ce_gate_watch_kernel",
+                                  "uccl_moe::intranode::(anonymous namespace)::ce_end_kernel"])
+def test_the_polled_combines_side_stream_after_the_op_is_not_its_kernel(side: str) -> None:
     """The polled combine's side stream runs a watch after the op (ce_gate_watch_kernel, until the peers' memsets
-    ended): neither the op's kernel nor its end."""
+    ended) and, ending beside (UCCL_MOE_CE_END_BESIDE), the op's end (ce_end_kernel), which the caller's stream does
+    not wait for: neither is the op's kernel, nor where the caller's op ends."""
     t = 3000.0
-    it = _iteration(t, 5.0) + [_k("uccl_moe::runtime::(anonymous namespace)::ce_gate_watch_kernel", t + 95.0, 30.0)]
+    it = _iteration(t, 5.0) + [_k(side, t + 95.0, 30.0)]
     [got] = [ct.parts(i) for i in ct.iterations(ct.gpu_events({"traceEvents": it}))]
     assert got is not None and got["tail"] == pytest.approx(5.0) and got["span"] == pytest.approx(87.0)
-    assert "ce_gate_watch" not in "".join(ct.listing({"traceEvents": it}))
+    assert side.rsplit("::", 1)[1] not in "".join(ct.listing({"traceEvents": it}))

@@ -91,6 +91,7 @@ def test_main_summary_refusals_and_arguments(tmp_path: Path, capsys: pytest.Capt
         mp.delenv("UCCL_MOE_CE_END_BESIDE")
         mp.setattr(gs, "spawn_headline", lambda *a: 7 if gs.os.environ.get("UCCL_MOE_CE_END_BESIDE") == "0" else 8)
         assert gs.main([]) == 7
+        assert "UCCL_MOE_CE_END_BESIDE" not in gs.os.environ  # the caller's environment as it was
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() > 0:
         pytest.skip("this machine has a GPU: main() would spawn the ranks")

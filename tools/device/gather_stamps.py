@@ -173,15 +173,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--ranks must be at least 2")
     if os.environ.get("UCCL_MOE_CE_END_BESIDE", "0").strip().lower() not in ("0", "false", "off", "no", ""):
         p.error("the stamps need the end in the gather's last block: unset UCCL_MOE_CE_END_BESIDE or set it to 0")
-    os.environ["UCCL_MOE_CE_END_BESIDE"] = "0"  # the ranks inherit it
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.out is None:
-            args.out = tmp
-        os.makedirs(args.out, exist_ok=True)
-        rc = spawn_headline(_worker, args, 1, "gather_stamps needs a GPU (ranks may share it)")
-        if rc != 0:
-            return rc
-        return _summary([os.path.join(args.out, f"rank{r}.log") for r in range(args.ranks)], args.skip)
+    before = os.environ.get("UCCL_MOE_CE_END_BESIDE")
+    os.environ["UCCL_MOE_CE_END_BESIDE"] = "0"  # the ranks inherit it; the caller's environment back afterwards
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.out is None:
+                args.out = tmp
+            os.makedirs(args.out, exist_ok=True)
+            rc = spawn_headline(_worker, args, 1, "gather_stamps needs a GPU (ranks may share it)")
+            if rc != 0:
+                return rc
+            return _summary([os.path.join(args.out, f"rank{r}.log") for r in range(args.ranks)], args.skip)
+    finally:
+        if before is None:
+            os.environ.pop("UCCL_MOE_CE_END_BESIDE", None)
+        else:
+            os.environ["UCCL_MOE_CE_END_BESIDE"] = before
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ UCCL_KERNEL_PATTERNS = (
     "combine_ce_",  # the copy-engine combine's sum (UCCL_MOE_COMBINE_CE), the copy-engine ops' enter hand-shake
     "ce_enter_kernel",
     "ce_gate_watch_kernel",  # the polled ops' side stream: bounds the copy streams' waits for the peers' memsets
+    "ce_end_kernel",  # an early polled op's end on the side stream (UCCL_MOE_CE_END_BESIDE)
     "dispatch_ce_",  # the copy-engine dispatch's gather (UCCL_MOE_DISPATCH_CE)
     "check_topk_idx_kernel",  # the device-side topk_idx range check of a dispatch
     "notify_dispatch_kernel",
