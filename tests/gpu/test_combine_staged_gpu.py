@@ -311,7 +311,7 @@ def _poll_worker(rank: int, world: int, gloo) -> None:
     names = _kernels(run_patterns)
     ended = int(rt.ce_ended_beside) - ended0
     if R > 1:
-        beside = ends_beside(nat) and knob_on("CE_EARLY")
+        beside = ends_beside(nat)
         check(f"combines that ended beside their kernel: {ended} (expected some: {beside}), ce_end_kernel ran: "
               f"{'ce_end_kernel' in names}", (ended > 0) == beside and ('ce_end_kernel' in names) == beside)
     # A rank whose sum kernel starts 5 ms late.

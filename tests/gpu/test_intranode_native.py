@@ -394,8 +394,9 @@ def _worker(rank: int, world: int, gloo, big: bool, iters: int) -> None:
 
 
 def ends_beside(nat) -> bool:
-    """Whether `nat`'s gated ops end beside their kernel (UCCL_MOE_CE_END_BESIDE as the Buffer reads it; CUDA only)."""
-    return knob_on("CE_END_BESIDE") and torch.version.hip is None and gate_ok(nat)
+    """Whether `nat`'s polled ops start early behind the gate and end beside their kernel (UCCL_MOE_CE_EARLY and
+    UCCL_MOE_CE_END_BESIDE as the Buffer reads them, a GPU with the gate; CUDA only)."""
+    return knob_on("CE_END_BESIDE") and knob_on("CE_EARLY") and torch.version.hip is None and gate_ok(nat)
 
 
 def check_ended_beside(check, nat, R: int, some: bool = False) -> None:
@@ -406,10 +407,10 @@ def check_ended_beside(check, nat, R: int, some: bool = False) -> None:
         rt = nat._live()._rt
         n, gated = int(rt.ce_ended_beside), int(rt.ce_gated_ops)
         if ends_beside(nat):
-            some = some and knob_on("CE_EARLY")
             check(f"ops that ended beside their kernel: {n} of {gated} gated", n == gated and (n > 0 or not some))
         else:
-            check(f"no op ended beside its kernel (UCCL_MOE_CE_END_BESIDE off, HIP or no gate: {n} did)", n == 0)
+            check(f"no op ended beside its kernel (UCCL_MOE_CE_END_BESIDE or _CE_EARLY off, HIP or no gate: {n} did)",
+                  n == 0)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

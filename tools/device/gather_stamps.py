@@ -35,6 +35,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 # this folder's tools (it leads sys.path)
 from ce_timeline import add_headline_args, headline, headline_calls, spawn_headline
@@ -171,24 +172,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--iters must be at least 1")
     if args.ranks < 2:
         p.error("--ranks must be at least 2")
-    if os.environ.get("UCCL_MOE_CE_END_BESIDE", "0").strip().lower() not in ("0", "false", "off", "no", ""):
+    from uccl_moe import env
+
+    if os.environ.get("UCCL_MOE_CE_END_BESIDE", "") != "" and env.get("CE_END_BESIDE"):  # set on by the caller
         p.error("the stamps need the end in the gather's last block: unset UCCL_MOE_CE_END_BESIDE or set it to 0")
-    before = os.environ.get("UCCL_MOE_CE_END_BESIDE")
-    os.environ["UCCL_MOE_CE_END_BESIDE"] = "0"  # the ranks inherit it; the caller's environment back afterwards
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            if args.out is None:
-                args.out = tmp
-            os.makedirs(args.out, exist_ok=True)
-            rc = spawn_headline(_worker, args, 1, "gather_stamps needs a GPU (ranks may share it)")
-            if rc != 0:
-                return rc
-            return _summary([os.path.join(args.out, f"rank{r}.log") for r in range(args.ranks)], args.skip)
-    finally:
-        if before is None:
-            os.environ.pop("UCCL_MOE_CE_END_BESIDE", None)
-        else:
-            os.environ["UCCL_MOE_CE_END_BESIDE"] = before
+    # the ranks inherit the in-kernel end; the caller's environment is as it was afterwards
+    with mock.patch.dict(os.environ, {"UCCL_MOE_CE_END_BESIDE": "0"}), tempfile.TemporaryDirectory() as tmp:
+        if args.out is None:
+            args.out = tmp
+        os.makedirs(args.out, exist_ok=True)
+        rc = spawn_headline(_worker, args, 1, "gather_stamps needs a GPU (ranks may share it)")
+        if rc != 0:
+            return rc
+        return _summary([os.path.join(args.out, f"rank{r}.log") for r in range(args.ranks)], args.skip)
 
 
 if __name__ == "__main__":
