@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from collections.abc import Mapping
 
 from . import _C
 
@@ -159,6 +161,16 @@ def dispatch_direct(num_ranks: int, knob: str) -> bool:
     """Whether an intranode dispatch over `num_ranks` ranks takes the ring-free path (where the rows from other ranks
     fit every landing area), given ``UCCL_MOE_DISPATCH_DIRECT``'s value `knob` (``auto``, ``1`` or ``0``)."""
     return _chosen(knob, num_ranks, DIRECT_DISPATCH)
+
+
+def dispatch_ce_poll(knob: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a copy-engine cached dispatch polls its landing area, given ``UCCL_MOE_DISPATCH_CE_POLL``'s value `knob`
+    (``auto``, ``1`` or ``0``): ``auto`` polls except where ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in `environ` (default
+    ``os.environ``; the driver reads it when the process's GPU context is made). With one hardware queue the side
+    stream's memset after each polled op runs in the caller's queue, and the chunk flags measured faster there
+    (docs/intranode.md, session 49); every rank must decide alike (a rank that differs is named in an error)."""
+    env_map = os.environ if environ is None else environ
+    return knob == "1" or (knob == "auto" and env_map.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1")
 
 
 def _chosen(knob: str, num_ranks: int, measured: dict[int, str]) -> bool:

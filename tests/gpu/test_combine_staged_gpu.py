@@ -406,16 +406,18 @@ def test_polled_ce_combine_gate_that_never_opens() -> None:
 
 
 def test_polled_ce_dispatch_gate_that_never_opens() -> None:
-    """The gate that never opens with polled copy-engine dispatches (the default since session 45)."""
-    run_shared_gpu_ranks(_gate_worker, 2, "dispatch",
-                         env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, timeout_s=300)
+    """The gate that never opens with polled copy-engine dispatches (the default since session 45; with one hardware
+    queue only where asked for)."""
+    run_shared_gpu_ranks(_gate_worker, 2, "dispatch", env={"UCCL_MOE_TIMEOUT_S": "3", "UCCL_MOE_DISPATCH_CE_POLL": "1",
+                                                           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}, timeout_s=300)
 
 
 @pytest.mark.parametrize("op", ["combine", "dispatch"])
 def test_gate_that_never_opens_ends_in_kernel(op: str) -> None:
     """The gate that never opens with each op's end in its kernel (UCCL_MOE_CE_END_BESIDE=0), one hardware queue."""
     run_shared_gpu_ranks(_gate_worker, 2, op, env={"UCCL_MOE_TIMEOUT_S": "3", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-                                                   "UCCL_MOE_CE_END_BESIDE": "0"}, timeout_s=300)
+                                                   "UCCL_MOE_CE_END_BESIDE": "0", "UCCL_MOE_DISPATCH_CE_POLL": "1"},
+                         timeout_s=300)
 
 
 def _kernels(fn) -> str:

@@ -1005,9 +1005,12 @@ def gate_ok(buf) -> bool:
 
 
 def knob_on(name: str) -> bool:
-    """The boolean knob UCCL_MOE_<name> (CE_EARLY, CE_POLL, DISPATCH_CE_POLL, ...) as the Buffer reads it."""
-    from uccl_moe import env
+    """The boolean knob UCCL_MOE_<name> (CE_EARLY, CE_POLL, ...) as the Buffer reads it; DISPATCH_CE_POLL as the Buffer
+    decides it (auto: polled except with one hardware queue, tuning.dispatch_ce_poll)."""
+    from uccl_moe import env, tuning
 
+    if name == "DISPATCH_CE_POLL":
+        return tuning.dispatch_ce_poll(env.get(name))
     return bool(env.get(name))
 
 

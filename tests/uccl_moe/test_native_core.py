@@ -249,7 +249,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     polls = _C.format_diag(rank=1, peer=0, channel=-1, phase=22, role=2, expected=ce_disp, seen=ce_disp | poll,
                            command=0, waited_s=0.0)["message"]
     assert ("copy-engine dispatch: peer 0 polls its landing area, this rank does not" in polls
-            and "UCCL_MOE_DISPATCH_CE_POLL" in polls), polls
+            and "UCCL_MOE_DISPATCH_CE_POLL" in polls and "CUDA_DEVICE_MAX_CONNECTIONS" in polls), polls
     flags = _C.format_diag(rank=0, peer=1, channel=-1, phase=22, role=2, expected=ce_disp | poll, seen=ce_disp,
                            command=0, waited_s=0.0)["message"]
     assert "peer 1 does not poll its landing area, this rank does" in flags, flags

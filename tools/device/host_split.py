@@ -166,14 +166,14 @@ def profiled(fn: Any, flush: Any, align: Any, iters: int) -> list[str]:
 def floor_calls(buf: Any, h: Any, y: Any, xb: Any, x8: Any) -> dict[str, Any]:
     """The copy-engine ops' native launches with arguments built once (each op's Python floor): the cached FP8 and
     BF16 dispatch and the combine of y, on the caller's stream, outputs allocated per call as the API does."""
-    from uccl_moe import _C, env
+    from uccl_moe import _C, env, tuning
     from uccl_moe.backends._buffer_paths import _late_outputs, _ptr
     from uccl_moe.backends._operands import combine_outputs, scale_layout
 
     be = buf._live()
     sms, rows, T = be._sms_of(h), int(h.recv_src_idx.shape[0]), int(h.is_token_in_rank.shape[0])
     chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), be._stream()
-    poll, dispatch_poll = bool(env.get("CE_POLL")), bool(env.get("DISPATCH_CE_POLL"))
+    poll, dispatch_poll = bool(env.get("CE_POLL")), tuning.dispatch_ce_poll(env.get("DISPATCH_CE_POLL"))
     beside = bool(env.get("CE_END_BESIDE"))  # the op's end as the API path ends it
     calls = {}
     for name, (x, scales) in (("fp8_floor", x8), ("bf16_floor", (xb, None))):

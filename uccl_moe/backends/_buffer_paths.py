@@ -140,7 +140,7 @@ class BufferPaths:
             row_bytes=row_bytes, num_scales=num_scales, scale_token_stride=s_tok, scale_hidden_stride=s_hid,
             num_recv_rows=rows, recv_src_idx=_ptr(handle.recv_src_idx))
         chunks, early, stream = int(env.get("DISPATCH_CE_CHUNKS")), bool(env.get("CE_EARLY")), self._stream()
-        poll, beside = bool(env.get("DISPATCH_CE_POLL")), bool(env.get("CE_END_BESIDE"))
+        poll, beside = tuning.dispatch_ce_poll(env.get("DISPATCH_CE_POLL")), bool(env.get("CE_END_BESIDE"))
         return _late_outputs(
             lambda outputs: _C.dispatch_ce_intranode(self._rt, num_sms, args, rank_prefix, tokens, chunks, early,
                                                      stream, outputs, poll, beside),

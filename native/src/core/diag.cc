@@ -123,7 +123,10 @@ std::string format_diag(const DiagRecord& r) {
   }
   if (r.phase == DiagPhase::kDispatchDirectArgs && (r.seen & kCeDispatchArgsMark) != 0 &&
       (r.expected & kCeDispatchArgsMark) != 0 && (r.seen & kCeDispatchArgsPoll) != (r.expected & kCeDispatchArgsPoll))
-    return poll_differs("dispatch", "UCCL_MOE_DISPATCH_CE_POLL", r, (r.seen & kCeDispatchArgsPoll) != 0,
+    return poll_differs("dispatch",
+                        "UCCL_MOE_DISPATCH_CE_POLL and, where it is auto (the default, which does not poll with one "
+                        "hardware queue), the same CUDA_DEVICE_MAX_CONNECTIONS",
+                        r, (r.seen & kCeDispatchArgsPoll) != 0,
                         (r.expected & kCeDispatchArgsPoll) != 0);
   if (r.phase == DiagPhase::kDispatchDirectArgs)
     return detail::format(

@@ -506,6 +506,16 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
         _C.intranode_ce_landing_bytes([1, 2, 3], H, K)
 
 
+def test_the_dispatch_polls_except_with_one_hardware_queue() -> None:
+    """UCCL_MOE_DISPATCH_CE_POLL=auto (the default) polls except where CUDA_DEVICE_MAX_CONNECTIONS=1; 1 and 0 force."""
+    from uccl_moe import tuning
+
+    for knob, environ, want in (("auto", {}, True), ("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, True),
+                                ("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": " 1 "}, False),
+                                ("1", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, True), ("0", {}, False)):
+        assert tuning.dispatch_ce_poll(knob, environ) is want, (knob, environ)
+
+
 @pytestmark_kernels
 def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """UCCL_MOE_DISPATCH_CE=1: a cached dispatch is launched by dispatch_ce_intranode with the handle's recv_src_idx
@@ -514,6 +524,7 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     counts or an x that does not fit every other rank's buffer takes the rings, alike on every rank; auto takes the
     copy engines at the EP sizes of tuning.CE_DISPATCH only, and only where every rank sends at least
     tuning.CE_DISPATCH_MIN_SENT of its tokens to every other (the GPU suite checks the bits)."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # several hardware queues: polled by default
     from uccl_moe import tuning
     from uccl_moe.backends import _buffer_paths, native
 
@@ -563,6 +574,15 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert calls[0][1][5] is False
     monkeypatch.delenv("UCCL_MOE_CE_EARLY")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # one hardware queue: auto takes the chunk flags
+    calls.clear()
+    backend.cached_dispatch(x, scales, h, cfg)
+    assert calls[0][1][7] is False
+    monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_POLL", "1")  # unless asked for
+    calls.clear()
+    backend.cached_dispatch(x, scales, h, cfg)
+    assert calls[0][1][7] is True
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_POLL", "0")
     calls.clear()
     backend.cached_dispatch(x, scales, h, cfg)
