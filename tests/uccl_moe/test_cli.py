@@ -208,6 +208,8 @@ def _short_error(capsys, argv: list[str]) -> str:
                                           "did you mean 'parallel.micro_batch_size'"]),
         ("parallel.expert_model_paralel_size=2", ["did you mean 'parallel.expert_model_parallel_size'"]),
         ("nodez=2", ["unknown key 'nodez'", "did you mean 'nodes'"]),
+        ("platform.env.CUDA_DEVICE_MAX_CONNECTIONS=8", ["'platform.env' is a map",
+                                                       "fix: +platform.env.CUDA_DEVICE_MAX_CONNECTIONS=8"]),
         ("model.hidden_size=abc", ["model.hidden_size=abc is not a whole number", "fix:"]),
         ("parallel.micro_batch_size=1.5", ["parallel.micro_batch_size=1.5 is not a whole number"]),
         ("platform.bf16=maybe", ["platform.bf16=maybe is not true or false"]),

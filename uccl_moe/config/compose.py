@@ -8,6 +8,7 @@ group choices, so everything rendered from it can say where it came from.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import os
@@ -194,7 +195,21 @@ def did_you_mean(word: str, candidates: Sequence[str], prefix: str = "") -> str:
     return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
+def _in_map(key: str) -> bool:
+    """Whether `key`'s parent is a map field of the schema (``platform.env``, ``platform.uccl_env``): any key goes."""
+    parent, _, _ = key.rpartition(".")
+    cls, _, field = parent.rpartition(".")
+    holder = _schema_class(parent) if cls else schema.Config
+    hint = typing.get_type_hints(holder).get(field) if holder is not None else None
+    return typing.get_origin(hint) in (dict, collections.abc.Mapping)
+
+
 def _unknown_key_error(key: str, override: str | None) -> ConfigError:
+    if _in_map(key) and not (override or "").startswith("+"):
+        parent = key.rpartition(".")[0]
+        value = override.split("=", 1)[1] if override and "=" in override else "VALUE"
+        return ConfigError(f"'{key}' is not in '{parent}' yet\n  rule: '{parent}' is a map, and a new key is added "
+                           f"with a leading '+'; fix: +{key}={value}", key=key)
     cls = _schema_class(key)
     names = [f.name for f in dataclasses.fields(cls)] if cls is not None else []
     parent, _, leaf = key.rpartition(".")

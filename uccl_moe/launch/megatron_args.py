@@ -74,10 +74,40 @@ def megatron_argv(cfg: Any) -> list[str]:
     return argv
 
 
+QUEUES = "CUDA_DEVICE_MAX_CONNECTIONS"
+"""The driver's number of hardware queues per GPU context (read once, when the process makes its context)."""
+
+
+def hardware_queues(cfg: Any) -> tuple[str | None, str]:
+    """``(CUDA_DEVICE_MAX_CONNECTIONS to export or None, why)`` for `cfg`'s layout, where the platform's env does not
+    set it. Megatron-Core 0.19 (``megatron/training/arguments.py``) asserts ``1`` with tensor or context parallelism on
+    Hopper and older GPUs, unless FSDP (which asserts it is not ``1``) or ``--overlap-moe-expert-parallel-comm`` (its
+    MoE README asks for ``32``) is on; every other layout is left to the driver's default (several queues), because
+    with one queue the work our copy-engine ops leave beside the caller's stream runs in line with it
+    (docs/user_guide.md, "Hardware queues")."""
+    if cfg.platform.accelerator == schema.Accelerator.cpu:
+        return None, "no GPU"
+    extra = {str(a).split("=", 1)[0] for a in [*cfg.platform.extra_args, *cfg.train.extra_args]}
+    if "--overlap-moe-expert-parallel-comm" in extra:
+        return "32", "--overlap-moe-expert-parallel-comm (Megatron's MoE README asks for 32)"
+    if extra & {"--use-torch-fsdp2", "--use-megatron-fsdp"}:
+        return None, "FSDP (Megatron asserts that it is not 1)"
+    p = cfg.parallel
+    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
+        return "1", (f"TP {p.tensor_model_parallel_size}, CP {p.context_parallel_size}: Megatron asserts 1 on Hopper "
+                     "and older GPUs")
+    return None, "TP = CP = 1: Megatron asks for one queue only with TP or CP > 1"
+
+
 def launch_env(cfg: Any) -> dict[str, str]:
     """Environment a run exports: platform.env, plus platform.uccl_env and the dispatcher's knob fields when the
-    dispatcher is uccl (explicit dispatcher fields win). Sorted by name."""
+    dispatcher is uccl (explicit dispatcher fields win), plus ``CUDA_DEVICE_MAX_CONNECTIONS`` as the layout needs it
+    (:func:`hardware_queues`) where platform.env does not set it. Sorted by name."""
     env = {str(k): str(v) for k, v in cfg.platform.env.items()}
+    if QUEUES not in env:
+        queues, _ = hardware_queues(cfg)
+        if queues is not None:
+            env[QUEUES] = queues
     if cfg.dispatcher.moe_token_dispatcher_type == schema.DispatcherType.uccl:
         env.update({str(k): str(v) for k, v in cfg.platform.uccl_env.items()})
         env.update(knob_env(cfg.dispatcher))

@@ -28,6 +28,7 @@ from uccl_moe.config import available, compose
 from uccl_moe.config.memory import parse_moe_layer_freq
 from uccl_moe.errors import InvalidUsageError
 from uccl_moe.launch.local import child_env, torchrun_command
+from uccl_moe.launch.slurm import render_sbatch
 from uccl_moe.launch.megatron_args import (
     entry_argv,
     flag,
@@ -98,6 +99,27 @@ def test_env_precedence():
     efa = launch_env(compose(["recipe=dsv3_h200_efa_4n"]))
     assert efa["NCCL_MAX_NCHANNELS"] == "32" and efa["FI_PROVIDER"] == "efa" and efa["UCCL_MOE_TRANSPORT"] == "efa"
     assert "NCCL_MAX_NCHANNELS" not in launch_env(compose(["recipe=dsv3_h200_efa_4n", "dispatcher=alltoall"]))
+
+
+def test_hardware_queues_follow_the_layout():
+    """CUDA_DEVICE_MAX_CONNECTIONS as Megatron-Core 0.19 asks for it (megatron/training/arguments.py): 1 with TP or
+    CP > 1 unless FSDP or the MoE comm overlap (32) is on, else the driver's default; the platform's env wins."""
+    def queues(*overrides: str, recipe: str = "dsv3_proxy_local") -> str | None:
+        return launch_env(compose([f"recipe={recipe}", *overrides])).get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+    for recipe in RECIPES:  # every layout we ship has TP = CP = 1
+        assert queues(recipe=recipe) is None, recipe
+    assert queues("parallel.tensor_model_parallel_size=2") == "1"
+    assert queues("parallel.context_parallel_size=2") == "1"
+    assert queues("parallel.tensor_model_parallel_size=2", "train.extra_args=[--use-megatron-fsdp]") is None
+    assert queues("train.extra_args=[--overlap-moe-expert-parallel-comm,--delay-wgrad-compute]") == "32"
+    assert queues("platform=cpu", "parallel.tensor_model_parallel_size=2", recipe="tiny_cpu_moe") is None
+    assert queues("parallel.tensor_model_parallel_size=2", "+platform.env.CUDA_DEVICE_MAX_CONNECTIONS=8") == "8"
+    assert queues("+platform.env.CUDA_DEVICE_MAX_CONNECTIONS=1") == "1"
+    script = render_sbatch(compose(["recipe=dsv3_proxy_local", "parallel.tensor_model_parallel_size=2"]))
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in script and "set to 1: TP 2, CP 1" in script
+    script = render_sbatch(compose(["recipe=dsv3_proxy_local"]))
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in script and "CUDA_DEVICE_MAX_CONNECTIONS not set" in script
 
 
 def test_every_uccl_env_knob_exists_in_the_knob_table():
