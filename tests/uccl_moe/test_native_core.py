@@ -319,6 +319,9 @@ def test_package_import_does_not_need_torch():
     ],
 )
 def test_prepare_cuda_module_loading(monkeypatch, gpu_copy, preset, expect):
+    # CUDA not started in this process yet (on a GPU machine an earlier test of the session may have started it)
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
     if gpu_copy is None:
         monkeypatch.delenv("UCCL_MOE_LOOPBACK_GPU_COPY", raising=False)
     else:
