@@ -343,23 +343,18 @@ bool NvlRuntime::ce_poll(void* stream, bool wanted) const { return wanted && out
 void NvlRuntime::wait_for_sentinel(void* stream) {
   UCCL_ASSERT(!destroyed_ && connected_, "the NVL runtime is not connected (or was destroyed)");
   if (sentinel_seq_ == waited_seq_ && ended_seq_ == waited_ended_seq_ && stream == waited_stream_) return;
+  // `stream` waits for a side-stream event; on the host where it captures (a capture may not wait for work outside it).
+  const auto st = static_cast<gpu::Stream>(stream);
+  const bool capturing = (ended_seq_ > 0 || sentinel_seq_ > 0) && gpu::stream_capturing(st);
+  const auto wait_for = [&](void* event) {
+    const auto e = static_cast<gpu::Event>(event);
+    UCCL_CHECK_GPU(capturing ? gpu::event_synchronize_any_capture(e) : gpu::stream_wait_event(st, e));
+  };
   // An op that ended beside (CeCopies::beside) ends on the side stream: nothing that writes our buffer or a peer's
-  // runs before that end (on the host where `stream` captures, as for the sentinel below).
-  if (ended_seq_ > 0) {
-    const auto st = static_cast<gpu::Stream>(stream);
-    if (gpu::stream_capturing(st))
-      UCCL_CHECK_GPU(gpu::event_synchronize_any_capture(static_cast<gpu::Event>(ce_ended_)));
-    else
-      UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(ce_ended_)));
-  }
+  // runs before that end; nor before the side memset that set our landing area (NvlRuntime::note_op).
+  if (ended_seq_ > 0) wait_for(ce_ended_);
   waited_ended_seq_ = ended_seq_;
-  if (sentinel_seq_ > 0) {
-    const auto st = static_cast<gpu::Stream>(stream);
-    if (gpu::stream_capturing(st))
-      UCCL_CHECK_GPU(gpu::event_synchronize_any_capture(static_cast<gpu::Event>(sentinel_set_)));
-    else
-      UCCL_CHECK_GPU(gpu::stream_wait_event(st, static_cast<gpu::Event>(sentinel_set_)));
-  }
+  if (sentinel_seq_ > 0) wait_for(sentinel_set_);
   waited_stream_ = stream;
   waited_seq_ = sentinel_seq_;
 }

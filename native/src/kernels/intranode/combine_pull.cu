@@ -375,8 +375,8 @@ CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_p
     UCCL_CHECK_GPU(gpu::get_last_error());
   }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
-  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.early != 0 ? ce.gated : 0, ce.gate,
-                 ce.early != 0 && ce.gated != 0 ? ce.beside : 0};
+  // ce_copies sets `gated` only on an early op and `beside` only on a gated one
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.gated, ce.gate, ce.beside};
 }
 
 namespace {
