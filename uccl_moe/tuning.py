@@ -163,14 +163,27 @@ def dispatch_direct(num_ranks: int, knob: str) -> bool:
     return _chosen(knob, num_ranks, DIRECT_DISPATCH)
 
 
+def _one_queue(environ: Mapping[str, str]) -> bool:
+    return environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+
+
+@functools.cache
+def one_hardware_queue() -> bool:
+    """Whether this process's GPU context has one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``). Read once, at
+    the first op that asks: the driver reads the variable when it makes the context, which precedes any op, and a
+    later change does not reach it (``one_hardware_queue.cache_clear()`` for tests)."""
+    return _one_queue(os.environ)
+
+
 def dispatch_ce_poll(knob: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a copy-engine cached dispatch polls its landing area, given ``UCCL_MOE_DISPATCH_CE_POLL``'s value `knob`
-    (``auto``, ``1`` or ``0``): ``auto`` polls except where ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in `environ` (default
-    ``os.environ``; the driver reads it when the process's GPU context is made). With one hardware queue the side
-    stream's memset after each polled op runs in the caller's queue, and the chunk flags measured faster there
-    (docs/intranode.md, session 49); every rank must decide alike (a rank that differs is named in an error)."""
-    env_map = os.environ if environ is None else environ
-    return knob == "1" or (knob == "auto" and env_map.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1")
+    (``auto``, ``1`` or ``0``): ``auto`` polls except with one hardware queue (:func:`one_hardware_queue`, or
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in `environ` where given). With one queue the side stream's memset after each
+    polled op runs in the caller's queue, and the chunk flags measured faster there (docs/intranode.md, sessions 49
+    and 50); every rank must decide alike (a rank that differs is named in an error)."""
+    if knob != "auto":
+        return knob == "1"
+    return not (one_hardware_queue() if environ is None else _one_queue(environ))
 
 
 def _chosen(knob: str, num_ranks: int, measured: dict[int, str]) -> bool:

@@ -205,9 +205,9 @@ def _in_map(key: str) -> bool:
 
 
 def _unknown_key_error(key: str, override: str | None) -> ConfigError:
-    if _in_map(key) and not (override or "").startswith("+"):
+    if override is not None and not override.startswith("+") and _in_map(key):  # the override names this very key
         parent = key.rpartition(".")[0]
-        value = override.split("=", 1)[1] if override and "=" in override else "VALUE"
+        value = override.split("=", 1)[1] if "=" in override else "VALUE"
         return ConfigError(f"'{key}' is not in '{parent}' yet\n  rule: '{parent}' is a map, and a new key is added "
                            f"with a leading '+'; fix: +{key}={value}", key=key)
     cls = _schema_class(key)

@@ -87,16 +87,35 @@ def hardware_queues(cfg: Any) -> tuple[str | None, str]:
     (docs/user_guide.md, "Hardware queues")."""
     if cfg.platform.accelerator == schema.Accelerator.cpu:
         return None, "no GPU"
-    extra = {str(a).split("=", 1)[0] for a in [*cfg.platform.extra_args, *cfg.train.extra_args]}
-    if "--overlap-moe-expert-parallel-comm" in extra:
+    extra = [str(a) for a in [*cfg.platform.extra_args, *cfg.train.extra_args]]  # appended last: they win
+    flags = {a.split("=", 1)[0] for a in extra}
+    if "--overlap-moe-expert-parallel-comm" in flags:
         return "32", "--overlap-moe-expert-parallel-comm (Megatron's MoE README asks for 32)"
-    if extra & {"--use-torch-fsdp2", "--use-megatron-fsdp"}:
+    if flags & {"--use-torch-fsdp2", "--use-megatron-fsdp"}:
         return None, "FSDP (Megatron asserts that it is not 1)"
-    p = cfg.parallel
-    if p.tensor_model_parallel_size > 1 or p.context_parallel_size > 1:
-        return "1", (f"TP {p.tensor_model_parallel_size}, CP {p.context_parallel_size}: Megatron asserts 1 on Hopper "
-                     "and older GPUs")
+    tp = _last_int(extra, "--tensor-model-parallel-size", cfg.parallel.tensor_model_parallel_size)
+    cp = _last_int(extra, "--context-parallel-size", cfg.parallel.context_parallel_size)
+    if tp > 1 or cp > 1:
+        # The layout is known here, the GPU is not: 1 on Blackwell too, where Megatron would not need it.
+        return "1", f"TP {tp}, CP {cp}: Megatron asserts 1 on Hopper and older GPUs"
     return None, "TP = CP = 1: Megatron asks for one queue only with TP or CP > 1"
+
+
+def _last_int(argv: list[str], name: str, default: int) -> int:
+    """The last value of Megatron argument `name` in `argv` (``--name V`` or ``--name=V``), else `default`."""
+    value = default
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            text = a[len(name) + 1:]
+        elif a == name and i + 1 < len(argv):
+            text = argv[i + 1]
+        else:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            pass  # not a number: Megatron's parser names it
+    return value
 
 
 def launch_env(cfg: Any) -> dict[str, str]:

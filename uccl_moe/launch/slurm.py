@@ -77,7 +77,9 @@ def render_sbatch(cfg: Any, summary: str = "") -> str:
     if env:
         out += ["", f"# platform {cfg.platform.name} environment (+ dispatcher {cfg.dispatcher.name} knobs)"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    if QUEUES not in cfg.platform.env:
+    if QUEUES in cfg.platform.env:
+        out += [f"# {QUEUES} as platform.env sets it (the layout alone: {hardware_queues(cfg)[0] or 'not set'})"]
+    elif cfg.platform.accelerator != schema.Accelerator.cpu:
         queues, why = hardware_queues(cfg)
         chosen = "not set (several hardware queues)" if queues is None else f"set to {queues}"
         out += [f"# {QUEUES} {chosen}: {why}"]

@@ -514,6 +514,15 @@ def test_the_dispatch_polls_except_with_one_hardware_queue() -> None:
                                 ("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": " 1 "}, False),
                                 ("1", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, True), ("0", {}, False)):
         assert tuning.dispatch_ce_poll(knob, environ) is want, (knob, environ)
+    tuning.one_hardware_queue.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # the process's own environment, read once (the driver's context)
+            mp.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            assert tuning.dispatch_ce_poll("auto") is False
+            mp.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+            assert tuning.dispatch_ce_poll("auto") is False  # the context keeps the queue it was made with
+    finally:
+        tuning.one_hardware_queue.cache_clear()
 
 
 @pytestmark_kernels
@@ -524,8 +533,10 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     counts or an x that does not fit every other rank's buffer takes the rings, alike on every rank; auto takes the
     copy engines at the EP sizes of tuning.CE_DISPATCH only, and only where every rank sends at least
     tuning.CE_DISPATCH_MIN_SENT of its tokens to every other (the GPU suite checks the bits)."""
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # several hardware queues: polled by default
     from uccl_moe import tuning
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)  # several hardware queues: polled by default
+    tuning.one_hardware_queue.cache_clear()
     from uccl_moe.backends import _buffer_paths, native
 
     assert 2 in tuning.CE_DISPATCH and 0.7 <= tuning.CE_DISPATCH_MIN_SENT <= 1.0  # the shipped table: EP2 measured
@@ -575,6 +586,7 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     assert calls[0][1][5] is False
     monkeypatch.delenv("UCCL_MOE_CE_EARLY")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # one hardware queue: auto takes the chunk flags
+    tuning.one_hardware_queue.cache_clear()  # as if the driver had made the context now
     calls.clear()
     backend.cached_dispatch(x, scales, h, cfg)
     assert calls[0][1][7] is False
@@ -583,6 +595,7 @@ def test_a_ce_dispatch_gathers_along_the_handle_with_the_host_counts(monkeypatch
     backend.cached_dispatch(x, scales, h, cfg)
     assert calls[0][1][7] is True
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    tuning.one_hardware_queue.cache_clear()
     monkeypatch.setenv("UCCL_MOE_DISPATCH_CE_POLL", "0")
     calls.clear()
     backend.cached_dispatch(x, scales, h, cfg)

@@ -28,7 +28,6 @@ from uccl_moe.config import available, compose
 from uccl_moe.config.memory import parse_moe_layer_freq
 from uccl_moe.errors import InvalidUsageError
 from uccl_moe.launch.local import child_env, torchrun_command
-from uccl_moe.launch.slurm import render_sbatch
 from uccl_moe.launch.megatron_args import (
     entry_argv,
     flag,
@@ -37,6 +36,7 @@ from uccl_moe.launch.megatron_args import (
     megatron_dests,
     training_command,
 )
+from uccl_moe.launch.slurm import render_sbatch
 
 ROOT = Path(__file__).resolve().parents[3]
 CHILD = Path(__file__).with_name("megatron_parse_child.py")
@@ -116,10 +116,18 @@ def test_hardware_queues_follow_the_layout():
     assert queues("platform=cpu", "parallel.tensor_model_parallel_size=2", recipe="tiny_cpu_moe") is None
     assert queues("parallel.tensor_model_parallel_size=2", "+platform.env.CUDA_DEVICE_MAX_CONNECTIONS=8") == "8"
     assert queues("+platform.env.CUDA_DEVICE_MAX_CONNECTIONS=1") == "1"
+    # TP or CP in the raw arguments (appended last, so Megatron takes them), either form
+    assert queues("train.extra_args=['--tensor-model-parallel-size=2']") == "1"
+    assert queues("platform.extra_args=[--context-parallel-size,4]") == "1"
+    assert queues("parallel.tensor_model_parallel_size=2", "train.extra_args=[--tensor-model-parallel-size,1]") is None
+    assert queues("platform.extra_args=[--overlap-moe-expert-parallel-comm]") == "32"
     script = render_sbatch(compose(["recipe=dsv3_proxy_local", "parallel.tensor_model_parallel_size=2"]))
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in script and "set to 1: TP 2, CP 1" in script
     script = render_sbatch(compose(["recipe=dsv3_proxy_local"]))
     assert "export CUDA_DEVICE_MAX_CONNECTIONS" not in script and "CUDA_DEVICE_MAX_CONNECTIONS not set" in script
+    script = render_sbatch(compose(["recipe=dsv3_proxy_local", "+platform.env.CUDA_DEVICE_MAX_CONNECTIONS=4"]))
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=4\n" in script and "as platform.env sets it" in script
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in render_sbatch(compose(["recipe=tiny_cpu_moe"]))  # CPU: no GPU queues
 
 
 def test_every_uccl_env_knob_exists_in_the_knob_table():
