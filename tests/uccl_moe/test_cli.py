@@ -52,6 +52,11 @@ def test_train_dry_run_prints_env_and_command(capsys):
     assert "UCCL_MOE_BACKEND=reference" in out and "GLOO_SOCKET_IFNAME=lo" in out
     assert "-m torch.distributed.run --nproc-per-node=2 --standalone -m uccl_moe.train.train_gpt" in out
     assert "--moe-token-dispatcher-type uccl" in out and "--distributed-backend gloo" in out
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in out  # CPU: no hardware queues to choose
+    assert cli.main(["train", "recipe=dsv3_proxy_local", "parallel.tensor_model_parallel_size=2",
+                     "parallel.sequence_parallel=true", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1\n" in out and "# CUDA_DEVICE_MAX_CONNECTIONS set to 1: TP 2, CP 1" in out
 
 
 @needs_hydra

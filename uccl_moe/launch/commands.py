@@ -19,7 +19,7 @@ from ..config import compose, expand_sweeps, to_yaml, validate
 from ..config.validate import MemoryWarning, ValidationReport
 from ..errors import InvalidUsageError
 from .local import check_devices, child_env, format_command, torchrun_command
-from .megatron_args import entry_argv
+from .megatron_args import entry_argv, queues_comment
 from .preflight import check_env_knobs, check_training_stack
 from .render import summary_text, write_primus
 from .render_all import check, render_all
@@ -131,6 +131,9 @@ def train(args: argparse.Namespace) -> int:
         print("# environment")
         for k, v in env.items():
             print(f"{k}={v}")
+        queues = queues_comment(cfg)
+        if queues is not None:
+            print(queues)
         print("# command")
         print(format_command(cmd, {}))
         return 0

@@ -101,6 +101,17 @@ def hardware_queues(cfg: Any) -> tuple[str | None, str]:
     return None, "TP = CP = 1: Megatron asks for one queue only with TP or CP > 1"
 
 
+def queues_comment(cfg: Any) -> str | None:
+    """A ``# CUDA_DEVICE_MAX_CONNECTIONS ...`` line saying how the launch chose it (None on CPU)."""
+    if QUEUES in cfg.platform.env:
+        return f"# {QUEUES} as platform.env sets it (the layout alone: {hardware_queues(cfg)[0] or 'not set'})"
+    if cfg.platform.accelerator == schema.Accelerator.cpu:
+        return None
+    queues, why = hardware_queues(cfg)
+    chosen = "not set (several hardware queues)" if queues is None else f"set to {queues}"
+    return f"# {QUEUES} {chosen}: {why}"
+
+
 def _last_int(argv: list[str], name: str, default: int) -> int:
     """The last value of Megatron argument `name` in `argv` (``--name V`` or ``--name=V``), else `default`."""
     value = default

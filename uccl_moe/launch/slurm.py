@@ -13,7 +13,7 @@ import shlex
 from typing import Any
 
 from ..config import schema
-from .megatron_args import QUEUES, entry_command, hardware_queues, launch_env, megatron_argv
+from .megatron_args import entry_command, launch_env, megatron_argv, queues_comment
 from .provenance import comment_block, provenance_lines
 
 
@@ -77,12 +77,9 @@ def render_sbatch(cfg: Any, summary: str = "") -> str:
     if env:
         out += ["", f"# platform {cfg.platform.name} environment (+ dispatcher {cfg.dispatcher.name} knobs)"]
         out += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    if QUEUES in cfg.platform.env:
-        out += [f"# {QUEUES} as platform.env sets it (the layout alone: {hardware_queues(cfg)[0] or 'not set'})"]
-    elif cfg.platform.accelerator != schema.Accelerator.cpu:
-        queues, why = hardware_queues(cfg)
-        chosen = "not set (several hardware queues)" if queues is None else f"set to {queues}"
-        out += [f"# {QUEUES} {chosen}: {why}"]
+    queues = queues_comment(cfg)
+    if queues is not None:
+        out.append(queues)
     if cfg.slurm.preflight:
         out += ["", *_preflight(cfg)]
     head = entry_command(cfg)  # -m module | -m uccl_moe.megatron.pretrain script
