@@ -163,24 +163,31 @@ def dispatch_direct(num_ranks: int, knob: str) -> bool:
     return _chosen(knob, num_ranks, DIRECT_DISPATCH)
 
 
+def queues_variable() -> str:
+    """The variable that sets the hardware queues per GPU of this build: ``CUDA_DEVICE_MAX_CONNECTIONS`` (the CUDA
+    driver), ``GPU_MAX_HW_QUEUES`` on HIP (the ROCm runtime, which does not read the CUDA one)."""
+    return "GPU_MAX_HW_QUEUES" if _C.gpu_backend() == "hip" else "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
 def _one_queue(environ: Mapping[str, str]) -> bool:
-    return environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1"
+    return environ.get(queues_variable(), "").strip() == "1"
 
 
 @functools.cache
 def one_hardware_queue() -> bool:
-    """Whether this process's GPU context has one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``). Read once, at
-    the first op that asks: the driver reads the variable when it makes the context, which precedes any op, and a
-    later change does not reach it (``one_hardware_queue.cache_clear()`` for tests)."""
+    """Whether this process's GPU context has one hardware queue (:func:`queues_variable` is ``1``). Read once, at the
+    first op that asks: the runtime reads the variable when it makes the context, which precedes any op, and a later
+    change does not reach it (``one_hardware_queue.cache_clear()`` for tests)."""
     return _one_queue(os.environ)
 
 
 def dispatch_ce_poll(knob: str, environ: Mapping[str, str] | None = None) -> bool:
     """Whether a copy-engine cached dispatch polls its landing area, given ``UCCL_MOE_DISPATCH_CE_POLL``'s value `knob`
     (``auto``, ``1`` or ``0``): ``auto`` polls except with one hardware queue (:func:`one_hardware_queue`, or
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in `environ` where given). With one queue the side stream's memset after each
-    polled op runs in the caller's queue, and the chunk flags measured faster there (docs/intranode.md, sessions 49
-    and 50); every rank must decide alike (a rank that differs is named in an error)."""
+    :func:`queues_variable` ``=1`` in `environ` where given). With one queue the side stream's memset after each
+    polled op runs in the caller's queue, and the chunk flags measured faster there (CUDA, docs/intranode.md, sessions
+    49 and 50; HIP follows the same rule, unmeasured); every rank must decide alike (a rank that differs is named in an
+    error)."""
     if knob != "auto":
         return knob == "1"
     return not (one_hardware_queue() if environ is None else _one_queue(environ))

@@ -125,7 +125,7 @@ std::string format_diag(const DiagRecord& r) {
       (r.expected & kCeDispatchArgsMark) != 0 && (r.seen & kCeDispatchArgsPoll) != (r.expected & kCeDispatchArgsPoll))
     return poll_differs("dispatch",
                         "UCCL_MOE_DISPATCH_CE_POLL and, where it is auto (the default, which does not poll with one "
-                        "hardware queue), the same CUDA_DEVICE_MAX_CONNECTIONS",
+                        "hardware queue), the same CUDA_DEVICE_MAX_CONNECTIONS (GPU_MAX_HW_QUEUES on HIP)",
                         r, (r.seen & kCeDispatchArgsPoll) != 0,
                         (r.expected & kCeDispatchArgsPoll) != 0);
   if (r.phase == DiagPhase::kDispatchDirectArgs)

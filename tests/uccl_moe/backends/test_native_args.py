@@ -506,14 +506,21 @@ def test_a_ce_combine_hands_the_host_rank_prefix_and_its_chunks_to_the_copy_engi
         _C.intranode_ce_landing_bytes([1, 2, 3], H, K)
 
 
-def test_the_dispatch_polls_except_with_one_hardware_queue() -> None:
-    """UCCL_MOE_DISPATCH_CE_POLL=auto (the default) polls except where CUDA_DEVICE_MAX_CONNECTIONS=1; 1 and 0 force."""
+def test_the_dispatch_polls_except_with_one_hardware_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCCL_MOE_DISPATCH_CE_POLL=auto (the default) polls except where CUDA_DEVICE_MAX_CONNECTIONS=1 (HIP:
+    GPU_MAX_HW_QUEUES=1); 1 and 0 force."""
     from uccl_moe import tuning
 
+    monkeypatch.setattr(tuning._C, "gpu_backend", lambda: "cuda")
     for knob, environ, want in (("auto", {}, True), ("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, True),
                                 ("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": " 1 "}, False),
                                 ("1", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, True), ("0", {}, False)):
         assert tuning.dispatch_ce_poll(knob, environ) is want, (knob, environ)
+    assert tuning.dispatch_ce_poll("auto", {"GPU_MAX_HW_QUEUES": "1"}) is True
+    with pytest.MonkeyPatch.context() as mp:  # HIP: the ROCm runtime's own variable
+        mp.setattr(tuning._C, "gpu_backend", lambda: "hip")
+        assert tuning.dispatch_ce_poll("auto", {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is True
+        assert tuning.dispatch_ce_poll("auto", {"GPU_MAX_HW_QUEUES": "1"}) is False
     tuning.one_hardware_queue.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as mp:  # the process's own environment, read once (the driver's context)
