@@ -165,7 +165,8 @@ def dispatch_direct(num_ranks: int, knob: str) -> bool:
 
 def queues_variable() -> str:
     """The variable that sets the hardware queues per GPU of this build: ``CUDA_DEVICE_MAX_CONNECTIONS`` (the CUDA
-    driver), ``GPU_MAX_HW_QUEUES`` on HIP (the ROCm runtime, which does not read the CUDA one)."""
+    driver), ``GPU_MAX_HW_QUEUES`` on HIP (the ROCm runtime's own pool of hardware queues per device, clr's
+    ``VirtualGPU``)."""
     return "GPU_MAX_HW_QUEUES" if _C.gpu_backend() == "hip" else "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
