@@ -12,6 +12,8 @@ import shlex
 from collections.abc import Iterator
 from typing import Any
 
+import yaml
+
 from ..config import schema
 from ..config.validate import knob_env
 
@@ -87,14 +89,13 @@ def hardware_queues(cfg: Any) -> tuple[str | None, str]:
     (docs/user_guide.md, "Hardware queues")."""
     if cfg.platform.accelerator == schema.Accelerator.cpu:
         return None, "no GPU"
-    extra = [str(a) for a in [*cfg.platform.extra_args, *cfg.train.extra_args]]  # appended last: they win
-    flags = {a.split("=", 1)[0] for a in extra}
-    if "--overlap-moe-expert-parallel-comm" in flags:
+    extra = extra_args_values(cfg)  # appended last: they win
+    if "overlap_moe_expert_parallel_comm" in extra:
         return "32", "--overlap-moe-expert-parallel-comm (Megatron's MoE README asks for 32)"
-    if flags & {"--use-torch-fsdp2", "--use-megatron-fsdp"}:
+    if extra.keys() & {"use_torch_fsdp2", "use_megatron_fsdp"}:
         return None, "FSDP (Megatron asserts that it is not 1)"
-    tp = _last_int(extra, "--tensor-model-parallel-size", cfg.parallel.tensor_model_parallel_size)
-    cp = _last_int(extra, "--context-parallel-size", cfg.parallel.context_parallel_size)
+    tp = _as_int(extra.get("tensor_model_parallel_size"), cfg.parallel.tensor_model_parallel_size)
+    cp = _as_int(extra.get("context_parallel_size"), cfg.parallel.context_parallel_size)
     if tp > 1 or cp > 1:
         # The layout is known here, the GPU is not: 1 on Blackwell too, where Megatron would not need it.
         return "1", f"TP {tp}, CP {cp}: Megatron asserts 1 on Hopper and older GPUs"
@@ -112,21 +113,28 @@ def queues_comment(cfg: Any) -> str | None:
     return f"# {QUEUES} {chosen}: {why}"
 
 
-def _last_int(argv: list[str], name: str, default: int) -> int:
-    """The last value of Megatron argument `name` in `argv` (``--name V`` or ``--name=V``), else `default`."""
-    value = default
-    for i, a in enumerate(argv):
-        if a.startswith(name + "="):
-            text = a[len(name) + 1:]
-        elif a == name and i + 1 < len(argv):
-            text = argv[i + 1]
-        else:
+def extra_args_values(cfg: Any) -> dict[str, Any]:
+    """platform.extra_args then train.extra_args by name, the last value winning, as Megatron's parser reads them:
+    ``["--foo-bar", "3", "--baz", "--qux=x"]`` -> ``{"foo_bar": 3, "baz": True, "qux": "x"}`` (values parsed as YAML
+    scalars)."""
+    args = [str(a) for a in [*cfg.platform.extra_args, *cfg.train.extra_args]]
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if not a.startswith("--"):
             continue
-        try:
-            value = int(text)
-        except ValueError:
-            pass  # not a number: Megatron's parser names it
-    return value
+        name, eq, text = a[2:].partition("=")
+        if not eq and i < len(args) and not args[i].startswith("--"):
+            text, eq, i = args[i], "=", i + 1
+        out[name.replace("-", "_")] = yaml.safe_load(text) if eq else True
+    return out
+
+
+def _as_int(value: Any, default: int) -> int:
+    """`value` where it is a whole number (not a bool), else `default` (Megatron's parser names a bad one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def launch_env(cfg: Any) -> dict[str, str]:

@@ -18,32 +18,13 @@ from typing import Any
 
 import yaml
 
-from .megatron_args import arg_fields, launch_env, megatron_args, megatron_dests
+from .megatron_args import arg_fields, extra_args_values, launch_env, megatron_args, megatron_dests
 from .provenance import comment_block, provenance_lines
 
 REQUIRED_KEYS: tuple[str, ...] = ("work_group", "user_name", "exp_name", "workspace", "modules")
 """Top-level keys Primus's parser requires (PrimusParser.parse_meta_info) plus the module block."""
 
 ENTRY_VAR = "UCCL_MOE_PRIMUS_ENTRY"
-
-
-def _extra_args_to_overrides(args: list[str]) -> dict[str, Any]:
-    """``["--foo-bar", "3", "--baz"]`` -> ``{"foo_bar": 3, "baz": True}`` (values parsed as YAML scalars)."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        a = str(args[i])
-        if not a.startswith("--"):
-            i += 1
-            continue
-        key = a[2:].replace("-", "_")
-        if i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
-            out[key] = yaml.safe_load(str(args[i + 1]))
-            i += 2
-        else:
-            out[key] = True
-            i += 1
-    return out
 
 
 def primus_overrides(cfg: Any) -> dict[str, Any]:
@@ -61,8 +42,7 @@ def primus_overrides(cfg: Any) -> dict[str, Any]:
         dest = f.metadata.get("dest")
         if dest:
             out[dest] = dests[dest]
-    out.update(_extra_args_to_overrides(list(cfg.platform.extra_args)))
-    out.update(_extra_args_to_overrides(list(cfg.train.extra_args)))
+    out.update(extra_args_values(cfg))
     return out
 
 
