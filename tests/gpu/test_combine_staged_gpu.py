@@ -352,7 +352,7 @@ def _gate_worker(rank: int, world: int, gloo, op: str = "combine") -> None:
     ops on a Buffer; this one breaks that rule on purpose). Our next early polled combine's copies into it then wait
     at the gate, which nothing opens but the side stream's watch (ce_gate_watch_kernel) after UCCL_MOE_TIMEOUT_S; with
     CUDA_DEVICE_MAX_CONNECTIONS=1 the waiting copy stream may also hold the combine's own kernel. The gated rank raises
-    CommTimeoutError naming that peer (combine/ce-sentinel); the peer raises or returns; nobody hangs. `op`
+    CommTimeoutError naming that peer (`op`/ce-sentinel); the peer raises or returns; nobody hangs. `op`
     "dispatch": the same with polled copy-engine dispatches (UCCL_MOE_DISPATCH_CE=1, the cached dispatch)."""
     from uccl_moe import CommTimeoutError
 
@@ -391,7 +391,7 @@ def _gate_worker(rank: int, world: int, gloo, op: str = "combine") -> None:
         rec = e.record or {}
         if rank != odd:
             check(f"the gated rank names the peer whose memset count stayed behind ({rec})",
-                  rec.get("phase") == "combine/ce-sentinel" and rec.get("peer") == odd)
+                  rec.get("phase") == f"{op}/ce-sentinel" and rec.get("peer") == odd)
     else:
         check("the gated rank raised", rank == odd)
     if rank != odd:

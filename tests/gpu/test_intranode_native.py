@@ -834,7 +834,8 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     `weights`: one rank passes no topk_weights while its peers do: every rank raises InvalidUsageError naming the
     mismatch (combine/pull-args), before anyone reads weights that were not staged. `sizes`: ranks that create their
     Buffers with different num_nvl_bytes are all refused. `ce_hidden` / `staged_hidden` (2 ranks): both on one path,
-    one rank's rows narrower: every rank raises InvalidUsageError naming both hidden sizes."""
+    one rank's rows narrower: every rank raises InvalidUsageError naming both hidden sizes. `ce_dispatch_skip`: a
+    rank skips a copy-engine dispatch that enters through its enter kernel: the others name it (dispatch/ce-enter)."""
     from uccl_moe import Buffer, CommTimeoutError, Config, InvalidUsageError
 
     cfg = Config(24, 8, 256, 6, 128)
@@ -857,6 +858,19 @@ def _skip_pull_worker(rank: int, world: int, gloo, mode: str) -> None:
     view.copy_(res.recv_x)
     if mode.endswith("_early"):
         _ce_early_fault(nat, res, case, cfg, mode, rank, odd)
+    elif mode == "ce_dispatch_skip":  # after the ring dispatch the copy-engine one enters through its enter kernel
+        os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
+        if rank != odd:
+            try:
+                nat.dispatch(case.xin("cuda"), handle=res.handle, config=cfg)
+                torch.cuda.synchronize()
+                nat.get_dispatch_layout(case.idx.cuda(), 4 * world)  # the next call surfaces the abort
+            except CommTimeoutError as e:
+                rec = e.record or {}
+                assert rec.get("phase") == "dispatch/ce-enter" and rec.get("peer") == odd, rec
+                assert "dispatch/ce-enter" in str(e) and f"peer {odd}" in str(e), str(e)
+            else:
+                raise AssertionError("a copy-engine dispatch returned though a peer skipped it")
     elif mode.startswith("ce_dispatch_poll"):  # both dispatch through the copy engines, one waiting for chunk flags
         os.environ["UCCL_MOE_DISPATCH_CE"] = "1"
         if mode == "ce_dispatch_poll_after_ce":  # one copy-engine dispatch alike first: the non-polling rank's next
@@ -1017,8 +1031,9 @@ def knob_on(name: str) -> bool:
 def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None:
     """A fault in a copy-engine combine that starts its copies at once (UCCL_MOE_CE_EARLY: it follows one every rank
     ran through the copy engines, so no enter kernel runs): rank `odd` skips it (`ce_skip_early`: the others are named
-    in a bounded combine/pull-start wait; `ce_skip_late_early`: rank 0 starts a second later, so rank 1 gives up first
-    and raises rank 0's abort flag: rank 0's drained waits still write the record; `ce_late_early`, 2 ranks: none skips,
+    in a bounded combine/pull-start wait, dispatch/ce-enter in the dispatch; `ce_skip_late_early`: rank 0 starts a
+    second later, so rank 1 gives up first and raises rank 0's abort flag: rank 0's drained waits still write the
+    record; `ce_late_early`, 2 ranks: none skips,
     rank 0 starts after rank 1's whole timeout, finds its flag up and every wait passed, and still raises) or splits
     its copies otherwise
     (`ce_chunks_early`: every rank raises InvalidUsageError naming the chunks, checked by the sum kernel before it
@@ -1069,7 +1084,8 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
             assert rank == 0 or (rec.get("phase") == "combine/pull-start" and rec.get("peer") == 0), rec
             return
         assert mode in ("ce_skip_early", "ce_skip_late_early", "ce_dispatch_skip_early"), rec
-        assert rec.get("phase") == "combine/pull-start" and rec.get("peer") == odd, rec
+        want = "dispatch/ce-enter" if dispatch else "combine/pull-start"  # the dispatch's waits name the dispatch
+        assert rec.get("phase") == want and rec.get("peer") == odd, rec
         if mode == "ce_skip_late_early":  # rank 0 learnt of it from rank 1's abort, rank 1 on its own clock
             assert rec.get("drained") == (rank == 0), rec
             assert ("aborted first" in str(e)) == (rank == 0), str(e)
@@ -1078,7 +1094,8 @@ def _ce_early_fault(nat, res, case, cfg, mode: str, rank: int, odd: int) -> None
 
 
 @pytest.mark.parametrize("mode", ["skip", "mixed", "weights", "sizes", "ce_skip_early", "ce_skip_late_early",
-                                  "ce_skip_poll_early", "ce_skip_late_poll_early", "ce_dispatch_skip_poll_early"])
+                                  "ce_skip_poll_early", "ce_skip_late_poll_early", "ce_dispatch_skip_poll_early",
+                                  "ce_dispatch_skip"])
 def test_native_combine_from_buffer_timeout(mode: str) -> None:
     run_shared_gpu_ranks(_skip_pull_worker, 3, mode, env={"UCCL_MOE_TIMEOUT_S": "3"}, timeout_s=300)
 

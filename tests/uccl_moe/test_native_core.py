@@ -194,13 +194,14 @@ def test_diag_message_names_rank_peer_channel_phase():
     assert d["phase"] == "dispatch/recv-tokens"
     # every phase a kernel reports has a name (the copy-engine ops' chunk waits are the newest)
     names = [_C.format_diag(rank=0, peer=0, channel=0, phase=p, role=1, expected=1, seen=0, command=0,
-                            waited_s=1.0)["phase"] for p in range(27)]
-    assert "unknown" not in names and len(set(names)) == 27
+                            waited_s=1.0)["phase"] for p in range(30)]
+    assert "unknown" not in names and len(set(names)) == 30
     assert names[15:] == ["dispatch/publish", "combine/pull-start", "combine/pull-done", "combine/pull-args",
                           "dispatch/direct-enter", "dispatch/direct-landed", "dispatch/direct-done",
                           "dispatch/direct-args", "combine/ce-chunk", "dispatch/ce-chunk", "dispatch/args",
-                          "combine/ce-sentinel"]
-    assert _C.format_diag(rank=0, peer=0, channel=0, phase=27, role=1, expected=1, seen=0, command=0,
+                          "combine/ce-sentinel", "dispatch/ce-sentinel",
+                          "dispatch/ce-enter", "dispatch/ce-done"]
+    assert _C.format_diag(rank=0, peer=0, channel=0, phase=30, role=1, expected=1, seen=0, command=0,
                           waited_s=1.0)["phase"] == "unknown"
     args = _C.format_diag(rank=2, peer=1, channel=-1, phase=18, role=2, expected=8, seen=0, command=0,
                           waited_s=0.0)["message"]

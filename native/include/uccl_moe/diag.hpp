@@ -44,9 +44,13 @@ enum class DiagPhase : int32_t {
   kDispatchCeChunk = 24,       ///< copy-engine dispatch: waiting for a chunk of a peer's tokens to land in our buffer
   kDispatchArgs = 25,          ///< not a wait: notify found a peer's dispatch rows laid out otherwise (expected/seen:
                                ///< dispatch_rows_code values, below) or its num_experts other (kDispatchArgsExperts)
-  kCeSentinel = 26,            ///< early polled copy-engine op: waiting for a peer's side memset (its landing
+  kCeSentinel = 26,            ///< early polled copy-engine combine: waiting for a peer's side memset (its landing
                                ///< area set to the sentinel again; expected/seen: its count of them) before storing
                                ///< into that area
+  kDispatchCeSentinel = 27,    ///< the same wait before an early polled copy-engine dispatch
+  kDispatchCeEnter = 28,       ///< copy-engine dispatch: waiting for a peer to enter it (the combine's is
+                               ///< kCombinePullStart: both ops share these hand-shake words)
+  kDispatchCeDone = 29,        ///< copy-engine dispatch: waiting for a peer to finish with our buffer
 };
 
 /// Bit of a kCombinePullArgs value: the rank combines a tensor of its own, staged (compacted buffer layout), not its

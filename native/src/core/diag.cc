@@ -33,6 +33,9 @@ const char* diag_phase_name(DiagPhase phase) {
     case DiagPhase::kDispatchCeChunk: return "dispatch/ce-chunk";
     case DiagPhase::kDispatchArgs: return "dispatch/args";
     case DiagPhase::kCeSentinel: return "combine/ce-sentinel";
+    case DiagPhase::kDispatchCeSentinel: return "dispatch/ce-sentinel";
+    case DiagPhase::kDispatchCeEnter: return "dispatch/ce-enter";
+    case DiagPhase::kDispatchCeDone: return "dispatch/ce-done";
   }
   return "unknown";
 }

@@ -39,14 +39,16 @@ namespace {
 /// until peer d's count of side memsets (its sentinel_ready word in our meta) reached ours. Where it does not within
 /// UCCL_MOE_TIMEOUT_S (d failed or stopped before its memset, or counts differently), it writes our count there,
 /// which opens the gate of any copy stream of ours waiting for it (NvlRuntime::ce_copies), and the record names d
-/// (combine/ce-sentinel; the abort flag is up, so the Buffer's next call raises). A copy stream's stream-memory wait
+/// (`phase`: combine/ce-sentinel, or dispatch/ce-sentinel where the op the memset is for is a polled dispatch; the
+/// abort flag is up, so the Buffer's next call raises). A copy stream's stream-memory wait
 /// is unbounded and may hold work queued behind it (streams that share a hardware queue, as with
 /// CUDA_DEVICE_MAX_CONNECTIONS=1, the op's own kernel among them), so this kernel, queued before any gated copy,
 /// is what bounds it.
-__global__ void ce_gate_watch_kernel(DiagDeviceHandle diag, int32_t* words, int num_ranks, int rank, int32_t count) {
+__global__ void ce_gate_watch_kernel(DiagDeviceHandle diag, int32_t* words, int num_ranks, int rank, int32_t count,
+                                     DiagPhase phase) {
   const int d = static_cast<int>(threadIdx.x);
   if (d >= num_ranks || d == rank) return;
-  if (!wait_reached(diag, words + d, count, DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
+  if (!wait_reached(diag, words + d, count, phase, DiagRole::kSender, d, -1))
     gpu::store_release_sys(words + d, count);
 }
 
@@ -423,7 +425,8 @@ void NvlRuntime::note_op(void* stream, bool done, int kind) {
                               reinterpret_cast<int32_t*>(static_cast<char*>(local_) + intranode::kOffAbortFlag),
                               timeout_.limit_ns(), global_rank_ >= 0 ? global_rank_ : rank_};
   ce_gate_watch_kernel<<<1, gpu::kWarpSize, 0, side>>>(
-      diag, intranode::sentinel_ready_word(local_, 0), num_ranks_, rank_, count);
+      diag, intranode::sentinel_ready_word(local_, 0), num_ranks_, rank_, count,
+      next == kOpPolledDispatch ? DiagPhase::kDispatchCeSentinel : DiagPhase::kCeSentinel);
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 

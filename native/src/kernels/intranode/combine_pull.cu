@@ -273,11 +273,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) combine_ce_sum_kernel(Nvl
 
 /// A copy-engine op's enter hand-shake (one block): our earlier ops are done with our buffer (stream order), so the
 /// peers' copy engines may write into its landing area; release that, with the checked value, and wait until every
-/// peer released the same round (a value that differs is reported as `args_phase`). Also writes the round into
+/// peer released the same round (a wait that expires is reported as `phases.start`, a value that differs as
+/// `phases.args`). Also writes the round into
 /// ce_round, which our copy engine copies into the peers' ce_ready words after each chunk. On a wait that expires
 /// the round is not advanced and the abort flag is up: the kernel after it then returns at once.
 __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContext ctx, int32_t checked,
-                                                                       DiagPhase args_phase) {
+                                                                       CePhases phases) {
   __shared__ PullSmem sm;
   void* local = ctx.buffers[ctx.rank];
   const int32_t round = gpu::load_volatile(meta_ptr(local, kOffPullRound)) + 1;
@@ -285,7 +286,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 1) ce_enter_kernel(NvlContex
   __syncthreads();
   release_to_peers(ctx, kOffPullStart, round, checked);
   const bool entered =
-      wait_peers(ctx, kOffPullStart, round, DiagPhase::kCombinePullStart, &sm, checked, args_phase);
+      wait_peers(ctx, kOffPullStart, round, phases.start, &sm, checked, phases.args);
   if (entered && threadIdx.x == 0) *meta_ptr(local, kOffPullRound) = round;
   // Our copies are enqueued behind this kernel whatever it found, and would land in a peer that may still be in an
   // earlier op: raise every peer's abort flag too, so that op fails (a timeout naming this rank's record) instead of
@@ -367,16 +368,16 @@ void launch_combine_pull(const NvlContext& ctx, int num_sms, int64_t num_rows, c
   UCCL_CHECK_GPU(gpu::get_last_error());
 }
 
-CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, const CePhases& phases, const CeCopies& ce,
                         void* stream) {
   const gpu::Stream st = static_cast<gpu::Stream>(stream);
   if (ce.early == 0) {
-    ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, args_phase);
+    ce_enter_kernel<<<1, kThreadsPerBlock, 0, st>>>(ctx, checked, phases);
     UCCL_CHECK_GPU(gpu::get_last_error());
   }
   UCCL_CHECK_GPU(gpu::event_record(static_cast<gpu::Event>(ce.entered), st));
   // ce_copies sets `gated` only on an early op and `beside` only on a gated one
-  return CeEnter{ce.early != 0 ? 1 : 0, checked, args_phase, ce.gated, ce.gate, ce.beside};
+  return CeEnter{ce.early != 0 ? 1 : 0, checked, phases, ce.gated, ce.gate, ce.beside};
 }
 
 namespace {
@@ -497,7 +498,7 @@ void launch_combine_ce(const NvlContext& ctx, int num_sms, const CombinePullArgs
   const CeEnter enter = launch_ce_enter(
       ctx, K | pull_args_hidden(a.hidden) | kPullArgsCe | ((a.ce_chunks - 1) << kPullArgsChunksShift) |
                (a.ce_poll != 0 ? kPullArgsPoll : 0),
-      DiagPhase::kCombinePullArgs, ce, stream);
+      kCombineCePhases, ce, stream);
   const char* x = static_cast<const char*>(a.own_x);
   CeHead head{};  // each block's first rows and their top-k weights, stored by the sum kernel's SMs
   char* dst[kMaxLocalRanks];

@@ -230,7 +230,7 @@ void launch_dispatch_ce(const NvlContext& ctx, int num_sms, const DispatchArgs& 
   const int32_t checked =
       kCeDispatchArgsMark | (poll ? kCeDispatchArgsPoll : 0) | ((chunks - 1) << 26) | ((S & 0x3FF) << 16) |
       ((a.row_bytes / 16) & 0xFFFF);
-  const CeEnter enter = launch_ce_enter(ctx, checked, DiagPhase::kDispatchDirectArgs, ce, stream);
+  const CeEnter enter = launch_ce_enter(ctx, checked, kDispatchCePhases, ce, stream);
   const int64_t T = a.num_tokens;
   CeHead head{};  // our scales, or without scales our first rows (ce_head_rows), stored by the gather kernel's SMs
   const int shrink = ce_dispatch_shrink_pct(S);  // S: checked at enter

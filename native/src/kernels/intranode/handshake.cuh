@@ -107,10 +107,11 @@ UCCL_DEVICE_INLINE bool wait_peers(const NvlContext& ctx, size_t off, int32_t ro
 /// The pull's done hand-shake, by the last block of a kernel that read the peers' buffers (every thread): releases
 /// `round` into every peer's pull_done and waits for theirs; once all came, the round is this rank's pull_round, and
 /// round + 1 goes into ce_round (the flags' value if the next op is an early copy-engine op). Returns whether all
-/// came (block-uniform).
-UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem* sm) {
+/// came (block-uniform); a wait that expires is reported as `phase` (a copy-engine op's: CePhases::done).
+UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem* sm,
+                                  DiagPhase phase = DiagPhase::kCombinePullDone) {
   release_to_peers(ctx, kOffPullDone, round);
-  const bool done = wait_peers(ctx, kOffPullDone, round, DiagPhase::kCombinePullDone, sm);
+  const bool done = wait_peers(ctx, kOffPullDone, round, phase, sm);
   if (done && threadIdx.x == 0) {
     void* local = ctx.buffers[ctx.rank];
     *meta_ptr(local, kOffPullRound) = round;
@@ -120,12 +121,12 @@ UCCL_DEVICE_INLINE bool pull_done(const NvlContext& ctx, int32_t round, PullSmem
 }
 
 /// Whether every peer's count of side memsets reached `gate` (an early polled op: push_ce_head), waited for by one
-/// thread; false once that wait expired or the op aborted. Out of line: inlined, its loop costs the sum kernel's
-/// loops registers.
-UCCL_DEVICE_NOINLINE bool ce_gate_open(const NvlContext& ctx, int32_t gate) {
+/// thread; false once that wait expired (a `phase` record) or the op aborted. Out of line: inlined, its loop costs
+/// the sum kernel's loops registers.
+UCCL_DEVICE_NOINLINE bool ce_gate_open(const NvlContext& ctx, int32_t gate, DiagPhase phase) {
   for (int d = 0; d < ctx.num_ranks; ++d)
-    if (d != ctx.rank && !wait_reached(diag_of(ctx), sentinel_ready_word(ctx.buffers[ctx.rank], d), gate,
-                                       DiagPhase::kCeSentinel, DiagRole::kSender, d, -1))
+    if (d != ctx.rank && !wait_reached(diag_of(ctx), sentinel_ready_word(ctx.buffers[ctx.rank], d), gate, phase,
+                                       DiagRole::kSender, d, -1))
       return false;
   return true;
 }
@@ -175,13 +176,13 @@ UCCL_DEVICE_INLINE bool store_ce_head_transposed(const NvlContext& ctx, const Ce
 /// `kTransposable`: the launch may ask for the transposed store (CeHead::transpose_rows; the dispatch's gather
 /// kernel, whose shared memory then holds the tile). `e.gated` (an early polled op): a peer's landing area holds the
 /// sentinel again only once its side memset ended, so each block first waits for every peer's count, as our copy
-/// streams do (the gate, CeCopies), bounded (combine/ce-sentinel). `kDeferred`: every thread only issues its stores;
+/// streams do (the gate, CeCopies), bounded (e.phases.sentinel). `kDeferred`: every thread only issues its stores;
 /// warp 0 of each block then fences them and counts the block (finish_ce_head_block), while the other warps go on.
 template <bool kTransposable = false, bool kDeferred = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm,
                                      const CeEnter& e = CeEnter{}) {
   if (threadIdx.x == 0)
-    sm->aborted = (e.gated != 0 && !ce_gate_open(ctx, e.gate)) || gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
+    sm->aborted = (e.gated != 0 && !ce_gate_open(ctx, e.gate, e.phases.sentinel)) || gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
   __syncthreads();
   const bool aborted = sm->aborted != 0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -264,11 +265,11 @@ UCCL_DEVICE_INLINE void finish_ce_head_block(const NvlContext& ctx, int32_t roun
 
 /// Lane d (d < N, d != me) of an early copy-engine op's kernel (CeEnter::early: no enter kernel ran): waits until
 /// peer d released this round into our pull_start[d] (it entered the op; every rank's kernel releases it as it
-/// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours (`e.checked`). Returns
-/// false on an expiry, an abort or a mismatch (reported as `e.args_phase`, InvalidUsage; the value is compared since
-/// `e.checked` is never negative: every op's checked value leaves bit 31 clear).
+/// starts, ce_release_entry) and compares its value (our pull_topk[d]) with ours (`e.checked`). Returns false on an
+/// expiry (reported as `e.phases.start`), an abort or a mismatch (as `e.phases.args`, InvalidUsage; the value is
+/// compared since `e.checked` is never negative: every op's checked value leaves bit 31 clear).
 UCCL_DEVICE_INLINE bool wait_entered(const NvlContext& ctx, const CeEnter& e, int32_t round, int d) {
-  return wait_peer(ctx, d, kOffPullStart, round, DiagPhase::kCombinePullStart, e.checked, e.args_phase);
+  return wait_peer(ctx, d, kOffPullStart, round, e.phases.start, e.checked, e.phases.args);
 }
 
 /// The round of a copy-engine op's kernel: the enter kernel advanced pull_round (not early); an early op's is the
@@ -300,7 +301,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
                    chunks - 1);
   }
   __syncthreads();
-  const bool done = pull_done(ctx, round, sm);
+  const bool done = pull_done(ctx, round, sm, e.phases.done);
   if (e.early != 0 && !done && d < ctx.num_ranks && d != ctx.rank)
     gpu::store_release_sys(meta_ptr(ctx.buffers[d], kOffAbortFlag), 1);
   // An early op checks a peer's arguments in a wait for it; where a peer that failed that check raised our flag
@@ -308,7 +309,7 @@ UCCL_DEVICE_INLINE void ce_op_end(const NvlContext& ctx, const CeEnter& e, int32
   // the mismatch (InvalidUsage) as they do, not only a drained launch.
   if (e.early != 0 && d < ctx.num_ranks && d != ctx.rank && gpu::load_volatile(ctx.abort_flag) != 0 &&
       gpu::load_acquire_sys(meta_ptr<const int32_t>(local, kOffPullStart) + d) == round)
-    peer_arg_matches(ctx, d, e.checked, e.args_phase);
+    peer_arg_matches(ctx, d, e.checked, e.phases.args);
   // An early polled op's gate (CeCopies::gate): once every peer left the op, d's count has reached ours unless d
   // failed before its side memset or counts otherwise. Then open it here, so that our copy stream does not wait
   // forever, and fail the op (our rows never reached d).

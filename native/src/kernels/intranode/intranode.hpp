@@ -272,18 +272,30 @@ struct CeCopies {
 /// (nobody reads or writes its landing area any more) and the previous op's kernel left this round in ce_round for
 /// the flag copies; the kernel then releases the round with `checked` itself and each warp, before it reads a peer's
 /// rows, waits for that peer's release and compares its value with `checked` (LandedChunks).
+/// What a copy-engine op's hand-shake reports where it fails (DiagRecord::phase): the combine's waits are named
+/// after the pull's, whose hand-shake words both ops share; the dispatch's name the dispatch.
+struct CePhases {
+  DiagPhase start;     ///< waiting for a peer's entry (ce_enter_kernel; an early op's wait_entered)
+  DiagPhase done;      ///< waiting for a peer's done release (ce_op_end)
+  DiagPhase args;      ///< not a wait: a peer entered with other checked bits (InvalidUsage)
+  DiagPhase sentinel;  ///< an early polled op: waiting for a peer's count of side memsets (the gate)
+};
+constexpr CePhases kCombineCePhases{DiagPhase::kCombinePullStart, DiagPhase::kCombinePullDone,
+                                    DiagPhase::kCombinePullArgs, DiagPhase::kCeSentinel};
+constexpr CePhases kDispatchCePhases{DiagPhase::kDispatchCeEnter, DiagPhase::kDispatchCeDone,
+                                     DiagPhase::kDispatchDirectArgs, DiagPhase::kDispatchCeSentinel};
 struct CeEnter {
   int32_t early;
   int32_t checked;
-  DiagPhase args_phase;
+  CePhases phases;
   int32_t gated, gate;  ///< CeCopies': ce_op_end opens the gate where the op failed, so no copy stream waits forever
   int32_t beside;       ///< CeCopies': the kernel leaves ce_op_end to ce_end_kernel
 };
 /// The copy-engine ops' enter hand-shake. Not early: a one-block kernel on `stream`, then ce.entered recorded after
-/// it: every rank releases the round with `checked`, which every rank must agree on (else `args_phase`,
+/// it: every rank releases the round with `checked`, which every rank must agree on (else `phases.args`,
 /// InvalidUsage). Early (ce.early): only ce.entered, at once; the op's kernel checks the same (the returned
 /// CeEnter).
-CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, DiagPhase args_phase, const CeCopies& ce,
+CeEnter launch_ce_enter(const NvlContext& ctx, int32_t checked, const CePhases& phases, const CeCopies& ce,
                         void* stream);
 /// Right after an early polled op's kernel launch (`enter.gated`; launch_around_ce_copies): where the launch failed,
 /// the kernel that would open our gate on a failure (ce_op_end) never runs, so the host opens it on `stream` (our
