@@ -67,6 +67,9 @@ def _mismatches(rank: int, world: int) -> dict[str, str]:
         "combine_hidden": lambda: _combine(buf, rank, hidden=128 if rank == 0 else 64),
         "operation": lambda: _op_mismatch(buf, rank),
         "layout_one_rank": lambda: _bad_layout_on(buf, rank, bad_rank=1),
+        "ids_in_layout_one_rank": lambda: _bad_ids(buf, rank, {1: (0, 0, 99)}, before_layout=True),
+        "ids_in_dispatch_one_rank": lambda: _bad_ids(buf, rank, {1: (2, 1, -3)}, before_layout=False),
+        "ids_on_both_ranks": lambda: _bad_ids(buf, rank, {0: (5, 0, 4), 1: (7, 1, 12)}, before_layout=True),
     }
     want = {
         "num_experts": "num_experts: 4 on rank 0, 6 on rank 1",
@@ -79,6 +82,12 @@ def _mismatches(rank: int, world: int) -> dict[str, str]:
         "combine_hidden": "hidden: 128 on rank 0, 64 on rank 1",
         "operation": "operation: cached dispatch on rank 0, dispatch on rank 1",
         "layout_one_rank": "num_tokens_per_rank does not match is_token_in_rank (column sums) on rank 1",
+        "ids_in_layout_one_rank": "rank 1's topk_idx holds expert id 99, outside [-1, 4) (token 0, k 0; found by its "
+                                  "get_dispatch_layout)",
+        "ids_in_dispatch_one_rank": "rank 1's topk_idx holds expert id -3, outside [-1, 4) (token 2, k 1; found by "
+                                    "its dispatch)",
+        "ids_on_both_ranks": "rank 0's topk_idx holds expert id 4, outside [-1, 4) (token 5, k 0; found by its "
+                             "get_dispatch_layout); rank 1's topk_idx holds expert id 12",
     }
     out: dict[str, str] = {}
     for name, fn in cases.items():
@@ -96,6 +105,23 @@ def _mismatches(rank: int, world: int) -> dict[str, str]:
         assert res.recv_x.shape[1] == 128
         out[name] = "ok"
     return out
+
+
+def _bad_ids(buf, rank: int, bad: dict[int, tuple[int, int, int]], before_layout: bool):
+    """A dispatch whose topk_idx holds an id outside [-1, E) on the ranks in `bad` ((token, k, id) each), written
+    before get_dispatch_layout or after it (in place, before the dispatch): such a rank used to raise alone, in
+    whichever call read the id first, and leave its peers waiting in their dispatch until the timeout."""
+    idx, w = _routing(8, 4, 2, 0)
+    if rank in bad and before_layout:
+        t, k, v = bad[rank]
+        idx[t, k] = v
+    lay = buf.get_dispatch_layout(idx, 4)
+    if rank in bad and not before_layout:
+        t, k, v = bad[rank]
+        idx[t, k] = v
+    return buf.dispatch(_x(8, 128, torch.bfloat16, rank), topk_idx=idx, topk_weights=w,
+                        num_tokens_per_rank=lay.num_tokens_per_rank, is_token_in_rank=lay.is_token_in_rank,
+                        num_tokens_per_expert=lay.num_tokens_per_expert)
 
 
 def _combine(buf, rank: int, weights: bool = False, hidden: int = 128):

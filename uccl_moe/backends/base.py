@@ -87,9 +87,10 @@ class Backend(abc.ABC):
     supported_dispatch_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
     supported_combine_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
-    #: The kernels check topk_idx value ranges themselves (raise_device_faults reports them); else Buffer checks
-    #: them on the host (UCCL_MOE_CHECK_INPUTS).
-    checks_topk_idx_on_device: ClassVar[bool] = False
+    #: The backend checks topk_idx value ranges itself (UCCL_MOE_CHECK_INPUTS): the native kernels on the GPU
+    #: (raise_device_faults reports them), the reference backend of a group in its agreement step (every rank raises);
+    #: else Buffer checks them on the host, on the calling rank alone.
+    checks_topk_idx_on_device: bool = False
 
     def __init__(self, ctx: BufferContext) -> None:
         self.ctx = ctx

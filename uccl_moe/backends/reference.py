@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import _checks, env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
 from ..results import DispatchHandle
 from .base import Backend, BufferContext, DispatchRequest
@@ -42,7 +43,9 @@ _DTYPES: dict[torch.dtype, int] = {
 }
 _DTYPE_NAMES = {v: str(k).replace("torch.", "") for k, v in _DTYPES.items()}
 #: (field, what the fix is about); the vector holds these, then whether this rank's layout tensors are consistent
-#: (each rank checks its own; any rank's failure is every rank's error), then its pid and host hash (not compared).
+#: (each rank checks its own; any rank's failure is every rank's error), then its pid and host hash (not compared),
+#: then the first top-k id outside [-1, num_experts) this rank found since its last agreement (_TopkFault; zeros:
+#: none; any rank's is every rank's error).
 _AGREE_FIELDS = (
     ("operation", "call the same Buffer operation on every rank, in the same order"),
     ("num_experts", "pass the same num_experts (num_tokens_per_expert length) on every rank"),
@@ -115,6 +118,13 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+#: A top-k id outside [-1, num_experts) the reference backend found: (found, token, k, value, num_experts, where),
+#: `where` an index into _FOUND_BY; the agreement step publishes it.
+_TopkFault = tuple[int, int, int, int, int, int]
+_NO_FAULT: _TopkFault = (0, 0, 0, 0, 0, 0)
+_FOUND_BY = ("", "get_dispatch_layout", "dispatch")
+
+
 class ReferenceBackend(Backend):
     name = "reference"
 
@@ -127,6 +137,14 @@ class ReferenceBackend(Backend):
         self._timeout_s = float(env.get("TIMEOUT_S"))
         # (pid, host hash) of every rank, from the last agreement step: names a peer that exits.
         self._peers: list[tuple[int, int]] | None = None
+        # In a group this backend range-checks topk_idx itself: a rank that raised on its own ids in
+        # get_dispatch_layout (which moves nothing) would leave its peers waiting in their dispatch until the
+        # timeout. It takes a bad id as -1, as the native kernels do, and the next agreement step raises it on every
+        # rank. One rank alone: Buffer raises at once.
+        self.checks_topk_idx_on_device = self.R > 1
+        self._topk_fault: _TopkFault = _NO_FAULT
+        # The last tensor found clean: (weak reference, version, num_experts); layout then dispatch read it once.
+        self._topk_clean: tuple[weakref.ref[torch.Tensor], int, int] | None = None
 
     # ---------------------------------------------------------------- collectives
     def _collective(self, start: Callable[[], Any], phase: str, device: torch.device) -> None:
@@ -155,7 +173,8 @@ class ReferenceBackend(Backend):
             timeout_s = self._timeout_s
             record = {"rank": self.me, "peer": -1, "channel": -1, "phase": f"reference/{phase}", "waited_s": timeout_s}
             dead = self._exited_peers(wait_s=0.0)
-            why = f"{self._ranks(dead)} exited" if dead else "a peer is stuck, dead or skipped this call"
+            why = (f"{self._ranks(dead)} exited" if dead else "a peer is stuck, dead or skipped this call (an "
+                   "exception it raised, e.g. on its own arguments, skips it: its log says)")
             raise CommTimeoutError(
                 f"rank {self.me} timed out after {timeout_s:.1f} s in reference/{phase} waiting for all peers of the "
                 f"{self.R}-rank group: {why}. Raise UCCL_MOE_TIMEOUT_S only if the job is merely slow. ({e})",
@@ -203,17 +222,52 @@ class ReferenceBackend(Backend):
             self._collective(lambda: dist.all_gather(parts, v, group=self.group, async_op=True), phase, v.device)
         return torch.stack(parts)
 
+    def _scan_topk(self, topk_idx: torch.Tensor | None, num_experts: int, where: int) -> torch.Tensor | None:
+        """In a group (checks_topk_idx_on_device): records the first id of `topk_idx` outside [-1, num_experts)
+        unless a fault is pending, and returns the ids with every such id as -1 (the tensor itself where all are in
+        range). Off where Buffer's host checks are off (UCCL_MOE_CHECK_INPUTS=0, a CUDA graph capture)."""
+        if (topk_idx is None or topk_idx.numel() == 0 or not self.checks_topk_idx_on_device
+                or not _checks.value_checks_on(topk_idx.device)):
+            return topk_idx
+        seen = self._topk_clean
+        if seen is not None and seen[0]() is topk_idx and seen[1:] == (topk_idx._version, num_experts):
+            return topk_idx
+        bad = (topk_idx < -1) | (topk_idx >= num_experts)
+        at = torch.nonzero(bad.view(-1))[:1].tolist()
+        if not at:
+            self._topk_clean = (weakref.ref(topk_idx), topk_idx._version, num_experts)
+            return topk_idx
+        token, k = divmod(int(at[0][0]), int(topk_idx.shape[1]))
+        if self._topk_fault[0] == 0:
+            self._topk_fault = (1, token, k, int(topk_idx[token, k]), num_experts, where)
+        return torch.where(bad, torch.full_like(topk_idx, -1), topk_idx)
+
+    def _raise_topk_faults(self, rows: list[list[int]], at: int) -> None:
+        """The agreement step's InvalidUsageError for the top-k faults in `rows` (from column `at`), the same on
+        every rank; this rank's fault is cleared first (the Buffer stays usable)."""
+        faulted = [(r, row[at:at + len(_NO_FAULT)]) for r, row in enumerate(rows) if row[at] != 0]
+        self._topk_fault = _NO_FAULT
+        if not faulted:
+            return
+        parts = [f"rank {r}'s topk_idx holds expert id {value}, outside [-1, {experts}) (token {token}, k {k}; "
+                 f"found by its {_FOUND_BY[where]})" for r, (_, token, k, value, experts, where) in faulted]
+        raise InvalidUsageError(
+            "; ".join(parts) + ". -1 marks an unused slot and ids must be < num_experts; every rank raises this "
+            "before any row moves, and the Buffer stays usable (fix the routing that produced these ids)"
+        )
+
     def _agree(self, op: int, num_experts: int, x: torch.Tensor, scales: torch.Tensor | None,
                topk: torch.Tensor | None, layout_ok: bool = True) -> None:
-        """The agreement step (see _AGREE_FIELDS): every rank raises the same InvalidUsageError, naming each field
-        the ranks disagree on and which rank holds which value, or the ranks whose layout tensors are inconsistent,
-        before any data moves."""
+        """The agreement step (see _AGREE_FIELDS): every rank raises the same InvalidUsageError, naming the top-k
+        ids outside their range that any rank found (_scan_topk), else each field the ranks disagree on and which
+        rank holds which value, or the ranks whose layout tensors are inconsistent, before any data moves."""
         mine = [op, num_experts, int(x.shape[1]), _dtype_code(x), _dtype_code(scales), _cols(scales), _cols(topk),
-                int(layout_ok), os.getpid(), _host_hash()]
+                int(layout_ok), os.getpid(), _host_hash(), *self._topk_fault]
         table = self._all_gather_vec(torch.tensor(mine, dtype=torch.int64, device=x.device), f"{_OPS[op]}/agree")
         rows = [[int(v) for v in row] for row in table.tolist()]
         n = len(_AGREE_FIELDS)
         self._peers = [(row[n + 1], row[n + 2]) for row in rows]
+        self._raise_topk_faults(rows, n + 3)
         problems, fixes = [], []
         bad_layout = [r for r, row in enumerate(rows) if row[n] == 0]
         if bad_layout:
@@ -250,6 +304,8 @@ class ReferenceBackend(Backend):
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]
+        topk_idx = self._scan_topk(topk_idx, num_experts, 1)
+        assert topk_idx is not None
         T = topk_idx.shape[0]
         per_rank = num_experts // self.R
         valid = topk_idx >= 0
@@ -322,6 +378,7 @@ class ReferenceBackend(Backend):
         # Checked here, raised by the agreement step on every rank (a rank raising alone would leave its peers
         # waiting in the step until the timeout).
         layout_ok = torch.equal(req.is_token_in_rank.sum(0, dtype=torch.int32), req.num_tokens_per_rank)
+        self._scan_topk(req.topk_idx, E, 2)
         self._agree(1, E, req.x, req.x_scales, req.topk_idx, layout_ok)
         # Counts: full [R, R] matrix (row i = what rank i sends to each rank) and per-local-expert counts.
         matrix = self._all_gather_vec(req.num_tokens_per_rank.to(torch.int64), "dispatch/rank-counts")

@@ -177,7 +177,8 @@ std::string format_diag(const DiagRecord& r) {
         static_cast<unsigned long long>(r.command));
   return detail::format(
       "rank %d timed out after %.1f s in %s (%s) waiting for %s%s: expected %lld, saw %lld (command 0x%llx). "
-      "The peer is probably stuck, dead or skipped this call; raise UCCL_MOE_TIMEOUT_S only if the job is merely slow.",
+      "The peer is probably stuck, dead or skipped this call (an exception it raised, e.g. on its own arguments, skips "
+      "it: its log says); raise UCCL_MOE_TIMEOUT_S only if the job is merely slow.",
       r.rank, r.waited_s, diag_phase_name(r.phase), diag_role_name(r.role), peer.c_str(),
       chan.c_str(), static_cast<long long>(r.expected), static_cast<long long>(r.seen),
       static_cast<unsigned long long>(r.command));
