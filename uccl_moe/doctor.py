@@ -79,10 +79,26 @@ def collect(sysfs_root: str = "/sys", local_ranks: int | None = None) -> dict[st
                                  "pip install . (or tools/build_inplace.sh) with a C++ compiler"))
         return rep
     scan = _scan_devices(rep, C, sysfs_root, problems)
+    _native_build(rep, C, problems)
     last_tc = _local_ranks(rep, scan, local_ranks)
     _memory_registration(rep, scan)
     _flow_control(rep, scan, last_tc)
     return rep
+
+
+def _native_build(rep: dict[str, Any], C: Any, problems: list[dict[str, str]]) -> None:
+    """What the native module was built with: its GPU kernels ('cuda', 'hip' or 'none') and where it lives; an
+    error where this host has GPUs but the build has no kernels for them (a Buffer's native backend would refuse)."""
+    backend = str(C.gpu_backend())
+    rep["native"] = {"module": str(getattr(C, "__file__", "?")), "gpu_backend": backend,
+                     "intranode_kernels": bool(C.has_intranode_kernels())}
+    gpus = rep.get("gpus", [])
+    if gpus and backend == "none":
+        problems.append(_problem(
+            "error", f"this host has {len(gpus)} GPU(s) but the native module was built without GPU kernels (no nvcc "
+                     f"or hipcc at install time): only the reference backend runs",
+            "reinstall where nvcc (CUDA) or hipcc (ROCm) is on PATH: pip install -e . (UCCL_MOE_WITH_CUDA=ON or "
+            "UCCL_MOE_WITH_HIP=ON makes a missing compiler an install error)"))
 
 
 def _scan_devices(rep: dict[str, Any], C: Any, sysfs_root: str, problems: list[dict[str, str]]) -> _Scan:
@@ -290,6 +306,12 @@ def _flow_control(rep: dict[str, Any], scan: _Scan, tc: int | None) -> None:
 def format_report(rep: dict[str, Any]) -> str:
     """The compact text form of :func:`collect`'s dict."""
     lines = [f"uccl-moe doctor on {rep['host']} (sysfs {rep['sysfs_root']})"]
+    nat = rep.get("native")
+    if nat:
+        kernels = {"cuda": "CUDA kernels", "hip": "HIP kernels"}.get(nat["gpu_backend"], "no GPU kernels (CPU only)")
+        if nat["gpu_backend"] != "none" and not nat["intranode_kernels"]:
+            kernels += " (without the intranode kernels)"
+        lines.append(f"  native module: {kernels}; {nat['module']}")
     if "transports" in rep:
         built = ", ".join(f"{n}{'' if ok else ' (no device)'}" for n, ok in rep["transports"].items())
         lines.append(f"  transports built: {built}; ranks would use: {rep['transport']}")

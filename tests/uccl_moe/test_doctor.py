@@ -285,3 +285,41 @@ def test_gid_choice_is_the_transports_rule() -> None:
     assert doc._pick_gid(gids, "Ethernet", "auto") == (3, "RoCE v2 IPv6", "")  # ULA before the earlier global one
     idx, _, err = doc._pick_gid(gids, "Ethernet", "abc")
     assert idx == -1 and "UCCL_MOE_IB_GID_INDEX" in err
+
+
+class _Build:
+    """A native module's build answers (gpu_backend, has_intranode_kernels), as _C gives them."""
+
+    __file__ = "/site/uccl_moe/_C.so"
+
+    def __init__(self, backend: str, intranode: bool) -> None:
+        self.backend, self.intranode = backend, intranode
+
+    def gpu_backend(self) -> str:
+        return self.backend
+
+    def has_intranode_kernels(self) -> bool:
+        return self.intranode
+
+
+@pytest.mark.parametrize("backend, intranode, gpus, error, text", [
+    ("none", False, 8, True, "no GPU kernels (CPU only)"),
+    ("none", False, 0, False, "no GPU kernels (CPU only)"),
+    ("cuda", True, 8, False, "native module: CUDA kernels; /site/uccl_moe/_C.so"),
+    ("hip", False, 8, False, "HIP kernels (without the intranode kernels)"),
+])
+def test_report_says_what_the_native_module_was_built_with(backend: str, intranode: bool, gpus: int, error: bool,
+                                                          text: str) -> None:
+    rep: dict[str, Any] = {"host": "h", "sysfs_root": "/sys", "problems": [],
+                           "gpus": [{"index": i, "name": "g", "pci_bus_id": "-"} for i in range(gpus)]}
+    doc._native_build(rep, _Build(backend, intranode), rep["problems"])
+    assert rep["native"] == {"module": "/site/uccl_moe/_C.so", "gpu_backend": backend, "intranode_kernels": intranode}
+    assert (any("built without GPU kernels" in p["what"] and "nvcc" in p["fix"] for p in rep["problems"])
+            == error), _whats(rep)
+    assert text in doc.format_report(rep)
+
+
+def test_report_of_this_build_names_its_kernels() -> None:
+    rep = doc.collect(H100)
+    assert rep["native"]["gpu_backend"] == _C.gpu_backend()
+    assert "native module: " in doc.format_report(rep)
