@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import uuid
 from typing import Any
 
@@ -76,7 +77,7 @@ def run(threads: int, cmds: int, fifos_per_thread: int, device: int, producers: 
         nvl.destroy()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", default="1,2,4", help="proxy thread counts, comma list")
     p.add_argument("--fifos-per-thread", type=int, default=8)
@@ -86,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
                         "multi-producer, as the kernels' warps are)")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("fifo_gpu needs a GPU")
+    from ._gpus import gpus_or_explain
+
+    if not gpus_or_explain("python -m uccl_moe.bench.fifo_gpu (GPU threads push into the FIFOs)"):
+        return 2
     dev = torch.cuda.current_device()
     rows = [run(int(t), args.cmds, args.fifos_per_thread, dev, args.producers) for t in args.threads.split(",") if t]
     print(f"device: {torch.cuda.get_device_name(dev)}; loopback transport to self; ATOMIC commands; "
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,6 +35,7 @@ import argparse
 import functools
 import inspect
 import json
+import logging
 import math
 import os
 import sys
@@ -50,8 +51,19 @@ import torch.distributed as dist
 
 from ..errors import InvalidUsageError
 from . import run_log
-from .args import build_parser
-from .build import TrainSetup, build_model, build_optimizer, setup
+
+# Without CUDA (a CPU run, as `uccl-moe train` makes on a CPU platform): Megatron-Core warns once per module and rank,
+# as it is imported (below), that TransformerEngine and Apex are absent, which on a CPU they always are; and its CUDA
+# RNG tracker, which on a CPU forks nothing, logs "CPU RNG state changed within GPU RNG context" for every expert
+# layer's forward. Both are silenced here (a caller's own PYTHONWARNINGS keeps the first).
+if not torch.cuda.is_available():
+    if "PYTHONWARNINGS" not in os.environ:
+        for _absent in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+            warnings.filterwarnings("ignore", message=_absent, category=UserWarning)
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+
+from .args import build_parser  # noqa: E402  (imports Megatron-Core: after the filters above)
+from .build import TrainSetup, build_model, build_optimizer, setup  # noqa: E402
 from .profiler import StepProfiler
 from .step_stats import process_cpu_s
 

@@ -32,12 +32,15 @@ def test_bench_writes_into_an_ignored_folder_by_default():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a host without GPUs")
-@pytest.mark.parametrize("module", ["uccl_moe.bench.__main__", "uccl_moe.bench.internode"])
-def test_the_gpu_benches_say_what_runs_on_a_cpu_instead(module: str, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("module, args", [("uccl_moe.bench.__main__", ["--ranks", "2"]),
+                                          ("uccl_moe.bench.internode", ["--ranks", "2"]),
+                                          ("uccl_moe.bench.fifo_gpu", ["--threads", "1"])])
+def test_the_gpu_benches_say_what_runs_on_a_cpu_instead(module: str, args: list[str],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     """On a host without GPUs the GPU benchmarks exit with 2 and say why and what to run there (the internode bench
-    raised a ZeroDivisionError in each of its processes)."""
+    raised a ZeroDivisionError in each of its processes; the FIFO bench said only that it needs a GPU)."""
     import importlib
 
-    assert importlib.import_module(module).main(["--ranks", "2"]) == 2
+    assert importlib.import_module(module).main(args) == 2
     err = capsys.readouterr().err
     assert "needs CUDA or ROCm GPUs" in err and "buffer_cpu_gloo.py" in err and "tiny_cpu_moe" in err, err

@@ -89,3 +89,25 @@ def test_lr_schedule_shapes():
     assert lr_at(a, 7) == pytest.approx(0.1 + 0.9 * 0.5)
     a.lr_decay_style = "constant"
     assert lr_at(a, 9) == 1.0
+
+
+def test_a_cpu_run_is_quiet_about_what_a_cpu_never_has():
+    """Without CUDA, importing train_gpt (which imports Megatron-Core) prints no TransformerEngine/Apex warnings, and
+    Megatron's CUDA RNG tracker does not log its CPU-RNG warning (a caller's PYTHONWARNINGS keeps the warnings)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU run's filters; this machine has CUDA")
+    code = ("import logging, uccl_moe.train.train_gpt; "
+            "print(logging.getLogger('megatron.core.tensor_parallel.random').isEnabledFor(logging.WARNING))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() == "False" and "Apex" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**env, "PYTHONWARNINGS": "default"})
+    assert loud.returncode == 0 and "Apex" in loud.stderr, loud.stderr
