@@ -304,8 +304,9 @@ class ReferenceBackend(Backend):
 
     # ---------------------------------------------------------------- layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int):  # type: ignore[no-untyped-def]
-        topk_idx = self._scan_topk(topk_idx, num_experts, 1)
-        assert topk_idx is not None
+        scanned = self._scan_topk(topk_idx, num_experts, 1)
+        assert scanned is not None  # a tensor in, a tensor out
+        topk_idx = scanned
         T = topk_idx.shape[0]
         per_rank = num_experts // self.R
         valid = topk_idx >= 0
