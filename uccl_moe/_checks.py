@@ -181,6 +181,13 @@ def value_checks_on(device: torch.device, on_device: bool = False) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def routing_key(t: torch.Tensor, num_experts: int) -> tuple[int, int] | None:
+    """(version, num_experts): what a range check made once per routing (same tensor object) compares to know that
+    `t`'s values are the ones it checked (in-place writes bump the version); None where torch keeps no version (a
+    tensor made under torch.inference_mode()), which is then checked at every call."""
+    return None if t.is_inference() else (t._version, num_experts)
+
+
 class TopkIdxCheck:
     """Checks top-k indices, reading their range from the device once per routing: get_dispatch_layout and dispatch
     get the same tensor, and a second read would drain the GPU queue again. Same object at the same version
@@ -200,8 +207,8 @@ class TopkIdxCheck:
         if t.shape[1] < 1 or t.shape[1] > MAX_TOPK:
             raise err(f"{name} has {t.shape[1]} columns (top-k); supported: 1..{MAX_TOPK}")
         if num_experts is not None and t.numel() > 0 and value_checks_on(device, self.on_device):
-            seen = self._seen
-            if seen is not None and seen[0]() is t and seen[1] == (t._version, num_experts):
+            seen, key = self._seen, routing_key(t, num_experts)
+            if key is not None and seen is not None and seen[0]() is t and seen[1] == key:
                 return t
             lo, hi = host_ints(torch.stack([t.min(), t.max()]))
             if lo < -1 or hi >= num_experts:
@@ -210,7 +217,8 @@ class TopkIdxCheck:
                     f"{name} holds expert id {bad}, outside [-1, {num_experts}); -1 marks an unused slot and ids "
                     f"must be < num_experts={num_experts}"
                 )
-            self._seen = (weakref.ref(t), (t._version, num_experts))
+            if key is not None:
+                self._seen = (weakref.ref(t), key)
         return t
 
 

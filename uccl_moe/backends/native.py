@@ -143,8 +143,8 @@ class NativeBackend(BufferPaths, Backend):
         fault = self._topk_fault()
         if not fault or topk_idx is None or topk_idx.numel() == 0:
             return
-        seen = self._layout_checked
-        if seen is not None and seen[0]() is topk_idx and seen[1:] == (topk_idx._version, num_experts):
+        seen, key = self._layout_checked, _checks.routing_key(topk_idx, num_experts)
+        if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
             return
         t = topk_idx.contiguous()
         _C.check_topk_idx(topk_idx=_ptr(t), num_tokens=t.shape[0], num_topk=t.shape[1], num_experts=num_experts,
@@ -216,8 +216,9 @@ class NativeBackend(BufferPaths, Backend):
                                num_tokens_per_rank=_ptr(per_rank), num_tokens_per_node=_ptr(per_node),
                                num_tokens_per_expert=_ptr(per_expert), is_token_in_rank=_ptr(in_rank),
                                stream=self._stream(), topk_fault=fault)
-        if fault:
-            self._layout_checked = (weakref.ref(given), given._version, num_experts)
+        key = _checks.routing_key(given, num_experts)
+        if fault and key is not None:
+            self._layout_checked = (weakref.ref(given), *key)
         return per_rank, per_node, per_expert, in_rank
 
     def geometry(self, num_sms: int, config: Any) -> _C.IntranodeGeometry:

@@ -229,13 +229,14 @@ class ReferenceBackend(Backend):
         if (topk_idx is None or topk_idx.numel() == 0 or not self.checks_topk_idx_on_device
                 or not _checks.value_checks_on(topk_idx.device)):
             return topk_idx
-        seen = self._topk_clean
-        if seen is not None and seen[0]() is topk_idx and seen[1:] == (topk_idx._version, num_experts):
+        seen, key = self._topk_clean, _checks.routing_key(topk_idx, num_experts)
+        if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
             return topk_idx
         bad = (topk_idx < -1) | (topk_idx >= num_experts)
         at = torch.nonzero(bad.view(-1))[:1].tolist()
         if not at:
-            self._topk_clean = (weakref.ref(topk_idx), topk_idx._version, num_experts)
+            if key is not None:
+                self._topk_clean = (weakref.ref(topk_idx), *key)
             return topk_idx
         token, k = divmod(int(at[0][0]), int(topk_idx.shape[1]))
         if self._topk_fault[0] == 0:

@@ -86,3 +86,22 @@ def test_buffer_asks_the_backend_after_dispatch_and_combine_not_after_layout(gro
             buf.combine(res.recv_x, res.handle)
     finally:
         buf.destroy()
+
+
+def test_inference_tensors_are_checked_every_call():
+    """A topk_idx made under torch.inference_mode() has no version counter (reading it raises): the once-per-routing
+    checks (Buffer's, the reference backend's in a group) check it at every call instead of failing."""
+    from uccl_moe.backends.reference import ReferenceBackend
+
+    check = _checks.TopkIdxCheck()
+    with torch.inference_mode():
+        good, bad = torch.tensor([[0, 3], [1, -1]]), torch.tensor([[0, 9]])
+    assert _checks.routing_key(good, 4) is None and _checks.routing_key(good.clone(), 4) is not None
+    assert check(good, 4, torch.device("cpu")) is good and check(good, 4, torch.device("cpu")) is good
+    with pytest.raises(InvalidUsageError, match="expert id 9"):
+        check(bad, 4, torch.device("cpu"))
+    ref = ReferenceBackend.__new__(ReferenceBackend)  # the scan alone, as a rank of a group runs it
+    ref.checks_topk_idx_on_device, ref._topk_fault, ref._topk_clean = True, (0, 0, 0, 0, 0, 0), None
+    assert ref._scan_topk(good, 4, 1) is good and ref._scan_topk(good, 4, 2) is good and ref._topk_clean is None
+    taken = ref._scan_topk(bad, 4, 1)
+    assert taken is not None and taken.tolist() == [[0, -1]] and ref._topk_fault == (1, 0, 1, 9, 4, 1)

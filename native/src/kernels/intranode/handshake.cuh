@@ -182,7 +182,10 @@ template <bool kTransposable = false, bool kDeferred = false>
 UCCL_DEVICE_INLINE void push_ce_head(const NvlContext& ctx, const CeHead& h, int32_t round, PullSmem* sm,
                                      const CeEnter& e = CeEnter{}) {
   if (threadIdx.x == 0)
-    sm->aborted = (e.gated != 0 && !ce_gate_open(ctx, e.gate, e.phases.sentinel)) || gpu::load_volatile(ctx.abort_flag) != 0 ? 1 : 0;
+    sm->aborted =
+        (e.gated != 0 && !ce_gate_open(ctx, e.gate, e.phases.sentinel)) || gpu::load_volatile(ctx.abort_flag) != 0
+            ? 1
+            : 0;
   __syncthreads();
   const bool aborted = sm->aborted != 0;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

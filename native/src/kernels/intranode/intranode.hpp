@@ -266,12 +266,6 @@ struct CeCopies {
   void* end_after;
   void* ended;
 };
-/// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
-/// ran before it (launch_ce_enter) and advanced the round. With `early` there was none: the copies started as soon as
-/// the caller's stream reached the op, which is safe because the op before it ended with every rank's done release
-/// (nobody reads or writes its landing area any more) and the previous op's kernel left this round in ce_round for
-/// the flag copies; the kernel then releases the round with `checked` itself and each warp, before it reads a peer's
-/// rows, waits for that peer's release and compares its value with `checked` (LandedChunks).
 /// What a copy-engine op's hand-shake reports where it fails (DiagRecord::phase): the combine's waits are named
 /// after the pull's, whose hand-shake words both ops share; the dispatch's name the dispatch.
 struct CePhases {
@@ -284,6 +278,12 @@ constexpr CePhases kCombineCePhases{DiagPhase::kCombinePullStart, DiagPhase::kCo
                                     DiagPhase::kCombinePullArgs, DiagPhase::kCeSentinel};
 constexpr CePhases kDispatchCePhases{DiagPhase::kDispatchCeEnter, DiagPhase::kDispatchCeDone,
                                      DiagPhase::kDispatchDirectArgs, DiagPhase::kDispatchCeSentinel};
+/// How a copy-engine op's kernel (the gather, the sum) treats the enter hand-shake. Without `early` the enter kernel
+/// ran before it (launch_ce_enter) and advanced the round. With `early` there was none: the copies started as soon as
+/// the caller's stream reached the op, which is safe because the op before it ended with every rank's done release
+/// (nobody reads or writes its landing area any more) and the previous op's kernel left this round in ce_round for
+/// the flag copies; the kernel then releases the round with `checked` itself and each warp, before it reads a peer's
+/// rows, waits for that peer's release and compares its value with `checked` (LandedChunks).
 struct CeEnter {
   int32_t early;
   int32_t checked;
