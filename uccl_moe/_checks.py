@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _C, env
 from .errors import InvalidTypeError, InvalidUsageError
 from .results import DispatchHandle
-from .utils import EventOverlap, host_ints
+from .utils import EventOverlap, host_ints, routing_key
 
 #: dtype of top-k expert indices (DeepEP's ``topk_idx_t``).
 topk_idx_t = torch.int64
@@ -179,13 +179,6 @@ def value_checks_on(device: torch.device, on_device: bool = False) -> bool:
     if on_device or not topk_checks_on():
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
-def routing_key(t: torch.Tensor, num_experts: int) -> tuple[int, int] | None:
-    """(version, num_experts): what a range check made once per routing (same tensor object) compares to know that
-    `t`'s values are the ones it checked (in-place writes bump the version); None where torch keeps no version (a
-    tensor made under torch.inference_mode()), which is then checked at every call."""
-    return None if t.is_inference() else (t._version, num_experts)
 
 
 class TopkIdxCheck:

@@ -117,6 +117,13 @@ def tensor_at(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     return raw.view(dtype)
 
 
+def routing_key(t: torch.Tensor, num_experts: int) -> tuple[int, int] | None:
+    """(version, num_experts): what a range check made once per routing (same tensor object) compares to know that
+    `t`'s values are the ones it checked (in-place writes bump the version); None where torch keeps no version (a
+    tensor made under torch.inference_mode()), which is then checked at every call."""
+    return None if t.is_inference() else (t._version, num_experts)
+
+
 def host_ints(t: torch.Tensor) -> list[int]:
     """The values of integer tensor `t` (any device) as Python ints, read without a pageable device-to-host copy.
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from .. import _C, _checks, env, tuning
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
-from ..utils import current_raw_stream
+from ..utils import current_raw_stream, routing_key
 from ._buffer_paths import (
     _MOST_REMOTE_ATTR,
     _MOST_ROWS_ATTR,
@@ -143,7 +143,7 @@ class NativeBackend(BufferPaths, Backend):
         fault = self._topk_fault()
         if not fault or topk_idx is None or topk_idx.numel() == 0:
             return
-        seen, key = self._layout_checked, _checks.routing_key(topk_idx, num_experts)
+        seen, key = self._layout_checked, routing_key(topk_idx, num_experts)
         if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
             return
         t = topk_idx.contiguous()
@@ -216,7 +216,7 @@ class NativeBackend(BufferPaths, Backend):
                                num_tokens_per_rank=_ptr(per_rank), num_tokens_per_node=_ptr(per_node),
                                num_tokens_per_expert=_ptr(per_expert), is_token_in_rank=_ptr(in_rank),
                                stream=self._stream(), topk_fault=fault)
-        key = _checks.routing_key(given, num_experts)
+        key = routing_key(given, num_experts)
         if fault and key is not None:
             self._layout_checked = (weakref.ref(given), *key)
         return per_rank, per_node, per_expert, in_rank

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .. import _checks, env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
 from ..results import DispatchHandle
+from ..utils import routing_key
 from .base import Backend, BufferContext, DispatchRequest
 
 # The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
@@ -229,7 +230,7 @@ class ReferenceBackend(Backend):
         if (topk_idx is None or topk_idx.numel() == 0 or not self.checks_topk_idx_on_device
                 or not _checks.value_checks_on(topk_idx.device)):
             return topk_idx
-        seen, key = self._topk_clean, _checks.routing_key(topk_idx, num_experts)
+        seen, key = self._topk_clean, routing_key(topk_idx, num_experts)
         if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
             return topk_idx
         bad = (topk_idx < -1) | (topk_idx >= num_experts)

@@ -92,11 +92,12 @@ def test_inference_tensors_are_checked_every_call():
     """A topk_idx made under torch.inference_mode() has no version counter (reading it raises): the once-per-routing
     checks (Buffer's, the reference backend's in a group) check it at every call instead of failing."""
     from uccl_moe.backends.reference import ReferenceBackend
+    from uccl_moe.utils import routing_key
 
     check = _checks.TopkIdxCheck()
     with torch.inference_mode():
         good, bad = torch.tensor([[0, 3], [1, -1]]), torch.tensor([[0, 9]])
-    assert _checks.routing_key(good, 4) is None and _checks.routing_key(good.clone(), 4) is not None
+    assert routing_key(good, 4) is None and routing_key(good.clone(), 4) is not None
     assert check(good, 4, torch.device("cpu")) is good and check(good, 4, torch.device("cpu")) is good
     with pytest.raises(InvalidUsageError, match="expert id 9"):
         check(bad, 4, torch.device("cpu"))
