@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import schema
 from ..errors import InvalidUsageError
+from ..train.run_log import CPU_ABSENT_WARNINGS
 from .megatron_args import launch_env, training_command
 
 
@@ -37,7 +38,7 @@ def torchrun_command(cfg: Any, python: str | None = None, environ: Mapping[str, 
     return cmd + training_command(cfg)
 
 
-CPU_QUIET_WARNINGS = "ignore:Transformer Engine and Apex are not installed,ignore:Apex is not installed"
+CPU_QUIET_WARNINGS = ",".join(f"ignore:{start}" for start in CPU_ABSENT_WARNINGS)
 """Megatron-Core warns once per module and rank that TransformerEngine/Apex are absent; on CPU they never exist, so
 a CPU run silences those two (``PYTHONWARNINGS`` prefixes; a caller's own PYTHONWARNINGS wins)."""
 

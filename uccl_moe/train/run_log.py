@@ -21,6 +21,11 @@ from typing import Any
 
 _T0 = time.monotonic()
 
+#: The starts of the UserWarnings Megatron-Core gives once per module and rank, as it is imported, where
+#: TransformerEngine/Apex are absent, as they always are on a CPU: a CPU run silences them (train_gpt's filters, the
+#: launcher's ``PYTHONWARNINGS``).
+CPU_ABSENT_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+
 
 def tee_to_file(log_dir: Path, rank: int) -> Path | None:
     """Send fds 1 and 2 through ``tee -a -i <log_dir>/rank<rank>.log`` (stdout to stdout, stderr to stderr).

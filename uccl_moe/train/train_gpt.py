@@ -58,7 +58,7 @@ from . import run_log
 # layer's forward. Both are silenced here (a caller's own PYTHONWARNINGS keeps the first).
 if not torch.cuda.is_available():
     if "PYTHONWARNINGS" not in os.environ:
-        for _absent in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        for _absent in run_log.CPU_ABSENT_WARNINGS:
             warnings.filterwarnings("ignore", message=_absent, category=UserWarning)
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
 
