@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _C, env
 from .errors import InvalidTypeError, InvalidUsageError
 from .results import DispatchHandle
-from .utils import EventOverlap, host_ints, routing_key
+from .utils import EventOverlap, RoutingMemo, host_ints
 
 #: dtype of top-k expert indices (DeepEP's ``topk_idx_t``).
 topk_idx_t = torch.int64
@@ -186,11 +186,10 @@ class TopkIdxCheck:
     get the same tensor, and a second read would drain the GPU queue again. Same object at the same version
     (in-place writes bump it) and expert count = checked."""
 
-    __slots__ = ("_seen", "on_device")
+    __slots__ = ("_passed", "on_device")
 
     def __init__(self) -> None:
-        # The last tensor whose values passed the range check: (weak reference, (version, num_experts)).
-        self._seen: tuple[weakref.ref[torch.Tensor], tuple[int, int]] | None = None
+        self._passed = RoutingMemo()  # the last tensor whose values passed the range check
         # The backend's kernels check the values (Backend.checks_topk_idx_on_device): no host check then.
         self.on_device = False
 
@@ -200,8 +199,7 @@ class TopkIdxCheck:
         if t.shape[1] < 1 or t.shape[1] > MAX_TOPK:
             raise err(f"{name} has {t.shape[1]} columns (top-k); supported: 1..{MAX_TOPK}")
         if num_experts is not None and t.numel() > 0 and value_checks_on(device, self.on_device):
-            seen, key = self._seen, routing_key(t, num_experts)
-            if key is not None and seen is not None and seen[0]() is t and seen[1] == key:
+            if self._passed.holds(t, num_experts):
                 return t
             lo, hi = host_ints(torch.stack([t.min(), t.max()]))
             if lo < -1 or hi >= num_experts:
@@ -210,8 +208,7 @@ class TopkIdxCheck:
                     f"{name} holds expert id {bad}, outside [-1, {num_experts}); -1 marks an unused slot and ids "
                     f"must be < num_experts={num_experts}"
                 )
-            if key is not None:
-                self._seen = (weakref.ref(t), key)
+            self._passed.remember(t, num_experts)
         return t
 
 

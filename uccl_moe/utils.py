@@ -8,6 +8,7 @@ operation is synchronous, so a handle is already complete and waiting on it is a
 from __future__ import annotations
 
 import socket
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -117,11 +118,25 @@ def tensor_at(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     return raw.view(dtype)
 
 
-def routing_key(t: torch.Tensor, num_experts: int) -> tuple[int, int] | None:
-    """(version, num_experts): what a range check made once per routing (same tensor object) compares to know that
-    `t`'s values are the ones it checked (in-place writes bump the version); None where torch keeps no version (a
-    tensor made under torch.inference_mode()), which is then checked at every call."""
-    return None if t.is_inference() else (t._version, num_experts)
+class RoutingMemo:
+    """The last top-k tensor a range check passed, so that the layout and the dispatch of one routing check it once:
+    it holds a tensor that is the same object, at the same version (in-place writes bump it), for the same expert
+    count. A tensor made under torch.inference_mode() keeps no version: it is never held, so it is checked at every
+    call."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+
+    def holds(self, t: torch.Tensor, num_experts: int) -> bool:
+        last = self._last
+        return (last is not None and not t.is_inference() and last[0]() is t
+                and last[1:] == (t._version, num_experts))
+
+    def remember(self, t: torch.Tensor, num_experts: int) -> None:
+        if not t.is_inference():
+            self._last = (weakref.ref(t), t._version, num_experts)
 
 
 def host_ints(t: torch.Tensor) -> list[int]:

@@ -87,10 +87,12 @@ def _native_shell(buf: Any, T: int, H: int) -> tuple[Any, Any]:
     from uccl_moe.backends import _buffer_paths as bp
     from uccl_moe.backends.native import NativeBackend
     from uccl_moe.results import DispatchHandle
+    from uccl_moe.utils import RoutingMemo
 
     nb = object.__new__(NativeBackend)
     nb.ctx, nb.R, nb.R_all, nb.me = buf._backend.ctx, 1, 1, 0
-    nb.W, nb._inter, nb._layout_checked, nb._rt = _C.intranode_lanes_per_channel(1), None, None, _IdleRuntime()
+    nb.W, nb._inter, nb._rt = _C.intranode_lanes_per_channel(1), None, _IdleRuntime()
+    nb._layout_checked = RoutingMemo()
     nb._stream = lambda: 0  # type: ignore[method-assign]
     i32 = torch.int32
     lanes = 12 * nb.W  # 24 SMs: 12 channels

@@ -30,7 +30,6 @@ rank, peer and phase; the Buffer is unusable afterwards (every later call raises
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ import torch.distributed as dist
 from .. import _C, _checks, env, tuning
 from ..errors import CommTimeoutError, InvalidUsageError
 from ..results import DispatchHandle, handle_field
-from ..utils import current_raw_stream, routing_key
+from ..utils import RoutingMemo, current_raw_stream
 from ._buffer_paths import (
     _MOST_REMOTE_ATTR,
     _MOST_ROWS_ATTR,
@@ -87,8 +86,7 @@ class NativeBackend(BufferPaths, Backend):
         self.me = topo.local_rank if topo.num_nodes > 1 else ctx.rank
         self.W = _C.intranode_lanes_per_channel(self.R)
         self._inter: Any = None
-        # The topk_idx the last layout kernel range-checked: (weak reference, version, num_experts).
-        self._layout_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+        self._layout_checked = RoutingMemo()  # the topk_idx the last layout kernel range-checked
         self._rt = _C.NvlRuntime(self.me, self.R, ctx.num_nvl_bytes, ctx.device.index)
         self._rt.set_global_rank(ctx.rank)
         handles: list[Any] = [None] * self.R_all
@@ -143,8 +141,7 @@ class NativeBackend(BufferPaths, Backend):
         fault = self._topk_fault()
         if not fault or topk_idx is None or topk_idx.numel() == 0:
             return
-        seen, key = self._layout_checked, routing_key(topk_idx, num_experts)
-        if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
+        if self._layout_checked.holds(topk_idx, num_experts):
             return
         t = topk_idx.contiguous()
         _C.check_topk_idx(topk_idx=_ptr(t), num_tokens=t.shape[0], num_topk=t.shape[1], num_experts=num_experts,
@@ -216,9 +213,8 @@ class NativeBackend(BufferPaths, Backend):
                                num_tokens_per_rank=_ptr(per_rank), num_tokens_per_node=_ptr(per_node),
                                num_tokens_per_expert=_ptr(per_expert), is_token_in_rank=_ptr(in_rank),
                                stream=self._stream(), topk_fault=fault)
-        key = routing_key(given, num_experts)
-        if fault and key is not None:
-            self._layout_checked = (weakref.ref(given), *key)
+        if fault:
+            self._layout_checked.remember(given, num_experts)
         return per_rank, per_node, per_expert, in_rank
 
     def geometry(self, num_sms: int, config: Any) -> _C.IntranodeGeometry:

@@ -17,7 +17,6 @@ import math
 import os
 import socket
 import time
-import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from .. import _checks, env
 from ..errors import CommTimeoutError, InvalidUsageError, TransportError
 from ..results import DispatchHandle
-from ..utils import routing_key
+from ..utils import RoutingMemo
 from .base import Backend, BufferContext, DispatchRequest
 
 # The agreement step: before an op moves data, every rank publishes a fixed-size int64 vector of what it is about to
@@ -144,8 +143,7 @@ class ReferenceBackend(Backend):
         # rank. One rank alone: Buffer raises at once.
         self.checks_topk_idx_on_device = self.R > 1
         self._topk_fault: _TopkFault = _NO_FAULT
-        # The last tensor found clean: (weak reference, version, num_experts); layout then dispatch read it once.
-        self._topk_clean: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+        self._topk_clean = RoutingMemo()  # the last topk_idx found clean: layout then dispatch read it once
 
     # ---------------------------------------------------------------- collectives
     def _collective(self, start: Callable[[], Any], phase: str, device: torch.device) -> None:
@@ -230,14 +228,12 @@ class ReferenceBackend(Backend):
         if (topk_idx is None or topk_idx.numel() == 0 or not self.checks_topk_idx_on_device
                 or not _checks.value_checks_on(topk_idx.device)):
             return topk_idx
-        seen, key = self._topk_clean, routing_key(topk_idx, num_experts)
-        if key is not None and seen is not None and seen[0]() is topk_idx and seen[1:] == key:
+        if self._topk_clean.holds(topk_idx, num_experts):
             return topk_idx
         bad = (topk_idx < -1) | (topk_idx >= num_experts)
         at = torch.nonzero(bad.view(-1))[:1].tolist()
         if not at:
-            if key is not None:
-                self._topk_clean = (weakref.ref(topk_idx), *key)
+            self._topk_clean.remember(topk_idx, num_experts)
             return topk_idx
         token, k = divmod(int(at[0][0]), int(topk_idx.shape[1]))
         if self._topk_fault[0] == 0:

@@ -92,17 +92,22 @@ def test_inference_tensors_are_checked_every_call():
     """A topk_idx made under torch.inference_mode() has no version counter (reading it raises): the once-per-routing
     checks (Buffer's, the reference backend's in a group) check it at every call instead of failing."""
     from uccl_moe.backends.reference import ReferenceBackend
-    from uccl_moe.utils import routing_key
+    from uccl_moe.utils import RoutingMemo
 
     check = _checks.TopkIdxCheck()
     with torch.inference_mode():
         good, bad = torch.tensor([[0, 3], [1, -1]]), torch.tensor([[0, 9]])
-    assert routing_key(good, 4) is None and routing_key(good.clone(), 4) is not None
+    memo, plain = RoutingMemo(), good.clone()
+    memo.remember(good, 4)
+    assert not memo.holds(good, 4)  # no version: never held
+    memo.remember(plain, 4)
+    assert memo.holds(plain, 4)
     assert check(good, 4, torch.device("cpu")) is good and check(good, 4, torch.device("cpu")) is good
     with pytest.raises(InvalidUsageError, match="expert id 9"):
         check(bad, 4, torch.device("cpu"))
     ref = ReferenceBackend.__new__(ReferenceBackend)  # the scan alone, as a rank of a group runs it
-    ref.checks_topk_idx_on_device, ref._topk_fault, ref._topk_clean = True, (0, 0, 0, 0, 0, 0), None
-    assert ref._scan_topk(good, 4, 1) is good and ref._scan_topk(good, 4, 2) is good and ref._topk_clean is None
+    ref.checks_topk_idx_on_device, ref._topk_fault, ref._topk_clean = True, (0, 0, 0, 0, 0, 0), RoutingMemo()
+    assert ref._scan_topk(good, 4, 1) is good and ref._scan_topk(good, 4, 2) is good
+    assert not ref._topk_clean.holds(good, 4)
     taken = ref._scan_topk(bad, 4, 1)
     assert taken is not None and taken.tolist() == [[0, -1]] and ref._topk_fault == (1, 0, 1, 9, 4, 1)
