@@ -189,7 +189,7 @@ def test_diag_message_names_rank_peer_channel_phase():
     d = _C.format_diag(rank=3, peer=1, channel=5, phase=5, role=2, expected=812, seen=640, command=0x2A, waited_s=100.0)
     msg = d["message"]
     for part in ("rank 3", "peer 1", "channel 5", "dispatch/recv-tokens", "receiver", "expected 812", "saw 640",
-                 "0x2a", "UCCL_MOE_TIMEOUT_S"):
+                 "0x2a", "UCCL_MOE_TIMEOUT_S", "an exception it raised, e.g. on its own arguments, skips it"):
         assert part in msg, (part, msg)
     assert d["phase"] == "dispatch/recv-tokens"
     # every phase a kernel reports has a name (the copy-engine ops' chunk waits are the newest)
